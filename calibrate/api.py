@@ -1,0 +1,250 @@
+"""The commands as Python functions: each calls the pipeline stages in order.
+
+    calibrate()  data → model → captured statistics → scales → checkpoint (→ verify)
+    export()     saved statistics → scales → checkpoint, no model run
+"""
+
+import json
+import platform
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+
+from .capture import run_capture
+from .config import CalibrationConfig
+from .data import DataConfig, iter_sequences
+from .export import KVCAL_DIR, prepare_output, scale_tensors, weight_files, write_checkpoint
+from .fp8 import get_format
+from .model import AttentionLayer, attention_layers, load_model, max_context, read_config, resolve_device, signature
+from .observers import ScaleSet, derive_scales
+from .report import SERVE_NOTES, scale_table, serve_command
+from .stats import ModelSignature, Stats
+
+STATS_FILE = "stats.safetensors"
+PROVENANCE_FILE = "calibration.json"
+
+
+@dataclass
+class CalibrationResult:
+    """What a calibration or export produced."""
+
+    out: Path
+    layers: list[AttentionLayer]
+    stats: Stats
+    scale_set: ScaleSet
+    provenance: dict
+
+    def summary(self) -> str:
+        """The per-layer table, the output path and the serve command, for a person."""
+        s = self.scale_set
+        absmax = {k: st.absmax if s.per_head else st.absmax.amax(1) for k, st in self.stats.kinds.items()}
+        saturated = {k: p.saturated for k, p in s.predictions.items()}
+        skip = any(layer.sliding_window for layer in self.layers)
+        lines = [
+            scale_table([layer.layer_idx for layer in self.layers], absmax, s.scales, saturated),
+            "",
+            f"observer {s.observer}, granularity {s.granularity}, format {s.fmt.name}, "
+            f"{int(self.stats.tokens.max())} tokens per layer",
+            f"predicted relative error (mean over layers): "
+            + ", ".join(
+                f"{k} {s.granularity if s.granularity != 'token' else 'tensor'} {s.predictions[k].rel_mse.mean():.2e}"
+                f" / per-token {s.token_rel_mse[k].mean():.2e}"
+                for k in ("k", "v")
+            ),
+            SERVE_NOTES[s.granularity],
+            f"wrote {self.out}",
+            "serve it with:",
+            f"  {serve_command(str(self.out), s.granularity, skip_sliding=False)}",
+        ]
+        if skip:
+            lines.append(f"  (this model has sliding-window layers; to keep them in bf16 add --kv-cache-dtype-skip-layers sliding_window)")
+        return "\n".join(lines)
+
+
+def _check_finite(stats: Stats, layers: list[AttentionLayer]) -> None:
+    """NaN/Inf in activations is an error naming the layers; all-zero layers get the floor and a warning."""
+    for kind, s in stats.kinds.items():
+        bad = (s.nonfinite.sum(1) > 0).nonzero().flatten().tolist()
+        if bad:
+            names = ", ".join(layers[i].prefix for i in bad)
+            raise ValueError(f"{kind} holds NaN or Inf in {names}; the model produces non-finite activations on this data (try --dtype float32)")
+        zero = (s.absmax.amax(1) == 0).nonzero().flatten().tolist()
+        if zero:
+            names = ", ".join(layers[i].prefix for i in zero)
+            warnings.warn(f"{kind} is all zero in {names}; writing the floor scale 1e-6 there", stacklevel=3)
+
+
+def _provenance(config: CalibrationConfig, layers, sig, stats, scale_set, manifest, wall_s, device, dtype) -> dict:
+    """Everything needed to reproduce and compare a run, saved as kvcal/calibration.json."""
+    return {
+        "kvcal_version": version("kvcal"),
+        "versions": {"torch": torch.__version__, "transformers": version("transformers"), "python": platform.python_version()},
+        "model": str(Path(config.model).resolve()),
+        "signature": asdict(sig),
+        "layers": [asdict(layer) for layer in layers],
+        "data": manifest,
+        "settings": {k: v for k, v in asdict(config).items() if k not in ("model", "out", "recipe")},
+        "recipe": config.recipe,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "tokens": int(stats.tokens.max()),
+        "wall_time_s": round(wall_s, 2),
+        "scales": scale_report(scale_set),
+    }
+
+
+def scale_report(scale_set: ScaleSet) -> dict:
+    """Scales and their predicted cost as plain lists, for JSON."""
+    return {
+        "observer": scale_set.observer,
+        "granularity": scale_set.granularity,
+        "fp8_format": scale_set.fmt.name,
+        "headroom": scale_set.headroom,
+        "scales": {k: v.tolist() for k, v in scale_set.scales.items()},
+        "checkpoint_scales": {k: v.tolist() for k, v in scale_set.checkpoint_scales().items()},
+        "predicted_saturated": {k: p.saturated.tolist() for k, p in scale_set.predictions.items()},
+        "predicted_underflow": {k: p.underflow.tolist() for k, p in scale_set.predictions.items()},
+        "predicted_rel_mse": {k: p.rel_mse.tolist() for k, p in scale_set.predictions.items()},
+        "per_token_rel_mse": {k: v.tolist() for k, v in scale_set.token_rel_mse.items()},
+    }
+
+
+def _write_extras(stats: Stats, provenance: dict):
+    def write(directory: Path) -> None:
+        stats.save(directory / STATS_FILE)
+        (directory / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+
+    return write
+
+
+def calibrate(model: str, data: str | list[str], out: str, **options) -> CalibrationResult:
+    """Calibrate FP8 KV-cache scales for ``model`` on ``data`` and write a vLLM checkpoint to ``out``.
+
+    ``options`` are the fields of ``CalibrationConfig`` (seq_len, max_tokens, observer, granularity, ...).
+    """
+    data = [data] if isinstance(data, str) else list(data)
+    return run_calibration(CalibrationConfig(model=model, data=data, out=out, **options))
+
+
+def run_calibration(config: CalibrationConfig) -> CalibrationResult:
+    """Run a validated calibration; see ``calibrate``."""
+    start = time.perf_counter()
+    # 1. Cheap checks on every input and the output before anything is loaded.
+    config.validate()
+    prepare_output(Path(config.out), Path(config.model), config.overwrite)
+    weight_files(Path(config.model))
+    data_config = DataConfig(
+        sources=config.data, seq_len=config.seq_len, max_tokens=config.max_tokens, text_field=config.text_field,
+        pack=config.pack, seed=config.seed, long_records=config.long_records,
+    )
+    data_config.validate()
+    fmt = get_format(config.fp8_format)
+
+    # 2. Load and place the model; find its attention layers.
+    device = resolve_device(config.device)
+    dtype = getattr(torch, config.dtype) if config.dtype else None
+    model, tokenizer = load_model(config.model, device=device, dtype=dtype)
+    layers = attention_layers(model)
+    sig = signature(model, layers)
+    context = max_context(model)
+    if context and config.seq_len > context:
+        raise ValueError(f"--seq-len {config.seq_len} is longer than the model's context ({context}); lower it")
+
+    # 3. Stream the data through the model, collecting statistics of Q, K and V.
+    stream = iter_sequences(data_config, tokenizer, max_context=context)
+    stats = run_capture(
+        model, layers, stream, Stats.empty(sig, device),
+        chunk_len=config.chunk_len, total_tokens=config.max_tokens, progress=config.progress,
+    ).to("cpu")
+    _check_finite(stats, layers)
+
+    # 4. Statistics → scales.
+    scale_set = derive_scales(
+        stats.kinds, observer=config.observer, granularity=config.granularity, fmt=fmt,
+        headroom=config.headroom, query_scale=config.query_scale,
+    )
+
+    # 5. Write the checkpoint, statistics and provenance atomically.
+    provenance = _provenance(config, layers, sig, stats, scale_set, stream.manifest(), time.perf_counter() - start, device, model.dtype)
+    stats.meta = {"model": provenance["model"], "tokens": provenance["tokens"], "data": provenance["data"]}
+    out = write_checkpoint(
+        Path(config.model), Path(config.out),
+        scales=scale_tensors([layer.prefix for layer in layers], scale_set.checkpoint_scales()),
+        strategy="head" if scale_set.per_head else "tensor",
+        write_extras=_write_extras(stats, provenance),
+        overwrite=config.overwrite,
+    )
+    return CalibrationResult(out, layers, stats, scale_set, provenance)
+
+
+def load_calibration(source: str | Path) -> tuple[Stats, dict]:
+    """Statistics and provenance saved in a kvcal output directory."""
+    directory = Path(source) / KVCAL_DIR
+    if not (directory / STATS_FILE).is_file():
+        raise ValueError(f"{source} has no {KVCAL_DIR}/{STATS_FILE}; pass a directory written by kvcal calibrate")
+    return Stats.load(directory / STATS_FILE), json.loads((directory / PROVENANCE_FILE).read_text())
+
+
+def signature_from_config(config: dict, layers: list[int]) -> ModelSignature:
+    """The signature a checkpoint's config.json implies, for checking statistics against it."""
+    cfg = config.get("text_config", config)
+    heads = cfg["num_attention_heads"]
+    return ModelSignature(
+        model_type=cfg["model_type"],
+        layers=layers,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        num_heads=heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+    )
+
+
+def export(
+    source: str,
+    out: str,
+    *,
+    observer: str = "max",
+    granularity: str = "tensor",
+    headroom: float = 1.0,
+    query_scale: bool = True,
+    fp8_format: str = "e4m3fn",
+    model: str | None = None,
+    overwrite: bool = False,
+) -> CalibrationResult:
+    """Re-derive scales from a previous kvcal output's statistics and write a new checkpoint.
+
+    No model is loaded: the statistics are checked against the target's config.json and the weight
+    files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself).
+    """
+    start = time.perf_counter()
+    # 1. Saved statistics, and the checkpoint they go into, checked against each other.
+    stats, old = load_calibration(source)
+    target = Path(model or source)
+    prepare_output(Path(out), target, overwrite)
+    sig = signature_from_config(read_config(target), stats.signature.layers)
+    stats.signature.check_matches(sig, f"the statistics in {source}")
+    layers = [AttentionLayer(**layer) for layer in old["layers"]]
+    fmt = get_format(fp8_format)
+
+    # 2. Statistics → scales.
+    scale_set = derive_scales(
+        stats.kinds, observer=observer, granularity=granularity, fmt=fmt, headroom=headroom, query_scale=query_scale
+    )
+
+    # 3. Write, carrying the original provenance forward.
+    provenance = dict(old)
+    provenance.update(
+        exported_from=str(Path(source).resolve()), export_time_s=round(time.perf_counter() - start, 3),
+        scales=scale_report(scale_set),
+    )
+    written = write_checkpoint(
+        target, Path(out),
+        scales=scale_tensors([layer.prefix for layer in layers], scale_set.checkpoint_scales()),
+        strategy="head" if scale_set.per_head else "tensor",
+        write_extras=_write_extras(stats, provenance),
+        overwrite=overwrite,
+    )
+    return CalibrationResult(written, layers, stats, scale_set, provenance)

@@ -1,0 +1,172 @@
+"""See Q, K and V exactly as vLLM would cache them, by standing in for the model's attention function.
+
+transformers' attention interface hands every attention implementation the query, key and value
+after the projections, any q/k norm and RoPE, with K/V per KV head ([batch, kv_heads, seq, head_dim]):
+precisely what vLLM writes to its cache. kvcal registers a function there that passes those tensors
+to a hook and then runs the model's own attention unchanged.
+"""
+
+import inspect
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .model import AttentionLayer
+from .stats import Stats
+
+# hook(module, query, key, value, attention_mask, base_attention, **kwargs) -> attention output tuple
+AttentionHook = Callable[..., tuple]
+
+
+def _base_attention(module: nn.Module, implementation: str) -> Callable:
+    """The attention function the model would have used: a registered one, or its own eager one."""
+    if implementation != "eager":
+        return ALL_ATTENTION_FUNCTIONS[implementation]
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+# The hook in force inside ``hooked_attention``; None outside it.
+_active_hook: ContextVar[AttentionHook | None] = ContextVar("kvcal_active_hook", default=None)
+
+
+def _register(base: str) -> str:
+    """Register (once) the kvcal attention function that wraps implementation ``base``; return its name.
+
+    transformers only builds masks for implementations in its global registry, so kvcal registers one
+    name per base implementation ("kvcal_sdpa", "kvcal_eager", ...), each with the base's mask function,
+    and dispatches to whichever hook is active.
+    """
+    name = f"kvcal_{base}"
+    if name not in AttentionInterface._global_mapping:
+
+        def attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+            hook = _active_hook.get()
+            if hook is None:
+                raise RuntimeError(f"{name} attention was called outside kvcal's hooked_attention block")
+            return hook(module, query, key, value, attention_mask, _base_attention(module, base), **kwargs)
+
+        AttentionInterface.register(name, attention)
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    return name
+
+
+@contextmanager
+def hooked_attention(model: nn.Module, hook: AttentionHook) -> Iterator[None]:
+    """Route every attention call of ``model`` through ``hook`` for the duration of the block.
+
+    The hook receives the model's own attention function as ``base_attention`` and decides what to
+    run. The model's own implementation is restored on exit, whatever happens inside.
+    """
+    base = model.config._attn_implementation or "eager"
+    if base.startswith("kvcal_"):
+        raise RuntimeError("kvcal's attention hooks cannot be nested")
+    token = _active_hook.set(hook)
+    try:
+        model.set_attn_implementation(_register(base))
+        yield
+    finally:
+        model.set_attn_implementation(base)
+        _active_hook.reset(token)
+
+
+def new_positions(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """Absolute position of each new token, [batch, q_len] int64.
+
+    With a KV cache the key holds past + new positions; the new ones are the last q_len. Models pass
+    ``position_ids`` through to attention; without them the new tokens follow the cached ones.
+    """
+    B, _, S, _ = query.shape
+    pos = kwargs.get("position_ids")
+    if isinstance(pos, torch.Tensor) and pos.shape[-1] == S:
+        pos = pos[0] if pos.dim() == 3 else pos  # multimodal rope passes [3, B, S]
+        return pos.to(query.device).long().expand(B, S)
+    start = key.shape[2] - S
+    return torch.arange(start, start + S, device=query.device).expand(B, S)
+
+
+class Observer:
+    """State of one capture: the statistics being filled and which layers have been seen."""
+
+    def __init__(self, stats: Stats, layers: list[AttentionLayer]):
+        self.stats = stats
+        self.row_of = {layer.layer_idx: row for row, layer in enumerate(layers)}
+        self.layers = layers
+
+    def __call__(self, module, query, key, value, attention_mask, base_attention, **kwargs):
+        S = query.shape[2]
+        row = self.row_of[module.layer_idx]
+        positions = new_positions(query, key, kwargs)  # [B, S]
+        # Only the new positions: a cached prefix was observed by an earlier call.
+        self.stats.update(row, query, key[:, :, -S:], value[:, :, -S:], positions)
+        return base_attention(module, query, key, value, attention_mask, **kwargs)
+
+    def check_complete(self) -> None:
+        """Refuse a capture in which some attention layer saw nothing (it would get a made-up scale)."""
+        missing = [layer.prefix for layer, n in zip(self.layers, self.stats.tokens.tolist()) if n == 0]
+        if len(missing) == len(self.layers):
+            raise RuntimeError(
+                "no attention call reached kvcal's hook: this model does not use transformers' attention "
+                "interface, so kvcal cannot see its K and V"
+            )
+        if missing:
+            raise RuntimeError(f"these attention layers saw no tokens, so no scale can be derived for them: {', '.join(missing)}")
+
+
+def _cache_kwarg(model: nn.Module) -> str:
+    """Name of the forward argument that takes a KV cache (``cache`` in newer transformers)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def forward_chunked(model: nn.Module, input_ids: torch.Tensor, chunk_len: int) -> None:
+    """Run ``input_ids`` [B, S] through the model as chunked prefill through a KV cache.
+
+    Each position passes through attention once, as a new token; memory for attention scores grows
+    with chunk_len × S, not S². Without chunking (S <= chunk_len) it is one plain forward.
+    """
+    if input_ids.shape[1] <= chunk_len:
+        model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
+        return
+    cache = DynamicCache(config=model.config)
+    kwarg = _cache_kwarg(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        for start in range(0, input_ids.shape[1], chunk_len):
+            chunk = input_ids[:, start : start + chunk_len]  # [B, <=chunk_len]
+            positions = torch.arange(start, start + chunk.shape[1], device=input_ids.device).expand_as(chunk)
+            model(input_ids=chunk, position_ids=positions, use_cache=True, logits_to_keep=1, **{kwarg: cache})
+
+
+def run_capture(
+    model: nn.Module,
+    layers: list[AttentionLayer],
+    sequences: Iterable[torch.Tensor],
+    stats: Stats,
+    *,
+    chunk_len: int,
+    total_tokens: int | None = None,
+    progress: bool = True,
+) -> Stats:
+    """Stream ``sequences`` (1-D token tensors) through the model, filling ``stats``.
+
+    Sequences run one at a time (batch 1, no padding), each as chunked prefill when longer than
+    ``chunk_len``. Raises when any layer saw nothing.
+    """
+    device = next(model.parameters()).device
+    observer = Observer(stats, layers)
+    bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="calibrating", disable=not progress)
+    with hooked_attention(model, observer), bar:
+        for seq in sequences:
+            forward_chunked(model, seq.to(device).unsqueeze(0), chunk_len)  # [1, S]
+            bar.update(seq.numel())
+    observer.check_complete()
+    return stats

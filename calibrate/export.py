@@ -1,0 +1,236 @@
+"""Write a checkpoint vLLM loads with static FP8 KV scales, leaving the weights untouched.
+
+The output is the source checkpoint with:
+- every weight file hardlinked (copied only across filesystems), except a shard that held old KV
+  scale tensors, which is rewritten without them so that no tensor name is stored twice;
+- the scales in a safetensors file of their own, listed in ``model.safetensors.index.json``
+  (created when the source had a single file), because vLLM then loads only the files listed there;
+- ``config.json`` with a compressed-tensors ``quantization_config`` carrying ``kv_cache_scheme``;
+- ``kvcal/`` with the statistics and provenance.
+It is built in a temporary directory beside OUT_DIR and renamed into place, so an interrupted run
+leaves no partial OUT_DIR.
+"""
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+SCALES_FILE = "kvcal-kv-scales.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+KVCAL_DIR = "kvcal"
+# Per-kind tensor name suffix under each attention module, as vLLM's compressed-tensors loader reads them.
+SCALE_NAMES = {"k": "k_scale", "v": "v_scale", "q": "q_scale"}
+# Every tensor name under which some tool has stored KV-cache scales; vLLM maps them all onto the
+# attention's k/v/q scales, so an output must hold exactly one of them per layer and kind.
+OLD_SCALE_PATTERN = re.compile(r"\.(k_scale|v_scale|q_scale|kv_scale|prob_scale)$|\.[kvq]_proj\.output_scale$")
+STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
+
+
+def scale_tensors(prefixes: list[str], scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors for the scales of each attention layer.
+
+    Args:
+        prefixes: module name of each layer's attention, e.g. ``model.layers.0.self_attn``.
+        scales: kind → [L] (per tensor) or [L, H] (per head) dequantization scales.
+
+    Returns:
+        name → float32 tensor: shape [1] per tensor, [H, 1, 1] per head (llm-compressor's layout).
+    """
+    out = {}
+    for kind, values in scales.items():
+        if values.shape[0] != len(prefixes):
+            raise ValueError(f"{kind} scales cover {values.shape[0]} layers but the model has {len(prefixes)}")
+        check_scales(kind, values)
+        for prefix, value in zip(prefixes, values.float().cpu()):
+            out[f"{prefix}.{SCALE_NAMES[kind]}"] = value.reshape(-1, 1, 1).clone() if value.dim() == 1 else value.reshape(1).clone()
+    return out
+
+
+def check_scales(kind: str, values: torch.Tensor) -> None:
+    """Refuse any scale vLLM would treat as absent (≤ 0) or that breaks it (NaN/Inf)."""
+    bad = ~(torch.isfinite(values) & (values > 0))
+    if bad.any():
+        rows = sorted({int(i[0]) for i in bad.nonzero()})
+        raise ValueError(f"{kind} scales of layer rows {rows} are zero, negative or not finite; refusing to write them")
+
+
+def quantization_config(existing: dict | None, strategy: str) -> dict:
+    """A compressed-tensors ``quantization_config`` with a static FP8 ``kv_cache_scheme``.
+
+    An existing compressed-tensors config (e.g. FP8 weights) is kept and only its kv_cache_scheme
+    replaced; any other quantization method is refused, since vLLM would not read our scheme there.
+    """
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+
+    kv_scheme = QuantizationArgs(num_bits=8, type="float", strategy=STRATEGIES[strategy], dynamic=False, symmetric=True)
+    if existing is None:
+        config = QuantizationConfig(config_groups={}, kv_cache_scheme=kv_scheme, quantization_status="compressed", format="dense")
+        return config.model_dump(mode="json", exclude_none=True)
+    method = existing.get("quant_method")
+    if method != "compressed-tensors":
+        raise ValueError(
+            f"the source checkpoint is quantized with {method!r}; kvcal can add KV scales to unquantized or "
+            "compressed-tensors checkpoints only"
+        )
+    merged = dict(existing)
+    merged["kv_cache_scheme"] = kv_scheme.model_dump(mode="json", exclude_none=True)
+    return merged
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's top-level safetensors files (vLLM's view of the weights), refusing forms it can't take."""
+    files = sorted(p for p in model_dir.glob("*.safetensors") if p.name != SCALES_FILE)
+    if not files:
+        has_bin = any(model_dir.glob("*.bin"))
+        hint = " (it has .bin files: re-save it with save_pretrained(..., safe_serialization=True))" if has_bin else ""
+        raise ValueError(f"{model_dir} has no .safetensors weight files{hint}; kvcal writes scales beside safetensors weights")
+    if any(p.name.startswith("consolidated") for p in files):
+        raise ValueError(f"{model_dir} holds consolidated*.safetensors (Mistral format); pass the Hugging Face format directory")
+    return files
+
+
+def tensor_names(path: Path) -> list[str]:
+    """Names of the tensors in a safetensors file (reads the header only)."""
+    with safe_open(str(path), "pt") as f:
+        return list(f.keys())
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or links not allowed
+        shutil.copy2(src, dst)
+
+
+def _write_weights(source: Path, tmp: Path, files: list[Path]) -> dict[str, str]:
+    """Link each weight file into ``tmp`` (rewriting shards that hold old KV scales); return name → file."""
+    weight_map = {}
+    for path in files:
+        names = tensor_names(path)
+        keep = [n for n in names if not OLD_SCALE_PATTERN.search(n)]
+        if len(keep) == len(names):
+            _link_or_copy(path, tmp / path.name)
+        elif keep:
+            with safe_open(str(path), "pt") as f:
+                metadata = f.metadata()
+            tensors = load_file(str(path))
+            save_file({n: tensors[n] for n in keep}, str(tmp / path.name), metadata=metadata)
+        weight_map.update({n: path.name for n in keep})
+    return weight_map
+
+
+def check_index(directory: Path) -> None:
+    """Every tensor in the directory's safetensors files is listed exactly once in the index."""
+    index = json.loads((directory / INDEX_FILE).read_text())["weight_map"]
+    seen: dict[str, str] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        for name in tensor_names(path):
+            if name in seen:
+                raise RuntimeError(f"tensor {name} is stored in both {seen[name]} and {path.name}")
+            seen[name] = path.name
+    if seen != index:
+        missing = sorted(set(seen.items()) ^ set(index.items()))[:5]
+        raise RuntimeError(f"{INDEX_FILE} does not match the files written: {missing}")
+
+
+def _tensor_bytes(path: Path) -> int:
+    """Bytes of tensor data in a safetensors file, from its header's data offsets."""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+    return sum(end - start for name, v in header.items() if name != "__metadata__" for start, end in [v["data_offsets"]])
+
+
+def prepare_output(out: Path, source: Path, overwrite: bool) -> None:
+    """Cheap checks on OUT_DIR before any expensive work."""
+    out, source = out.resolve(), source.resolve()
+    if out == source or source in out.parents:
+        raise ValueError(f"--out {out} is the source checkpoint or inside it; choose a new directory")
+    if out.exists() and not overwrite:
+        raise ValueError(f"{out} already exists; pass --overwrite to replace it, or choose another --out")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} exists and is not a directory")
+    if not out.parent.is_dir():
+        raise ValueError(f"the parent directory of {out} does not exist; create it first")
+
+
+def write_checkpoint(
+    source: Path,
+    out: Path,
+    *,
+    scales: dict[str, torch.Tensor],
+    strategy: str,
+    write_extras: Callable[[Path], None],
+    overwrite: bool = False,
+) -> Path:
+    """Build the output checkpoint in a temporary directory and move it into place.
+
+    Args:
+        source: the model directory (never modified).
+        out: the directory to create.
+        scales: checkpoint tensor name → scale tensor (see ``scale_tensors``).
+        strategy: "tensor" or "head".
+        write_extras: called with the temporary kvcal/ directory to add statistics and provenance.
+        overwrite: replace an existing ``out``.
+
+    Returns:
+        ``out``, complete.
+    """
+    source, out = Path(source), Path(out)
+    prepare_output(out, source, overwrite)
+    files = weight_files(source)
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = quantization_config(config.get("quantization_config"), strategy)
+
+    tmp = out.parent / f".{out.name}.kvcal-tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        weight_map = _write_weights(source, tmp, files)
+        clash = sorted(set(scales) & set(weight_map))
+        if clash:
+            raise ValueError(f"the source already stores {clash[0]} under a name kvcal would write")
+        save_file(scales, str(tmp / SCALES_FILE), metadata={"format": "pt", "producer": "kvcal"})
+        weight_map.update({name: SCALES_FILE for name in scales})
+        total = sum(_tensor_bytes(tmp / f) for f in set(weight_map.values()))
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        skip = {p.name for p in files} | {INDEX_FILE, "config.json", SCALES_FILE, KVCAL_DIR}
+        for item in sorted(source.iterdir()):
+            if item.name in skip or item.name.startswith("."):
+                continue
+            if item.is_dir():
+                shutil.copytree(item, tmp / item.name)
+            elif not item.name.endswith(".safetensors"):
+                shutil.copy2(item, tmp / item.name)
+        (tmp / KVCAL_DIR).mkdir()
+        write_extras(tmp / KVCAL_DIR)
+        check_index(tmp)
+        _move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename ``tmp`` to ``out``; an old ``out`` is moved aside first and removed only after."""
+    if not out.exists():
+        os.rename(tmp, out)
+        return
+    old = out.parent / f".{out.name}.kvcal-old-{os.getpid()}"
+    os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

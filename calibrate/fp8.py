@@ -1,0 +1,83 @@
+"""FP8 formats and the quantize/dequantize step exactly as vLLM writes its KV cache.
+
+Convention used everywhere in kvcal: a *scale* is the dequantization multiplier,
+``x ≈ fp8(x / scale) * scale``, so an absmax calibration gives ``scale = amax / fmt.max``
+(torchao's scale is the reciprocal of ours).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FP8Format:
+    """Limits of one FP8 encoding."""
+
+    name: str
+    dtype: torch.dtype
+    max: float  # largest finite magnitude
+    min_normal: float  # smallest normal magnitude
+    min_subnormal: float  # smallest non-zero magnitude
+    mantissa_bits: int
+    # vLLM multiplies the scales it loads from a checkpoint by this on platforms using this format
+    # (ROCm doubles them, since e4m3fnuz reads the same bits as half the e4m3fn value).
+    loaded_scale_multiplier: float
+
+
+FORMATS: dict[str, FP8Format] = {
+    "e4m3fn": FP8Format("e4m3fn", torch.float8_e4m3fn, 448.0, 2.0**-6, 2.0**-9, 3, 1.0),
+    # ROCm (MI300): same bits, exponent bias one larger, so every value is half of e4m3fn's.
+    "e4m3fnuz": FP8Format("e4m3fnuz", torch.float8_e4m3fnuz, 240.0, 2.0**-7, 2.0**-10, 3, 2.0),
+}
+
+# Smallest scale kvcal ever writes: an all-zero layer gets this floor (with a warning), so no
+# scale is zero, and any real value up to 448 * SCALE_FLOOR is still representable.
+SCALE_FLOOR = 1e-6
+
+
+def get_format(name: str) -> FP8Format:
+    """Look up an FP8 format by name, with an error that lists the choices."""
+    if name not in FORMATS:
+        raise ValueError(f"unknown FP8 format {name!r}; choose one of: {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
+@torch.no_grad()
+def amax_to_scale(amax: torch.Tensor, fmt: FP8Format = FORMATS["e4m3fn"]) -> torch.Tensor:
+    """Dequantization scale (float32) that maps ``amax`` onto the format's largest finite value.
+
+    Zero amax gives SCALE_FLOOR rather than zero; NaN/Inf amax raise.
+    """
+    amax = amax.to(torch.float64)
+    if not torch.isfinite(amax).all():
+        raise ValueError("amax contains NaN or Inf; the activations it came from are not finite")
+    return (amax / fmt.max).clamp(min=SCALE_FLOOR).to(torch.float32)
+
+
+@torch.no_grad()
+def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format = FORMATS["e4m3fn"]) -> torch.Tensor:
+    """FP8 encoding of ``x / scale``: saturate to ±fmt.max, round to nearest even (vLLM's cache write).
+
+    ``scale`` broadcasts against ``x``. NaN stays NaN.
+    """
+    y = x.float() / scale
+    return y.clamp(-fmt.max, fmt.max).to(fmt.dtype)
+
+
+@torch.no_grad()
+def quantize_dequantize(
+    x: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format = FORMATS["e4m3fn"]
+) -> torch.Tensor:
+    """What reading ``x`` back from an FP8 cache gives: ``fp8(x / scale) * scale``, in x's dtype."""
+    return (quantize(x, scale, fmt).float() * scale).to(x.dtype)
+
+
+@torch.no_grad()
+def per_token_scale(x: torch.Tensor, fmt: FP8Format = FORMATS["e4m3fn"], floor: float = 1e-6) -> torch.Tensor:
+    """vLLM's ``fp8_per_token_head`` scale: max(amax over the last dim / fmt.max, floor), float32.
+
+    ``x`` is [..., head_dim]; the result is [..., 1] so it broadcasts back over head_dim.
+    """
+    amax = x.float().abs().amax(dim=-1, keepdim=True)  # [..., 1]
+    return (amax / fmt.max).clamp(min=floor)

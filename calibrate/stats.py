@@ -1,0 +1,289 @@
+"""Mergeable statistics of the Q, K and V that attention sees: collected once, turned into any scale later.
+
+Every field is a sum, a count or a maximum, so the statistics of two runs merge into exactly the
+statistics of one run over both (float64 moments up to the order of addition). Layout, for one
+tensor kind with L observed attention layers and H heads (KV heads for k/v, query heads for q):
+
+    absmax          [L, H]        float32  max |x|
+    sum, sumsq      [L, H]        float64  sum of x, sum of x²
+    hist            [L, H, NB]    int64    |x| histogram (see below)
+    token_hist      [L, H, NB]    int64    histogram of per-token absmax (what per-token scaling sees)
+    sink_hist       [L, H, NB]    int64    |x| histogram of the first SINK_POSITIONS positions only
+    pos_absmax      [L, H, P]     float32  absmax by position bucket
+    pos_sumsq       [L, H, P]     float64  sum of x² by position bucket
+    channel_absmax  [L, H, D]     float32  absmax by channel (outlier channels)
+    nonfinite       [L, H]        int64    (token, head) rows holding a NaN or Inf
+    token_sqerr     [L, H]        float64  squared error of per-token-head e4m3fn quantization
+
+and per layer (shared by the kinds): ``tokens [L]`` and ``pos_tokens [L, P]``.
+
+Histogram bins come straight from float32 bits: ``bits >> 18`` is the exponent followed by the top
+5 mantissa bits, so each octave is cut into 32 equal bins whose edges include every FP8 e4m3 value
+(3 mantissa bits) exactly. Bin 0 holds exact zeros, bin 1 everything in (0, 2**HIST_MIN_EXP), the
+last bin everything at or above 2**HIST_MAX_EXP (and Inf/NaN).
+"""
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+KINDS = ("k", "v", "q")
+HIST_BINS_PER_OCTAVE = 32
+HIST_MIN_EXP = -40
+HIST_MAX_EXP = 24
+NUM_REGULAR_BINS = (HIST_MAX_EXP - HIST_MIN_EXP) * HIST_BINS_PER_OCTAVE
+NUM_BINS = NUM_REGULAR_BINS + 3  # zero, underflow, regular..., overflow
+SINK_POSITIONS = 4
+# Position buckets: positions 0..3 alone (the attention sinks), then [4, 8), [8, 16), ... [2**21, inf).
+NUM_POS_BUCKETS = SINK_POSITIONS + 20
+_RAW_OFFSET = (HIST_MIN_EXP + 127) << 5  # float32 biased exponent of 2**HIST_MIN_EXP, times 32
+
+
+def bin_edges(dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Lower and upper edge of every histogram bin, shape [NUM_BINS, 2] (zero bin: [0, 0])."""
+    i = torch.arange(NUM_REGULAR_BINS, dtype=torch.float64)
+    octave, sub = torch.div(i, HIST_BINS_PER_OCTAVE, rounding_mode="floor"), i % HIST_BINS_PER_OCTAVE
+    lo = torch.exp2(octave + HIST_MIN_EXP) * (1 + sub / HIST_BINS_PER_OCTAVE)
+    hi = torch.exp2(octave + HIST_MIN_EXP) * (1 + (sub + 1) / HIST_BINS_PER_OCTAVE)
+    regular = torch.stack([lo, hi], dim=1)  # [NUM_REGULAR_BINS, 2]
+    zero = torch.zeros(1, 2, dtype=torch.float64)
+    under = torch.tensor([[0.0, 2.0**HIST_MIN_EXP]], dtype=torch.float64)
+    over = torch.tensor([[2.0**HIST_MAX_EXP, math.inf]], dtype=torch.float64)
+    return torch.cat([zero, under, regular, over]).to(dtype)
+
+
+def bin_index(ax: torch.Tensor) -> torch.Tensor:
+    """Histogram bin of each element of ``ax`` (|x| as float32), int64, same shape."""
+    raw = ax.float().view(torch.int32) >> 18  # exponent * 32 + top 5 mantissa bits
+    idx = (raw.long() - _RAW_OFFSET + 2).clamp_(1, NUM_BINS - 1)
+    return idx.masked_fill_(raw == 0, 0)
+
+
+def position_bucket(pos: torch.Tensor) -> torch.Tensor:
+    """Position bucket of each absolute token position (int64 tensor, same shape)."""
+    octave = torch.log2(pos.clamp(min=1).double()).floor().long()  # 4..7 -> 2, 8..15 -> 3, ...
+    return torch.where(pos < SINK_POSITIONS, pos, octave + 2).clamp_(0, NUM_POS_BUCKETS - 1)
+
+
+def position_bucket_starts() -> list[int]:
+    """First position of each position bucket."""
+    return list(range(SINK_POSITIONS)) + [2**e for e in range(2, 2 + NUM_POS_BUCKETS - SINK_POSITIONS)]
+
+
+def _histogram(idx: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Counts of bin indices per head; ``idx`` is [H, N] → [H, NUM_BINS]."""
+    offsets = torch.arange(num_heads, device=idx.device).unsqueeze(1) * NUM_BINS  # [H, 1]
+    counts = torch.bincount((idx + offsets).flatten(), minlength=num_heads * NUM_BINS)
+    return counts.view(num_heads, NUM_BINS)
+
+
+@dataclass
+class TensorStats:
+    """Statistics of one tensor kind (k, v or q) over all observed layers; shapes in the module docstring."""
+
+    absmax: torch.Tensor
+    sum: torch.Tensor
+    sumsq: torch.Tensor
+    hist: torch.Tensor
+    token_hist: torch.Tensor
+    sink_hist: torch.Tensor
+    pos_absmax: torch.Tensor
+    pos_sumsq: torch.Tensor
+    channel_absmax: torch.Tensor
+    nonfinite: torch.Tensor
+    token_sqerr: torch.Tensor
+
+    @classmethod
+    def zeros(cls, num_layers: int, num_heads: int, head_dim: int, device: torch.device | str = "cpu") -> "TensorStats":
+        L, H, D, P = num_layers, num_heads, head_dim, NUM_POS_BUCKETS
+
+        def z(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        return cls(
+            absmax=z(L, H, dtype=torch.float32),
+            sum=z(L, H, dtype=torch.float64),
+            sumsq=z(L, H, dtype=torch.float64),
+            hist=z(L, H, NUM_BINS, dtype=torch.int64),
+            token_hist=z(L, H, NUM_BINS, dtype=torch.int64),
+            sink_hist=z(L, H, NUM_BINS, dtype=torch.int64),
+            pos_absmax=z(L, H, P, dtype=torch.float32),
+            pos_sumsq=z(L, H, P, dtype=torch.float64),
+            channel_absmax=z(L, H, D, dtype=torch.float32),
+            nonfinite=z(L, H, dtype=torch.int64),
+            token_sqerr=z(L, H, dtype=torch.float64),
+        )
+
+    @property
+    def num_heads(self) -> int:
+        return self.absmax.shape[1]
+
+    @property
+    def count(self) -> torch.Tensor:
+        """Number of elements seen per (layer, head), int64 [L, H]."""
+        return self.hist.sum(-1)
+
+    @torch.no_grad()
+    def update(self, row: int, x: torch.Tensor, bucket: torch.Tensor, sink: torch.Tensor, token_error: bool) -> None:
+        """Add one layer's new positions.
+
+        Args:
+            row: index of the layer in the stats (not necessarily its layer_idx).
+            x: [B, H, S, D] new positions only, as attention receives them.
+            bucket: [B, S] position bucket of each new position.
+            sink: [B, S] bool, True at positions < SINK_POSITIONS.
+            token_error: also accumulate the per-token-head FP8 quantization error (k and v).
+        """
+        B, H, S, D = x.shape
+        x = x.float()
+        ax = x.abs()  # [B, H, S, D]
+        tok_amax = ax.amax(-1)  # [B, H, S]
+        tok_sumsq = torch.linalg.vecdot(x, x)  # [B, H, S]
+        self.nonfinite[row] += (~torch.isfinite(tok_amax)).sum((0, 2))
+        self.absmax[row] = torch.maximum(self.absmax[row], tok_amax.amax((0, 2)))
+        self.channel_absmax[row] = torch.maximum(self.channel_absmax[row], ax.amax((0, 2)))
+        self.sum[row] += x.sum((0, 2, 3), dtype=torch.float64)
+        self.sumsq[row] += tok_sumsq.sum((0, 2), dtype=torch.float64)
+
+        idx = bin_index(ax).transpose(0, 1)  # [H, B, S, D]
+        self.hist[row] += _histogram(idx.reshape(H, -1), H)
+        if sink.any():
+            self.sink_hist[row] += _histogram(idx[:, sink].reshape(H, -1), H)  # [H, n_sink_tokens * D]
+        self.token_hist[row] += _histogram(bin_index(tok_amax).transpose(0, 1).reshape(H, -1), H)
+
+        flat_bucket = bucket.flatten().expand(H, B * S)  # [H, B*S]
+        by_head = tok_amax.transpose(0, 1).reshape(H, B * S)  # [H, B*S]
+        self.pos_absmax[row].scatter_reduce_(1, flat_bucket, by_head, reduce="amax")
+        self.pos_sumsq[row].scatter_add_(1, flat_bucket, tok_sumsq.transpose(0, 1).reshape(H, B * S).double())
+
+        if token_error:
+            scale = (tok_amax / 448.0).clamp(min=1e-6).unsqueeze(-1)  # [B, H, S, 1], vLLM's fp8_per_token_head
+            xq = (x / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float() * scale
+            self.token_sqerr[row] += (xq - x).square().sum((0, 2, 3), dtype=torch.float64)
+
+    def merge_(self, other: "TensorStats") -> None:
+        """Fold ``other`` (same shapes) into self."""
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if f.name in ("absmax", "pos_absmax", "channel_absmax"):
+                a.copy_(torch.maximum(a, b))
+            else:
+                a.add_(b)
+
+
+@dataclass
+class ModelSignature:
+    """What statistics must match to be used with a model: refuses stats from another model."""
+
+    model_type: str
+    layers: list[int]  # layer_idx of each observed attention layer, in row order
+    num_kv_heads: int
+    num_heads: int
+    head_dim: int
+
+    def check_matches(self, other: "ModelSignature", what: str = "these statistics") -> None:
+        """Raise ValueError naming the first difference."""
+        for name in ("model_type", "layers", "num_kv_heads", "num_heads", "head_dim"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                raise ValueError(
+                    f"{what} do not match the model: {name} is {mine!r} in the statistics but {theirs!r} "
+                    "in the model; calibrate this model instead of reusing statistics from another one"
+                )
+
+
+@dataclass
+class Stats:
+    """All statistics of one calibration: K, V and Q per observed attention layer."""
+
+    signature: ModelSignature
+    tokens: torch.Tensor  # [L] int64, positions observed per layer
+    pos_tokens: torch.Tensor  # [L, P] int64, positions observed per layer and position bucket
+    kinds: dict[str, TensorStats]
+    meta: dict = field(default_factory=dict)  # free-form provenance carried with the file
+
+    @classmethod
+    def empty(cls, signature: ModelSignature, device: torch.device | str = "cpu") -> "Stats":
+        L, D = len(signature.layers), signature.head_dim
+        heads = {"k": signature.num_kv_heads, "v": signature.num_kv_heads, "q": signature.num_heads}
+        return cls(
+            signature=signature,
+            tokens=torch.zeros(L, dtype=torch.int64, device=device),
+            pos_tokens=torch.zeros(L, NUM_POS_BUCKETS, dtype=torch.int64, device=device),
+            kinds={kind: TensorStats.zeros(L, heads[kind], D, device) for kind in KINDS},
+        )
+
+    @torch.no_grad()
+    def update(self, row: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add one layer call. q [B, Hq, S, D], k and v [B, Hkv, S, D] (new positions only), positions [B, S]."""
+        bucket = position_bucket(positions)  # [B, S]
+        sink = positions < SINK_POSITIONS  # [B, S]
+        self.tokens[row] += positions.numel()
+        self.pos_tokens[row] += torch.bincount(bucket.flatten(), minlength=NUM_POS_BUCKETS)
+        self.kinds["k"].update(row, k, bucket, sink, token_error=True)
+        self.kinds["v"].update(row, v, bucket, sink, token_error=True)
+        self.kinds["q"].update(row, q, bucket, sink, token_error=False)
+
+    def merge_(self, other: "Stats") -> "Stats":
+        """Fold ``other`` into self (same model) and return self."""
+        self.signature.check_matches(other.signature, "statistics being merged")
+        self.tokens += other.tokens
+        self.pos_tokens += other.pos_tokens
+        for kind in KINDS:
+            self.kinds[kind].merge_(other.kinds[kind])
+        return self
+
+    def to(self, device: torch.device | str) -> "Stats":
+        kinds = {kind: TensorStats(**{f.name: getattr(s, f.name).to(device) for f in fields(s)}) for kind, s in self.kinds.items()}
+        return Stats(self.signature, self.tokens.to(device), self.pos_tokens.to(device), kinds, dict(self.meta))
+
+    def save(self, path: str | Path) -> None:
+        """Write to one safetensors file; the signature and layout constants go in its metadata."""
+        tensors = {"tokens": self.tokens, "pos_tokens": self.pos_tokens}
+        for kind, s in self.kinds.items():
+            for f in fields(s):
+                tensors[f"{kind}.{f.name}"] = getattr(s, f.name)
+        header = {
+            "format_version": FORMAT_VERSION,
+            "signature": vars(self.signature),
+            "hist": [HIST_BINS_PER_OCTAVE, HIST_MIN_EXP, HIST_MAX_EXP],
+            "sink_positions": SINK_POSITIONS,
+            "num_pos_buckets": NUM_POS_BUCKETS,
+            "meta": self.meta,
+        }
+        cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+        save_file(cpu, str(path), metadata={"kvcal": json.dumps(header)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Stats":
+        """Read a file written by ``save``, checking the layout matches this version of kvcal."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no statistics file at {path}; pass a kvcal output directory or its kvcal/stats.safetensors")
+        with safe_open(str(path), "pt") as f:
+            raw = (f.metadata() or {}).get("kvcal")
+        if raw is None:
+            raise ValueError(f"{path} is not a kvcal statistics file (no 'kvcal' metadata)")
+        header = json.loads(raw)
+        expected = [HIST_BINS_PER_OCTAVE, HIST_MIN_EXP, HIST_MAX_EXP]
+        if header.get("format_version") != FORMAT_VERSION or header.get("hist") != expected:
+            raise ValueError(f"{path} was written by an incompatible kvcal version; recalibrate to rebuild it")
+        tensors = load_file(str(path))
+        sig = ModelSignature(**header["signature"])
+        stats = cls.empty(sig)
+        stats.tokens, stats.pos_tokens, stats.meta = tensors["tokens"], tensors["pos_tokens"], header.get("meta", {})
+        for kind, s in stats.kinds.items():
+            for f in fields(s):
+                t = tensors[f"{kind}.{f.name}"]
+                want = getattr(s, f.name)
+                if t.shape != want.shape or t.dtype != want.dtype:
+                    raise ValueError(f"{path}: {kind}.{f.name} has shape {tuple(t.shape)} {t.dtype}, expected {tuple(want.shape)} {want.dtype}")
+                setattr(s, f.name, t)
+        return stats
