@@ -20,9 +20,10 @@ Records are read in streaming mode (bounded memory), every file and hub dataset 
 ``datasets``. The record kind comes from its columns: ``text_field`` if given (``.txt`` files
 always give text), else the first of ``input_ids`` (token ids used exactly as given: no BOS, EOS or
 packing, only cut at ``seq_len``), ``messages`` (a chat, rendered with the tokenizer's chat template)
-and ``text``. All files of one source must hold the same kind. Text is stripped; empty records are
-skipped. Text files must be UTF-8: anything else is refused with the byte offset of the first bad
-byte (decoding with replacement characters would calibrate on garbage without anyone noticing).
+and ``text``. All files of one source must hold the same kind (their other columns may differ).
+Text is stripped; empty records are skipped. Text files must be UTF-8: anything else is refused
+with the byte offset of the first bad byte (decoding with replacement characters would calibrate
+on garbage without anyone noticing).
 
 Sequences: text and chats are packed — documents joined with EOS, every sequence starting with BOS
 when the tokenizer adds one by default — into sequences of exactly ``seq_len`` tokens, except the
@@ -39,11 +40,17 @@ import os
 import random
 import re
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING
+from unittest import mock
 
 import torch
+
+if TYPE_CHECKING:
+    import datasets
+    from transformers import PreTrainedTokenizerBase
 
 # File suffix → the `datasets` builder that reads it.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -90,8 +97,10 @@ class DataConfig:
         if not isinstance(self.seq_len, int) or self.seq_len < 2:
             raise ValueError(f"seq_len must be an integer >= 2 tokens, got {self.seq_len!r}")
         if max_context is not None and self.seq_len > max_context:
-            raise ValueError(f"seq_len={self.seq_len} exceeds the model's context of {max_context} tokens; "
-                             f"pass a seq_len of at most {max_context}")
+            raise ValueError(
+                f"seq_len={self.seq_len} exceeds the model's context of {max_context} tokens; "
+                f"pass a seq_len of at most {max_context}"
+            )
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.long_records not in LONG_RECORDS:
@@ -129,7 +138,9 @@ class _Source:
     tokens: int = 0
 
 
-def iter_sequences(config: DataConfig, tokenizer, *, max_context: int | None = None) -> "SequenceStream":
+def iter_sequences(
+    config: DataConfig, tokenizer: "PreTrainedTokenizerBase", *, max_context: int | None = None
+) -> "SequenceStream":
     """Prepare the token sequences of a calibration run.
 
     Opens every source once (first record only) so that a wrong column, a schema mix or an
@@ -156,12 +167,17 @@ def iter_sequences(config: DataConfig, tokenizer, *, max_context: int | None = N
             part.column = _pick_column(part, list(first), config.text_field)
             kinds["text" if part.column not in ("input_ids", "messages") else part.column] = _label(part)
         if len(kinds) > 1:
-            raise ValueError(f"source {source.spec} mixes record kinds: " + ", ".join(
-                f"{kind} in {label}" for kind, label in kinds.items()) + "; give each kind its own --data")
+            raise ValueError(
+                f"source {source.spec} mixes record kinds: "
+                + ", ".join(f"{kind} in {label}" for kind, label in kinds.items())
+                + "; give each kind its own --data"
+            )
         source.kind = next(iter(kinds))
         if source.kind == "messages" and not tokenizer.chat_template:
-            raise ValueError(f"{source.spec} holds chat 'messages' but the tokenizer has no chat template; "
-                             "use the chat model's tokenizer or give the data as plain text")
+            raise ValueError(
+                f"{source.spec} holds chat 'messages' but the tokenizer has no chat template; "
+                "use the chat model's tokenizer or give the data as plain text"
+            )
         if source.kind != "input_ids" and config.pack and tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no EOS token to separate packed documents; pass pack=False")
     return SequenceStream(config, sources, tokenizer)
@@ -173,17 +189,19 @@ class SequenceStream:
     Iterating again starts over and yields the same sequences (the shuffle is seeded).
     """
 
-    def __init__(self, config: DataConfig, sources: list[_Source], tokenizer):
+    def __init__(self, config: DataConfig, sources: list[_Source], tokenizer: "PreTrainedTokenizerBase"):
         self.config = config
         self.tokenizer = tokenizer
         self.tokens_yielded = 0
         self._sources = sources
         self._vocab_size = len(tokenizer)
+        self._sha256: dict[Path, str] = {}  # file → hash, computed on the first manifest()
         bos = tokenizer.bos_token_id
         # BOS only for tokenizers that add it themselves: that is how the model saw text in training.
         self._prefix = [bos] if bos is not None and tokenizer("a").input_ids[:1] == [bos] else []
 
     def __iter__(self) -> Iterator[torch.Tensor]:
+        """Sequences until the token budget is spent or every source has run out."""
         self.tokens_yielded = 0
         for source in self._sources:
             source.records_read = source.records_empty = source.sequences = source.tokens = 0
@@ -191,18 +209,28 @@ class SequenceStream:
         weighted = self._sources[0].weight is not None
         while streams and self.tokens_yielded < self.config.max_tokens:
             # Weighted: the source furthest below its token share; else the one with fewest sequences.
-            i = min(streams, key=lambda i: (self._sources[i].tokens / self._sources[i].weight
-                                            if weighted else self._sources[i].sequences, i))
+            i = min(
+                streams,
+                key=lambda i: (
+                    self._sources[i].tokens / self._sources[i].weight if weighted else self._sources[i].sequences,
+                    i,
+                ),
+            )
             source = self._sources[i]
             sequence = next(streams[i], None)
             if sequence is None:
                 del streams[i]
                 if source.records_read == source.records_empty:
-                    raise ValueError(f"{source.spec}: all {source.records_read} records are empty; "
-                                     "check text_field or remove this source")
+                    raise ValueError(
+                        f"{source.spec}: all {source.records_read} records are empty; "
+                        "check text_field or remove this source"
+                    )
                 if weighted and streams:
-                    warnings.warn(f"{source.spec} ran out after {source.tokens} tokens, short of its share "
-                                  f"{source.weight:.0%} of {self.config.max_tokens}; the other sources fill the rest")
+                    warnings.warn(
+                        f"{source.spec} ran out after {source.tokens} tokens, short of its share "
+                        f"{source.weight:.0%} of {self.config.max_tokens}; the other sources fill the rest",
+                        stacklevel=2,
+                    )
                 continue
             sequence = sequence[: self.config.max_tokens - self.tokens_yielded]
             source.sequences += 1
@@ -214,8 +242,8 @@ class SequenceStream:
         """Per source: what it is, its weight, how much of it was used, and hashes to reproduce the run.
 
         Local files are identified by size and sha256 of their bytes (a save_to_disk directory by
-        all its files), hub datasets by the commit they were read at. Counts are those of the
-        current (or last) iteration.
+        all its files; hashed on the first call), hub datasets by the commit they were read at.
+        Counts are those of the current (or last) iteration.
         """
         return [
             {
@@ -226,12 +254,26 @@ class SequenceStream:
                 "records_empty": source.records_empty,
                 "sequences": source.sequences,
                 "tokens": source.tokens,
-                "files": [{"path": str(f), "bytes": f.stat().st_size, "sha256": _sha256(f)}
-                          for part in source.parts if part.builder != "hub" for f in _files_of(part)],
+                "files": [
+                    {"path": str(f), "bytes": f.stat().st_size, "sha256": self._hash(f)}
+                    for part in source.parts
+                    if part.builder != "hub"
+                    for f in _files_of(part)
+                ],
                 "revision": next((part.revision for part in source.parts if part.builder == "hub"), None),
             }
             for source in self._sources
         ]
+
+    def _hash(self, path: Path) -> str:
+        """sha256 of a file's bytes, read in 1 MiB chunks, once per stream."""
+        if path not in self._sha256:
+            digest = hashlib.sha256()
+            with path.open("rb") as f:
+                while chunk := f.read(1 << 20):
+                    digest.update(chunk)
+            self._sha256[path] = digest.hexdigest()
+        return self._sha256[path]
 
     def _sequences(self, source: _Source) -> Iterator[list[int]]:
         """A source's sequences: packed, one per record, or ids cut at seq_len."""
@@ -247,9 +289,9 @@ class SequenceStream:
             buffer: list[int] = []
             for ids in self._documents(source):
                 buffer += ids + [self.tokenizer.eos_token_id]
-                while len(buffer) >= body:
-                    yield self._prefix + buffer[:body]
-                    buffer = buffer[body:]
+                full = len(buffer) - len(buffer) % body
+                yield from (self._prefix + buffer[i : i + body] for i in range(0, full, body))
+                del buffer[:full]  # once per document: a book-long record stays linear in its length
             if buffer:
                 yield self._prefix + buffer
 
@@ -265,18 +307,22 @@ class SequenceStream:
                     continue
                 extra = 0 if source.kind == "input_ids" else len(self._prefix)
                 if self.config.long_records == "error" and len(ids) + extra > self.config.seq_len:
-                    raise ValueError(f"{_label(part)}: a record of {len(ids) + extra} tokens does not fit in "
-                                     f"seq_len={self.config.seq_len}; raise seq_len or pass long_records='split'")
+                    raise ValueError(
+                        f"{_label(part)}: a record of {len(ids) + extra} tokens does not fit in "
+                        f"seq_len={self.config.seq_len}; raise seq_len or pass long_records='split'"
+                    )
                 yield ids
 
-    def _encode(self, value, kind: str, part: _Part) -> list[int]:
+    def _encode(self, value: object, kind: str, part: _Part) -> list[int]:
         """One record → token ids, without special tokens except those the data itself holds."""
         if kind == "input_ids":
             if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
                 raise ValueError(f"{_label(part)}: 'input_ids' must be lists of integers, got {_short(value)}")
             if value and (min(value) < 0 or max(value) >= self._vocab_size):
-                raise ValueError(f"{_label(part)}: token ids outside [0, {self._vocab_size}) of this "
-                                 "tokenizer; were they made with another model's tokenizer?")
+                raise ValueError(
+                    f"{_label(part)}: token ids outside [0, {self._vocab_size}) of this "
+                    "tokenizer; were they made with another model's tokenizer?"
+                )
             return value
         if kind == "messages":
             if not value:
@@ -288,8 +334,10 @@ class SequenceStream:
         elif value is None:
             return []
         elif not isinstance(value, str):
-            raise ValueError(f"{_label(part)}: column '{part.column}' should hold text, got {_short(value)}; "
-                             "pass text_field naming a text column")
+            raise ValueError(
+                f"{_label(part)}: column '{part.column}' should hold text, got {_short(value)}; "
+                "pass text_field naming a text column"
+            )
         else:
             text = value.strip()
         ids = self.tokenizer(text, add_special_tokens=False).input_ids if text else []
@@ -317,8 +365,7 @@ def _resolve_sources(specs: list[str]) -> list[_Source]:
         sources.append(_Source(spec=spec, weight=weight, parts=_parts(spec)))
     weights = [s.weight for s in sources]
     if None in weights and any(w is not None for w in weights):
-        raise ValueError("give every --data source a ::WEIGHT, or none (then they take turns): "
-                         + ", ".join(specs))
+        raise ValueError("give every --data source a ::WEIGHT, or none (then they take turns): " + ", ".join(specs))
     if weights[0] is not None:
         for source in sources:
             source.weight /= sum(weights)
@@ -343,8 +390,10 @@ def _parts(spec: str) -> list[_Part]:
     elif path.is_dir():
         files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in BUILDERS)
         if not files:
-            raise ValueError(f"directory {spec} holds no {'/'.join(BUILDERS)} files; "
-                             "point --data at the files or a ** glob for subdirectories")
+            raise ValueError(
+                f"directory {spec} holds no {'/'.join(BUILDERS)} files; "
+                "point --data at the files or a ** glob for subdirectories"
+            )
     elif path.is_file():
         if path.suffix.lower() not in BUILDERS:
             raise ValueError(f"{spec}: unsupported file type; convert it to one of {', '.join(BUILDERS)}")
@@ -352,8 +401,10 @@ def _parts(spec: str) -> list[_Part]:
     elif path.suffix.lower() in BUILDERS or spec.startswith((".", "/", "~")) or not hub:
         raise ValueError(f"{spec}: no such file or directory (and not a hub dataset name:config@split)")
     elif _hub_offline():
-        raise ValueError(f"{spec} is no local file or directory, and the Hugging Face Hub is off "
-                         "(HF_HUB_OFFLINE is set): pass local files instead")
+        raise ValueError(
+            f"{spec} is no local file or directory, and the Hugging Face Hub is off "
+            "(HF_HUB_OFFLINE is set): pass local files instead"
+        )
     else:
         return [_Part(builder="hub", path=hub["name"], config=hub["config"], split=hub["split"] or "train")]
     for f in files:
@@ -375,11 +426,13 @@ def _pick_column(part: _Part, columns: list[str], text_field: str | None) -> str
     for name in wanted:
         if name in columns:
             return name
-    raise ValueError(f"{_label(part)} has no {' / '.join(repr(w) for w in wanted)} column; its columns are "
-                     f"{', '.join(columns)}: pass text_field naming the text column")
+    raise ValueError(
+        f"{_label(part)} has no {' / '.join(repr(w) for w in wanted)} column; its columns are "
+        f"{', '.join(columns)}: pass text_field naming the text column"
+    )
 
 
-def _open(part: _Part):
+def _open(part: _Part) -> "datasets.IterableDataset":
     """A streaming ``datasets.IterableDataset`` over the records of one part."""
     import datasets  # here, not at the top: importing datasets takes seconds that `kvcal --help` should not
 
@@ -389,19 +442,28 @@ def _open(part: _Part):
         dataset = datasets.load_from_disk(part.path)
         return (dataset[part.split] if part.split else dataset).to_iterable_dataset()
     options = {"sample_by": "paragraph"} if part.builder == "text" else {}
-    return datasets.load_dataset(part.builder, data_files=[part.path], split="train", streaming=True, **options)
+    # load_dataset pings the hub to count downloads even of local files; without a network the DNS lookup
+    # alone can stall for seconds, once per file.
+    with mock.patch.object(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", False):
+        return datasets.load_dataset(part.builder, data_files=[part.path], split="train", streaming=True, **options)
 
 
 def _rows(part: _Part, *, shuffle_seed: int | None = None) -> Iterator[dict]:
     """The records of one part, shuffled in a bounded buffer when seeded; read errors name the file."""
     try:
         dataset = _open(part)
-        yield from dataset if shuffle_seed is None else dataset.shuffle(seed=shuffle_seed, buffer_size=SHUFFLE_BUFFER)
+        if shuffle_seed is not None:
+            # One input shard at a time: more would start reader threads, and datasets (5.x) then sleeps 5 s
+            # after a Parquet stream to let them end. The shard order is shuffled all the same.
+            dataset = dataset.shuffle(seed=shuffle_seed, buffer_size=SHUFFLE_BUFFER, max_buffer_input_shards=1)
+        yield from dataset
     except Exception as e:  # any reader's error (pyarrow, pandas, json, network): say which file and why
         offset = _first_invalid_utf8(Path(part.path)) if part.builder in TEXT_BUILDERS else None
         if offset is not None:
-            raise ValueError(f"{part.path} is not UTF-8 text (first invalid byte at offset {offset}); "
-                             f"convert it, e.g. iconv -f latin1 -t utf-8") from e
+            raise ValueError(
+                f"{part.path} is not UTF-8 text (first invalid byte at offset {offset}); "
+                f"convert it, e.g. iconv -f latin1 -t utf-8"
+            ) from e
         raise ValueError(f"cannot read {_label(part)}: {type(e).__name__}: {e}") from e
 
 
@@ -420,8 +482,10 @@ def _hub_revision(part: _Part) -> str | None:
     except RepositoryNotFoundError as e:
         raise ValueError(f"{part.path}: no such local file or directory, and no such dataset on the hub") from e
     except Exception as e:  # DNS, proxy, timeout, offline mode: all mean the same to the user
-        raise ValueError(f"cannot reach the Hugging Face Hub for {part.path} ({type(e).__name__}): "
-                         "no network? pass local files instead") from e
+        raise ValueError(
+            f"cannot reach the Hugging Face Hub for {part.path} ({type(e).__name__}): "
+            "no network? pass local files instead"
+        ) from e
 
 
 def _is_saved_dataset(path: Path) -> bool:
@@ -466,15 +530,6 @@ def _first_invalid_utf8(path: Path) -> int | None:
             offset += len(chunk)
 
 
-def _sha256(path: Path) -> str:
-    """sha256 of a file's bytes, read in 1 MiB chunks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _chunks(ids: list[int], size: int) -> Iterator[list[int]]:
     """``ids`` cut into pieces of ``size`` tokens (the last may be shorter)."""
     return (ids[i : i + size] for i in range(0, len(ids), size))
@@ -487,7 +542,7 @@ def _label(part: _Part) -> str:
     return part.path + (f"@{part.split}" if part.split else "")
 
 
-def _short(value) -> str:
+def _short(value: object) -> str:
     """A value's repr, cut for an error message."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

@@ -6,7 +6,9 @@ Expected sequences are computed here independently: the test tokenizes the texts
 import copy
 import hashlib
 import json
+import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import pandas as pd
@@ -14,7 +16,6 @@ import pytest
 
 from calibrate.data import DataConfig, iter_sequences
 
-SMOL_DIR = Path("/tmp/exp/smol")
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -30,14 +31,18 @@ TEXTS = [
 ]
 
 
-# FIXTURE: smol tokenizer — to be replaced by the shared `smol_tokenizer` fixture of tests/conftest.py.
-@pytest.fixture(scope="module")
-def smol_tokenizer():
-    if not SMOL_DIR.is_dir():
-        pytest.skip(f"SmolLM2 tokenizer directory {SMOL_DIR} is not present")
-    from transformers import AutoTokenizer
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    """Fail any test whose code looks up a host name: reading local data must not touch the network."""
+    lookups = []
 
-    return AutoTokenizer.from_pretrained(SMOL_DIR)
+    def getaddrinfo(host, *args, **kwargs):
+        lookups.append(host)
+        raise OSError(f"network access to {host} in a test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    yield
+    assert not lookups, f"the code under test tried to reach {lookups}"
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +86,8 @@ def check_packed(sequences, tokenizer, texts, seq_len, prefix):
 
 
 def write_txt(tmp_path):
-    # Blank lines separate records; extra blank lines and surrounding spaces are not records.
-    (tmp_path / "a.txt").write_text("\n\n\n".join(TEXTS[:4]) + "\n\n  \n" + "\n\n".join(TEXTS[4:]) + "\n")
+    # Blank lines separate records; extra blank lines and a whitespace-only paragraph are not records.
+    (tmp_path / "a.txt").write_text("\n\n\n".join(TEXTS[:4]) + "\n\n  \n\n" + "\n\n".join(TEXTS[4:]) + "\n")
     return str(tmp_path / "a.txt")
 
 
@@ -128,7 +133,16 @@ def write_directory(tmp_path):
     return str(folder)
 
 
-WRITERS = [write_txt, write_jsonl, write_json, write_parquet, write_csv, write_save_to_disk, write_glob, write_directory]
+WRITERS = [
+    write_txt,
+    write_jsonl,
+    write_json,
+    write_parquet,
+    write_csv,
+    write_save_to_disk,
+    write_glob,
+    write_directory,
+]
 
 
 @pytest.mark.parametrize("write", WRITERS, ids=[w.__name__.removeprefix("write_") for w in WRITERS])
@@ -200,10 +214,21 @@ def test_chat_without_template_is_refused(tmp_path, smol_tokenizer):
         read_all(tokenizer, [str(tmp_path / "chat.jsonl")])
 
 
+def test_packing_without_eos_is_refused(tmp_path, smol_tokenizer):
+    tokenizer = copy.deepcopy(smol_tokenizer)
+    tokenizer.eos_token = None
+    with pytest.raises(
+        ValueError, match="the tokenizer has no EOS token to separate packed documents; pass pack=False"
+    ):
+        read_all(tokenizer, [write_jsonl(tmp_path)])
+    assert read_all(tokenizer, [write_jsonl(tmp_path)], pack=False)
+
+
 def write_ids(path: Path, low: int, records: int, length: int = 16) -> str:
     """``records`` token-id records of ``length`` ids in [low, low + 100): each sequence betrays its source."""
-    path.write_text("".join(json.dumps({"input_ids": [low + (i + j) % 100 for j in range(length)]}) + "\n"
-                            for i in range(records)))
+    path.write_text(
+        "".join(json.dumps({"input_ids": [low + (i + j) % 100 for j in range(length)]}) + "\n" for i in range(records))
+    )
     return str(path)
 
 
@@ -241,8 +266,9 @@ def test_weighted_source_running_out_warns(tmp_path, smol_tokenizer):
 
 @pytest.mark.parametrize("max_tokens, lengths", [(50, [16, 16, 16, 2]), (48, [16, 16, 16]), (1, [1])])
 def test_budget_cuts_the_last_sequence_never_to_nothing(tmp_path, smol_tokenizer, max_tokens, lengths):
-    stream = iter_sequences(DataConfig(sources=[write_jsonl(tmp_path)], seq_len=16, max_tokens=max_tokens),
-                            smol_tokenizer)
+    stream = iter_sequences(
+        DataConfig(sources=[write_jsonl(tmp_path)], seq_len=16, max_tokens=max_tokens), smol_tokenizer
+    )
     assert [len(s) for s in stream] == lengths
     assert stream.tokens_yielded == max_tokens
 
@@ -272,35 +298,63 @@ def test_manifest_names_hashes_and_counts(tmp_path, smol_tokenizer):
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS + ["", "   "]))
     stream = iter_sequences(DataConfig(sources=[str(path)], seq_len=16), smol_tokenizer)
     tokens = sum(len(s) for s in stream)
-    assert stream.manifest() == [{
-        "source": str(path), "kind": "text", "weight": None,
-        "records_read": len(TEXTS) + 2, "records_empty": 2,
-        "sequences": -(-tokens // 16), "tokens": tokens,
-        "files": [{"path": str(path), "bytes": path.stat().st_size,
-                   "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}],
-        "revision": None,
-    }]
+    assert stream.manifest() == [
+        {
+            "source": str(path),
+            "kind": "text",
+            "weight": None,
+            "records_read": len(TEXTS) + 2,
+            "records_empty": 2,
+            "sequences": -(-tokens // 16),
+            "tokens": tokens,
+            "files": [
+                {
+                    "path": str(path),
+                    "bytes": path.stat().st_size,
+                    "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                }
+            ],
+            "revision": None,
+        }
+    ]
 
 
 # ---- bad input: every one a ValueError that says what to do ----
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"sources": []}, "no calibration data: pass at least one --data"),
-    ({"seq_len": 1}, "seq_len must be an integer >= 2"),
-    ({"max_tokens": 0}, "max_tokens must be a positive integer"),
-    ({"long_records": "drop"}, "long_records must be one of split, error"),
-    ({"text_field": ""}, "text_field must be a column name or None"),
-    ({"sources": ["{tmp}/a.jsonl::-1"]}, r"weight in .* must be a positive number, as in data.jsonl::0.3"),
-    ({"sources": ["{tmp}/a.jsonl::x"]}, "must be a positive number"),
-    ({"sources": ["{tmp}/a.jsonl::2", "{tmp}/a.jsonl"]}, "give every --data source a ::WEIGHT, or none"),
-    ({"sources": ["{tmp}/missing.jsonl"]}, "missing.jsonl: no such file or directory"),
-    ({"sources": ["{tmp}/empty.jsonl"]}, "empty.jsonl is empty; remove it from --data"),
-    ({"sources": ["{tmp}/data.xml"]}, r"data.xml: unsupported file type; convert it to one of .txt, .jsonl"),
-    ({"sources": ["{tmp}/nothing"]}, "directory .*nothing holds no .txt/.jsonl/.json/.parquet/.csv files"),
-    ({"sources": ["{tmp}/*.parquet"]}, r"no .txt/.jsonl/.json/.parquet/.csv files match .*\*.parquet"),
-], ids=["no-sources", "seq-len", "max-tokens", "long-records", "text-field", "negative-weight", "weight-not-number",
-        "partial-weights", "missing", "empty", "unsupported", "dir-without-data", "glob-without-match"])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"sources": []}, "no calibration data: pass at least one --data"),
+        ({"seq_len": 1}, "seq_len must be an integer >= 2"),
+        ({"max_tokens": 0}, "max_tokens must be a positive integer"),
+        ({"long_records": "drop"}, "long_records must be one of split, error"),
+        ({"text_field": ""}, "text_field must be a column name or None"),
+        ({"sources": ["{tmp}/a.jsonl::-1"]}, r"weight in .* must be a positive number, as in data.jsonl::0.3"),
+        ({"sources": ["{tmp}/a.jsonl::x"]}, "must be a positive number"),
+        ({"sources": ["{tmp}/a.jsonl::2", "{tmp}/a.jsonl"]}, "give every --data source a ::WEIGHT, or none"),
+        ({"sources": ["{tmp}/missing.jsonl"]}, "missing.jsonl: no such file or directory"),
+        ({"sources": ["{tmp}/empty.jsonl"]}, "empty.jsonl is empty; remove it from --data"),
+        ({"sources": ["{tmp}/data.xml"]}, r"data.xml: unsupported file type; convert it to one of .txt, .jsonl"),
+        ({"sources": ["{tmp}/nothing"]}, "directory .*nothing holds no .txt/.jsonl/.json/.parquet/.csv files"),
+        ({"sources": ["{tmp}/*.parquet"]}, r"no .txt/.jsonl/.json/.parquet/.csv files match .*\*.parquet"),
+    ],
+    ids=[
+        "no-sources",
+        "seq-len",
+        "max-tokens",
+        "long-records",
+        "text-field",
+        "negative-weight",
+        "weight-not-number",
+        "partial-weights",
+        "missing",
+        "empty",
+        "unsupported",
+        "dir-without-data",
+        "glob-without-match",
+    ],
+)
 def test_validate_refuses_bad_config(tmp_path, options, message):
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
     (tmp_path / "empty.jsonl").write_text("")
@@ -319,27 +373,36 @@ def test_seq_len_must_fit_the_model_context(tmp_path, smol_tokenizer):
         iter_sequences(config, smol_tokenizer, max_context=2048)
 
 
-def test_unreadable_file_is_refused(tmp_path):
+def test_unreadable_file_is_refused(tmp_path, monkeypatch):
     path = Path(write_jsonl(tmp_path))
-    path.chmod(0)
-    try:
-        if path.open("rb"):  # root reads anything: nothing to test then
-            pytest.skip("running as a user that can read a mode-000 file")
-    except PermissionError:
-        with pytest.raises(ValueError, match="cannot read .*a.jsonl.*fix its permissions"):
-            DataConfig(sources=[str(path)]).validate()
-    finally:
-        path.chmod(0o644)
+    real_open = Path.open
+
+    def open_as_another_user(self, *args, **kwargs):  # mode 000 stops no one when tests run as root
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", open_as_another_user)
+    with pytest.raises(ValueError, match="cannot read .*a.jsonl: Permission denied; fix its permissions"):
+        DataConfig(sources=[str(path)]).validate()
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("a.jsonl", '{"body": "x", "n": 1}\n', r"a.jsonl has no 'input_ids' / 'messages' / 'text' column; "
-                                           r"its columns are body, n: pass text_field"),
-    ("a.jsonl", '{"text": "ok"}\n{"text": oops\n', r"cannot read .*a.jsonl: ArrowInvalid"),
-    ("a.csv", "text\n1\n2\n", r"a.csv: column 'text' should hold text, got 1"),
-    ("a.jsonl", '{"text": ""}\n{"text": "  "}\n{"text": null}\n', "all 3 records are empty"),
-    ("a.jsonl", '{"input_ids": "1 2 3"}\n', "'input_ids' must be lists of integers"),
-], ids=["no-usable-column", "malformed-json", "numbers-not-text", "all-empty", "ids-not-a-list"])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        (
+            "a.jsonl",
+            '{"body": "x", "n": 1}\n',
+            r"a.jsonl has no 'input_ids' / 'messages' / 'text' column; "
+            r"its columns are body, n: pass text_field",
+        ),
+        ("a.jsonl", '{"text": "ok"}\n{"text": oops\n', r"cannot read .*a.jsonl: ArrowInvalid"),
+        ("a.csv", "text\n1\n2\n", r"a.csv: column 'text' should hold text, got 1"),
+        ("a.jsonl", '{"text": ""}\n{"text": "  "}\n{"text": null}\n', "all 3 records are empty"),
+        ("a.jsonl", '{"input_ids": "1 2 3"}\n', "'input_ids' must be lists of integers"),
+    ],
+    ids=["no-usable-column", "malformed-json", "numbers-not-text", "all-empty", "ids-not-a-list"],
+)
 def test_unusable_records_are_refused(tmp_path, smol_tokenizer, name, content, message):
     (tmp_path / name).write_text(content)
     with pytest.raises(ValueError, match=message):
@@ -354,8 +417,11 @@ def test_missing_text_field_lists_the_columns(tmp_path, smol_tokenizer):
 def test_mixed_record_kinds_in_one_source_are_refused(tmp_path, smol_tokenizer):
     (tmp_path / "a.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
     (tmp_path / "b.jsonl").write_text(json.dumps({"input_ids": [1, 2]}) + "\n")
-    with pytest.raises(ValueError, match=r"mixes record kinds: text in .*a.jsonl, input_ids in .*b.jsonl; "
-                                         "give each kind its own --data"):
+    with pytest.raises(
+        ValueError,
+        match=r"mixes record kinds: text in .*a.jsonl, input_ids in .*b.jsonl; "
+        "give each kind its own --data",
+    ):
         read_all(smol_tokenizer, [str(tmp_path / "*.jsonl")])
 
 
@@ -368,9 +434,20 @@ def test_non_utf8_file_is_refused_at_the_first_bad_byte(tmp_path, smol_tokenizer
         read_all(smol_tokenizer, [str(tmp_path / name)])
 
 
+def test_non_utf8_offset_counts_a_character_cut_by_the_read_chunks(tmp_path, smol_tokenizer):
+    # "é" is c3 a9: here its first byte ends the first 1 MiB read and a "(" follows instead of a9.
+    (tmp_path / "a.txt").write_bytes(b"x" * ((1 << 20) - 1) + b"\xc3(")
+    with pytest.raises(ValueError, match=rf"a.txt is not UTF-8 text \(first invalid byte at offset {(1 << 20) - 1}\)"):
+        read_all(smol_tokenizer, [str(tmp_path / "a.txt")])
+
+
 def test_save_to_disk_splits(tmp_path, smol_tokenizer):
-    splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["train text"]}),
-                                   "test": datasets.Dataset.from_dict({"text": ["test text"]})})
+    splits = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": ["train text"]}),
+            "test": datasets.Dataset.from_dict({"text": ["test text"]}),
+        }
+    )
     splits.save_to_disk(tmp_path / "dd")
     assert read_all(smol_tokenizer, [f"{tmp_path}/dd@test"], pack=False) == [encode(smol_tokenizer, "test text")]
     with pytest.raises(ValueError, match="dd holds splits train, test; pick one as .*dd@SPLIT"):
@@ -379,8 +456,11 @@ def test_save_to_disk_splits(tmp_path, smol_tokenizer):
 
 def test_hub_offline_fails_before_any_request(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ValueError, match="org/corpus:en@validation is no local file or directory, and the Hugging "
-                                         "Face Hub is off .*pass local files instead"):
+    with pytest.raises(
+        ValueError,
+        match="org/corpus:en@validation is no local file or directory, and the Hugging "
+        "Face Hub is off .*pass local files instead",
+    ):
         DataConfig(sources=["org/corpus:en@validation"]).validate()
 
 
@@ -409,7 +489,7 @@ def test_hub_dataset_streams_at_the_current_revision(monkeypatch, smol_tokenizer
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
-    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda self, name, **kw: type("Info", (), {"sha": "abc123"}))
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda self, name, **kw: SimpleNamespace(sha="abc123"))
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     stream = iter_sequences(DataConfig(sources=["org/corpus:en@validation"], seq_len=16), smol_tokenizer)
     check_packed([s.tolist() for s in stream], smol_tokenizer, TEXTS, seq_len=16, prefix=[])
