@@ -1,34 +1,47 @@
 """``kvcal`` command line: argument parsing only; every subcommand calls one library function."""
 
 import argparse
+import json
 import signal
 import sys
 
-from . import api
-from .config import CalibrationConfig
+from . import api, inspector, recipes
 from .observers import GRANULARITIES, OBSERVERS
+from .verify import SCHEMES, VerifyConfig  # issue 5
 
 
-def _scale_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--observer", default="max", help=f"how statistics become scales: {', '.join(OBSERVERS)} (default max)")
-    p.add_argument("--granularity", default="tensor", choices=GRANULARITIES, help="one scale per layer, per KV head, or per token at serve time")
-    p.add_argument("--headroom", type=float, default=1.0, help="multiply every scale by this (≥ 1) to leave range for unseen data")
-    p.add_argument("--no-query-scale", dest="query_scale", action="store_false", help="do not write q_scale (vLLM then uses 1.0 for queries)")
-    p.add_argument("--fp8-format", default="e4m3fn", choices=["e4m3fn", "e4m3fnuz"], help="e4m3fn (NVIDIA, CPU) or e4m3fnuz (ROCm MI300)")
+# --- recipes (issue 6) ---
+# The scale flags' defaults for ``export``. Under ``calibrate`` every flag a recipe can set defaults to
+# None instead ("not given"), so only flags the user typed override the recipe (recipes/default.yaml
+# holds the values used when neither says).
+_SCALE_DEFAULTS = {"observer": "max", "granularity": "tensor", "headroom": 1.0, "query_scale": True, "fp8_format": "e4m3fn"}
+
+
+def _scale_options(p: argparse.ArgumentParser, defaults: dict) -> None:
+    p.add_argument("--observer", default=defaults["observer"], help=f"how statistics become scales: {', '.join(OBSERVERS)} (default max)")
+    p.add_argument("--granularity", default=defaults["granularity"], choices=GRANULARITIES, help="one scale per layer, per KV head, or per token at serve time")
+    p.add_argument("--headroom", type=float, default=defaults["headroom"], help="multiply every scale by this (≥ 1) to leave range for unseen data")
+    p.add_argument("--no-query-scale", dest="query_scale", action="store_false", default=defaults["query_scale"], help="do not write q_scale (vLLM then uses 1.0 for queries)")
+    p.add_argument("--fp8-format", default=defaults["fp8_format"], choices=["e4m3fn", "e4m3fnuz"], help="e4m3fn (NVIDIA, CPU) or e4m3fnuz (ROCm MI300)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
 
 
 def _calibrate_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seq-len", type=int, default=2048, help="tokens per calibration sequence (default 2048)")
-    p.add_argument("--max-tokens", type=int, default=500_000, help="token budget (default 500000)")
-    p.add_argument("--chunk-len", type=int, default=2048, help="longer sequences run as chunked prefill through a KV cache")
+    p.add_argument("--recipe", help="recipe name (kvcal recipes list) or YAML file; flags given here override it (default: default)")
+    p.add_argument("--force", action="store_true", help="use a recipe written for another model family")
+    p.add_argument("--seq-len", type=int, help="tokens per calibration sequence (default 2048)")
+    p.add_argument("--max-tokens", type=int, help="token budget (default 500000)")
+    p.add_argument("--chunk-len", type=int, help="longer sequences run as chunked prefill through a KV cache (default 2048)")
     p.add_argument("--text-field", help="column holding the text (default: text, messages or input_ids, found automatically)")
-    p.add_argument("--no-pack", dest="pack", action="store_false", help="one record per sequence instead of packing")
-    p.add_argument("--seed", type=int, default=0, help="shuffling seed")
+    p.add_argument("--no-pack", dest="pack", action="store_false", default=None, help="one record per sequence instead of packing")
+    p.add_argument("--seed", type=int, help="shuffling seed (default 0)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="model dtype (default: checkpoint's on GPU, float32 on CPU)")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
-    _scale_options(p)
+    p.add_argument("--no-verify", dest="verify", action="store_false", default=None,  # issue 5
+                   help="skip the short verify of the written checkpoint (kvcal verify runs the full one)")
+    _scale_options(p, dict.fromkeys(_SCALE_DEFAULTS))
+# --- end recipes ---
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="run data through a model and write a checkpoint with FP8 KV scales")
     p.add_argument("model", help="local Hugging Face model directory")
-    p.add_argument("--data", action="append", required=True, help="data source (repeatable); SRC::WEIGHT for a mixture")
+    p.add_argument("--data", action="append", help="data source (repeatable; default: the recipe's); SRC::WEIGHT for a mixture")
     p.add_argument("--out", required=True, help="output checkpoint directory (created atomically)")
     _calibrate_options(p)
 
@@ -45,23 +58,92 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="a directory written by kvcal calibrate")
     p.add_argument("--out", required=True, help="new output checkpoint directory")
     p.add_argument("--model", help="write into this checkpoint instead of SOURCE's model files")
-    _scale_options(p)
+    _scale_options(p, _SCALE_DEFAULTS)
 
     p = sub.add_parser("demo", help="calibrate SmolLM2-135M-Instruct on packaged text, fully offline")
     p.add_argument("--out", default="demo-out", help="output directory (default demo-out)")
     p.add_argument("--max-tokens", type=int, default=16_384, help="token budget (default 16384)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+
+    # --- recipes, inspect, apply (issue 6) ---
+    p = sub.add_parser("recipes", help="list the shipped recipes, or show one with its reasoning")
+    p.add_argument("action", choices=["list", "show"])
+    p.add_argument("name", nargs="?", help="recipe to show")
+
+    p = sub.add_parser("inspect", help="print the KV scales vLLM would load from a checkpoint; exit 1 on problems")
+    p.add_argument("checkpoint", help="checkpoint directory (kvcal, llm-compressor, ModelOpt, Quark or legacy form)")
+    p.add_argument("--json", action="store_true", help="print JSON for machines")
+    p.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
+    p.add_argument("--check-weights", action="store_true", help="compare scales with what the weights suggest (heuristic; reads k/v weights)")
+
+    p = sub.add_parser("apply", help="write one calibration's scales into another checkpoint of the same architecture")
+    p.add_argument("source", help="a directory written by kvcal calibrate")
+    p.add_argument("checkpoint", help="the checkpoint to write into (a fine-tune, a re-quantized variant)")
+    p.add_argument("--out", required=True, help="new output checkpoint directory")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    # --- end issue 6 ---
+
+    # --- verify (issue 5) ---
+    v = VerifyConfig
+    p = sub.add_parser("verify", help="measure what an FP8 KV cache costs a checkpoint, per scheme, and how to serve it")
+    p.add_argument("checkpoint", help="model directory: a kvcal output, or any checkpoint (scales are read from it when present)")
+    p.add_argument("--data", action="append", required=True, help="data source (repeatable), as for calibrate")
+    p.add_argument("--schemes", default=v.schemes, help=f"comma-separated: {', '.join(SCHEMES)} or a .safetensors scales file (default all)")
+    p.add_argument("--seq-len", type=int, default=v.seq_len, help=f"tokens per sequence (default {v.seq_len})")
+    p.add_argument("--max-tokens", type=int, default=v.max_tokens, help=f"sample size in tokens: max-tokens // seq-len sequences (default {v.max_tokens})")
+    p.add_argument("--chunk-len", type=int, default=v.chunk_len, help=f"longer sequences run as chunked prefill (default {v.chunk_len})")
+    p.add_argument("--text-field", help="column holding the text (default: found automatically)")
+    p.add_argument("--seed", type=int, default=v.seed, help="shuffling seed (default 0)")
+    p.add_argument("--kv-only", action="store_true", help="quantize only K and V (Triton/FlashInfer); default also Q, as FA3 on Hopper does")
+    p.add_argument("--fa3", action="store_true", help="also run the FA3 FP8 numeric model (P in FP8, reduced-precision accumulation) on sampled rows")
+    p.add_argument("--accum-bits", type=int, default=v.accum_bits, help="FA3 model accumulator bits: 13 models Hopper (default), 25 B200")
+    p.add_argument("--fa3-rows", type=int, default=v.fa3_rows, help=f"query rows of the first sequence for the FA3 model (default {v.fa3_rows})")
+    p.add_argument("--fa3-layers", help="comma-separated layer indices for the FA3 model (default first, middle, last)")
+    p.add_argument("--needle", help="needle-probe context lengths, comma-separated, e.g. 4096,8192")
+    p.add_argument("--max-kl", type=float, default=v.max_kl, help=f"pass: KL ≤ this, nats/token (default {v.max_kl})")
+    p.add_argument("--fail-kl", type=float, default=v.fail_kl, help=f"fail: KL > this (default {v.fail_kl})")
+    p.add_argument("--min-top1", type=float, default=v.min_top1, help=f"pass: top-1 agreement ≥ this (default {v.min_top1})")
+    p.add_argument("--fail-top1", type=float, default=v.fail_top1, help=f"fail: top-1 agreement < this (default {v.fail_top1})")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="reference dtype (default: float32 on CPU, checkpoint's on GPU)")
+    p.add_argument("--fp8-format", default=v.fp8_format, choices=["e4m3fn", "e4m3fnuz"], help="e4m3fn (NVIDIA, CPU) or e4m3fnuz (ROCm)")
+    p.add_argument("--report", dest="report_dir", help="write report.json, report.md and plots into this directory")
+    p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
+    # --- end verify (issue 5) ---
     return parser
+
+
+def _interrupt(signum, frame) -> None:
+    """A kill (SIGTERM) unwinds like Ctrl-C, so temporary output is removed on the way out."""
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # A kill (SIGTERM) unwinds like Ctrl-C, so temporary output is removed.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)
     options = {k: v for k, v in vars(args).items() if k != "command"}
     try:
+        # --- recipes, inspect, apply (issue 6) ---
+        if args.command == "recipes":
+            if args.action == "show" and not args.name:
+                raise ValueError("kvcal recipes show needs a NAME (see kvcal recipes list)")
+            print(recipes.listing() if args.action == "list" else recipes.describe(args.name))
+            return 0
+        if args.command == "inspect":
+            found = inspector.inspect(args.checkpoint, check_weights=args.check_weights)
+            print(json.dumps(found.to_json(), indent=2) if args.json else found.text())
+            return 0 if found.ok(strict=args.strict) else 1
         if args.command == "calibrate":
-            result = api.run_calibration(CalibrationConfig(**options))
+            result = api.run_calibration(recipes.calibration_config(**options))
+            print(result.summary() + "".join(f"\n{line}" for line in recipes.serve_notes(result.provenance["recipe"])))
+            return 0
+        if args.command == "apply":
+            result = inspector.apply(**options)
+        # --- end issue 6 ---
+        # --- verify (issue 5) ---
+        elif args.command == "verify":
+            result = api.verify(**options)
+        # --- end verify (issue 5) ---
         elif args.command == "export":
             result = api.export(**options)
         else:

@@ -6,6 +6,7 @@ The output is the source checkpoint with:
 - the scales in a safetensors file of their own, listed in ``model.safetensors.index.json``
   (created when the source had a single file), because vLLM then loads only the files listed there;
 - ``config.json`` with a compressed-tensors ``quantization_config`` carrying ``kv_cache_scheme``;
+  in a ModelOpt checkpoint instead, ModelOpt's scale names and its own config(s) declaring an FP8 KV cache;
 - ``kvcal/`` with the statistics and provenance.
 It is built in a temporary directory beside OUT_DIR and renamed into place, so an interrupted run
 leaves no partial OUT_DIR.
@@ -31,6 +32,13 @@ SCALE_NAMES = {"k": "k_scale", "v": "v_scale", "q": "q_scale"}
 # attention's k/v/q scales, so an output must hold exactly one of them per layer and kind.
 OLD_SCALE_PATTERN = re.compile(r"\.(k_scale|v_scale|q_scale|kv_scale|prob_scale)$|\.[kvq]_proj\.output_scale$")
 STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
+# --- ModelOpt form (issue 6) ---
+# A ModelOpt checkpoint keeps its own quantization config (vLLM reads config.json's quantization_config,
+# else hf_quant_config.json), so its KV scales go under ModelOpt's names, which vLLM maps onto the
+# attention's k/v scales; q keeps the generic name, which vLLM maps whatever the quantization method.
+HF_QUANT_CONFIG = "hf_quant_config.json"
+MODELOPT_SCALE_NAMES = {"k": "k_proj.k_scale", "v": "v_proj.v_scale", "q": "q_scale"}
+# --- end ModelOpt form ---
 
 
 def scale_tensors(prefixes: list[str], scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -82,6 +90,56 @@ def quantization_config(existing: dict | None, strategy: str) -> dict:
     merged = dict(existing)
     merged["kv_cache_scheme"] = kv_scheme.model_dump(mode="json", exclude_none=True)
     return merged
+
+
+# --- ModelOpt form (issue 6) ---
+def checkpoint_form(model_dir: Path) -> str:
+    """``"modelopt"`` when vLLM would read the checkpoint with its ModelOpt loader, else ``"compressed-tensors"``.
+
+    vLLM takes config.json's ``quantization_config`` and, only when there is none, hf_quant_config.json
+    (ModelOpt ≤ 0.29 writes only the latter).
+    """
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")
+    quant = json.loads(config_path.read_text()).get("quantization_config")
+    if quant is None:
+        return "modelopt" if (model_dir / HF_QUANT_CONFIG).is_file() else "compressed-tensors"
+    return "modelopt" if str(quant.get("quant_method", "")).lower().startswith("modelopt") else "compressed-tensors"
+
+
+def modelopt_scales(scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rename ``{prefix}.k_scale``/``v_scale`` tensors to ModelOpt's ``{prefix}.k_proj.k_scale``/``v_proj.v_scale``."""
+    kind_of = {suffix: kind for kind, suffix in SCALE_NAMES.items()}
+    renamed = {}
+    for name, value in scales.items():
+        prefix, _, suffix = name.rpartition(".")
+        renamed[f"{prefix}.{MODELOPT_SCALE_NAMES[kind_of[suffix]]}"] = value
+    return renamed
+
+
+def modelopt_quant_configs(source: Path, config: dict, strategy: str) -> dict[str, dict]:
+    """Declare an FP8 KV cache in a ModelOpt checkpoint's own quantization config(s), keeping the rest.
+
+    Edits ``config["quantization_config"]`` in place when config.json has one (ModelOpt ≥ 0.31: vLLM reads
+    ``kv_cache_scheme`` there, or ``quantization.kv_cache_quant_algo`` in the nested form), and returns
+    the updated hf_quant_config.json (file name → content) when the source has that file.
+    """
+    if strategy != "tensor":
+        raise ValueError("a ModelOpt checkpoint holds per-tensor KV scales only; use --granularity tensor")
+    out = {}
+    quant = config.get("quantization_config")
+    if quant is not None:
+        if isinstance(quant.get("quantization"), dict):
+            quant["quantization"]["kv_cache_quant_algo"] = "FP8"
+        else:
+            quant["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "dynamic": False}
+    if (source / HF_QUANT_CONFIG).is_file():
+        hf_quant = json.loads((source / HF_QUANT_CONFIG).read_text())
+        hf_quant.setdefault("quantization", {})["kv_cache_quant_algo"] = "FP8"
+        out[HF_QUANT_CONFIG] = hf_quant
+    return out
+# --- end ModelOpt form ---
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -187,10 +245,15 @@ def write_checkpoint(
     prepare_output(out, source, overwrite)
     files = weight_files(source)
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = quantization_config(config.get("quantization_config"), strategy)
+    quant_files: dict[str, dict] = {}  # other quantization config files to write (ModelOpt form)
+    if checkpoint_form(source) == "modelopt":
+        scales = modelopt_scales(scales)
+        quant_files = modelopt_quant_configs(source, config, strategy)
+    else:
+        config["quantization_config"] = quantization_config(config.get("quantization_config"), strategy)
 
+    _remove_stale_temporaries(out)
     tmp = out.parent / f".{out.name}.kvcal-tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         weight_map = _write_weights(source, tmp, files)
@@ -203,7 +266,9 @@ def write_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        skip = {p.name for p in files} | {INDEX_FILE, "config.json", SCALES_FILE, KVCAL_DIR}
+        for name, content in quant_files.items():
+            (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
+        skip = {p.name for p in files} | {INDEX_FILE, "config.json", SCALES_FILE, KVCAL_DIR} | set(quant_files)
         for item in sorted(source.iterdir()):
             if item.name in skip or item.name.startswith("."):
                 continue
@@ -219,6 +284,23 @@ def write_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """Remove temporary directories that a killed run (SIGKILL, power loss) left beside ``out``."""
+    for tmp in out.parent.glob(f".{out.name}.kvcal-tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            if int(pid) != os.getpid():
+                continue  # another live run owns it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:

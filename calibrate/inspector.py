@@ -1,0 +1,445 @@
+"""Read any checkpoint's FP8 KV-cache scales the way vLLM would, and say what is wrong with them.
+
+Handles kvcal's and llm-compressor's form (compressed-tensors ``kv_cache_scheme``, ``self_attn.k_scale``),
+ModelOpt's (``self_attn.k_proj.k_scale`` + ``hf_quant_config.json``), fused ``qkv_proj.k_scale``, old
+llm-compressor / Quark ``k_proj.output_scale`` and the legacy fused ``kv_scale``. No model is loaded:
+attention layers come from the tensor names and config.json, and only the scale tensors are read
+(plus a few weights for the opt-in ``check_weights`` heuristic), so it runs in about a second.
+
+    inspect()  config.json → files vLLM loads → scale tensors → per-layer scales → problems
+    apply()    one calibration's scales → another checkpoint of the same architecture (via api.export)
+"""
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .api import CalibrationResult, export, load_calibration
+from .export import HF_QUANT_CONFIG, INDEX_FILE, KVCAL_DIR, OLD_SCALE_PATTERN
+from .fp8 import FORMATS
+
+# Scale tensor name after the attention prefix → (kind, quantization methods under which vLLM maps it,
+# None = any). From vLLM 0.32's QuantizationConfig.get_cache_scale_mapper and its fp8/quark overrides.
+SCALE_SOURCES: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    "k_scale": ("k", None),
+    "v_scale": ("v", None),
+    "q_scale": ("q", None),
+    "k_proj.k_scale": ("k", None),  # ModelOpt
+    "v_proj.v_scale": ("v", None),  # ModelOpt
+    "qkv_proj.k_scale": ("k", None),  # fused projection names
+    "qkv_proj.v_scale": ("v", None),
+    "kv_scale": ("k", None),  # legacy: vLLM copies it to v_scale when the cache is FP8
+    "k_proj.output_scale": ("k", ("fp8", "quark")),  # old llm-compressor, Quark
+    "v_proj.output_scale": ("v", ("fp8", "quark")),
+    "q_proj.output_scale": ("q", ("fp8", "quark")),
+}
+_QWEN3_5 = ("vLLM's Qwen3.5 loaders do not load checkpoint KV scales (vllm#54623, open): an FP8 cache runs at scale 1.0 "
+            "whatever the checkpoint holds")
+# Families whose vLLM loader has dropped checkpoint KV scales: model_type → (severity, what to tell the user).
+IGNORES_CHECKPOINT_SCALES = {
+    "qwen3_moe": ("warning", "vLLM dropped checkpoint KV scales for Qwen3-MoE (vllm#25047) until vllm#35656 (merged "
+                  "2026-03-01); serve with a vLLM release that has the fix, and check its log for 'scaling factor 1.0'"),
+    "qwen3_vl_moe": ("warning", "vLLM dropped checkpoint KV scales for Qwen3-VL-MoE until vllm#35656 (merged 2026-03-01); "
+                     "serve with a vLLM release that has the fix"),
+    "qwen3_5": ("error", _QWEN3_5),
+    "qwen3_5_moe": ("error", _QWEN3_5),
+}
+# RMSNorm weights stored as an offset from 1 (the norm multiplies by 1 + weight): model_type → offset.
+NORM_OFFSET = {"gemma": 1.0, "gemma2": 1.0, "gemma3": 1.0, "gemma3_text": 1.0}
+# Attention modules of the decoder: "...layers.N.self_attn.<anything>"; towers and MTP heads are not.
+_ATTENTION = re.compile(r"^(?P<prefix>(?:[\w.]*\.)?layers\.(?P<idx>\d+)\.self_attn)\.")
+_NOT_DECODER = ("vision", "visual", "audio", "mtp.")
+# Heuristic range of absmax (= scale × 448) over the weight-based estimate (``_weight_estimates``): measured
+# 2.5–9.1 on every layer of SmolLM2-135M calibrated on KJV text, ~3.7 on tiny random models.
+_HEURISTIC_LOW, _HEURISTIC_HIGH = 1.0, 50.0
+FP8_MAX = FORMATS["e4m3fn"].max  # checkpoint scales are in e4m3fn units (vLLM doubles them on e4m3fnuz platforms)
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors dtypes the weight check reads
+
+
+@dataclass
+class LoadedScale:
+    """One scale as vLLM loads it."""
+
+    value: list[float]  # flattened: one value per tensor, or one per head
+    tensor: str | None  # checkpoint tensor it comes from; None when absent (vLLM uses 1.0)
+    file: str | None = None
+
+
+@dataclass
+class LayerScales:
+    """The k, v and q scales of one attention layer."""
+
+    index: int
+    prefix: str
+    sliding_window: bool
+    scales: dict[str, LoadedScale] = field(default_factory=dict)  # kind → scale
+
+
+@dataclass
+class Problem:
+    severity: str  # "error": vLLM will misuse or ignore the scales; "warning": may be fine, check it
+    message: str
+    layer: int | None = None
+
+
+@dataclass
+class Inspection:
+    """What ``kvcal inspect`` found; ``ok()`` decides the exit status."""
+
+    checkpoint: str
+    model_type: str
+    producer: str  # kvcal, llm-compressor, ModelOpt, Quark, ... (a guess from the files)
+    quant_method: str | None
+    strategy: str  # "tensor" or "attn_head"
+    layers: list[LayerScales]
+    problems: list[Problem]
+
+    def ok(self, strict: bool = False) -> bool:
+        """No errors (and, with ``strict``, no warnings either)."""
+        bad = ("error", "warning") if strict else ("error",)
+        return not any(p.severity in bad for p in self.problems)
+
+    def to_json(self) -> dict:
+        return asdict(self) | {"ok": self.ok()}
+
+    def text(self) -> str:
+        """The per-layer table and the problems, for a person."""
+        head = (
+            f"{self.checkpoint}: {self.model_type}, {len(self.layers)} attention layers, written by {self.producer}, "
+            f"quantization {self.quant_method or 'none'}, KV strategy {self.strategy}; tensor names below are under "
+            + re.sub(r"\.\d+\.", ".N.", self.layers[0].prefix)
+        )
+        lines = [head, f"{'layer':>5}  {'window':<7}  " + "".join(f"{kind + '_scale (tensor)':<30}" for kind in "kvq").rstrip()]
+        for layer in self.layers:
+            cells = []
+            for kind in "kvq":
+                s = layer.scales[kind]
+                shown = f"{max(s.value):.4g}" + (f" (max of {len(s.value)})" if len(s.value) > 1 else "")
+                source = s.tensor[len(layer.prefix) + 1 :] if s.tensor else "absent: 1.0"
+                cells.append(f"{shown} {source:<{29 - len(shown)}}")
+            lines.append(f"{layer.index:>5}  {'sliding' if layer.sliding_window else 'full':<7}  " + "".join(cells).rstrip())
+        for severity in ("error", "warning"):
+            found = [p for p in self.problems if p.severity == severity]
+            if found:
+                lines.append(f"{severity}s ({len(found)}):")
+                lines += [f"  {'layer ' + str(p.layer) + ': ' if p.layer is not None else ''}{p.message}" for p in found]
+        lines.append("OK" if self.ok() else "FAILED: vLLM would not use these scales as calibrated")
+        return "\n".join(lines)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def loaded_files(directory: Path, problems: list[Problem]) -> list[Path]:
+    """The safetensors files vLLM loads: those the index lists, or every top-level one when there is no index."""
+    present = sorted(directory.glob("*.safetensors"))
+    if not (directory / INDEX_FILE).is_file():
+        return present
+    listed = set(_read_json(directory / INDEX_FILE).get("weight_map", {}).values())
+    for name in sorted(listed - {p.name for p in present}):
+        problems.append(Problem("error", f"{INDEX_FILE} lists {name}, which does not exist; vLLM fails to load"))
+    for path in present:
+        if path.name not in listed and any(OLD_SCALE_PATTERN.search(n) for n in _names(path)):
+            problems.append(Problem("error", f"{path.name} holds KV scales but is not listed in {INDEX_FILE}, so vLLM ignores it; add its tensors to the index"))
+    return [p for p in present if p.name in listed]
+
+
+def _names(path: Path) -> list[str]:
+    with safe_open(str(path), "pt") as f:
+        return list(f.keys())
+
+
+def attention_prefixes(names: list[str]) -> dict[int, str]:
+    """Layer index → attention module prefix, found in tensor names (towers and MTP heads left out)."""
+    found: dict[int, str] = {}
+    for name in names:
+        m = _ATTENTION.match(name)
+        if m and not any(word in m["prefix"] for word in _NOT_DECODER):
+            found.setdefault(int(m["idx"]), m["prefix"])
+    return dict(sorted(found.items()))
+
+
+def checkpoint_prefixes(checkpoint: str | Path) -> dict[int, str]:
+    """Layer index → attention prefix of a checkpoint directory, from the headers of the files vLLM loads."""
+    directory = Path(checkpoint)
+    return attention_prefixes([n for path in loaded_files(directory, []) for n in _names(path)])
+
+
+def _quant_config(directory: Path, config: dict) -> dict | None:
+    """The quantization config vLLM uses: config.json's, else hf_quant_config.json (ModelOpt ≤ 0.29)."""
+    quant = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+    if quant is None and (directory / HF_QUANT_CONFIG).is_file():
+        quant = _read_json(directory / HF_QUANT_CONFIG) | {"quant_method": "modelopt"}
+    return quant
+
+
+def _kv_declaration(quant: dict | None, problems: list[Problem]) -> str:
+    """Check the config's FP8 KV declaration; return the scale strategy vLLM expects ("tensor" or "attn_head")."""
+    if quant is None:
+        return "tensor"
+    method = str(quant.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        scheme = quant.get("kv_cache_scheme")
+        if scheme is None:
+            problems.append(Problem("warning", "quantization_config has no kv_cache_scheme: vLLM loads the scales, but "
+                                    "--kv-cache-dtype auto stays bf16; serve with --kv-cache-dtype fp8"))
+            return "tensor"
+        wanted = {"num_bits": 8, "type": "float", "dynamic": False, "symmetric": True}
+        for key, value in wanted.items():
+            if scheme.get(key, value) != value:
+                problems.append(Problem("error", f"kv_cache_scheme.{key} is {scheme.get(key)!r}; vLLM needs {value!r} for static FP8 scales"))
+        strategy = scheme.get("strategy", "tensor")
+        if strategy not in ("tensor", "attn_head"):
+            problems.append(Problem("error", f"kv_cache_scheme.strategy {strategy!r}: vLLM accepts only 'tensor' or 'attn_head'"))
+        return strategy if strategy == "attn_head" else "tensor"
+    if method.startswith("modelopt"):
+        nested = quant.get("quantization") if isinstance(quant.get("quantization"), dict) else quant
+        declared = str(nested.get("kv_cache_quant_algo") or "").upper() == "FP8" or (
+            (quant.get("kv_cache_scheme") or {}).get("num_bits") == 8
+        )
+        if not declared:
+            problems.append(Problem("warning", "the ModelOpt config does not set kv_cache_quant_algo FP8: --kv-cache-dtype "
+                                    "auto stays bf16; serve with --kv-cache-dtype fp8"))
+    return "tensor"
+
+
+def _producer(directory: Path, quant: dict | None) -> str:
+    if (directory / KVCAL_DIR / "calibration.json").is_file():
+        return "kvcal"
+    method = str((quant or {}).get("quant_method", "")).lower()
+    return {"compressed-tensors": "llm-compressor", "quark": "Quark", "fp8": "vLLM fp8 config"}.get(
+        method, "ModelOpt" if method.startswith("modelopt") else "unknown tool"
+    )
+
+
+def _sliding_layers(config: dict) -> set[int]:
+    """Indices of sliding-window layers, from config.json's layer_types (as vLLM's skip-layers option reads them)."""
+    text = config.get("text_config", config)
+    return {i for i, kind in enumerate(text.get("layer_types") or []) if kind == "sliding_attention"}
+
+
+def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
+    """Read a checkpoint's KV scales as vLLM would load them, and list every problem.
+
+    Args:
+        checkpoint: a Hugging Face checkpoint directory (config.json + safetensors).
+        check_weights: also compare each k/v scale with what the layer's weights suggest (a heuristic;
+            reads the projection and norm weights, so it is slower on big models).
+
+    Raises:
+        ValueError: the directory is not a safetensors checkpoint.
+    """
+    directory = Path(checkpoint)
+    # 1. config.json and the quantization config vLLM would use.
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"{checkpoint} is not a checkpoint: it has no config.json; pass a Hugging Face model directory")
+    config = _read_json(directory / "config.json")
+    text = config.get("text_config", config)
+    model_type = text.get("model_type") or config.get("model_type", "unknown")
+    problems: list[Problem] = []
+    quant = _quant_config(directory, config)
+    method = str(quant.get("quant_method", "")).lower() if quant else None
+    strategy = _kv_declaration(quant, problems)
+
+    # 2. The files vLLM loads and every tensor name in them; a name stored twice is kept from one file only.
+    files = loaded_files(directory, problems)
+    if not files:
+        raise ValueError(f"{checkpoint} is not a checkpoint vLLM can load: it has no .safetensors weight files")
+    where: dict[str, Path] = {}
+    for path in files:
+        for name in _names(path):
+            if name in where:
+                problems.append(Problem("error", f"{name} is stored in both {where[name].name} and {path.name}; vLLM keeps one of them silently"))
+            where[name] = path
+
+    # 3. Attention layers, and the scale tensors mapped onto them as vLLM maps them.
+    prefixes = attention_prefixes(list(where))
+    if not prefixes:
+        raise ValueError(f"{checkpoint} has no '...layers.N.self_attn.*' tensors; kvcal inspect reads decoder checkpoints only")
+    sliding = _sliding_layers(config)
+    layers = {i: LayerScales(i, p, i in sliding) for i, p in prefixes.items()}
+    by_prefix = {p: i for i, p in prefixes.items()}
+    sources: dict[tuple[int, str], list[str]] = {}
+    for name in where:
+        for suffix, (kind, methods) in SCALE_SOURCES.items():
+            prefix = name[: -len(suffix) - 1]
+            if name.endswith("." + suffix) and prefix in by_prefix:
+                if methods is not None and method not in methods:
+                    problems.append(Problem("error", f"{name}: vLLM maps {suffix} only for quant_method {' or '.join(methods)}, "
+                                            f"not {method}; it is ignored", by_prefix[prefix]))
+                else:
+                    sources.setdefault((by_prefix[prefix], kind), []).append(name)
+                break
+    if not sources:
+        problems.append(Problem("error", "no KV-cache scales: vLLM uses 1.0 for every layer; calibrate with kvcal calibrate"))
+    elif quant is None:
+        problems.append(Problem("error", "scales are present but config.json has no quantization_config, so vLLM creates no "
+                                "scale parameters and ignores them; re-export with kvcal export"))
+
+    # 4. Per layer: the value vLLM ends up with, and what is wrong with it.
+    num_heads = text.get("num_attention_heads")
+    num_kv_heads = text.get("num_key_value_heads") or num_heads
+    for (index, kind), names in sources.items():
+        if len(names) > 1:
+            problems.append(Problem("error", f"{kind}_scale comes from {len(names)} tensors ({', '.join(names)}); vLLM keeps one silently", index))
+        tensor = _read(where[names[-1]], names[-1])
+        layers[index].scales[kind] = LoadedScale(tensor.flatten().tolist(), names[-1], where[names[-1]].name)
+        _check_values(kind, tensor, names[-1], index, strategy, {"k": num_kv_heads, "v": num_kv_heads, "q": num_heads}[kind], problems)
+    for layer in layers.values():
+        _fill_missing(layer, bool(sources), problems)
+    _family_checks(model_type, strategy, layers, bool(sources), problems)
+    if check_weights and sources:
+        _weight_checks(layers, where, text, model_type, problems)
+    problems.sort(key=lambda p: -1 if p.layer is None else p.layer)  # checkpoint-wide first, then by layer
+    return Inspection(str(directory), model_type, _producer(directory, quant), method, strategy, list(layers.values()), problems)
+
+
+def _read(path: Path, name: str) -> torch.Tensor:
+    with safe_open(str(path), "pt") as f:
+        return f.get_tensor(name).float()
+
+
+def _check_values(kind: str, tensor: torch.Tensor, name: str, index: int, strategy: str, heads: int, problems: list[Problem]) -> None:
+    """Non-finite, non-positive and wrongly shaped scales."""
+    if not torch.isfinite(tensor).all():
+        problems.append(Problem("error", f"{name} holds NaN or Inf; vLLM's cache breaks", index))
+    elif not (tensor > 0).all():
+        problems.append(Problem("error", f"{name} is zero or negative ({tensor.min().item():g}); vLLM treats it as absent or fails", index))
+    expected = heads if strategy == "attn_head" else 1
+    if tensor.numel() != expected:
+        problems.append(Problem("error", f"{name} has shape {list(tensor.shape)} ({tensor.numel()} values) but strategy {strategy} "
+                                f"needs {expected}; vLLM refuses to load it", index))
+
+
+def _fill_missing(layer: LayerScales, any_scales: bool, problems: list[Problem]) -> None:
+    """What vLLM uses where a layer lacks a scale (vLLM 0.32 BaseKVCacheMethod.process_weights_after_loading)."""
+    k, v = layer.scales.get("k"), layer.scales.get("v")
+    if k and not v:
+        legacy = k.tensor.endswith(".kv_scale")
+        layer.scales["v"] = LoadedScale(k.value, k.tensor, k.file)
+        if not legacy:
+            problems.append(Problem("error", "no v_scale: vLLM copies k_scale into it", layer.index))
+    elif v and not k:
+        layer.scales["k"] = LoadedScale([1.0], None)
+        problems.append(Problem("error", "v_scale without k_scale: vLLM fails while loading (it asserts k_scale > 0)", layer.index))
+    elif not k and any_scales:
+        problems.append(Problem("error", "no k_scale or v_scale: vLLM uses 1.0 for this layer", layer.index))
+    for kind in "kv":
+        layer.scales.setdefault(kind, LoadedScale([1.0], None))
+    if "q" not in layer.scales:
+        layer.scales["q"] = LoadedScale([1.0], None)
+        if any_scales:
+            problems.append(Problem("warning", "no q_scale: where vLLM quantizes queries (FA3 on Hopper) it uses 1.0, so "
+                                    "queries beyond ±448 saturate", layer.index))
+    layer.scales = {kind: layer.scales[kind] for kind in "kvq"}
+
+
+def _family_checks(model_type: str, strategy: str, layers: dict[int, LayerScales], any_scales: bool, problems: list[Problem]) -> None:
+    """Checkpoint-wide notes: families whose loaders drop scales, per-head scales, legacy kv_scale."""
+    if model_type in IGNORES_CHECKPOINT_SCALES and any_scales:
+        severity, message = IGNORES_CHECKPOINT_SCALES[model_type]
+        problems.append(Problem(severity, message))
+    if strategy == "attn_head":
+        problems.append(Problem("warning", "per-head scales: only vLLM's FlashAttention-3 backend (Hopper) uses them; Triton "
+                                "and FlashInfer refuse them (serve with --attention-backend FLASH_ATTN)"))
+    if any(l.scales["k"].tensor and l.scales["k"].tensor.endswith(".kv_scale") for l in layers.values()):
+        problems.append(Problem("warning", "legacy kv_scale: vLLM uses it for both K and V; re-calibrate for separate k/v scales"))
+
+
+def _weight_checks(layers: dict[int, LayerScales], where: dict[str, Path], text: dict, model_type: str, problems: list[Problem]) -> None:
+    """Compare each layer's k/v scales with the weights (a heuristic; see ``_weight_estimates``)."""
+    for layer in layers.values():
+        for kind, (estimate, exact) in _weight_estimates(layer.prefix, where, text, model_type).items():
+            scale = layer.scales[kind]
+            if scale.tensor is None or not math.isfinite(max(scale.value)) or max(scale.value) <= 0:
+                continue
+            absmax = max(scale.value) * FP8_MAX
+            if exact and absmax > 1.01 * estimate:
+                problems.append(Problem("warning", f"{kind}_scale allows |{kind}| up to {absmax:.4g}, but the k-norm weight bounds "
+                                        f"|K| by {estimate:.4g}: the scale wastes precision (from another model?)", layer.index))
+            elif not exact and not (_HEURISTIC_LOW <= absmax / estimate <= _HEURISTIC_HIGH):
+                problems.append(Problem("warning", f"{kind}_scale implies |{kind}| up to {absmax:.4g}, {absmax / estimate:.3g}× the "
+                                        f"{estimate:.4g} its weights suggest (heuristic; expected {_HEURISTIC_LOW}–{_HEURISTIC_HIGH}×)", layer.index))
+
+
+def _weight_estimates(prefix: str, where: dict[str, Path], text: dict, model_type: str) -> dict[str, tuple[float, bool]]:
+    """What a layer's weights say about the range of K and V: kind → (value, is a hard bound).
+
+    - K after a k-norm (Qwen3, Gemma 3, OLMo 2): every element is at most max|γ_k|·√head_dim, since the
+      normalized head vector has RMS 1 and RoPE only rotates pairs. A hard upper bound.
+    - Otherwise (heuristic): with x the normed hidden state (RMS 1 before its norm weight γ), the typical
+      size of output channel j of a projection W is ‖W[j]·γ‖₂; kvcal expects absmax between
+      _HEURISTIC_LOW and _HEURISTIC_HIGH times the largest of these. Real hidden states have outlier
+      channels, so this only catches scales off by orders of magnitude.
+    Quantized (FP8/int) weights are skipped.
+    """
+    layer_root = prefix.rsplit(".", 1)[0]
+    offset = NORM_OFFSET.get(model_type, 0.0)
+    heads = text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    kv_size = (text.get("num_key_value_heads") or heads) * head_dim
+
+    def weight(name: str) -> torch.Tensor | None:  # None when absent or quantized
+        if name not in where:
+            return None
+        with safe_open(str(where[name]), "pt") as f:
+            if f.get_slice(name).get_dtype() not in _FLOAT_DTYPES:
+                return None
+            return f.get_tensor(name).float()
+
+    estimates = {}
+    k_norm = weight(f"{prefix}.k_norm.weight")
+    if k_norm is not None:
+        estimates["k"] = ((k_norm + offset).abs().max().item() * math.sqrt(head_dim), True)
+    gamma = weight(f"{layer_root}.input_layernorm.weight")
+    if gamma is None:
+        return estimates
+    gamma = gamma + offset
+    qkv = weight(f"{prefix}.qkv_proj.weight")  # Phi-3 stores q, k and v fused: rows [q | k | v]
+    projections = {
+        "k": weight(f"{prefix}.k_proj.weight") if qkv is None else qkv[-2 * kv_size : -kv_size],
+        "v": weight(f"{prefix}.v_proj.weight") if qkv is None else qkv[-kv_size:],
+    }
+    for kind, w in projections.items():
+        if w is not None and kind not in estimates:
+            estimates[kind] = ((w * gamma).norm(dim=1).max().item(), False)
+    return estimates
+
+
+def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False) -> CalibrationResult:
+    """Write the scales of one calibration into another checkpoint of the same architecture.
+
+    The scales are re-derived from SOURCE's statistics with SOURCE's own observer, granularity, headroom
+    and format, so they are exactly SOURCE's; ``api.export`` then checks model type, heads and head size
+    against CHECKPOINT's config.json and writes OUT (ModelOpt form when CHECKPOINT is a ModelOpt one).
+
+    Raises:
+        ValueError: SOURCE is not a kvcal output, or CHECKPOINT's attention layers are not SOURCE's.
+    """
+    # 1. The calibrated attention layers must be exactly the target's (export checks heads and head size).
+    _, provenance = load_calibration(source)
+    calibrated = {layer["layer_idx"]: layer["prefix"] for layer in provenance["layers"]}
+    if not (Path(checkpoint) / "config.json").is_file():
+        raise ValueError(f"{checkpoint} is not a checkpoint: it has no config.json")
+    target = checkpoint_prefixes(checkpoint)
+    if target != calibrated:
+        differ = sorted(set(target.items()) ^ set(calibrated.items()))[:3]
+        raise ValueError(
+            f"{checkpoint} has {len(target)} attention layers and {source} was calibrated on {len(calibrated)} "
+            f"(first differences: {differ}); apply needs the same architecture: calibrate this checkpoint instead"
+        )
+    # 2. Same settings as the calibration, so the written scales are the calibrated ones.
+    s = provenance["scales"]
+    return export(
+        source, out, model=checkpoint, observer=s["observer"], granularity=s["granularity"], headroom=s["headroom"],
+        query_scale="q" in s["scales"], fp8_format=s["fp8_format"], overwrite=overwrite,
+    )

@@ -1,0 +1,358 @@
+"""Recipes: named, validated YAML files holding the calibration settings that suit one model family.
+
+A recipe says which models it fits, what data and sequence settings to use, how statistics become
+scales, which layers the server should keep in bf16, which checkpoint form to write and what the
+verification pass should compare. ``extends:`` builds on another recipe (sections merge key by key,
+lists are replaced); command-line flags the user actually typed override recipe values. The recipe
+that was used, resolved after both, is saved as ``recipe`` in ``kvcal/calibration.json``; saved to a
+.json file on its own it is a valid recipe again, so a run can be repeated exactly.
+
+The shipped recipes live in the repository's ``recipes/`` directory and, in an installed wheel, in
+the package directory ``calibrate/recipe_files`` (pyproject maps one onto the other).
+"""
+
+import copy
+import difflib
+import json
+import warnings
+from pathlib import Path
+
+import yaml
+
+from .config import CalibrationConfig
+from .export import checkpoint_form
+from .fp8 import get_format
+from .inspector import IGNORES_CHECKPOINT_SCALES
+from .observers import parse_granularity, parse_observer
+from .verify import SCHEMES as VERIFY_SCHEMES
+
+DEFAULT_RECIPE = "default"
+# Where shipped recipes are found: a source checkout first, then the installed package's data.
+_CHECKOUT_DIR = Path(__file__).resolve().parent.parent / "recipes"
+_PACKAGE_DIR = Path(__file__).resolve().parent / "recipe_files"
+
+# Every key a recipe may hold and the type of its value; a nested dict is a section of keys.
+# "str?" may also be null; "list[str|int]" holds strings or integers.
+SCHEMA: dict = {
+    "name": "str",
+    "description": "str",
+    "extends": "str",
+    "notes": "list[str]",  # reasoning and caveats shown to the user when the recipe is used
+    "fits": {"model_types": "list[str]", "architectures": "list[str]"},  # empty: any model
+    "data": {
+        "sources": "list[str]",  # as --data; relative paths are relative to the working directory
+        "seq_len": "int",
+        "max_tokens": "int",
+        "chunk_len": "int",
+        "text_field": "str?",
+        "pack": "bool",
+        "seed": "int",
+        "long_records": "str",
+    },
+    "scales": {"observer": "str", "granularity": "str", "headroom": "float", "query_scale": "bool", "fp8_format": "str"},
+    "skip_layers": "list[str|int]",  # for vLLM's --kv-cache-dtype-skip-layers: "sliding_window" or layer indices
+    "export": {"form": "str"},
+    "verify": {"enabled": "bool", "schemes": "list[str]", "thresholds": "dict[str,float]"},
+}
+
+_TYPE_CHECKS = {
+    "str": lambda v: isinstance(v, str),
+    "str?": lambda v: v is None or isinstance(v, str),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "list[str|int]": lambda v: isinstance(v, list) and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v),
+    "dict[str,float]": lambda v: isinstance(v, dict)
+    and all(isinstance(k, str) and isinstance(x, (int, float)) and not isinstance(x, bool) for k, x in v.items()),
+}
+
+# Recipe key → the CalibrationConfig field it sets (the field's --flag overrides it on the command line).
+CONFIG_FIELDS = {
+    ("data", "sources"): "data",
+    ("data", "seq_len"): "seq_len",
+    ("data", "max_tokens"): "max_tokens",
+    ("data", "chunk_len"): "chunk_len",
+    ("data", "text_field"): "text_field",
+    ("data", "pack"): "pack",
+    ("data", "seed"): "seed",
+    ("data", "long_records"): "long_records",
+    ("scales", "observer"): "observer",
+    ("scales", "granularity"): "granularity",
+    ("scales", "headroom"): "headroom",
+    ("scales", "query_scale"): "query_scale",
+    ("scales", "fp8_format"): "fp8_format",
+    ("verify", "enabled"): "verify",
+}
+# export.form: "auto" writes the form of the source checkpoint (ModelOpt when it is a ModelOpt
+# checkpoint, else compressed-tensors); naming a form makes the run refuse a source of the other kind.
+EXPORT_FORMS = ("auto", "compressed-tensors", "modelopt")
+# verify.thresholds: the pass/fail thresholds of ``kvcal verify`` (VerifyConfig fields of the same name).
+VERIFY_THRESHOLDS = {
+    "max_kl": "a scheme passes with mean KL to the reference at most this (nats/token)",
+    "fail_kl": "a scheme fails with mean KL above this",
+    "min_top1": "a scheme passes with top-1 agreement at least this (0-1)",
+    "fail_top1": "a scheme fails with top-1 agreement below this",
+}
+
+
+def recipe_dirs() -> list[Path]:
+    """Directories holding shipped recipes: the checkout's ``recipes/`` if this is one, else package data."""
+    checkout = _CHECKOUT_DIR.is_dir() and (_CHECKOUT_DIR.parent / "pyproject.toml").is_file()
+    return [d for d in ([_CHECKOUT_DIR] if checkout else []) + [_PACKAGE_DIR] if d.is_dir()]
+
+
+def shipped_recipes() -> dict[str, Path]:
+    """Name → file of every shipped recipe (the first directory holding a name wins)."""
+    found: dict[str, Path] = {}
+    for directory in recipe_dirs():
+        for path in sorted(directory.glob("*.yaml")):
+            found.setdefault(path.stem, path)
+    return found
+
+
+def _locate(ref: str) -> Path:
+    """A recipe reference (shipped name or file path) → its file."""
+    path = Path(ref).expanduser()
+    if path.suffix in (".yaml", ".yml", ".json") or "/" in ref:
+        if not path.is_file():
+            raise ValueError(f"recipe file {ref} does not exist; pass a recipe name ({', '.join(shipped_recipes())}) or a YAML file")
+        return path
+    shipped = shipped_recipes()
+    if ref not in shipped:
+        close = difflib.get_close_matches(ref, list(shipped), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"no recipe named {ref!r}; {hint}choose one of: {', '.join(shipped)} (kvcal recipes list), or pass a YAML file")
+    return shipped[ref]
+
+
+def _leaf_paths(schema: dict, prefix: str = "") -> dict[str, str]:
+    """Key name → dotted path of every key in the schema, for suggestions."""
+    paths = {}
+    for key, kind in schema.items():
+        paths.setdefault(key, prefix + key)
+        if isinstance(kind, dict):
+            paths.update({k: v for k, v in _leaf_paths(kind, f"{prefix}{key}.").items() if k not in paths})
+    return paths
+
+
+def _suggest(key: str, siblings: list[str]) -> str:
+    """``; did you mean 'x'?`` for a misspelt or misplaced key, or nothing."""
+    close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    elsewhere = _leaf_paths(SCHEMA)
+    close = difflib.get_close_matches(key, list(elsewhere), n=1, cutoff=0.8)
+    return f"; did you mean {elsewhere[close[0]]!r}?" if close else ""
+
+
+def _check_shape(where: str, data, schema: dict, prefix: str = "") -> None:
+    """Unknown keys and wrong types, each error naming the dotted key."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: {prefix.rstrip('.') or 'the recipe'} must be a mapping of keys, got {type(data).__name__}")
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in schema:
+            raise ValueError(f"{where}: unknown key {path!r}{_suggest(str(key), list(schema))}")
+        kind = schema[key]
+        if isinstance(kind, dict):
+            _check_shape(where, value, kind, f"{path}.")
+        elif not _TYPE_CHECKS[kind](value):
+            raise ValueError(f"{where}: {path} must be {kind.replace('?', ' or null')}, got {value!r} ({type(value).__name__})")
+
+
+def _check_values(where: str, recipe: dict) -> None:
+    """Values the types alone do not catch (observer names, formats, layer names...)."""
+    checks = {
+        ("scales", "observer"): parse_observer,
+        ("scales", "granularity"): parse_granularity,
+        ("scales", "fp8_format"): get_format,
+    }
+    for (section, key), check in checks.items():
+        if key in recipe.get(section, {}):
+            try:
+                check(recipe[section][key])
+            except ValueError as e:
+                raise ValueError(f"{where}: {section}.{key}: {e}") from None
+    for item in recipe.get("skip_layers", []):
+        if item != "sliding_window" and not (isinstance(item, int) and item >= 0):
+            raise ValueError(f"{where}: skip_layers holds {item!r}; use 'sliding_window' or layer indices ≥ 0")
+    form = recipe.get("export", {}).get("form")
+    if form is not None and form not in EXPORT_FORMS:
+        raise ValueError(f"{where}: export.form {form!r}{_suggest(form, list(EXPORT_FORMS))}; choose one of: {', '.join(EXPORT_FORMS)}")
+    for scheme in recipe.get("verify", {}).get("schemes", []):
+        if scheme not in VERIFY_SCHEMES:
+            raise ValueError(f"{where}: verify.schemes holds {scheme!r}{_suggest(scheme, list(VERIFY_SCHEMES))}; choose from: {', '.join(VERIFY_SCHEMES)}")
+    for name, value in recipe.get("verify", {}).get("thresholds", {}).items():
+        if name not in VERIFY_THRESHOLDS:
+            raise ValueError(f"{where}: unknown key 'verify.thresholds.{name}'{_suggest(name, list(VERIFY_THRESHOLDS))}")
+        if not value >= 0:
+            raise ValueError(f"{where}: verify.thresholds.{name} must be ≥ 0, got {value}")
+    for section, key in (("data", "seq_len"), ("data", "max_tokens"), ("data", "chunk_len")):
+        value = recipe.get(section, {}).get(key)
+        if value is not None and value <= 0:
+            raise ValueError(f"{where}: {section}.{key} must be a positive integer, got {value}")
+
+
+def _merge(base: dict, override: dict) -> dict:
+    """``override`` on top of ``base``: sections merge key by key, everything else is replaced."""
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(SCHEMA.get(key), dict) and key in merged:
+            merged[key] = {**merged[key], **copy.deepcopy(value)}
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def load_recipe(ref: str, _seen: tuple[Path, ...] = ()) -> dict:
+    """Read, validate and resolve a recipe (shipped name or file), following ``extends``.
+
+    Returns:
+        The resolved recipe: a plain dict holding only SCHEMA keys.
+
+    Raises:
+        ValueError: naming the file and the key, with the right spelling when one is close.
+    """
+    path = _locate(ref)
+    where = f"recipe {path}"
+    if path.resolve() in _seen:
+        chain = " → ".join(str(p) for p in (*_seen, path.resolve()))
+        raise ValueError(f"{where}: 'extends' makes a cycle ({chain}); make one recipe extend the other, not both")
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where} is not valid YAML (or JSON): {e}") from None
+    data = {} if data is None else data
+    _check_shape(where, data, SCHEMA)
+    _check_values(where, data)
+    data.setdefault("name", path.stem)
+    if "extends" not in data:
+        return data
+    parent_ref = data["extends"]
+    if "/" in parent_ref and not Path(parent_ref).is_absolute():
+        parent_ref = str(path.parent / parent_ref)  # a relative file path is relative to this recipe
+    return _merge(load_recipe(parent_ref, (*_seen, path.resolve())), data)
+
+
+def model_family(model_dir: str | Path) -> tuple[list[str], list[str]]:
+    """(model types, architectures) from a checkpoint's config.json: the text model's type and, for a
+    multimodal checkpoint, the top-level one too."""
+    config_path = Path(model_dir) / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")
+    config = json.loads(config_path.read_text())
+    types = [config.get("text_config", {}).get("model_type"), config.get("model_type")]
+    return list(dict.fromkeys(t for t in types if t)), config.get("architectures") or []
+
+
+def check_fits(recipe: dict, model_dir: str | Path, *, force: bool = False) -> None:
+    """Refuse a recipe written for another family, unless ``force`` (then only warn).
+
+    A model fits when one of its model types or architectures is listed under ``fits``; a recipe
+    without ``fits`` fits every model.
+    """
+    fits = recipe.get("fits", {})
+    types, archs = fits.get("model_types", []), fits.get("architectures", [])
+    if not types and not archs:
+        return
+    model_types, architectures = model_family(model_dir)
+    if set(model_types) & set(types) or set(architectures) & set(archs):
+        return
+    message = (
+        f"recipe {recipe['name']!r} is written for {', '.join(types + archs)}, but {model_dir} is a "
+        f"{'/'.join(model_types) or 'model of unknown type'} ({', '.join(architectures) or 'no architectures'})"
+    )
+    if not force:
+        raise ValueError(f"{message}; choose a recipe for this family (kvcal recipes list) or pass --force to use it anyway")
+    warnings.warn(f"{message}; using it because of --force", stacklevel=2)
+
+
+def apply_overrides(recipe: dict, overrides: dict) -> dict:
+    """The recipe with CalibrationConfig field values given on the command line written into it.
+
+    Args:
+        recipe: a resolved recipe.
+        overrides: CalibrationConfig field → value, only for flags the user actually gave.
+    """
+    by_field = {field: path for path, field in CONFIG_FIELDS.items()}
+    resolved = copy.deepcopy(recipe)
+    for field, value in overrides.items():
+        if field not in by_field:
+            raise ValueError(f"{field!r} is not a setting a recipe holds; recipe settings: {', '.join(sorted(by_field))}")
+        section, key = by_field[field]
+        resolved.setdefault(section, {})[key] = value
+    return resolved
+
+
+def calibration_config(
+    *, recipe: str | None, model: str, out: str, force: bool = False, overwrite: bool = False,
+    device: str = "auto", dtype: str | None = None, progress: bool = True, **overrides,
+) -> CalibrationConfig:
+    """The validated CalibrationConfig of a run: recipe (default: ``default``) ← flags the user gave.
+
+    Args:
+        recipe: shipped recipe name or YAML file; None uses the ``default`` recipe.
+        model, out, overwrite, device, dtype, progress: as in CalibrationConfig (not recipe settings).
+        force: use a recipe written for another model family (with a warning).
+        **overrides: CalibrationConfig fields a recipe holds (``data``, ``seq_len``, ``observer``...), only
+            those the user set; None values are ignored, so a CLI can pass its parsed flags as they are.
+
+    Raises:
+        ValueError: bad recipe, a recipe for another family without ``force``, an export form the model's
+            checkpoint cannot take, or any CalibrationConfig check.
+    """
+    resolved = apply_overrides(load_recipe(recipe or DEFAULT_RECIPE), {k: v for k, v in overrides.items() if v is not None})
+    check_fits(resolved, model, force=force)
+    _check_export_form(resolved, model)
+    for model_type in set(model_family(model)[0]) & set(IGNORES_CHECKPOINT_SCALES):
+        warnings.warn(IGNORES_CHECKPOINT_SCALES[model_type][1], stacklevel=2)
+    settings = {field: resolved[section][key] for (section, key), field in CONFIG_FIELDS.items() if key in resolved.get(section, {})}
+    settings.setdefault("data", [])
+    config = CalibrationConfig(
+        model=model, out=out, overwrite=overwrite, device=device, dtype=dtype, progress=progress, recipe=resolved, **settings
+    )
+    return config.validate()
+
+
+def _check_export_form(recipe: dict, model: str) -> None:
+    """A named export form must be the one the model's checkpoint can take (ModelOpt cannot hold KV-only scales)."""
+    wanted = recipe.get("export", {}).get("form", "auto")
+    form = checkpoint_form(Path(model))
+    if wanted != "auto" and wanted != form:
+        raise ValueError(
+            f"recipe {recipe['name']!r} asks for the {wanted} form, but {model} is a {form} checkpoint "
+            f"(ModelOpt's form exists only inside a ModelOpt-quantized checkpoint); set export.form: auto"
+        )
+    if form == "modelopt" and recipe.get("scales", {}).get("granularity") == "head":
+        raise ValueError(f"{model} is a ModelOpt checkpoint, whose KV scales are per tensor; use granularity tensor")
+
+
+def serve_notes(recipe: dict) -> list[str]:
+    """What the recipe asks of the ``vllm serve`` command and of the user, one line each."""
+    lines = [f"recipe {recipe['name']}: {note}" for note in recipe.get("notes", [])]
+    skip = recipe.get("skip_layers", [])
+    if skip:
+        value = ",".join(str(s) for s in skip)
+        lines.append(f"recipe {recipe['name']}: keep these layers in bf16 when serving: add --kv-cache-dtype-skip-layers {value}")
+    return lines
+
+
+def describe(name: str) -> str:
+    """``kvcal recipes show``: the recipe file as written (with its reasoning), then its resolved form."""
+    path = _locate(name)
+    resolved = load_recipe(name)
+    return f"# {path}\n{path.read_text().rstrip()}\n\n# resolved (after extends):\n" + yaml.safe_dump(resolved, sort_keys=False)
+
+
+def listing() -> str:
+    """``kvcal recipes list``: one line per shipped recipe: name, what it fits, description."""
+    rows = []
+    for name in shipped_recipes():
+        recipe = load_recipe(name)
+        target = ", ".join(recipe.get("fits", {}).get("model_types", [])) or "any model"
+        rows.append((name, target, recipe.get("description", "")))
+    width = max(len(r[0]) for r in rows)
+    twidth = max(len(r[1]) for r in rows)
+    return "\n".join(f"{n:<{width}}  {t:<{twidth}}  {d}" for n, t, d in rows)
