@@ -57,7 +57,7 @@ _NOT_DECODER = ("vision", "visual", "audio", "mtp.")
 # Heuristic range of absmax (= scale × 448) over the weight-based estimate (``_weight_estimates``): measured
 # 2.5–9.1 on every layer of SmolLM2-135M calibrated on KJV text, ~3.7 on tiny random models.
 _HEURISTIC_LOW, _HEURISTIC_HIGH = 1.0, 50.0
-FP8_MAX = FORMATS["e4m3fn"].max  # checkpoint scales are in e4m3fn units (vLLM doubles them on e4m3fnuz platforms)
+FP8_MAX = FORMATS["e4m3fn"].max  # the weight heuristic assumes e4m3fn units (see docs/vllm-notes.md for e4m3fnuz)
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors dtypes the weight check reads
 
 

@@ -17,9 +17,12 @@ OBSERVERS = ("max", "percentile:P", "mse", "sink-aware")
 GRANULARITIES = ("tensor", "head", "token")
 # Samples per histogram bin when integrating the quantization error (stratified, uniform in the bin).
 _SAMPLES_PER_BIN = 4
-# MSE search: candidate scales from absmax/fmt.max down by up to 2**-8, in steps of 2**(1/16).
+# MSE search: candidate scales absmax/fmt.max × 2**(−j/16) for j < _MSE_STEPS (down to 2**-8 of the
+# max scale), searched coarse to fine: every _MSE_COARSE-th j, then every j within _MSE_COARSE of the best.
 _MSE_STEPS = 128
-_MSE_STEP = 2.0 ** (-1 / 16)
+_MSE_COARSE = 8
+# Candidate × sample pairs evaluated at once in the MSE search: bounds its memory (~25 bytes of temporaries each).
+_MSE_BATCH = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -64,20 +67,30 @@ class Prediction:
     rel_mse: torch.Tensor  # E[(x − q(x))²] / E[x²]
 
 
-def _bin_samples(absmax: torch.Tensor) -> torch.Tensor:
-    """Representative |x| values of every bin: [..., NUM_BINS, _SAMPLES_PER_BIN] float64, clipped to absmax."""
-    edges = bin_edges()  # [NUM_BINS, 2]
-    lo, hi = edges[:, 0], edges[:, 1].clamp(max=2.0**30)
+def _bin_samples(bins: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """Representative |x| values of the histogram bins ``bins`` (int64), uniform inside each bin.
+
+    ``top`` (float64, broadcasting against ``bins``) clips them: no value lies above absmax.
+    Returns [..., _SAMPLES_PER_BIN] float64.
+    """
+    edges = bin_edges()[bins]  # [..., 2]
+    lo, hi = edges[..., 0], edges[..., 1].clamp(max=2.0**30)
     t = (torch.arange(_SAMPLES_PER_BIN, dtype=torch.float64) + 0.5) / _SAMPLES_PER_BIN  # [S]
-    samples = lo[:, None] + (hi - lo)[:, None] * t  # [NUM_BINS, S]
-    return torch.minimum(samples, absmax.double()[..., None, None])  # [..., NUM_BINS, S]
+    samples = lo[..., None] + (hi - lo)[..., None] * t  # [..., S]
+    return torch.minimum(samples, top[..., None])
 
 
 def _sq_error(samples: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    """Squared quantize-dequantize error of ``samples`` [..., NB, S] at ``scale`` [...], mean over S → [..., NB]."""
-    s = scale.double()[..., None, None]
-    q = (samples / s).clamp(-fmt.max, fmt.max).float().to(fmt.dtype).double() * s
-    return (samples - q).square().mean(-1)
+    """Squared quantize-dequantize error of ``samples`` [..., S] at ``scale``, mean over S → [...] float64.
+
+    ``scale`` (float64) broadcasts against ``samples.shape[:-1]``. Like vLLM's cache write,
+    ``fp8(x / scale)`` is computed in float32.
+    """
+    y = samples.float() / scale.float()[..., None]  # [..., S], in units of the scale
+    decoded = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float()  # the value of every FP8 code
+    codes = y.clamp(-fmt.max, fmt.max).to(fmt.dtype).view(torch.uint8).long()  # [..., S]
+    y.sub_(decoded.take(codes)).square_()  # a table look-up: faster than converting FP8 to float
+    return y.mean(-1).double() * scale.double().square()
 
 
 @torch.no_grad()
@@ -87,24 +100,24 @@ def predict(hist: torch.Tensor, absmax: torch.Tensor, sumsq: torch.Tensor, scale
     Shapes: hist [..., NUM_BINS]; absmax, sumsq and scale [...]. Partial bins are split assuming
     values are uniform inside a bin, so the fractions are exact up to one bin's width.
     """
-    counts = hist.double()
+    bins = (hist.reshape(-1, NUM_BINS).sum(0) > 0).nonzero().flatten()  # bins non-empty anywhere: [nb]
+    counts = hist[..., bins].double()  # [..., nb]; the empty bins add nothing
     n = counts.sum(-1).clamp(min=1)
-    edges = bin_edges()
+    edges = bin_edges()[bins]  # [nb, 2]
     top = absmax.double()[..., None]  # no value lies above absmax: clip the bins to it
-    lo, hi = torch.minimum(edges[:, 0], top), torch.minimum(edges[:, 1], top)  # [..., NB]
+    lo, hi = torch.minimum(edges[:, 0], top), torch.minimum(edges[:, 1], top)  # [..., nb]
     width = (hi - lo).clamp(min=1e-300)
 
     def fraction_above(t: torch.Tensor) -> torch.Tensor:  # t [...] → fraction of elements with |x| > t
-        share = ((hi - t[..., None]) / width).clamp(0, 1)  # [..., NB]
+        share = ((hi - t[..., None]) / width).clamp(0, 1)  # [..., nb]
         return (counts * share).sum(-1) / n
 
     def fraction_between_zero_and(t: torch.Tensor) -> torch.Tensor:
-        share = ((t[..., None] - lo) / width).clamp(0, 1)
-        share[..., 0] = 0  # exact zeros are not underflow
+        share = ((t[..., None] - lo) / width).clamp(0, 1) * (bins > 0)  # exact zeros (bin 0) are not underflow
         return (counts * share).sum(-1) / n
 
     s = scale.double()
-    sq = (counts * _sq_error(_bin_samples(absmax), s, fmt)).sum(-1)
+    sq = (counts * _sq_error(_bin_samples(bins, top), s[..., None], fmt)).sum(-1)
     return Prediction(
         saturated=fraction_above(fmt.max * s).float(),
         underflow=fraction_between_zero_and(fmt.min_normal * s).float(),
@@ -122,21 +135,35 @@ def _percentile_value(hist: torch.Tensor, absmax: torch.Tensor, p: float) -> tor
 
 
 def _mse_scale(hist: torch.Tensor, absmax: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    """The scale, among absmax/fmt.max × 2**(−j/16), j < _MSE_STEPS, with least expected squared error."""
+    """The scale, among absmax/fmt.max × 2**(−j/16), j < _MSE_STEPS, with least expected squared error.
+
+    The error is ``predict``'s (bin samples weighted by counts), over the non-empty bins only. The
+    search is coarse to fine: every _MSE_COARSE-th j, then each j within _MSE_COARSE of the best
+    (the error is smooth in the scale apart from ripples smaller than a coarse step). Ties go to the
+    larger scale. Never below SCALE_FLOOR. Shapes: hist [..., NUM_BINS], absmax [...] → [...].
+    """
     base = (absmax.double() / fmt.max).clamp(min=SCALE_FLOOR)  # [...]
-    factors = _MSE_STEP ** torch.arange(_MSE_STEPS, dtype=torch.float64)  # [C]
-    counts = hist.double()
-    used = counts.flatten(0, -2).sum(0) > 0  # bins non-empty anywhere: [NB]
-    samples = _bin_samples(absmax)[..., used, :]  # [..., nb, S]
-    best_err = torch.full_like(base, float("inf"))
-    best = base.clone()
-    for f in factors:
-        cand = base * f
-        err = (counts[..., used] * _sq_error(samples, cand, fmt)).sum(-1)  # [...]
-        better = err < best_err
-        best = torch.where(better, cand, best)
-        best_err = torch.where(better, err, best_err)
-    return best
+    counts = hist.reshape(-1, NUM_BINS)  # [R, NB], one row per scale
+    rows, bins = counts.nonzero(as_tuple=True)  # the non-empty bins: [N] each
+    weight = counts[rows, bins].double()  # [N]
+    samples = _bin_samples(bins, absmax.double().flatten()[rows])  # [N, S]
+    row_base = base.flatten()[rows]  # [N]
+    every_row = torch.arange(counts.shape[0])  # [R]
+
+    def best_of(steps: torch.Tensor) -> torch.Tensor:
+        """steps [C, R] candidate j per row → the j with least error per row [R] (first of equals)."""
+        err = torch.zeros(steps.shape, dtype=torch.float64)  # [C, R]
+        batch = max(1, _MSE_BATCH // max(1, samples.numel()))
+        for c in range(0, steps.shape[0], batch):
+            cand = (row_base * torch.exp2(-steps[c : c + batch, rows] / 16)).clamp(min=SCALE_FLOOR)  # [c, N]
+            err[c : c + batch].index_add_(1, rows, weight * _sq_error(samples, cand, fmt))  # [c, R]
+        return steps[err.argmin(0), every_row]
+
+    coarse = torch.arange(0, _MSE_STEPS, _MSE_COARSE, dtype=torch.float64)[:, None].expand(-1, len(every_row))  # [C, R]
+    best = best_of(coarse)  # [R]
+    around = torch.arange(-_MSE_COARSE + 1, _MSE_COARSE, dtype=torch.float64)[:, None]  # [2*_MSE_COARSE - 1, 1]
+    best = best_of((best + around).clamp(0, _MSE_STEPS - 1))  # [R]
+    return (base * torch.exp2(-best / 16).view(base.shape)).clamp(min=SCALE_FLOOR)
 
 
 @torch.no_grad()

@@ -10,7 +10,7 @@ tensor kind with L observed attention layers and H heads (KV heads for k/v, quer
     token_hist      [L, H, NB]    int64    histogram of per-token absmax (what per-token scaling sees)
     sink_hist       [L, H, NB]    int64    |x| histogram of the first SINK_POSITIONS positions only
     pos_absmax      [L, H, P]     float32  absmax by position bucket
-    pos_sumsq       [L, H, P]     float64  sum of x² by position bucket
+    pos_sumsq       [L, H, P]     float64  sum of x² by position bucket (float32 within one update)
     channel_absmax  [L, H, D]     float32  absmax by channel (outlier channels)
     nonfinite       [L, H]        int64    (token, head) rows holding a NaN or Inf
     token_sqerr     [L, H]        float64  squared error of per-token-head e4m3fn quantization
@@ -19,7 +19,8 @@ and per layer (shared by the kinds): ``tokens [L]`` and ``pos_tokens [L, P]``.
 
 Histogram bins come straight from float32 bits: ``bits >> 18`` is the exponent followed by the top
 5 mantissa bits, so each octave is cut into 32 equal bins whose edges include every FP8 e4m3 value
-(3 mantissa bits) exactly. Bin 0 holds exact zeros, bin 1 everything in (0, 2**HIST_MIN_EXP), the
+(3 mantissa bits) exactly. Bin 0 holds exact zeros (and float32's tiniest subnormals, below 2**-131, which
+are zero to any FP8 scale), bin 1 everything else in (0, 2**HIST_MIN_EXP), the
 last bin everything at or above 2**HIST_MAX_EXP (and Inf/NaN).
 """
 

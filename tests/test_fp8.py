@@ -1,0 +1,245 @@
+"""Tests for calibrate/fp8.py against an independent float64 model of the FP8 e4m3 formats.
+
+The reference decodes all 256 codes of each format from its bit layout (sign, 4-bit exponent, 3-bit
+mantissa, subnormals, the format's own NaN codes) and rounds to nearest, ties to the even code, by
+looking up the two neighbours of every value: no torch FP8 conversion is involved.
+``e4m3_round``, ``e4m3_quantize_dequantize`` and ``tie_and_neighbour_values`` also serve test_stats.py and
+test_observers.py.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from calibrate.fp8 import FORMATS, SCALE_FLOOR, amax_to_scale, get_format, per_token_scale, quantize, quantize_dequantize
+
+# Exponent bias of each format; e4m3fn has NaN at S.1111.111, e4m3fnuz at 1.0000.000 (its "-0").
+BIAS = {"e4m3fn": 7, "e4m3fnuz": 8}
+
+
+def e4m3_codes(name: str) -> np.ndarray:
+    """Value of each of the 256 codes of ``name``, float64 [256], NaN where the code is NaN."""
+    bias = BIAS[name]
+    values = np.empty(256)
+    for code in range(256):
+        sign, exponent, mantissa = code >> 7, (code >> 3) & 0xF, code & 0x7
+        if exponent == 0:  # subnormal: 0.mmm × 2**(1 - bias)
+            magnitude = mantissa / 8 * 2.0 ** (1 - bias)
+        else:  # normal: 1.mmm × 2**(exponent - bias)
+            magnitude = (1 + mantissa / 8) * 2.0 ** (exponent - bias)
+        values[code] = -magnitude if sign else magnitude
+    if name == "e4m3fn":
+        values[0x7F] = values[0xFF] = np.nan
+    else:
+        values[0x80] = np.nan
+    return values
+
+
+def _positive_grid(name: str) -> np.ndarray:
+    """Non-negative finite values in code order (codes 0, 1, ...: increasing), float64."""
+    positive = e4m3_codes(name)[:128]
+    return positive[np.isfinite(positive)]
+
+
+def e4m3_round(y: np.ndarray, name: str = "e4m3fn") -> np.ndarray:
+    """Nearest value of format ``name`` to each float64 ``y``, ties to the even code, saturating at ±max.
+
+    NaN stays NaN; ±Inf saturate (what clamp-then-convert does).
+    """
+    grid = _positive_grid(name)  # index == code, so an even index is an even code
+    a = np.minimum(np.abs(y), grid[-1])
+    i = np.clip(np.searchsorted(grid, a, side="right") - 1, 0, len(grid) - 1)  # grid[i] <= a
+    j = np.minimum(i + 1, len(grid) - 1)
+    below, above = a - grid[i], grid[j] - a
+    pick_upper = (above < below) | ((above == below) & (j % 2 == 0) & (j != i))
+    out = np.where(pick_upper, grid[j], grid[i])
+    out = np.where(np.isnan(y), np.nan, out)
+    return np.copysign(out, y)
+
+
+def e4m3_quantize_dequantize(x: np.ndarray, scale, name: str = "e4m3fn") -> np.ndarray:
+    """float64 model of reading ``x`` back from an FP8 cache: round(x / scale) × scale.
+
+    ``x / scale`` is taken in float32 (what vLLM and kvcal compute), then rounded in float64.
+    """
+    y = (np.asarray(x, np.float32) / np.asarray(scale, np.float32)).astype(np.float64)
+    return e4m3_round(y, name) * np.asarray(scale, np.float32).astype(np.float64)
+
+
+def tie_and_neighbour_values(name: str) -> np.ndarray:
+    """Every representable value, every midpoint between neighbours (a tie), and one float32 step on either side."""
+    grid = _positive_grid(name)
+    mids = (grid[:-1] + grid[1:]) / 2
+    mids32 = mids.astype(np.float32)
+    assert (mids32 == mids).all(), "midpoints of an e4m3 grid have 5 significant bits: exact in float32"
+    nudged = np.concatenate([np.nextafter(mids32, np.float32(0)), np.nextafter(mids32, np.float32(np.inf))])
+    values = np.concatenate([grid, mids, nudged.astype(np.float64)])
+    return np.concatenate([values, -values]).astype(np.float32)
+
+
+def _edge_values(name: str) -> np.ndarray:
+    """Saturation, the smallest subnormals, values that flush to zero, and random values over the whole range."""
+    fmt = FORMATS[name]
+    rng = np.random.default_rng(0)
+    log_uniform = np.exp2(rng.uniform(-14, 12, 20_000)) * rng.choice([-1, 1], 20_000)
+    special = [
+        fmt.max, fmt.max * 1.03, fmt.max * 1.07, fmt.max * 2, 1e6, 3e38, np.inf,  # saturate to max
+        fmt.min_subnormal, fmt.min_subnormal / 2,  # half the smallest subnormal: a tie between 0 and it → 0
+        np.nextafter(np.float32(fmt.min_subnormal / 2), np.float32(1)), fmt.min_subnormal / 4, 1e-30, 1e-45,
+        fmt.min_normal, fmt.min_normal * (1 - 2**-24), 0.0,
+    ]
+    values = np.concatenate([special, -np.asarray(special), log_uniform])
+    return values.astype(np.float32)
+
+
+FORMAT_NAMES = list(FORMATS)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_code_table_matches_torch_decoding_and_format_limits(name):
+    fmt = FORMATS[name]
+    ours = e4m3_codes(name)
+    theirs = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).double().numpy()
+    np.testing.assert_array_equal(ours, theirs)  # NaN positions must agree too
+    finite = ours[np.isfinite(ours)]
+    positive = finite[finite > 0]
+    assert fmt.max == finite.max() == -finite.min()
+    assert fmt.min_subnormal == positive.min()
+    assert fmt.min_normal == 2.0 ** (1 - BIAS[name])
+    assert fmt.mantissa_bits == 3
+    assert len(np.unique(finite)) == (253 if name == "e4m3fn" else 255)  # e4m3fn: ±0 equal, two NaNs
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize("values", ["ties_and_neighbours", "edges_and_random"])
+def test_quantize_dequantize_unit_scale_equals_reference(name, values):
+    fmt = FORMATS[name]
+    x = tie_and_neighbour_values(name) if values == "ties_and_neighbours" else _edge_values(name)
+    got = quantize_dequantize(torch.from_numpy(x), 1.0, fmt).double().numpy()
+    np.testing.assert_array_equal(got, e4m3_round(x.astype(np.float64), name))
+
+
+# Hand-worked roundings in e4m3fn units (e4m3fnuz: every value halves). value → expected.
+HAND_CASES = {
+    "tie_down_to_even": (1.0625, 1.0),  # between 1.0 (mantissa 000, even) and 1.125 (001)
+    "tie_up_to_even": (1.1875, 1.25),  # between 1.125 (001) and 1.25 (010)
+    "tie_up_into_next_octave": (15.5, 16.0),  # between 15 (1.111 × 2**3, odd) and 16 (1.000 × 2**4)
+    "nearest_not_tie": (1.07, 1.125),
+    "half_smallest_subnormal_to_zero": (2.0**-10, 0.0),  # tie between 0 and 2**-9: zero is even
+    "subnormal_tie_to_even": (3 * 2.0**-10, 2 * 2.0**-9),  # between 1 and 2 × 2**-9
+    "last_subnormal_to_first_normal": (15 * 2.0**-10, 2.0**-6),  # between 7 × 2**-9 (odd) and 2**-6
+}
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize("case", HAND_CASES)
+def test_hand_worked_rounding(name, case):
+    """Checks the reference itself on hand-worked cases, so the exhaustive comparison is not circular."""
+    value, expected = HAND_CASES[case]
+    unit = 1.0 if name == "e4m3fn" else 0.5
+    x = np.array([value, -value]) * unit
+    want = np.array([expected, -expected]) * unit
+    np.testing.assert_array_equal(e4m3_round(x, name), want)
+    np.testing.assert_array_equal(quantize_dequantize(torch.from_numpy(x).float(), 1.0, FORMATS[name]).double().numpy(), want)
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+@pytest.mark.parametrize("scale", [2.0**-7, 0.0123, 1.7, 300.0])
+def test_quantize_dequantize_with_scale_equals_reference(name, scale):
+    fmt = FORMATS[name]
+    rng = np.random.default_rng(1)
+    x = np.concatenate([
+        rng.standard_normal(20_000) * scale * 40,  # the bulk, well inside the range
+        rng.standard_t(1, 2_000) * scale * 200,  # heavy tails: saturation
+        rng.standard_normal(2_000) * scale * 1e-3,  # subnormals and flushes to zero
+    ]).astype(np.float32)
+    got = quantize_dequantize(torch.from_numpy(x), torch.tensor(scale, dtype=torch.float32), fmt).double().numpy()
+    want = e4m3_quantize_dequantize(x, scale, name).astype(np.float32).astype(np.float64)  # back in x's dtype
+    np.testing.assert_array_equal(got, want)
+    assert np.abs(got).max() <= fmt.max * np.float32(scale) * (1 + 2**-23)
+
+
+def test_quantize_dequantize_keeps_dtype_and_broadcasts_per_head_scales():
+    x = torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    scale = torch.tensor([0.01, 0.02, 0.5], dtype=torch.float32).view(1, 3, 1, 1)  # one per head
+    got = quantize_dequantize(x, scale)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    for h in range(3):
+        want = e4m3_quantize_dequantize(x[:, h].float().numpy(), scale[0, h, 0, 0].item())
+        np.testing.assert_array_equal(got[:, h].double().numpy(), torch.from_numpy(want).float().to(torch.bfloat16).double().numpy())
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_quantize_saturates_and_keeps_nan(name):
+    fmt = FORMATS[name]
+    x = torch.tensor([float("inf"), -float("inf"), 1e30, -1e30, float("nan")])
+    q = quantize(x, 1.0, fmt)
+    assert q.dtype == fmt.dtype
+    out = q.float()
+    assert out[:4].tolist() == [fmt.max, -fmt.max, fmt.max, -fmt.max]
+    assert torch.isnan(out[4])
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_tiny_negative_values_flush_to_zero_not_nan(name):
+    """e4m3fnuz has no -0: its 0x80 is NaN, so a negative value that rounds to zero must become +0."""
+    fmt = FORMATS[name]
+    x = torch.tensor([-fmt.min_subnormal / 2, -fmt.min_subnormal / 4, -1e-30])
+    out = quantize_dequantize(x, 1.0, fmt)
+    assert not torch.isnan(out).any()
+    assert (out == 0).all()
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_amax_to_scale_divides_by_format_max_in_float64(name):
+    fmt = FORMATS[name]
+    amax = torch.tensor([[1.0, 448.0, 3.14159e3], [1e-2, 7.5, 2.0**20]], dtype=torch.float32)
+    scale = amax_to_scale(amax, fmt)
+    assert scale.dtype == torch.float32 and scale.shape == amax.shape
+    want = (amax.double().numpy() / fmt.max).astype(np.float32)
+    np.testing.assert_array_equal(scale.numpy(), want)
+
+
+@pytest.mark.parametrize("amax", [0.0, 1e-12, SCALE_FLOOR * 448 / 2], ids=["zero", "tiny", "half_floor"])
+def test_amax_to_scale_floor(amax):
+    assert amax_to_scale(torch.tensor([amax])).item() == np.float32(SCALE_FLOOR)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_amax_to_scale_refuses_non_finite(bad):
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        amax_to_scale(torch.tensor([1.0, bad]))
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_per_token_scale(name):
+    fmt = FORMATS[name]
+    x = torch.randn(2, 3, 7, 16, generator=torch.Generator().manual_seed(2)) * torch.tensor([1e-3, 1.0, 50.0]).view(1, 3, 1, 1)
+    x[0, 1, 2] = 0  # an all-zero token: the floor
+    x[1, 2, 3] = 1e-9  # tiny: the floor too
+    s = per_token_scale(x, fmt)
+    assert s.shape == (2, 3, 7, 1) and s.dtype == torch.float32
+    want = np.maximum(np.abs(x.double().numpy()).max(-1, keepdims=True) / fmt.max, 1e-6).astype(np.float32)
+    np.testing.assert_array_equal(s.numpy(), want)
+    assert s[0, 1, 2, 0] == np.float32(1e-6) and s[1, 2, 3, 0] == np.float32(1e-6)
+    assert (per_token_scale(x, fmt, floor=1e-3)[0, 0] == np.float32(1e-3)).all()  # the 1e-3 head: all at the floor
+
+
+def test_per_token_scale_maps_each_token_absmax_onto_format_max():
+    x = torch.randn(1, 2, 9, 32, generator=torch.Generator().manual_seed(3)) * 7
+    back = quantize_dequantize(x, per_token_scale(x))
+    # The largest element of each token lands on ±448 exactly, so it comes back with float32 rounding only.
+    np.testing.assert_allclose(back.abs().amax(-1).numpy(), x.abs().amax(-1).numpy(), rtol=2**-22)
+
+
+def test_get_format_error_lists_choices():
+    with pytest.raises(ValueError, match="e4m3fn, e4m3fnuz"):
+        get_format("e5m2")
+    assert get_format("e4m3fnuz") is FORMATS["e4m3fnuz"]
+
+
+def test_loaded_scale_multiplier_matches_vllm_compressed_tensors_loader():
+    """vLLM 0.32 (CompressedTensorsKVCacheMethod.process_weights_after_loading) uses compressed-tensors k/v/q
+    scales as loaded, also on e4m3fnuz (ROCm MI300) platforms: kvcal must write fnuz scales unchanged."""
+    assert FORMATS["e4m3fn"].loaded_scale_multiplier == 1.0
+    assert FORMATS["e4m3fnuz"].loaded_scale_multiplier == 1.0
