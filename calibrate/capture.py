@@ -93,21 +93,50 @@ def new_positions(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> torch
     return torch.arange(start, start + S, device=query.device).expand(B, S)
 
 
+# Buffered query elements that trigger a flush: large enough that per-operation overhead is amortised,
+# small enough that the statistics' passes stay in cache (memory bandwidth dominates on CPU otherwise).
+_FLUSH_ELEMENTS = 1 << 20
+
+
 class Observer:
-    """State of one capture: the statistics being filled and which layers have been seen."""
+    """State of one capture: the statistics being filled and which layers have been seen.
+
+    The tensors of consecutive layers of one forward are buffered and folded into the statistics
+    together, as a few large operations instead of thousands of small ones (on CPU the per-operation
+    overhead would otherwise cost more than the arithmetic). The buffer holds at most one forward's
+    new positions, and about _FLUSH_ELEMENTS query elements; ``flush()`` empties it.
+    """
 
     def __init__(self, stats: Stats, layers: list[AttentionLayer]):
         self.stats = stats
         self.row_of = {layer.layer_idx: row for row, layer in enumerate(layers)}
         self.layers = layers
+        self._start = 0
+        self._buffer: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._positions: torch.Tensor | None = None
 
     def __call__(self, module, query, key, value, attention_mask, base_attention, **kwargs):
         S = query.shape[2]
         row = self.row_of[module.layer_idx]
-        positions = new_positions(query, key, kwargs)  # [B, S]
         # Only the new positions: a cached prefix was observed by an earlier call.
-        self.stats.update(row, query, key[:, :, -S:], value[:, :, -S:], positions)
+        new = (query, key[:, :, -S:], value[:, :, -S:])
+        # All layers of one forward share the positions; a new forward starts again at the first row.
+        if self._buffer and (row != self._start + len(self._buffer) or new[0].shape != self._buffer[0][0].shape):
+            self.flush()
+        if not self._buffer:
+            self._start, self._positions = row, new_positions(query, key, kwargs)  # [B, S]
+        self._buffer.append(new)
+        if len(self._buffer) * query.numel() >= _FLUSH_ELEMENTS:
+            self.flush()
         return base_attention(module, query, key, value, attention_mask, **kwargs)
+
+    def flush(self) -> None:
+        """Fold the buffered layers into the statistics."""
+        if not self._buffer:
+            return
+        q, k, v = (torch.stack(ts) for ts in zip(*self._buffer))  # [Lb, B, H, S, D] each
+        self._buffer = []
+        self.stats.update_layers(self._start, q, k, v, self._positions)
 
     def check_complete(self) -> None:
         """Refuse a capture in which some attention layer saw nothing (it would get a made-up scale)."""
@@ -167,6 +196,7 @@ def run_capture(
     with hooked_attention(model, observer), bar:
         for seq in sequences:
             forward_chunked(model, seq.to(device).unsqueeze(0), chunk_len)  # [1, S]
+            observer.flush()
             bar.update(seq.numel())
     observer.check_complete()
     return stats

@@ -116,16 +116,16 @@ def position_bucket_starts() -> list[int]:
 
 
 def _head_histograms(ax: torch.Tensor) -> torch.Tensor:
-    """Histogram per head of float32 ``ax`` = |x|, [B, H, ...] → int64 [H, NUM_BINS].
+    """Histogram per (layer, head) of float32 ``ax`` = |x|, [Lb, H, N] → int64 [Lb, H, NUM_BINS].
 
-    Counts raw float32 bit patterns per head with one bincount, then folds them into the bins:
-    a handful of cheap integer passes over the data, which matters on CPU.
+    Counts raw float32 bit patterns per (layer, head) with one bincount, then folds them into the
+    bins: a handful of cheap integer passes over the data, which matters on CPU.
     """
-    H = ax.shape[1]
-    raw = _raw(ax)  # [B, H, ...] int32
-    raw += (torch.arange(H, device=ax.device, dtype=torch.int32) * RAW_BINS).view(1, H, *([1] * (ax.dim() - 2)))
-    counts = torch.bincount(raw.flatten(), minlength=H * RAW_BINS).view(H, RAW_BINS)
-    return _fold_raw_counts(counts)
+    Lb, H, _ = ax.shape
+    raw = _raw(ax)  # [Lb, H, N] int32
+    raw += (torch.arange(Lb * H, device=ax.device, dtype=torch.int32) * RAW_BINS).view(Lb, H, 1)
+    counts = torch.bincount(raw.flatten(), minlength=Lb * H * RAW_BINS).view(Lb * H, RAW_BINS)
+    return _fold_raw_counts(counts).view(Lb, H, NUM_BINS)
 
 
 @dataclass
@@ -174,46 +174,53 @@ class TensorStats:
         """Number of elements seen per (layer, head), int64 [L, H]."""
         return self.hist.sum(-1)
 
-    @torch.no_grad()
     def update(self, row: int, x: torch.Tensor, bucket: torch.Tensor, sink: torch.Tensor, token_error: bool) -> None:
-        """Add one layer's new positions.
+        """Add one layer's new positions, x [B, H, S, D]; see ``update_layers``."""
+        self.update_layers(row, x.unsqueeze(0), bucket, sink, token_error)
+
+    @torch.no_grad()
+    def update_layers(self, start: int, x: torch.Tensor, bucket: torch.Tensor, sink: torch.Tensor, token_error: bool) -> None:
+        """Add the new positions of consecutive layers in one go (a few large ops instead of many small ones).
 
         Args:
-            row: index of the layer in the stats (not necessarily its layer_idx).
-            x: [B, H, S, D] new positions only, as attention receives them.
+            start: row of the first layer in the stats (rows start .. start + Lb - 1).
+            x: [Lb, B, H, S, D] new positions only, as attention receives them, for Lb layers.
             bucket: [B, S] position bucket of each new position.
             sink: [B, S] bool, True at positions < SINK_POSITIONS.
             token_error: also accumulate the per-token-head FP8 quantization error (k and v).
         """
-        B, H, S, D = x.shape
+        Lb, B, H, S, D = x.shape
+        rows = slice(start, start + Lb)
         x = x.float()
-        ax = x.abs()  # [B, H, S, D]
-        tok_amax = ax.amax(-1)  # [B, H, S]
-        tok_sumsq = torch.linalg.vector_norm(x, dim=-1).square()  # [B, H, S], one fused pass
-        self.nonfinite[row] += (~torch.isfinite(tok_amax)).sum((0, 2))
-        self.absmax[row] = torch.maximum(self.absmax[row], tok_amax.amax((0, 2)))
-        self.channel_absmax[row] = torch.maximum(self.channel_absmax[row], ax.amax((0, 2)))
-        self.sum[row] += x.sum(-1).sum((0, 2), dtype=torch.float64)
-        self.sumsq[row] += tok_sumsq.sum((0, 2), dtype=torch.float64)
+        ax = x.abs()  # [Lb, B, H, S, D]
+        tok_amax = ax.amax(-1)  # [Lb, B, H, S]
+        tok_sumsq = torch.linalg.vector_norm(x, dim=-1).square()  # [Lb, B, H, S], one fused pass
+        self.nonfinite[rows] += (~torch.isfinite(tok_amax)).sum((1, 3))
+        self.absmax[rows] = torch.maximum(self.absmax[rows], tok_amax.amax((1, 3)))
+        self.channel_absmax[rows] = torch.maximum(self.channel_absmax[rows], ax.amax((1, 3)))
+        self.sum[rows] += x.sum(-1).sum((1, 3), dtype=torch.float64)
+        self.sumsq[rows] += tok_sumsq.sum((1, 3), dtype=torch.float64)
 
-        self.hist[row] += _head_histograms(ax)
+        self.hist[rows] += _head_histograms(ax.transpose(1, 2).reshape(Lb, H, -1))
         if sink.any():
-            self.sink_hist[row] += _head_histograms(ax.transpose(1, 2)[sink].transpose(0, 1).unsqueeze(0))  # [1, H, n, D]
-        self.token_hist[row] += _head_histograms(tok_amax)
+            at_sink = ax.permute(0, 2, 1, 3, 4)[:, :, sink]  # [Lb, H, n_sink_tokens, D]
+            self.sink_hist[rows] += _head_histograms(at_sink.reshape(Lb, H, -1))
+        by_head = tok_amax.transpose(1, 2).reshape(Lb, H, B * S)  # [Lb, H, B*S]
+        self.token_hist[rows] += _head_histograms(by_head)
 
-        flat_bucket = bucket.flatten().expand(H, B * S)  # [H, B*S]
-        by_head = tok_amax.transpose(0, 1).reshape(H, B * S)  # [H, B*S]
-        self.pos_absmax[row].scatter_reduce_(1, flat_bucket, by_head, reduce="amax")
-        by_bucket = torch.zeros(H, NUM_POS_BUCKETS, device=x.device).scatter_add_(1, flat_bucket, tok_sumsq.transpose(0, 1).reshape(H, B * S))
-        self.pos_sumsq[row] += by_bucket  # [H, P], float32 within one call, float64 across calls
+        flat_bucket = bucket.flatten().expand(Lb, H, B * S)  # [Lb, H, B*S]
+        self.pos_absmax[rows] = self.pos_absmax[rows].scatter_reduce(2, flat_bucket, by_head, reduce="amax")
+        sumsq_by_head = tok_sumsq.transpose(1, 2).reshape(Lb, H, B * S)
+        by_bucket = torch.zeros(Lb, H, NUM_POS_BUCKETS, device=x.device).scatter_add_(2, flat_bucket, sumsq_by_head)
+        self.pos_sumsq[rows] += by_bucket  # [Lb, H, P], float32 within one call, float64 across calls
 
         if token_error:
             # vLLM's fp8_per_token_head: scale = max(amax / 448, 1e-6), x · (1/scale) cast with RNE; no value
             # can exceed 448 there, so no clamp. The error is summed in the scaled domain, times scale².
-            scale = (tok_amax / 448.0).clamp(min=1e-6)  # [B, H, S]
-            xs = x * scale.reciprocal().unsqueeze(-1)  # [B, H, S, D]
+            scale = (tok_amax / 448.0).clamp(min=1e-6)  # [Lb, B, H, S]
+            xs = x * scale.reciprocal().unsqueeze(-1)  # [Lb, B, H, S, D]
             err = xs - round_to_e4m3(xs)
-            self.token_sqerr[row] += (torch.linalg.vector_norm(err, dim=-1) * scale).square().sum((0, 2), dtype=torch.float64)
+            self.token_sqerr[rows] += (torch.linalg.vector_norm(err, dim=-1) * scale).square().sum((1, 3), dtype=torch.float64)
 
     def merge_(self, other: "TensorStats") -> None:
         """Fold ``other`` (same shapes) into self."""
@@ -267,16 +274,21 @@ class Stats:
             kinds={kind: TensorStats.zeros(L, heads[kind], D, device) for kind in KINDS},
         )
 
-    @torch.no_grad()
     def update(self, row: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Add one layer call. q [B, Hq, S, D], k and v [B, Hkv, S, D] (new positions only), positions [B, S]."""
+        self.update_layers(row, q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), positions)
+
+    @torch.no_grad()
+    def update_layers(self, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add consecutive layers at once: q [Lb, B, Hq, S, D], k and v [Lb, B, Hkv, S, D], positions [B, S]."""
         bucket = position_bucket(positions)  # [B, S]
         sink = positions < SINK_POSITIONS  # [B, S]
-        self.tokens[row] += positions.numel()
-        self.pos_tokens[row] += torch.bincount(bucket.flatten(), minlength=NUM_POS_BUCKETS)
-        self.kinds["k"].update(row, k, bucket, sink, token_error=True)
-        self.kinds["v"].update(row, v, bucket, sink, token_error=True)
-        self.kinds["q"].update(row, q, bucket, sink, token_error=False)
+        rows = slice(start, start + q.shape[0])
+        self.tokens[rows] += positions.numel()
+        self.pos_tokens[rows] += torch.bincount(bucket.flatten(), minlength=NUM_POS_BUCKETS)
+        self.kinds["k"].update_layers(start, k, bucket, sink, token_error=True)
+        self.kinds["v"].update_layers(start, v, bucket, sink, token_error=True)
+        self.kinds["q"].update_layers(start, q, bucket, sink, token_error=False)
 
     def merge_(self, other: "Stats") -> "Stats":
         """Fold ``other`` into self (same model) and return self."""
