@@ -23,6 +23,7 @@ from .model import AttentionLayer, attention_layers, load_model, max_context, re
 from .observers import ScaleSet, derive_scales
 from .report import SERVE_NOTES, scale_table, serve_command
 from .stats import ModelSignature, Stats
+from .verify import VerifyResult, verify  # issue 5: the verify command (verify.verify) and the short verify below
 
 STATS_FILE = "stats.safetensors"
 PROVENANCE_FILE = "calibration.json"
@@ -37,6 +38,7 @@ class CalibrationResult:
     stats: Stats
     scale_set: ScaleSet
     provenance: dict
+    verification: VerifyResult | None = None  # issue 5: the short verify run after calibrate
 
     def summary(self) -> str:
         """The per-layer table, the output path and the serve command, for a person."""
@@ -62,6 +64,8 @@ class CalibrationResult:
         ]
         if skip:
             lines.append(f"  (this model has sliding-window layers; to keep them in bf16 add --kv-cache-dtype-skip-layers sliding_window)")
+        if self.verification is not None:  # issue 5
+            lines += ["", "short verify of the written checkpoint (kvcal verify runs the full one):", self.verification.summary()]
         return "\n".join(lines)
 
 
@@ -178,7 +182,37 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult:
         write_extras=_write_extras(stats, provenance),
         overwrite=config.overwrite,
     )
-    return CalibrationResult(out, layers, stats, scale_set, provenance)
+    result = CalibrationResult(out, layers, stats, scale_set, provenance)
+
+    # 6. (issue 5) A short verify of what was written, unless --no-verify.
+    if config.verify:
+        del model  # verify loads the written checkpoint itself
+        result.verification = _short_verify(config)
+    return result
+
+
+# --- verify (issue 5) ---
+SHORT_VERIFY_TOKENS = 512  # one sequence: about (1 + 3) forwards of 512 tokens
+
+
+def _short_verify(config: CalibrationConfig) -> VerifyResult | None:
+    """One sequence through the written checkpoint: scale 1.0, the written scales and per-token, against the reference.
+
+    Its report goes to OUT/kvcal/verify. Data too short for one sequence only warns: the checkpoint is
+    already written and the full ``kvcal verify`` takes its own sample.
+    """
+    seq_len = min(config.seq_len, SHORT_VERIFY_TOKENS)
+    written = config.recipe.get("verify", {}).get("schemes") or ["head" if config.granularity == "head" else "tensor", "token"]
+    try:
+        return verify(
+            config.out, config.data, schemes=["scale1", *dict.fromkeys(written)], seq_len=seq_len, max_tokens=seq_len,
+            text_field=config.text_field, seed=config.seed + 1, device=config.device, dtype=config.dtype,
+            fp8_format=config.fp8_format, report_dir=str(Path(config.out) / KVCAL_DIR / "verify"), progress=config.progress,
+        )
+    except ValueError as e:
+        warnings.warn(f"the short verify did not run: {e}; run kvcal verify {config.out} --data ... yourself", stacklevel=3)
+        return None
+# --- end verify (issue 5) ---
 
 
 def load_calibration(source: str | Path) -> tuple[Stats, dict]:

@@ -1,4 +1,7 @@
-"""What kvcal tells a person: the per-layer scale table and the serve command."""
+"""What kvcal tells a person: the per-layer scale table, the serve command, and verify's report (text, Markdown, plots)."""
+
+import json
+from pathlib import Path
 
 import torch
 
@@ -38,3 +41,272 @@ def scale_table(
             cells.append(f"{absmax[k][row].max().item():>10.4g} {scale:>10.4g} {100 * saturated[k][row].max().item():>7.3f}")
         rows.append(f"{layer:>5} " + " ".join(cells))
     return "\n".join(rows)
+
+
+# ---- kvcal verify: terminal text, Markdown and plots ------------------------------------------------------------
+
+
+def _pct(x: float | None, digits: int = 2) -> str:
+    return "—" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def _kl(r: dict) -> str:
+    se = r.get("kl_stderr")
+    return f"{r['kl']:.4g}" + (f" ± {se:.2g}" if se is not None else "")
+
+
+def _worst(r: dict, kind: str, what: str) -> float | None:
+    """Largest per-layer fraction (saturated or underflow) of ``kind``, None when the scheme leaves it unquantized."""
+    f = r["fractions"].get(kind)
+    return max(f[what]) if f else None
+
+
+def verify_rows(rep: dict) -> list[list[str]]:
+    """One row per scheme: name, KL ± s.e., perplexity change, top-1, worst-layer saturation of K/V/Q, verdict."""
+    rows = []
+    for name, r in rep["schemes"].items():
+        sat = " / ".join(_pct(_worst(r, k, "saturated"), 3) for k in ("k", "v", "q"))
+        rows.append([name, _kl(r), f"{100 * r['ppl_change']:+.3f}%", _pct(r["top1"]), sat, r["verdict"], "; ".join(r["reasons"])])
+    return rows
+
+
+VERIFY_HEADER = ["scheme", "KL nats/token", "ppl change", "top-1 agree", "saturated K / V / Q (worst layer)", "verdict", "why"]
+
+
+def verify_text(rep: dict) -> str:
+    """The verdict table, recommendation and serve command as plain text."""
+    rows = [VERIFY_HEADER, *verify_rows(rep)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(VERIFY_HEADER))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    sample = rep["sample"]
+    lines += [
+        "",
+        f"reference: unquantized model in {rep['reference']['dtype']} on {rep['reference']['device']}; "
+        f"{sample['sequences']} sequences of {sample['seq_len']} tokens; FP8 {rep['fp8_format']}",
+        *[f"skipped {name}: {why}" for name, why in rep["skipped"].items()],
+        *rep["recommendation"],
+        "serve it with:",
+        f"  {rep['serve_command']}",
+    ]
+    return "\n".join(lines)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
+    """report.md: what a person reads — verdict, recommendation, per-layer numbers, probes, settings."""
+    s, layers = rep["schemes"], [layer["layer_idx"] for layer in rep["layers"]]
+    th = rep["settings"]
+    out = [
+        f"# kvcal verify: `{rep['checkpoint']}`",
+        "",
+        f"Reference: the unquantized model in **{rep['reference']['dtype']}** on {rep['reference']['device']} "
+        f"(called {rep['reference']['name']}, as vLLM would serve it). FP8 format {rep['fp8_format']}. "
+        f"Sample: {rep['sample']['sequences']} sequences of {rep['sample']['seq_len']} tokens "
+        f"({rep['sample']['tokens']} tokens) from {', '.join(d['source'] for d in rep['data'])}. "
+        f"Static schemes quantize {'K and V only (Triton/FlashInfer)' if th['kv_only'] else 'Q, K and V (FA3 on Hopper)'}.",
+        "",
+        "## Verdict",
+        "",
+        _table(VERIFY_HEADER, verify_rows(rep)),
+        "",
+        f"Thresholds: pass when KL ≤ {th['max_kl']} nats/token and top-1 agreement ≥ {th['min_top1']:.0%}; "
+        f"fail when KL > {th['fail_kl']} or top-1 < {th['fail_top1']:.0%}; warn in between"
+        + (" or when a needle the reference found is lost" if rep["needle"] else "")
+        + ". KL is KL(reference ‖ scheme) of next-token distributions with every layer quantized at once, mean over "
+        "positions; ± is the standard error over sequences.",
+        "",
+        *[f"- **{n}**: {r['note']}; scales: {r['source']}" for n, r in s.items()],
+        *[f"- **{n}** skipped: {why}" for n, why in rep["skipped"].items()],
+        "",
+        "## Recommendation",
+        "",
+        *[f"- {line}" for line in rep["recommendation"]],
+        "",
+        "```",
+        rep["serve_command"],
+        "```",
+        "",
+        "## Per-layer attention error",
+        "",
+        "Relative RMS error of each layer's attention output with that scheme's quantization, on the layer's own "
+        "(unquantized) inputs: ‖o_scheme − o_ref‖ / ‖o_ref‖ over the sample.",
+        "",
+    ]
+    if "layer_error" in plots:
+        out += [f"![per-layer error]({plots['layer_error']})", ""]
+    names = [n for n, r in s.items() if r["mode"] != "reference"]
+    out += [_table(["layer", *names], [[str(idx), *(f"{s[n]['layer_rel_error'][i]:.3e}" for n in names)] for i, idx in enumerate(layers)]), ""]
+    out += ["## Saturation and underflow", "",
+            "Fraction of values beyond the format's max (saturated) and below its smallest normal (stored as subnormal "
+            "or zero), mean over layers / worst layer; — = not quantized by that scheme.", ""]
+    rows = []
+    for n in names:
+        for kind in ("k", "v", "q"):
+            f = s[n]["fractions"].get(kind)
+            if f:
+                rows.append([n, kind, f"{_pct(sum(f['saturated']) / len(layers), 4)} / {_pct(max(f['saturated']), 4)}",
+                             f"{_pct(sum(f['underflow']) / len(layers), 4)} / {_pct(max(f['underflow']), 4)}"])
+            else:
+                rows.append([n, kind, "—", "—"])
+    out += [_table(["scheme", "kind", "saturated", "underflow"], rows), ""]
+    if rep["fa3"]:
+        out += _fa3_markdown(rep["fa3"])
+    if rep["needle"]:
+        out += _needle_markdown(rep["needle"])
+    out += ["## Scales and statistics", ""]
+    if "scales" in plots:
+        name = plots["scales_scheme"]
+        out += [f"K/V scales of scheme {name} ({s[name]['source']}):", "", f"![K/V scales]({plots['scales']})", ""]
+    else:
+        out += ["No K/V scales to plot: no static scheme with scales ran.", ""]
+    if "position" in plots:
+        out += ["Absmax by token position (max over heads), from the checkpoint's calibration statistics:", "",
+                f"![position profile]({plots['position']})", ""]
+    else:
+        out += ["No position profile: the checkpoint has no kvcal statistics.", ""]
+    out += ["## Checkpoint and settings", "", *[f"- {note}" for note in rep["checkpoint_scales"]["notes"]],
+            f"- kvcal statistics in the checkpoint: {'yes' if rep['checkpoint_scales']['statistics'] else 'no'}",
+            "", "```json", json.dumps(rep["settings"], indent=1), "```", "",
+            f"Time: {rep['timings']['total_s']:.1f} s in all; reference pass {rep['timings']['reference_pass_s']:.1f} s; "
+            + ", ".join(f"{n} {t:.1f} s" for n, t in rep["timings"]["scheme_pass_s"].items()) + ". Every number is in report.json.", ""]
+    return "\n".join(out)
+
+
+def _fa3_markdown(f: dict) -> list[str]:
+    p = f["parameters"]
+    out = ["## FA3 FP8 numeric model", "",
+           "**A model of the hardware, not the hardware**: an emulation of FlashAttention-3's FP8 forward on Hopper from "
+           "published descriptions (MMA-Sim, DeepSeek-V3, vLLM's fork), not checked against a GPU.", "",
+           f"- Q, K, V and P: {p['format']}; P = {p['p']}",
+           f"- accumulator: {p['accumulator']}, {p['accum_bits']} fractional bits, k-step {p['k_step']}",
+           f"- two_level (vLLM today): each kBlockN = {p['kblock_n']['two_level']} key block in a fresh accumulator, promoted to fp32; "
+           f"single_chain (upstream FA3): one accumulator over the context, kBlockN = {p['kblock_n']['single_chain']}",
+           f"- emulated on query positions {f['query_positions']} of the first sequence, layers {list(f['layers'])} "
+           "(all heads); error is relative RMS against float64 attention on unquantized inputs, bias is the "
+           "relative change of the output's magnitude (negative = shrunk).", ""]
+    rows = []
+    for layer, r in f["layers"].items():
+        for name, modes in r["schemes"].items():
+            rows.append([str(layer), name, *(f"{modes[m]['rel_error']:.3e} ({modes[m]['bias']:+.2e})" for m in ("fp8_inputs", "two_level", "single_chain"))])
+    out += [_table(["layer", "scheme", "FP8 inputs, exact arithmetic", "two_level", "single_chain"], rows), ""]
+    v = f["validation"]
+    out += ["Validation:", "",
+            f"- the emulator with exact accumulation and unquantized P reproduces float64 attention on the same FP8 inputs to "
+            f"{v['exact_arithmetic_vs_float64']:.2e} (relative; fp32 registers)" if v["exact_arithmetic_vs_float64"] is not None else "- no static scheme ran",
+            f"- the model's own attention on these rows matches the float64 reference to "
+            + ", ".join(f"{r['model_check']:.1e}" for r in f["layers"].values()) + " (per layer)"]
+    for key, by_mode in v.items():
+        if key.startswith("same_sign_bias"):
+            n = key.split("_")[-2]
+            out.append(f"- worst case (same-sign V, near-uniform P, P unquantized) at {n} keys, bias of the output: "
+                       + "; ".join(f"{m} " + ", ".join(f"{b} bits {x:+.3%}" for b, x in d.items()) for m, d in by_mode.items()))
+    return out + [*[f"- {n}" for n in f["notes"]], ""]
+
+
+def _needle_markdown(n: dict) -> list[str]:
+    names = list(n["cases"][0]["schemes"])
+    out = ["## Needle probe", "", f"Needle “{n['needle'].format(code='CODE')}” inserted at a depth of a haystack of the data "
+           f"(a fraction of its length); question “{n['question']}”; the answer “ CODE” scored teacher-forced: "
+           "log-probability of its tokens (✓ = every answer token is the greedy choice).", ""]
+    rows = [[str(c["length"]), f"{c['depth']:g}", c["code"], *(f"{c['schemes'][m]['logprob']:.2f} {'✓' if c['schemes'][m]['greedy'] else '✗'}" for m in names)]
+            for c in n["cases"]]
+    out += [_table(["length", "depth", "code", *names], rows), ""]
+    for m, r in n["summary"].items():
+        if "lost" in r:
+            out.append(f"- {m}: found {r['found']}/{len(n['cases'])}, lost {r['lost']} the reference found, mean log-prob change {r['mean_logprob_change']:+.3f}")
+    return out + [""]
+
+
+def plot_layer_error(path: Path, rep: dict) -> None:
+    """Per-layer attention-output relative error, one line per scheme (log scale)."""
+    plt = _pyplot()
+    layers = [layer["layer_idx"] for layer in rep["layers"]]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, r in rep["schemes"].items():
+        if r["mode"] != "reference":
+            ax.plot(layers, r["layer_rel_error"], marker="o", ms=3, label=name)
+    ax.set_yscale("log")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set(xlabel="layer", ylabel="relative RMS error of attention output", title="Per-layer attention error (each layer's own inputs)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_scale_heatmap(path: Path, layers: list[int], scales: dict[str, list], title: str) -> None:
+    """K and V scales as layer × head heatmaps (log color)."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, max(3, 0.18 * len(layers) + 1.5)))
+    for ax, kind in zip(axes, ("k", "v")):
+        values = np.asarray(scales[kind], dtype=float)  # [L, H]
+        im = ax.imshow(values, aspect="auto", norm=LogNorm(), cmap="viridis", interpolation="nearest")
+        ax.set(title=f"{kind}_scale", xlabel="KV head", ylabel="layer")
+        ax.set_yticks(range(len(layers))[:: max(1, len(layers) // 15)], [str(x) for x in layers[:: max(1, len(layers) // 15)]])
+        ax.set_xticks(range(values.shape[1]))
+        fig.colorbar(im, ax=ax)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_position_profile(path: Path, layers: list[int], profile: dict) -> None:
+    """Absmax (max over heads) by position bucket, per layer, for K, V and Q; empty buckets blank."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    plt = _pyplot()
+    tokens = np.asarray(profile["tokens"])  # [L, P]
+    used = np.flatnonzero(tokens.sum(0) > 0)
+    starts = [profile["bucket_starts"][i] for i in used]
+    fig, axes = plt.subplots(1, 3, figsize=(13, max(3, 0.18 * len(layers) + 1.5)))
+    for ax, kind in zip(axes, ("k", "v", "q")):
+        values = np.asarray(profile[kind], dtype=float)[:, used]  # [L, P_used]
+        values = np.where(tokens[:, used] > 0, values, np.nan)
+        im = ax.imshow(values, aspect="auto", norm=LogNorm(), cmap="magma", interpolation="nearest")
+        ax.set(title=f"{kind} absmax", xlabel="position bucket (first position)", ylabel="layer")
+        ax.set_xticks(range(len(starts)), [str(s) for s in starts], rotation=60, fontsize=7)
+        ax.set_yticks(range(len(layers))[:: max(1, len(layers) // 15)], [str(x) for x in layers[:: max(1, len(layers) // 15)]])
+        fig.colorbar(im, ax=ax)
+    fig.suptitle("Absmax by token position (max over heads), from the calibration statistics")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_verify_report(directory: Path, rep: dict) -> None:
+    """report.json (every number), the PNG plots and report.md into ``directory`` (created if needed)."""
+    directory.mkdir(exist_ok=True)
+    (directory / "report.json").write_text(json.dumps(rep, indent=1) + "\n")
+    layers = [layer["layer_idx"] for layer in rep["layers"]]
+    plots = {"layer_error": "layer_error.png"}
+    plot_layer_error(directory / plots["layer_error"], rep)
+    with_scales = [n for n in ("head", "tensor") if n in rep["schemes"]] + [n for n, r in rep["schemes"].items() if r["mode"] == "static" and n != "scale1"]
+    if with_scales:
+        name = with_scales[0]
+        plots["scales"], plots["scales_scheme"] = "scales.png", name
+        plot_scale_heatmap(directory / plots["scales"], layers, rep["schemes"][name]["scales"], f"K/V scales of scheme {name!r} (dequantization multipliers)")
+    if rep["position_profile"]:
+        plots["position"] = "position_profile.png"
+        plot_position_profile(directory / plots["position"], layers, rep["position_profile"])
+    (directory / "report.md").write_text(verify_markdown(rep, plots))

@@ -1,0 +1,829 @@
+"""``kvcal verify``: what an FP8 KV cache costs a checkpoint, measured against the unquantized model.
+
+A *scheme* is one way vLLM could quantize attention's inputs (``SCHEMES``, or a scales file the user
+names). Every scheme is emulated exactly as vLLM's cache write does it: x / scale, saturated to the
+format's finite max, rounded to nearest even in FP8, times scale — K and V always, Q too where the
+backend quantizes queries (FA3 on Hopper; ``kv_only`` models the Triton/FlashInfer backends).
+
+Cost: one reference forward of the sample (which also runs each scheme's attention on every layer's
+own inputs, for the per-layer errors) plus one forward per scheme with every layer quantized at once,
+so about (1 + S) forwards. The FA3 accumulator model (``fa3.py``) and the needle probe are extra.
+"""
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from . import fa3, report
+from .capture import _cache_kwarg, hooked_attention
+from .data import DataConfig, iter_sequences
+from .export import INDEX_FILE, KVCAL_DIR, SCALE_NAMES, tensor_names, weight_files
+from .fa3 import HOPPER_ACCUM_BITS
+from .fp8 import FP8Format, get_format, per_token_scale, quantize, quantize_dequantize
+from .model import AttentionLayer, attention_layers, load_model, max_context, read_config, resolve_device, signature
+from .observers import derive_scales
+from .stats import ModelSignature, Stats, position_bucket_starts
+
+REFERENCE = "bf16"  # the name users know; the reference runs in the dtype the report states
+SCHEMES = ("bf16", "scale1", "tensor", "head", "token")
+SCHEME_NOTES = {
+    "bf16": "reference: no quantization",
+    "scale1": "scale 1.0 everywhere: what vLLM uses when a checkpoint has no scales (ModelOpt's fp8_cast)",
+    "tensor": "one static scale per layer (--kv-cache-dtype fp8, every backend)",
+    "head": "one static scale per layer and head (FA3 on Hopper only)",
+    "token": "dynamic scale per token and KV head (--kv-cache-dtype fp8_per_token_head, Triton; queries stay unquantized)",
+}
+# Older or other tools' names vLLM maps onto the same k/v scales (kv-format.md), tried after SCALE_NAMES.
+SCALE_ALIASES = {"k": ("k_proj.k_scale", "k_proj.output_scale"), "v": ("v_proj.v_scale", "v_proj.output_scale"), "q": ()}
+STATS_PATH = Path(KVCAL_DIR) / "stats.safetensors"  # written by api.run_calibration
+NEEDLE = "The secret code is {code}."
+NEEDLE_QUESTION = "What is the secret code? The secret code is"
+NEEDLE_DEPTHS = (0.1, 0.5, 0.9)
+
+
+@dataclass
+class VerifyConfig:
+    """Everything one verify run needs; ``validate()`` normalizes CLI strings and raises ValueError with the fix.
+
+    Attributes:
+        checkpoint: model directory, with or without kvcal scales and statistics.
+        data: data sources, as for calibration (sequences come from ``data.iter_sequences``).
+        schemes: names from SCHEMES or paths to safetensors scale files, list or comma-separated.
+        seq_len, max_tokens: the sample: max_tokens // seq_len sequences of exactly seq_len tokens.
+        chunk_len: longer sequences run as chunked prefill through a KV cache (bounds logits memory).
+        kv_only: quantize only K and V in the static schemes (Triton/FlashInfer); default also Q (FA3).
+        fa3: run the FA3 FP8 numeric model on ``fa3_rows`` query rows of ``fa3_layers`` (default first, middle, last).
+        accum_bits: accumulator fractional bits of the FA3 model (13 Hopper, 25 B200).
+        needle: context lengths of the needle probe, at ``needle_depths`` (fractions of the haystack).
+        max_kl, min_top1: pass thresholds (KL nats/token, top-1 agreement); fail_kl, fail_top1: fail thresholds.
+        dtype: reference dtype; None = float32 on CPU, the checkpoint's dtype on GPU.
+        report_dir: write report.json, report.md and PNG plots there.
+    """
+
+    checkpoint: str
+    data: list[str]
+    schemes: str | list[str] = ",".join(SCHEMES)
+    seq_len: int = 1024
+    max_tokens: int = 4096
+    chunk_len: int = 1024
+    text_field: str | None = None
+    seed: int = 0
+    kv_only: bool = False
+    fa3: bool = False
+    accum_bits: int = HOPPER_ACCUM_BITS
+    fa3_rows: int = 8
+    fa3_layers: str | list[int] | None = None
+    needle: str | list[int] | None = None
+    needle_depths: tuple[float, ...] = NEEDLE_DEPTHS
+    max_kl: float = 0.02
+    fail_kl: float = 0.1
+    min_top1: float = 0.95
+    fail_top1: float = 0.90
+    device: str = "auto"
+    dtype: str | None = None
+    fp8_format: str = "e4m3fn"
+    report_dir: str | None = None
+    progress: bool = True
+
+    def validate(self) -> "VerifyConfig":
+        """Cheap checks of every field, before any model is loaded; returns self with lists parsed."""
+        read_config(self.checkpoint)
+        if not self.data:
+            raise ValueError("no data: pass --data FILE (txt, jsonl, json, parquet, csv) or a dataset name")
+        self.schemes = _split(self.schemes)
+        for name in self.schemes:
+            if name not in SCHEMES and not (name.endswith(".safetensors") and Path(name).is_file()):
+                raise ValueError(f"unknown scheme {name!r}: choose from {', '.join(SCHEMES)} or name an existing .safetensors scales file")
+        for name, value, low in (("seq-len", self.seq_len, 2), ("max-tokens", self.max_tokens, 1), ("chunk-len", self.chunk_len, 64)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"--{name} must be an integer ≥ {low}, got {value!r}")
+        if self.max_tokens < self.seq_len:
+            raise ValueError(f"--max-tokens {self.max_tokens} is less than one sequence (--seq-len {self.seq_len}); raise it")
+        if not 1 <= self.accum_bits <= 40:
+            raise ValueError(f"--accum-bits must be between 1 and 40 (13 models Hopper, 25 B200), got {self.accum_bits}")
+        if self.fa3_rows < 1:
+            raise ValueError(f"--fa3-rows must be ≥ 1, got {self.fa3_rows}")
+        self.fa3_layers = [int(x) for x in _split(self.fa3_layers)] if self.fa3_layers is not None else None
+        self.needle = [int(x) for x in _split(self.needle)] if self.needle else []
+        if any(n < 64 for n in self.needle):
+            raise ValueError(f"--needle lengths must be ≥ 64 tokens, got {self.needle}")
+        if not all(0 <= d <= 1 for d in self.needle_depths):
+            raise ValueError(f"needle depths are fractions of the haystack in [0, 1], got {self.needle_depths}")
+        if not (0 <= self.max_kl <= self.fail_kl and 0 <= self.fail_top1 <= self.min_top1 <= 1):
+            raise ValueError("thresholds must satisfy 0 ≤ max-kl ≤ fail-kl and 0 ≤ fail-top1 ≤ min-top1 ≤ 1")
+        get_format(self.fp8_format)
+        if self.report_dir is not None and not Path(self.report_dir).resolve().parent.is_dir():
+            raise ValueError(f"the parent directory of --report {self.report_dir} does not exist; create it first")
+        return self
+
+
+def _split(value: str | list | None) -> list[str]:
+    if value is None:
+        return []
+    items = value.split(",") if isinstance(value, str) else [str(v) for v in value]
+    return [item.strip() for item in items if item.strip()]
+
+
+@dataclass
+class Scheme:
+    """One way of quantizing attention's inputs, applied identically in every pass.
+
+    ``scales`` are dequantization multipliers in the format's own units (x ≈ fp8 × scale), kind →
+    [L, H] (a per-tensor scale repeated over heads); ``mode`` is "reference", "static" or "token".
+    """
+
+    name: str
+    mode: str
+    source: str
+    fmt: FP8Format
+    granularity: str | None = None
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    quantize_query: bool = False
+
+    def scale(self, kind: str, row: int, x: torch.Tensor) -> torch.Tensor:
+        """Scale broadcastable to x [B, H, S, D]: per (token, head) for ``token``, else [1, H, 1, 1]."""
+        if self.mode == "token":
+            return per_token_scale(x, self.fmt)  # [B, H, S, 1]
+        return self.scales[kind][row].to(x.device).view(1, -1, 1, 1)
+
+    def kinds(self) -> tuple[str, ...]:
+        if self.mode == "reference":
+            return ()
+        return ("k", "v", "q") if self.quantize_query else ("k", "v")
+
+    def apply(self, row: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """(q, k, v) as attention reads them back after this scheme's FP8 round trip."""
+        out = {"q": q, "k": k, "v": v}
+        for kind in self.kinds():
+            out[kind] = quantize_dequantize(out[kind], self.scale(kind, row, out[kind]), self.fmt)
+        return out["q"], out["k"], out["v"]
+
+
+# ---- scales: from the checkpoint, its statistics, or a file --------------------------------------------------------
+
+
+def read_scales(files: list[Path], layers: list[AttentionLayer], sig: ModelSignature) -> tuple[dict[str, torch.Tensor], str | None, list[str]]:
+    """KV scales stored in safetensors ``files``, as vLLM would load them for each attention layer.
+
+    Returns:
+        (kind → [L, H] float32 scales as written (before any format multiplier), granularity
+        "tensor"/"head"/None when no k/v scale exists, notes for the report). A layer missing a scale
+        gets 1.0, as in vLLM; so does a zero or negative one.
+
+    Raises:
+        ValueError: a scale whose shape does not fit the model's heads, or that is NaN/Inf.
+    """
+    where = {name: path for path in files for name in tensor_names(path)}
+    heads = {"k": sig.num_kv_heads, "v": sig.num_kv_heads, "q": sig.num_heads}
+    scales, notes, per_head = {}, [], False
+    for kind in ("k", "v", "q"):
+        rows, missing = [], []
+        for layer in layers:
+            names = [f"{layer.prefix}.{n}" for n in (SCALE_NAMES[kind], *SCALE_ALIASES[kind])]
+            name = next((n for n in names if n in where), None)
+            if name is None:
+                rows.append(torch.ones(heads[kind]))
+                missing.append(layer.layer_idx)
+                continue
+            with safe_open(str(where[name]), "pt") as f:
+                t = f.get_tensor(name).float()
+            if t.numel() == 1:
+                rows.append(t.reshape(1).expand(heads[kind]).clone())
+            elif t.shape in ((heads[kind], 1, 1), (heads[kind],)):
+                rows.append(t.flatten())
+                per_head = True
+            else:
+                raise ValueError(
+                    f"{name} in {where[name].name} has shape {list(t.shape)}, but this model has {heads[kind]} "
+                    f"{'query' if kind == 'q' else 'KV'} heads: expected [1] or [{heads[kind]}, 1, 1]; were these "
+                    "scales written for another model?"
+                )
+            if not torch.isfinite(t).all():
+                raise ValueError(f"{name} is NaN or Inf; vLLM would produce garbage with it: recalibrate")
+            if (t <= 0).any():
+                notes.append(f"{name} is zero or negative: vLLM treats it as absent and uses 1.0, and so does this verify")
+                rows[-1] = torch.where(rows[-1] > 0, rows[-1], torch.ones_like(rows[-1]))
+        if len(missing) < len(layers):
+            scales[kind] = torch.stack(rows)  # [L, H]
+            if missing:
+                notes.append(f"{SCALE_NAMES[kind]} is missing for layers {missing}: vLLM uses 1.0 there, and so does this verify")
+    if "k" not in scales and "v" not in scales:
+        return {}, None, notes
+    for kind in ("k", "v", "q"):
+        if kind not in scales:
+            scales[kind] = torch.ones(len(layers), heads[kind])
+            notes.append(f"no {SCALE_NAMES[kind]} at all: vLLM uses 1.0" + (" (queries beyond ±448 saturate on FA3)" if kind == "q" else ""))
+    return scales, ("head" if per_head else "tensor"), notes
+
+
+def _checkpoint_files(directory: Path) -> list[Path]:
+    """The safetensors files vLLM reads: those listed in the index when there is one, else all top-level ones."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        return sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+    return weight_files(directory)
+
+
+def build_schemes(config: VerifyConfig, layers, sig, stats: Stats | None, fmt: FP8Format) -> tuple[list[Scheme], dict, dict]:
+    """The schemes to run, those that cannot run with the reason, and what the checkpoint holds."""
+    ckpt, granularity, notes = read_scales(_checkpoint_files(Path(config.checkpoint)), layers, sig)
+    ckpt = {k: v * fmt.loaded_scale_multiplier for k, v in ckpt.items()}
+    if granularity is None:
+        notes.append("the checkpoint has no KV scales: vLLM would load it with 1.0 for every layer (scheme scale1)")
+    held = {"granularity": granularity, "notes": notes, "statistics": stats is not None}
+    q = not config.kv_only
+    heads = {"k": sig.num_kv_heads, "v": sig.num_kv_heads, "q": sig.num_heads}
+    schemes, skipped = [], {}
+    for name in config.schemes:
+        if name == REFERENCE:
+            schemes.append(Scheme(name, "reference", "none: the unquantized reference", fmt))
+        elif name == "scale1":
+            ones = {k: torch.ones(len(layers), h) for k, h in heads.items()}
+            schemes.append(Scheme(name, "static", "1.0", fmt, "tensor", ones, q))
+        elif name == "token":
+            schemes.append(Scheme(name, "token", "computed per token at cache write", fmt, "token"))
+        elif name in ("tensor", "head"):
+            if granularity == name:
+                schemes.append(Scheme(name, "static", "checkpoint", fmt, name, ckpt, q))
+            elif stats is not None:
+                derived = derive_scales(stats.kinds, observer="max", granularity=name, fmt=fmt).scales
+                derived = {k: (v if v.dim() == 2 else v[:, None].expand(-1, heads[k])).clone() for k, v in derived.items()}
+                source = "derived from the checkpoint's kvcal statistics (max observer; not in the checkpoint: export them)"
+                schemes.append(Scheme(name, "static", source, fmt, name, derived, q))
+            else:
+                has = f"holds {granularity} scales" if granularity else "has no KV scales"
+                skipped[name] = f"the checkpoint {has} and no kvcal statistics to derive {name} scales from"
+        else:
+            scales, file_granularity, file_notes = read_scales([Path(name)], layers, sig)
+            if file_granularity is None:
+                raise ValueError(f"{name} holds no k/v scales under this model's attention prefixes (e.g. {layers[0].prefix}.k_scale)")
+            notes += [f"{Path(name).name}: {n}" for n in file_notes]
+            scaled = {k: v * fmt.loaded_scale_multiplier for k, v in scales.items()}
+            schemes.append(Scheme(Path(name).stem, "static", str(Path(name).resolve()), fmt, file_granularity, scaled, q))
+    return schemes, skipped, held
+
+
+# ---- the passes ---------------------------------------------------------------------------------------------------
+
+
+class _Prefill:
+    """One sequence run through the model as chunked prefill, with its own KV cache."""
+
+    def __init__(self, model):
+        self.model, self.cache, self.pos = model, DynamicCache(config=model.config), 0
+        self.kwarg = _cache_kwarg(model)
+
+    def __call__(self, chunk: torch.Tensor, keep: int) -> torch.Tensor:
+        """Logits of the last ``keep`` positions of ``chunk`` [1, c] → [c_keep, V] float32."""
+        positions = torch.arange(self.pos, self.pos + chunk.shape[1], device=chunk.device)[None]  # [1, c]
+        out = self.model(input_ids=chunk, position_ids=positions, use_cache=True, logits_to_keep=keep, **{self.kwarg: self.cache})
+        self.pos += chunk.shape[1]
+        return out.logits[0].float()
+
+
+class _Apply:
+    """Attention hook of a scheme's end-to-end pass: every layer quantized, then the model's own attention."""
+
+    def __init__(self, scheme: Scheme, row_of: dict[int, int]):
+        self.scheme, self.row_of = scheme, row_of
+
+    def __call__(self, module, query, key, value, attention_mask, base_attention, **kwargs):
+        # The cache holds unquantized K/V, so quantizing past + new here equals quantizing each position once on write.
+        q, k, v = self.scheme.apply(self.row_of[module.layer_idx], query, key, value)
+        return base_attention(module, q, k, v, attention_mask, **kwargs)
+
+
+@dataclass
+class _Tally:
+    """Running sums of one scheme over the sample."""
+
+    err_sq: torch.Tensor  # [L] float64, Σ‖o_scheme − o_ref‖² of each layer's attention output (its own inputs)
+    counts: dict[str, torch.Tensor]  # kind → [L, 3] int64: saturated, underflowed (subnormal or zero), total
+    seq_kl: list[float] = field(default_factory=list)  # per sequence: mean KL(ref ‖ scheme), nats/token
+    seq_nll: list[float] = field(default_factory=list)  # per sequence: mean next-token NLL
+    seq_top1: list[float] = field(default_factory=list)  # per sequence: top-1 agreement with the reference
+    seconds: float = 0.0
+
+
+class _ReferenceProbe:
+    """Hook of the reference pass: the model's own attention, plus every scheme's on the same inputs."""
+
+    def __init__(self, schemes: list[Scheme], tallies: dict[str, _Tally], row_of: dict[int, int], num_layers: int):
+        self.schemes, self.tallies, self.row_of = schemes, tallies, row_of
+        self.ref_sq = torch.zeros(num_layers, dtype=torch.float64)
+        self.capture: dict[int, dict] = {}  # layer row → FA3 inputs, filled while ``fa3_rows`` is set
+        self.fa3_rows: torch.Tensor | None = None  # absolute positions to capture for the FA3 model
+        self.fa3_layers: set[int] = set()
+
+    def __call__(self, module, query, key, value, attention_mask, base_attention, **kwargs):
+        out = base_attention(module, query, key, value, attention_mask, **kwargs)
+        row, S = self.row_of[module.layer_idx], query.shape[2]
+        ref = out[0].float()  # [B, S, Hq, D]
+        self.ref_sq[row] += ref.square().sum(dtype=torch.float64)
+        new = {"q": query, "k": key[:, :, -S:], "v": value[:, :, -S:]}  # count each position once
+        for scheme in self.schemes:
+            if scheme.mode == "reference":
+                continue
+            tally = self.tallies[scheme.name]
+            o = base_attention(module, *scheme.apply(row, query, key, value), attention_mask, **kwargs)[0]
+            tally.err_sq[row] += (o.float() - ref).square().sum(dtype=torch.float64)
+            for kind in scheme.kinds():
+                tally.counts[kind][row] += range_counts(new[kind], scheme.scale(kind, row, new[kind]), scheme.fmt)
+        if self.fa3_rows is not None and row in self.fa3_layers:
+            start = key.shape[2] - S
+            local = self.fa3_rows - start  # [R] row index inside this chunk
+            if (local >= 0).all() and (local < S).all():
+                self.capture[row] = {
+                    "q": query[0, :, local].double().cpu(),  # [Hq, R, D]
+                    "k": key[0].double().cpu(), "v": value[0].double().cpu(),  # [Hkv, N, D]
+                    "model_out": out[0][0, local].transpose(0, 1).double().cpu(),  # [Hq, R, D]
+                    "scaling": kwargs.get("scaling") or module.head_dim**-0.5,
+                    "window": kwargs.get("sliding_window"),
+                    "softcap": kwargs.get("softcap"),
+                }
+        return out
+
+
+@torch.no_grad()
+def range_counts(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """[saturated, underflowed, total] counts (int64, CPU) of ``x / scale`` in ``fmt``.
+
+    Saturated: beyond the largest finite value by more than float32 rounding of the scale (a
+    per-token scale of amax / 448 puts the largest element at 448 up to one rounding). Underflowed:
+    non-zero but below the smallest normal, so stored as a subnormal or zero.
+    """
+    a = (x.float() / scale).abs()
+    saturated = (a > fmt.max * (1 + 2**-20)).sum()
+    underflow = ((a > 0) & (a < fmt.min_normal)).sum()
+    return torch.stack([saturated, underflow, torch.tensor(a.numel(), device=a.device)]).cpu()
+
+
+def _positions_metrics(ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor], logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
+    """Sums over positions of KL(ref ‖ scheme), NLL of ``targets`` and top-1 agreement.
+
+    ``ref`` is the reference's (log-probabilities [n, V], probabilities [n, V], argmax [n]), computed
+    once per chunk; ``logits`` [n, V] are the scheme's.
+    """
+    ref_lp, ref_p, ref_top = ref
+    lp = torch.log_softmax(logits, -1)  # [n, V]
+    kl = (ref_p * (ref_lp - lp)).sum(-1)  # [n]
+    nll = -lp.gather(-1, targets[:, None]).squeeze(-1)  # [n]
+    agree = ref_top == lp.argmax(-1)  # [n]
+    return kl.sum(dtype=torch.float64).item(), nll.sum(dtype=torch.float64).item(), agree.sum().item()
+
+
+@torch.no_grad()
+def measure(
+    model, layers, schemes: list[Scheme], sequences: list[torch.Tensor], config: VerifyConfig, fa3_rows: torch.Tensor | None
+) -> tuple[dict[str, _Tally], _ReferenceProbe, list[float], float]:
+    """Reference pass and one end-to-end pass per scheme over every sequence, chunk by chunk.
+
+    Each chunk runs through the reference and then every scheme, each with its own KV cache, so only
+    one chunk's logits per run are held at a time.
+
+    Returns:
+        (tallies per scheme, the reference probe with its per-layer sums and FA3 capture,
+        reference NLL per sequence, seconds spent in reference passes).
+    """
+    device = next(model.parameters()).device
+    row_of = {layer.layer_idx: row for row, layer in enumerate(layers)}
+    L = len(layers)
+    tallies = {s.name: _Tally(torch.zeros(L, dtype=torch.float64), {k: torch.zeros(L, 3, dtype=torch.int64) for k in s.kinds()}) for s in schemes}
+    probe = _ReferenceProbe(schemes, tallies, row_of, L)
+    probe.fa3_layers = set(_fa3_layer_rows(config, layers)) if fa3_rows is not None else set()
+    ref_nll, ref_seconds = [], 0.0
+    for i, seq in enumerate(tqdm(sequences, desc="verifying", unit="seq", disable=not config.progress)):
+        ids = seq.to(device)[None]  # [1, S]
+        probe.fa3_rows = fa3_rows if i == 0 else None
+        ref_run, runs = _Prefill(model), {name: _Prefill(model) for name in tallies}
+        sums = {name: [0.0, 0.0, 0.0] for name in tallies}
+        nll = 0.0
+        for start in range(0, ids.shape[1] - 1, config.chunk_len):
+            chunk = ids[:, start : start + config.chunk_len]  # [1, c]
+            targets = ids[0, start + 1 : start + 1 + chunk.shape[1]]  # next tokens; the last position has none
+            t0 = time.perf_counter()
+            with hooked_attention(model, probe):
+                ref_logits = ref_run(chunk, chunk.shape[1])[: len(targets)]  # [n, V]
+            ref_lp = torch.log_softmax(ref_logits, -1)  # [n, V]
+            ref = (ref_lp, ref_lp.exp(), ref_lp.argmax(-1))
+            nll -= ref_lp.gather(-1, targets[:, None]).sum(dtype=torch.float64).item()
+            ref_seconds += time.perf_counter() - t0
+            for scheme in schemes:
+                t0 = time.perf_counter()
+                with hooked_attention(model, _Apply(scheme, row_of)):
+                    logits = runs[scheme.name](chunk, chunk.shape[1])[: len(targets)]
+                tallies[scheme.name].seconds += time.perf_counter() - t0
+                for j, value in enumerate(_positions_metrics(ref, logits, targets)):
+                    sums[scheme.name][j] += value
+        n = ids.shape[1] - 1
+        ref_nll.append(nll / n)
+        for name, (kl, scheme_nll, agree) in sums.items():
+            tallies[name].seq_kl.append(kl / n)
+            tallies[name].seq_nll.append(scheme_nll / n)
+            tallies[name].seq_top1.append(agree / n)
+    return tallies, probe, ref_nll, ref_seconds
+
+
+def _fa3_layer_rows(config: VerifyConfig, layers: list[AttentionLayer]) -> list[int]:
+    """Rows (indices into ``layers``) the FA3 model runs on: those asked for, else first, middle and last."""
+    if config.fa3_layers is None:
+        return sorted({0, len(layers) // 2, len(layers) - 1})
+    row_of = {layer.layer_idx: row for row, layer in enumerate(layers)}
+    unknown = [i for i in config.fa3_layers if i not in row_of]
+    if unknown:
+        raise ValueError(f"--fa3-layers {unknown} are not attention layers of this model (layer_idx {layers[0].layer_idx}..{layers[-1].layer_idx})")
+    return sorted(row_of[i] for i in config.fa3_layers)
+
+
+# ---- derived results ----------------------------------------------------------------------------------------------
+
+
+def _mean_stderr(values: list[float]) -> tuple[float, float | None]:
+    """Mean over sequences and its standard error (None with a single sequence)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    return t.mean().item(), (t.std().item() / math.sqrt(len(values)) if len(values) > 1 else None)
+
+
+def scheme_result(scheme: Scheme, tally: _Tally, ref_sq: torch.Tensor, ref_nll: list[float], config: VerifyConfig) -> dict:
+    """Every number of one scheme, as plain JSON-able values, with its verdict."""
+    kl, kl_se = _mean_stderr(tally.seq_kl)
+    nll, ref_mean_nll = sum(tally.seq_nll) / len(tally.seq_nll), sum(ref_nll) / len(ref_nll)
+    top1 = sum(tally.seq_top1) / len(tally.seq_top1)
+    frac = {k: {"saturated": (c[:, 0] / c[:, 2].clamp(min=1)).tolist(), "underflow": (c[:, 1] / c[:, 2].clamp(min=1)).tolist()} for k, c in tally.counts.items()}
+    result = {
+        "mode": scheme.mode, "granularity": scheme.granularity, "source": scheme.source, "quantizes_query": scheme.quantize_query,
+        "note": SCHEME_NOTES.get(scheme.name, "static scales from a file"),
+        "layer_rel_error": (tally.err_sq / ref_sq.clamp(min=1e-300)).sqrt().tolist() if scheme.mode != "reference" else [0.0] * len(ref_sq),
+        "fractions": frac,
+        "kl": kl, "kl_stderr": kl_se, "kl_per_sequence": tally.seq_kl,
+        "nll": nll, "ppl": math.exp(nll), "ppl_reference": math.exp(ref_mean_nll), "ppl_change": math.exp(nll - ref_mean_nll) - 1,
+        "top1": top1, "seconds": tally.seconds,
+        "scales": {k: v.tolist() for k, v in scheme.scales.items()},
+    }
+    result["verdict"], result["reasons"] = judge(result, config)
+    return result
+
+
+def judge(result: dict, config: VerifyConfig) -> tuple[str, list[str]]:
+    """pass / warn / fail against the thresholds; the reference scheme is "reference"."""
+    if result["mode"] == "reference":
+        return "reference", []
+    reasons, verdict = [], "pass"
+    kl, top1 = result["kl"], result["top1"]
+    if kl > config.fail_kl or top1 < config.fail_top1:
+        verdict = "fail"
+    elif kl > config.max_kl or top1 < config.min_top1 or result.get("needle_lost"):
+        verdict = "warn"
+    if kl > config.max_kl:
+        reasons.append(f"KL {kl:.4g} > {config.fail_kl if kl > config.fail_kl else config.max_kl} nats/token")
+    if top1 < config.min_top1:
+        reasons.append(f"top-1 agreement {top1:.3%} < {config.fail_top1 if top1 < config.fail_top1 else config.min_top1:.0%}")
+    if result.get("needle_lost"):
+        reasons.append(f"the needle found by the reference was lost in {result['needle_lost']} case(s)")
+    return verdict, reasons
+
+
+def compare(a: dict, b: dict) -> tuple[float, float | None, bool]:
+    """KL of scheme a minus scheme b, paired by sequence: (mean, stderr or None, significant at 2 s.e.)."""
+    diff = [x - y for x, y in zip(a["kl_per_sequence"], b["kl_per_sequence"])]
+    mean, se = _mean_stderr(diff)
+    return mean, se, se is not None and abs(mean) > 2 * se
+
+
+def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str) -> tuple[list[str], str]:
+    """What to serve, from the measured numbers only: (sentences, vllm serve line)."""
+    lines = list(n for n in held["notes"] if "no KV scales" in n)
+    ranked = {n: r for n, r in results.items() if r["mode"] != "reference"}
+    if "token" in ranked and any(r["quantizes_query"] for r in ranked.values()):
+        lines.append("The static schemes here quantize Q as well (as FA3 on Hopper does); token leaves Q unquantized, "
+                     "so part of its lead may be Q's: --kv-only compares K and V alone.")
+
+    def versus(a: str, b: str) -> str:
+        mean, se, sig = compare(results[a], results[b])
+        ka, kb = results[a]["kl"], results[b]["kl"]
+        change = f"{a} is {'lower' if ka < kb else 'higher'} by {abs(ka / kb - 1):.0%}" if kb > 0 else ""
+        test = "one sequence: not tested" if se is None else ("significant" if sig else "within noise") + f", paired over {len(results[a]['kl_per_sequence'])} sequences"
+        return f"{a} vs {b}: KL {ka:.4g} vs {kb:.4g} nats/token; {change} ({test})"
+
+    for a, b in (("token", "tensor"), ("tensor", "scale1"), ("head", "tensor")):
+        if a in ranked and b in ranked:
+            lines.append(versus(a, b))
+    usable = {n: r for n, r in ranked.items() if r["verdict"] != "fail"}
+    if not usable:
+        lines.append("Every FP8 scheme measured fails the thresholds: keep this model's KV cache in bf16.")
+        return lines, f"vllm serve {checkpoint} --kv-cache-dtype auto"
+    # The most portable scheme among those with the best verdict; scale 1.0 only as a last resort.
+    rank = {"pass": 0, "warn": 1}
+    top = min(rank[r["verdict"]] for r in usable.values())
+    preference = ["tensor", *[n for n in usable if n not in SCHEMES], "head", "token", "scale1"]
+    choice = next(n for n in preference if n in usable and rank[usable[n]["verdict"]] == top)
+    r = usable[choice]
+    lines.append(f"Recommended: {choice} ({SCHEME_NOTES.get(choice, r['source'])}): KL {r['kl']:.4g} nats/token, "
+                 f"perplexity {r['ppl_change']:+.2%}, top-1 agreement {r['top1']:.2%}, verdict {r['verdict']}.")
+    for name, other in usable.items():
+        if name != choice and compare(other, r)[2] and other["kl"] < r["kl"]:
+            lines.append(f"{name} has significantly lower KL than {choice} ({other['kl']:.4g} vs {r['kl']:.4g}); "
+                         f"prefer it if that matters more than backend support: {SCHEME_NOTES.get(name, other['source'])}.")
+    target = checkpoint
+    if r["mode"] == "static" and choice != "scale1" and r["source"] != "checkpoint":
+        target = "OUT"
+        how = (f"write them with `kvcal export {checkpoint} --out OUT --granularity {choice}`" if choice in SCHEMES
+               else f"write {r['source']} into a copy of the checkpoint")
+        lines.append(f"These {choice} scales are not in the checkpoint: {how} and serve OUT.")
+    if choice == "scale1" and held["granularity"] is not None:
+        lines.append("Scale 1.0 needs a checkpoint without KV scales; this one has scales, which vLLM would use instead.")
+    sliding = [i for i, layer in enumerate(layers) if layer.sliding_window]
+    skip = False
+    if sliding and len(sliding) < len(layers):
+        err = torch.tensor(r["layer_rel_error"])
+        full = [i for i in range(len(layers)) if i not in sliding]
+        skip = err[sliding].mean() > 1.5 * err[full].mean()
+        lines.append(f"Sliding-window layers: mean per-layer error {err[sliding].mean():.3g} vs {err[full].mean():.3g} on full layers; "
+                     + ("keeping them in bf16 (--kv-cache-dtype-skip-layers sliding_window) should help — judged per layer, not measured end to end."
+                        if skip else "skipping them is not indicated."))
+    granularity = {"head": "head", "token": "token"}.get(r["granularity"], "tensor")
+    lines.append(report.SERVE_NOTES[granularity])
+    return lines, report.serve_command(target, granularity, skip_sliding=skip)
+
+
+# ---- FA3 numeric model on sampled rows ----------------------------------------------------------------------------
+
+
+def _fa3_rows(seq_len: int, chunk_len: int, n: int) -> torch.Tensor:
+    """Query positions for the FA3 model: up to n, spread over the second half of the last chunk (longest contexts)."""
+    last = seq_len - 2  # the last position that runs (the final token is only a target)
+    start = max((last // chunk_len) * chunk_len, last // 2)
+    return torch.linspace(start, last, n).round().long().unique()  # [R]
+
+
+def _error(o: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Relative RMS error and magnitude bias (Σ ref·(o − ref) / Σ ref², negative = shrunk) of o against ref."""
+    d = o - ref
+    return {"rel_error": (d.norm() / ref.norm()).item(), "bias": ((ref * d).sum() / ref.square().sum()).item()}
+
+
+@torch.no_grad()
+def fa3_probe(probe: _ReferenceProbe, rows: torch.Tensor, schemes: list[Scheme], layers, sig, config: VerifyConfig) -> dict:
+    """Run the FA3 FP8 model (both P·V modes) on the captured rows for every static scheme; validate it.
+
+    Each output is compared with float64 attention on the unquantized q, k, v. "fp8_inputs" is the
+    same quantization with exact arithmetic, so the rest of the error is P's FP8 cast and the accumulator.
+    """
+    groups = sig.num_heads // sig.num_kv_heads
+    static = [s for s in schemes if s.mode == "static"]
+    results, exact_check = {}, None
+    notes = [f"{s.name}: not an FA3 mode (vLLM runs it on Triton), not emulated" for s in schemes if s.mode == "token"]
+    for row, cap in sorted(probe.capture.items()):
+        idx = layers[row].layer_idx
+        if cap["softcap"]:
+            notes.append(f"layer {idx}: attention logit softcapping is not modelled; skipped")
+            continue
+        q, k, v = cap["q"], cap["k"].repeat_interleave(groups, 0), cap["v"].repeat_interleave(groups, 0)  # [Hq, R|N, D]
+        shape = dict(softmax_scale=cap["scaling"], q_pos=rows, window=cap["window"])
+        ref = fa3.exact_attention(q, k, v, **shape)  # [Hq, R, D]
+        layer = {"model_check": _error(cap["model_out"], ref)["rel_error"], "schemes": {}}
+        for s in static:
+            qs = s.scales["q"][row].double()  # [Hq]
+            ks, vs = (s.scales[kind][row].double().repeat_interleave(groups) for kind in ("k", "v"))  # [Hq]
+            q8, k8, v8 = (quantize(x, sc.view(-1, 1, 1), s.fmt).double() for x, sc in ((q, qs), (k, ks), (v, vs)))
+            fp8_inputs = fa3.exact_attention(q8 * qs.view(-1, 1, 1), k8 * ks.view(-1, 1, 1), v8 * vs.view(-1, 1, 1), **shape)
+            run = dict(descale=qs * ks, v_descale=vs, **shape)
+            layer["schemes"][s.name] = {
+                "fp8_inputs": _error(fp8_inputs, ref),
+                **{m: _error(fa3.fa3_attention(q8, k8, v8, mode=m, accum_bits=config.accum_bits, **run), ref) for m in fa3.MODES},
+            }
+            if exact_check is None:  # the emulator with exact arithmetic must reproduce fp8_inputs
+                exact_check = _error(fa3.fa3_attention(q8, k8, v8, accum_bits=None, quantize_p=False, **run), fp8_inputs)["rel_error"]
+        results[idx] = layer
+    n_keys = int(rows.max()) + 1
+    bits = sorted({config.accum_bits, fa3.B200_ACCUM_BITS})
+    return {
+        "parameters": {
+            "format": "e4m3fn, round to nearest even, saturate ±448 (Q, K, V and P)", "k_step": fa3.K_STEP,
+            "accum_bits": config.accum_bits, "accumulator": "per-term aligned, truncate toward zero (MMA-Sim model)",
+            "p": "exp2(S·scale·log2e − (m − 8)) in [0, 256], e4m3; row sum from fp32 P",
+            "kblock_n": {m: fa3.block_n(sig.head_dim, m) for m in fa3.MODES},
+        },
+        "query_positions": rows.tolist(),
+        "layers": results,
+        "validation": {
+            "exact_arithmetic_vs_float64": exact_check,
+            f"same_sign_bias_{n_keys}_keys": {m: {b: fa3.same_sign_bias(n_keys, mode=m, accum_bits=b) for b in bits} for m in fa3.MODES},
+        },
+        "notes": notes,
+    }
+
+
+# ---- needle probe -------------------------------------------------------------------------------------------------
+
+
+def needle_prompt(tokenizer, hay: list[int], length: int, depth: float, code: str) -> tuple[list[int], int, int]:
+    """Haystack with the needle at ``depth``, then the question and the answer: (ids of ``length`` tokens, needle position, answer tokens)."""
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    needle, question, answer = encode("\n" + NEEDLE.format(code=code) + "\n"), encode("\n" + NEEDLE_QUESTION), encode(" " + code)
+    body = length - len(needle) - len(question) - len(answer)
+    if body < 16:
+        raise ValueError(f"--needle {length} leaves no room for a haystack (needle and question take {length - body} tokens); use a longer length")
+    hay = hay[:body]
+    pos = min(body, max(1, round(depth * body)))  # never before the first token (BOS, when the tokenizer adds one)
+    return hay[:pos] + needle + hay[pos:] + question + answer, pos, len(answer)
+
+
+def _haystack(config: VerifyConfig, tokenizer, length: int, context: int | None) -> list[int]:
+    """The first ``length`` tokens of the user's data, as one packed sequence."""
+    dc = DataConfig(sources=config.data, seq_len=length, max_tokens=length, text_field=config.text_field, seed=config.seed)
+    seq = next(iter(iter_sequences(dc, tokenizer, max_context=context)), None)
+    if seq is None or seq.numel() < length:
+        got = 0 if seq is None else seq.numel()
+        raise ValueError(f"the data holds only {got} tokens but --needle {length} needs a haystack of {length}; add data or use shorter lengths")
+    return seq.tolist()
+
+
+def _tail_logits(model, ids: torch.Tensor, n: int, hook, chunk_len: int) -> torch.Tensor:
+    """Logits [n, V] that predict the last n tokens of ``ids`` [1, T], run as chunked prefill under ``hook``."""
+    run, first = _Prefill(model), ids.shape[1] - n - 1
+    parts = []
+    with hooked_attention(model, hook):
+        for start in range(0, ids.shape[1], chunk_len):
+            chunk = ids[:, start : start + chunk_len]  # [1, c]
+            end = start + chunk.shape[1]
+            logits = run(chunk, min(max(1, end - first), chunk.shape[1]))  # [keep, V]
+            if end > first:
+                parts.append(logits)
+    return torch.cat(parts)[:n]
+
+
+@torch.no_grad()
+def needle_probe(model, tokenizer, layers, schemes: list[Scheme], config: VerifyConfig, context: int | None) -> dict:
+    """Teacher-forced retrieval of a planted fact at each length and depth, for the reference and every scheme."""
+    device = next(model.parameters()).device
+    row_of = {layer.layer_idx: row for row, layer in enumerate(layers)}
+    runs = schemes if any(s.mode == "reference" for s in schemes) else [Scheme(REFERENCE, "reference", "", schemes[0].fmt), *schemes]
+    cases = []
+    for length in config.needle:
+        hay = _haystack(config, tokenizer, length, context)
+        code = str(random.Random(config.seed * 100_003 + length).randint(1000, 9999))
+        for depth in config.needle_depths:
+            ids, pos, n = needle_prompt(tokenizer, hay, length, depth, code)
+            ids = torch.tensor(ids, device=device)[None]  # [1, length]
+            answer = ids[0, -n:]
+            case = {"length": length, "depth": depth, "needle_token": pos, "code": code, "schemes": {}}
+            for scheme in tqdm(runs, desc=f"needle {length}@{depth:g}", disable=not config.progress, leave=False):
+                logits = _tail_logits(model, ids, n, _Apply(scheme, row_of), config.chunk_len)  # [n, V]
+                logprob = torch.log_softmax(logits, -1).gather(-1, answer[:, None]).sum().item()
+                case["schemes"][scheme.name] = {"logprob": logprob, "greedy": bool((logits.argmax(-1) == answer).all())}
+            cases.append(case)
+    summary = {}
+    for s in runs:
+        if s.mode == "reference":
+            continue
+        lost = sum(c["schemes"][REFERENCE]["greedy"] and not c["schemes"][s.name]["greedy"] for c in cases)
+        delta = [c["schemes"][s.name]["logprob"] - c["schemes"][REFERENCE]["logprob"] for c in cases]
+        summary[s.name] = {"lost": lost, "found": sum(c["schemes"][s.name]["greedy"] for c in cases), "mean_logprob_change": sum(delta) / len(delta)}
+    summary[REFERENCE] = {"found": sum(c["schemes"][REFERENCE]["greedy"] for c in cases)}
+    return {"needle": NEEDLE, "question": NEEDLE_QUESTION, "cases": cases, "summary": summary}
+
+
+# ---- the command --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VerifyResult:
+    """Every number of a verify run (``report``, as written to report.json) and where the report went."""
+
+    report: dict
+    report_dir: Path | None
+
+    @property
+    def schemes(self) -> dict[str, dict]:
+        return self.report["schemes"]
+
+    def summary(self) -> str:
+        """The verdict table, the recommendation and the serve command, for a person."""
+        text = report.verify_text(self.report)
+        return text + (f"\nreport: {self.report_dir / 'report.md'}" if self.report_dir else "")
+
+
+def _load_stats(directory: Path, sig: ModelSignature) -> Stats | None:
+    """The checkpoint's kvcal statistics, checked against the model, or None when it has none."""
+    path = directory / STATS_PATH
+    if not path.is_file():
+        return None
+    stats = Stats.load(path)
+    stats.signature.check_matches(sig, f"the statistics in {path}")
+    return stats
+
+
+def _sample(data_config: DataConfig, tokenizer, context: int | None) -> tuple[list[torch.Tensor], list[dict]]:
+    """Whole sequences of exactly seq_len tokens (a shorter last one is dropped), and the data manifest."""
+    stream = iter_sequences(data_config, tokenizer, max_context=context)
+    sequences = [s for s in stream if s.numel() == data_config.seq_len]
+    if not sequences:
+        raise ValueError(f"the data gives {stream.tokens_yielded} tokens, less than one sequence of --seq-len "
+                         f"{data_config.seq_len}; lower --seq-len or add data")
+    return sequences, stream.manifest()
+
+
+def _position_profile(stats: Stats | None) -> dict | None:
+    """Absmax by position bucket (max over heads) from the statistics, for the report's position plot."""
+    if stats is None:
+        return None
+    return {
+        "bucket_starts": position_bucket_starts(),
+        "tokens": stats.pos_tokens.tolist(),  # [L, P]
+        **{kind: stats.kinds[kind].pos_absmax.amax(1).tolist() for kind in ("k", "v", "q")},  # [L, P]
+    }
+
+
+def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> VerifyResult:
+    """Measure what an FP8 KV cache costs ``checkpoint`` on ``data``, per scheme, and recommend how to serve it.
+
+    ``options`` are the fields of ``VerifyConfig`` (schemes, seq_len, max_tokens, fa3, accum_bits,
+    needle, report_dir, thresholds, ...).
+    """
+    start = time.perf_counter()
+    # 1. Cheap checks of every option and data source before the model is loaded.
+    data = [data] if isinstance(data, (str, Path)) else data
+    config = VerifyConfig(checkpoint=str(checkpoint), data=[str(d) for d in data], **options).validate()
+    if config.fa3 and config.fp8_format != "e4m3fn":
+        raise ValueError("--fa3 models NVIDIA Hopper's e4m3fn path; drop --fa3 or use --fp8-format e4m3fn")
+    data_config = DataConfig(sources=config.data, seq_len=config.seq_len, max_tokens=config.max_tokens,
+                             text_field=config.text_field, seed=config.seed)
+    data_config.validate()
+    fmt = get_format(config.fp8_format)
+
+    # 2. The reference model (float32 on CPU by default) and its attention layers.
+    device = resolve_device(config.device)
+    model, tokenizer = load_model(config.checkpoint, device=device, dtype=getattr(torch, config.dtype) if config.dtype else None)
+    layers = attention_layers(model)
+    sig = signature(model, layers)
+    context = max_context(model)
+    loaded = time.perf_counter()
+
+    # 3. Schemes: the checkpoint's scales, scales derived from its statistics, named files.
+    stats = _load_stats(Path(config.checkpoint), sig)
+    schemes, skipped, held = build_schemes(config, layers, sig, stats, fmt)
+
+    # 4. The sample, then the reference pass and one pass per scheme.
+    sequences, manifest = _sample(data_config, tokenizer, context)
+    sampled = time.perf_counter()
+    fa3_rows = _fa3_rows(config.seq_len, config.chunk_len, config.fa3_rows) if config.fa3 else None
+    tallies, probe, ref_nll, ref_seconds = measure(model, layers, schemes, sequences, config, fa3_rows)
+    measured = time.perf_counter()
+
+    # 5. Optional probes: the FA3 numeric model on sampled rows, and the needle.
+    fa3_result = fa3_probe(probe, fa3_rows, schemes, layers, sig, config) if config.fa3 else None
+    probed = time.perf_counter()
+    needle_result = needle_probe(model, tokenizer, layers, schemes, config, context) if config.needle else None
+
+    # 6. Numbers, verdicts and the recommendation.
+    results = {}
+    for s in schemes:
+        r = scheme_result(s, tallies[s.name], probe.ref_sq, ref_nll, config)
+        if needle_result and s.mode != "reference":
+            r["needle_lost"] = needle_result["summary"][s.name]["lost"]
+            r["verdict"], r["reasons"] = judge(r, config)
+        results[s.name] = r
+    recommendation, serve = recommend(results, held, layers, config.checkpoint)
+    dtype = str(model.dtype).removeprefix("torch.")
+    rep = {
+        "kvcal_version": version("kvcal"),
+        "checkpoint": str(Path(config.checkpoint).resolve()),
+        "reference": {"name": REFERENCE, "dtype": dtype, "device": str(device),
+                      "note": f"the reference is the unquantized model in {dtype}, called {REFERENCE} as vLLM would serve it"},
+        "fp8_format": fmt.name,
+        "settings": {k: v for k, v in vars(config).items() if k not in ("checkpoint", "data", "progress")},
+        "data": manifest,
+        "sample": {"sequences": len(sequences), "seq_len": config.seq_len, "tokens": len(sequences) * config.seq_len},
+        "layers": [vars(layer) for layer in layers],
+        "checkpoint_scales": held,
+        "schemes": results,
+        "skipped": skipped,
+        "fa3": fa3_result,
+        "needle": needle_result,
+        "recommendation": recommendation,
+        "serve_command": serve,
+        "position_profile": _position_profile(stats),
+        "timings": {
+            "load_s": loaded - start, "sample_s": sampled - loaded, "passes_s": measured - sampled,
+            "reference_pass_s": ref_seconds, "scheme_pass_s": {n: t.seconds for n, t in tallies.items()},
+            "fa3_s": probed - measured, "needle_s": time.perf_counter() - probed, "total_s": time.perf_counter() - start,
+        },
+    }
+    # 7. Report files.
+    out = None
+    if config.report_dir is not None:
+        out = Path(config.report_dir)
+        report.write_verify_report(out, rep)
+    return VerifyResult(rep, out)

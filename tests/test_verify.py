@@ -1,0 +1,369 @@
+"""verify.py: the FP8 schemes, metrics, verdicts and report, against independent float64 computations."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import tiny_config
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from calibrate import api, cli
+from calibrate.capture import hooked_attention
+from calibrate.data import DataConfig, iter_sequences
+from calibrate.fp8 import FORMATS
+from calibrate.model import load_model
+from calibrate.verify import Scheme, needle_prompt, verify
+
+E4M3 = FORMATS["e4m3fn"]
+QUIET = dict(progress=False)
+
+
+# ---- independent float64 references ------------------------------------------------------------------------------
+
+
+def e4m3_round(y: torch.Tensor) -> torch.Tensor:
+    """Round float64 ``y`` to e4m3fn in float64 arithmetic only: saturate at ±448, 3 mantissa bits, nearest even."""
+    a = y.abs().clamp(max=448.0)
+    _, e = torch.frexp(a.clamp(min=2.0**-6))  # binade of a (subnormals share the smallest normal's spacing)
+    quantum = torch.ldexp(torch.ones_like(a), e - 1 - 3)
+    return torch.sign(y) * torch.round(a / quantum) * quantum  # torch.round rounds half to even
+
+
+def ref_qdq(x: torch.Tensor, scale) -> torch.Tensor:
+    """fp8(x / scale) × scale computed with ``e4m3_round``; x's dtype."""
+    scale = torch.as_tensor(scale, dtype=torch.float64)
+    return (e4m3_round(x.double() / scale) * scale).to(x.dtype)
+
+
+def ref_attention(q, k, v, scaling) -> torch.Tensor:
+    """float64 causal attention with GQA: q [B, Hq, S, D], k/v [B, Hkv, S, D] → [B, Hq, S, D]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
+    s = q.double() @ k.transpose(-1, -2) * scaling  # [B, Hq, S, S]
+    causal = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+    return torch.softmax(s.masked_fill(~causal, -math.inf), -1) @ v
+
+
+# ---- fixtures: tiny checkpoints with planted properties -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from calibrate.demo import smollm2_dir
+
+    return AutoTokenizer.from_pretrained(smollm2_dir())
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    from calibrate.demo import kjv_path
+
+    path = tmp_path_factory.mktemp("data") / "kjv.jsonl"
+    with open(kjv_path()) as src, open(path, "w") as dst:
+        for _, line in zip(range(300), src):
+            dst.write(json.dumps({"text": json.loads(line)["text"]}) + "\n")
+    return path
+
+
+def save_planted(directory, tokenizer, plant=None):
+    """A tiny random Llama (3 layers, 4 heads, 2 KV heads, head_dim 16) with ``plant(model)`` applied, saved."""
+    torch.manual_seed(0)
+    config = tiny_config("llama")
+    config.vocab_size = len(tokenizer)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    if plant is not None:
+        with torch.no_grad():
+            plant(model, tokenizer)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def k_outlier(model, tokenizer):
+    """Layer 0's K lies far beyond ±448: k_proj is scaled 5000× (q_proj 1/50×, so attention is sharp but not one-hot)."""
+    model.model.layers[0].self_attn.k_proj.weight *= 5000.0
+    model.model.layers[0].self_attn.q_proj.weight /= 50.0
+
+
+def token_outlier(model, tokenizer):
+    """Only EOS (between packed verses) carries channel 7, which layer 0's k_proj turns into a K of ~1e5 in dims 0 and 8
+    of every head, dims the queries ignore (their q_proj rows are zero; queries are sharpened 10×). Per-tensor and
+    per-head scales are then set by EOS and every other key underflows to zero; per-token scales are not."""
+    emb = model.model.embed_tokens.weight
+    emb[:, 7] = 0.0
+    emb[tokenizer.eos_token_id] = 0.0
+    emb[tokenizer.eos_token_id, 7] = 1.0
+    attn = model.model.layers[0].self_attn
+    attn.k_proj.weight[[0, 16], 7] = 1e4  # pre-RoPE dim 0 of both KV heads; RoPE rotates it into dims 0 and 8
+    attn.q_proj.weight *= 10.0
+    attn.q_proj.weight[[h * 16 + d for h in range(4) for d in (0, 8)]] = 0.0
+
+
+def calibrated(tmp_path_factory, tokenizer, data_file, name, plant):
+    root = tmp_path_factory.mktemp(name)
+    save_planted(root / "model", tokenizer, plant)
+    api.calibrate(str(root / "model"), [str(data_file)], str(root / "out"), seq_len=128, max_tokens=2048, verify=False, **QUIET)
+    return root / "out"
+
+
+@pytest.fixture(scope="module")
+def plain_ckpt(tmp_path_factory, tokenizer, data_file):
+    return calibrated(tmp_path_factory, tokenizer, data_file, "plain", None)
+
+
+@pytest.fixture(scope="module")
+def k_outlier_ckpt(tmp_path_factory, tokenizer, data_file):
+    return calibrated(tmp_path_factory, tokenizer, data_file, "k_outlier", k_outlier)
+
+
+@pytest.fixture(scope="module")
+def token_outlier_ckpt(tmp_path_factory, tokenizer, data_file):
+    return calibrated(tmp_path_factory, tokenizer, data_file, "token_outlier", token_outlier)
+
+
+def sample(ckpt, data_file, seq_len, max_tokens):
+    """The sequences verify measures: whole sequences of seq_len from the data (seed 0)."""
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    stream = iter_sequences(DataConfig([str(data_file)], seq_len=seq_len, max_tokens=max_tokens), tok)
+    return [s for s in stream if s.numel() == seq_len]
+
+
+# ---- emulation ------------------------------------------------------------------------------------------------------
+
+
+def quantization_cases():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, 16, generator=g) * torch.exp2(torch.randint(-12, 12, (2, 3, 40, 1), generator=g).float())
+    ties = torch.tensor([1.0625, 1.1875, 2.0**-10, 3 * 2.0**-11, 500.0, -1e6, 0.0, -(2.0**-12), 448.0, 464.0])  # in scale units
+    x[0, 0, 0, :10] = ties * 0.25  # exact in float32 with the power-of-two scale below
+    return x
+
+
+@pytest.mark.parametrize("mode, granularity", [("static", "tensor"), ("static", "head"), ("token", "token")])
+def test_quantization_equals_independent_float64_rounding(mode, granularity):
+    x = quantization_cases()  # [B, H, S, D]
+    H = x.shape[1]
+    scales = torch.tensor([[0.25] * H]) if granularity == "tensor" else torch.tensor([[0.25, 3e-3, 7.5]])
+    scheme = Scheme("s", mode, "test", E4M3, granularity, {k: scales for k in ("q", "k", "v")}, quantize_query=(mode == "static"))
+    q, k, v = scheme.apply(0, x, x * 2, x * 3)
+    if mode == "token":
+        s = lambda t: (t.abs().amax(-1, keepdim=True).double() / 448).clamp(min=1e-6).float()  # noqa: E731  vLLM's per-token-head scale
+        expected = (x, ref_qdq(x * 2, s(x * 2)), ref_qdq(x * 3, s(x * 3)))  # queries stay unquantized
+    else:
+        sc = scales[0].view(1, -1, 1, 1)
+        expected = tuple(ref_qdq(t, sc) for t in (x, x * 2, x * 3))
+    for got, want in zip((q, k, v), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if mode == "static" and granularity == "tensor":  # the planted cases: ties to even, saturation, underflow
+        assert q[0, 0, 0, :10].tolist() == [0.25, 0.3125, 0.0, 2.0**-9 * 0.25, 112.0, -112.0, 0.0, -0.0, 112.0, 112.0]
+
+
+# ---- metrics ------------------------------------------------------------------------------------------------------
+
+
+def test_reference_scheme_has_zero_kl_and_full_agreement(plain_ckpt, data_file):
+    result = verify(plain_ckpt, str(data_file), schemes="bf16,scale1", seq_len=128, max_tokens=256, **QUIET)
+    ref = result.schemes["bf16"]
+    assert ref["kl"] == 0.0 and ref["top1"] == 1.0 and ref["ppl_change"] == 0.0
+    assert ref["verdict"] == "reference"
+    assert result.schemes["scale1"]["kl"] > 0
+
+
+def test_end_to_end_metrics_equal_an_independent_computation(plain_ckpt, data_file):
+    """KL, perplexity and top-1 from whole-sequence forwards, our own float64-rounding quantizer and torch's kl_div,
+    against verify's chunked (64-token) passes."""
+    result = verify(plain_ckpt, str(data_file), schemes="scale1", seq_len=128, max_tokens=384, chunk_len=64, **QUIET)
+    model, _ = load_model(plain_ckpt, device=torch.device("cpu"))
+
+    def quantize_all(module, q, k, v, mask, base, **kw):
+        return base(module, ref_qdq(q, 1.0), ref_qdq(k, 1.0), ref_qdq(v, 1.0), mask, **kw)
+
+    kl, nll, ref_nll, agree, n = 0.0, 0.0, 0.0, 0.0, 0
+    with torch.no_grad():
+        for seq in sample(plain_ckpt, data_file, 128, 384):
+            ids = seq[None]
+            ref = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1)  # [S-1, V]
+            with hooked_attention(model, quantize_all):
+                got = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1)
+            kl += torch.nn.functional.kl_div(got, ref, log_target=True, reduction="sum").item()
+            nll -= got.gather(-1, seq[1:, None]).sum().item()
+            ref_nll -= ref.gather(-1, seq[1:, None]).sum().item()
+            agree += (got.argmax(-1) == ref.argmax(-1)).sum().item()
+            n += len(seq) - 1
+    r = result.schemes["scale1"]
+    assert r["kl"] == pytest.approx(kl / n, rel=2e-2)
+    assert r["ppl"] == pytest.approx(math.exp(nll / n), rel=1e-5)
+    assert r["ppl_change"] == pytest.approx(math.exp((nll - ref_nll) / n) - 1, abs=1e-5)
+    assert r["top1"] == pytest.approx(agree / n, abs=2 / n)
+
+
+def test_planted_k_outlier_saturates_scale1_but_not_calibrated_scales(k_outlier_ckpt, data_file):
+    # K and V only: the tiny queries would underflow with q_scale 1.0 too, which is not what this test is about.
+    result = verify(k_outlier_ckpt, str(data_file), schemes="bf16,scale1,tensor,head", seq_len=128, max_tokens=512, kv_only=True, **QUIET)
+    s = result.schemes
+    # Independent: layer 0's q, k, v recorded from the model, attention and rounding in float64.
+    model, _ = load_model(k_outlier_ckpt, device=torch.device("cpu"))
+    seen = []
+
+    def record(module, q, k, v, mask, base, **kw):
+        if module.layer_idx == 0:
+            seen.append((q, k, v, kw["scaling"]))
+        return base(module, q, k, v, mask, **kw)
+
+    with torch.no_grad(), hooked_attention(model, record):
+        for seq in sample(k_outlier_ckpt, data_file, 128, 512):
+            model(input_ids=seq[None])
+    k_all = torch.cat([k for _, k, _, _ in seen], 2)
+    assert s["scale1"]["fractions"]["k"]["saturated"][0] == pytest.approx((k_all.abs() > 448).float().mean().item(), rel=1e-6)
+    assert s["scale1"]["fractions"]["k"]["saturated"][0] > 0.05
+    err, ref_sq = 0.0, 0.0
+    for q, k, v, scaling in seen:
+        ref = ref_attention(q, k, v, scaling)
+        err += (ref_attention(q, ref_qdq(k, 1.0), ref_qdq(v, 1.0), scaling) - ref).square().sum().item()
+        ref_sq += ref.square().sum().item()
+    assert s["scale1"]["layer_rel_error"][0] == pytest.approx(math.sqrt(err / ref_sq), rel=1e-2)
+    # Calibrated scales (measured on a superset of these sequences) do not saturate and lose far less.
+    for name in ("tensor", "head"):
+        assert max(s[name]["fractions"]["k"]["saturated"]) == 0.0
+        assert s[name]["layer_rel_error"][0] < s["scale1"]["layer_rel_error"][0] / 5
+        assert s[name]["kl"] < s["scale1"]["kl"] / 5
+
+
+def test_per_token_beating_per_tensor_is_reported(token_outlier_ckpt, data_file):
+    result = verify(token_outlier_ckpt, str(data_file), schemes="bf16,tensor,token", seq_len=128, max_tokens=512, **QUIET)
+    tensor, token = result.schemes["tensor"], result.schemes["token"]
+    assert tensor["fractions"]["k"]["underflow"][0] > 0.5  # every non-EOS key is stored as zero or subnormal
+    assert token["layer_rel_error"][0] < tensor["layer_rel_error"][0] / 3
+    assert token["kl"] < tensor["kl"]
+    line = next(line for line in result.report["recommendation"] if line.startswith("token vs tensor"))
+    assert "token is lower" in line and "significant," in line
+    assert any(line.startswith(("Recommended: token", "token has significantly lower KL than tensor")) for line in result.report["recommendation"])
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_without_scales_runs_what_needs_none(tmp_path, tokenizer, data_file):
+    ckpt = save_planted(tmp_path / "model", tokenizer)
+    result = verify(ckpt, str(data_file), seq_len=64, max_tokens=128, **QUIET)
+    assert set(result.schemes) == {"bf16", "scale1", "token"}
+    assert set(result.report["skipped"]) == {"tensor", "head"}
+    assert "no KV scales" in result.report["skipped"]["tensor"]
+    assert any("would load it with 1.0" in line for line in result.report["recommendation"])
+
+
+def test_scales_of_the_wrong_shape_are_refused(tmp_path, plain_ckpt, data_file):
+    wrong = tmp_path / "wrong.safetensors"
+    save_file({f"model.layers.{i}.self_attn.{k}": torch.ones(5, 1, 1) for i in range(3) for k in ("k_scale", "v_scale")}, str(wrong))
+    with pytest.raises(ValueError, match=r"shape \[5, 1, 1\].*2 KV heads"):
+        verify(plain_ckpt, str(data_file), schemes=f"bf16,{wrong}", seq_len=64, max_tokens=128, **QUIET)
+
+
+def test_scales_file_is_a_scheme(tmp_path, plain_ckpt, data_file):
+    mine = tmp_path / "mine.safetensors"
+    save_file({f"model.layers.{i}.self_attn.{k}": torch.full((1,), 0.01) for i in range(3) for k in ("k_scale", "v_scale")}, str(mine))
+    result = verify(plain_ckpt, str(data_file), schemes=f"bf16,{mine}", seq_len=64, max_tokens=128, **QUIET)
+    assert result.schemes["mine"]["scales"]["k"][0] == pytest.approx([0.01, 0.01])
+    assert result.schemes["mine"]["scales"]["q"][0] == [1.0] * 4  # no q_scale: 1.0, as vLLM
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(seq_len=4096, max_tokens=4096), "less than one sequence"),
+        (dict(seq_len=16, max_tokens=16, needle="2048"), "needle 2048 needs a haystack"),
+        (dict(schemes="bf16,fp4"), "unknown scheme 'fp4'"),
+        (dict(max_tokens=10, seq_len=64), "less than one sequence"),
+        (dict(max_kl=0.5, fail_kl=0.1), "thresholds"),
+    ],
+)
+def test_bad_options_raise_with_the_fix(tmp_path, plain_ckpt, options, match):
+    short = tmp_path / "short.txt"
+    short.write_text("In the beginning God created the heaven and the earth.\n\nAnd the earth was without form.\n")
+    with pytest.raises(ValueError, match=match):
+        verify(plain_ckpt, str(short), **QUIET, **options)
+
+
+# ---- needle, report, CLI, calibrate's short verify ----------------------------------------------------------------
+
+
+def test_needle_prompt_places_the_fact(tokenizer):
+    hay = list(range(1000, 2000))
+    ids, pos, n = needle_prompt(tokenizer, hay, 512, 0.5, "4729")
+    assert len(ids) == 512 and ids[:pos] == hay[:pos]
+    assert tokenizer.decode(ids[pos : pos + 12]).strip().startswith("The secret code is 4729.")
+    assert tokenizer.decode(ids[-n:]) == " 4729"
+
+
+def test_needle_probe_and_report(plain_ckpt, data_file, tmp_path):
+    result = verify(plain_ckpt, str(data_file), schemes="scale1,tensor,token", seq_len=128, max_tokens=128, needle="256,512",
+                    needle_depths=(0.25, 0.75), fa3=True, fa3_rows=2, report_dir=str(tmp_path / "rep"), **QUIET)
+    cases = result.report["needle"]["cases"]
+    assert [(c["length"], c["depth"]) for c in cases] == [(256, 0.25), (256, 0.75), (512, 0.25), (512, 0.75)]
+    assert all(set(c["schemes"]) == {"bf16", "scale1", "tensor", "token"} for c in cases)
+    assert all(c["schemes"]["bf16"]["logprob"] < 0 for c in cases)
+    assert set(result.report["fa3"]["layers"]) == {0, 1, 2}
+    md = (tmp_path / "rep" / "report.md").read_text()
+    for heading in ("## Verdict", "## Recommendation", "## Needle probe", "## FA3 FP8 numeric model", "not the hardware"):
+        assert heading in md
+    for png in ("layer_error.png", "scales.png", "position_profile.png"):
+        assert (tmp_path / "rep" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_verify(plain_ckpt, data_file, tmp_path, capsys):
+    rc = cli.main(["verify", str(plain_ckpt), "--data", str(data_file), "--seq-len", "64", "--max-tokens", "128",
+                   "--schemes", "bf16,tensor", "--report", str(tmp_path / "r"), "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "vllm serve" in out and "tensor" in out
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["sample"]["sequences"] == 2
+
+
+def test_calibrate_runs_a_short_verify_unless_disabled(tmp_path, tokenizer, data_file):
+    model = save_planted(tmp_path / "model", tokenizer)
+    result = api.calibrate(str(model), [str(data_file)], str(tmp_path / "a"), seq_len=128, max_tokens=512, **QUIET)
+    assert result.verification is not None
+    assert set(result.verification.schemes) == {"scale1", "tensor", "token"}
+    assert (tmp_path / "a" / "kvcal" / "verify" / "report.md").is_file()
+    assert "short verify" in result.summary()
+    result = api.calibrate(str(model), [str(data_file)], str(tmp_path / "b"), seq_len=128, max_tokens=512, verify=False, **QUIET)
+    assert result.verification is None and not (tmp_path / "b" / "kvcal" / "verify").exists()
+
+
+# ---- the real model -----------------------------------------------------------------------------------------------
+
+
+def all_numbers(value, path="report"):
+    """Every float in a JSON-like value, with its path."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from all_numbers(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from all_numbers(v, f"{path}[{i}]")
+    elif isinstance(value, float):
+        yield path, value
+
+
+@pytest.mark.slow
+def test_smollm2_every_number_finite_and_report_renders(smol_dir, kjv_path, tmp_path):
+    data = tmp_path / "kjv.jsonl"
+    with open(kjv_path) as src, open(data, "w") as dst:
+        for _, line in zip(range(400), src):
+            dst.write(line)
+    api.calibrate(str(smol_dir), [str(data)], str(tmp_path / "ckpt"), seq_len=256, max_tokens=512, verify=False, **QUIET)
+    result = verify(tmp_path / "ckpt", str(data), seq_len=256, max_tokens=512, seed=1, fa3=True, fa3_rows=2, fa3_layers="0,29",
+                    needle="512", needle_depths=(0.5,), report_dir=str(tmp_path / "rep"), **QUIET)
+    assert set(result.schemes) == {"bf16", "scale1", "tensor", "head", "token"}
+    numbers = list(all_numbers(result.report))
+    assert len(numbers) > 500
+    bad = [(p, x) for p, x in numbers if not math.isfinite(x)]
+    assert not bad, bad[:5]
+    for name, r in result.schemes.items():
+        assert r["verdict"] in {"pass", "warn", "fail", "reference"}
+        assert len(r["layer_rel_error"]) == 30
+        assert name == "bf16" or 0 < r["kl"] < 1
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "float32" in md and "vllm serve" in md and "layers [0, 29]" in md
+    assert json.loads((tmp_path / "rep" / "report.json").read_text())["schemes"]["tensor"]["kl"] == result.schemes["tensor"]["kl"]
