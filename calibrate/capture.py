@@ -134,7 +134,8 @@ class Observer:
         """Fold the buffered layers into the statistics."""
         if not self._buffer:
             return
-        q, k, v = (torch.stack(ts) for ts in zip(*self._buffer))  # [Lb, B, H, S, D] each
+        # [Lb, B, H, S, D] each; a single layer needs no copy.
+        q, k, v = (torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0) for ts in zip(*self._buffer))
         self._buffer = []
         self.stats.update_layers(self._start, q, k, v, self._positions)
 
