@@ -23,7 +23,7 @@ from .model import AttentionLayer, attention_layers, load_model, max_context, re
 from .observers import ScaleSet, derive_scales
 from .report import SERVE_NOTES, scale_table, serve_command
 from .stats import ModelSignature, Stats
-from .verify import VerifyResult, verify  # issue 5: the verify command (verify.verify) and the short verify below
+from .verify import VerifyResult, verify
 
 STATS_FILE = "stats.safetensors"
 PROVENANCE_FILE = "calibration.json"
@@ -38,7 +38,7 @@ class CalibrationResult:
     stats: Stats
     scale_set: ScaleSet
     provenance: dict
-    verification: VerifyResult | None = None  # issue 5: the short verify run after calibrate
+    verification: VerifyResult | None = None  # the short verify run after calibrate
 
     def summary(self) -> str:
         """The per-layer table, the output path and the serve command, for a person."""
@@ -64,7 +64,7 @@ class CalibrationResult:
         ]
         if skip:
             lines.append(f"  (this model has sliding-window layers; to keep them in bf16 add --kv-cache-dtype-skip-layers sliding_window)")
-        if self.verification is not None:  # issue 5
+        if self.verification is not None:
             lines += ["", "short verify of the written checkpoint (kvcal verify runs the full one):", self.verification.summary()]
         return "\n".join(lines)
 
@@ -184,14 +184,13 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult:
     )
     result = CalibrationResult(out, layers, stats, scale_set, provenance)
 
-    # 6. (issue 5) A short verify of what was written, unless --no-verify.
+    # 6. A short verify of what was written, unless --no-verify.
     if config.verify:
         del model  # verify loads the written checkpoint itself
         result.verification = _short_verify(config)
     return result
 
 
-# --- verify (issue 5) ---
 SHORT_VERIFY_TOKENS = 512  # one sequence: about (1 + 3) forwards of 512 tokens
 
 
@@ -212,7 +211,6 @@ def _short_verify(config: CalibrationConfig) -> VerifyResult | None:
     except ValueError as e:
         warnings.warn(f"the short verify did not run: {e}; run kvcal verify {config.out} --data ... yourself", stacklevel=3)
         return None
-# --- end verify (issue 5) ---
 
 
 def load_calibration(source: str | Path) -> tuple[Stats, dict]:

@@ -7,10 +7,9 @@ import sys
 
 from . import api, inspector, recipes
 from .observers import GRANULARITIES, OBSERVERS
-from .verify import SCHEMES, VerifyConfig  # issue 5
+from .verify import SCHEMES, VerifyConfig
 
 
-# --- recipes (issue 6) ---
 # The scale flags' defaults for ``export``. Under ``calibrate`` every flag a recipe can set defaults to
 # None instead ("not given"), so only flags the user typed override the recipe (recipes/default.yaml
 # holds the values used when neither says).
@@ -34,14 +33,14 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-len", type=int, help="longer sequences run as chunked prefill through a KV cache (default 2048)")
     p.add_argument("--text-field", help="column holding the text (default: text, messages or input_ids, found automatically)")
     p.add_argument("--no-pack", dest="pack", action="store_false", default=None, help="one record per sequence instead of packing")
+    p.add_argument("--long-records", choices=["split", "error"], help="a record longer than one sequence is split (default) or refused")
     p.add_argument("--seed", type=int, help="shuffling seed (default 0)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="model dtype (default: checkpoint's on GPU, float32 on CPU)")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
-    p.add_argument("--no-verify", dest="verify", action="store_false", default=None,  # issue 5
+    p.add_argument("--no-verify", dest="verify", action="store_false", default=None,
                    help="skip the short verify of the written checkpoint (kvcal verify runs the full one)")
     _scale_options(p, dict.fromkeys(_SCALE_DEFAULTS))
-# --- end recipes ---
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=16_384, help="token budget (default 16384)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
 
-    # --- recipes, inspect, apply (issue 6) ---
     p = sub.add_parser("recipes", help="list the shipped recipes, or show one with its reasoning")
     p.add_argument("action", choices=["list", "show"])
     p.add_argument("name", nargs="?", help="recipe to show")
@@ -81,9 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="the checkpoint to write into (a fine-tune, a re-quantized variant)")
     p.add_argument("--out", required=True, help="new output checkpoint directory")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
-    # --- end issue 6 ---
 
-    # --- verify (issue 5) ---
     v = VerifyConfig
     p = sub.add_parser("verify", help="measure what an FP8 KV cache costs a checkpoint, per scheme, and how to serve it")
     p.add_argument("checkpoint", help="model directory: a kvcal output, or any checkpoint (scales are read from it when present)")
@@ -109,7 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-format", default=v.fp8_format, choices=["e4m3fn", "e4m3fnuz"], help="e4m3fn (NVIDIA, CPU) or e4m3fnuz (ROCm)")
     p.add_argument("--report", dest="report_dir", help="write report.json, report.md and plots into this directory")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
-    # --- end verify (issue 5) ---
     return parser
 
 
@@ -123,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     options = {k: v for k, v in vars(args).items() if k != "command"}
     try:
-        # --- recipes, inspect, apply (issue 6) ---
         if args.command == "recipes":
             if args.action == "show" and not args.name:
                 raise ValueError("kvcal recipes show needs a NAME (see kvcal recipes list)")
@@ -139,11 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "apply":
             result = inspector.apply(**options)
-        # --- end issue 6 ---
-        # --- verify (issue 5) ---
         elif args.command == "verify":
             result = api.verify(**options)
-        # --- end verify (issue 5) ---
         elif args.command == "export":
             result = api.export(**options)
         else:

@@ -32,13 +32,11 @@ SCALE_NAMES = {"k": "k_scale", "v": "v_scale", "q": "q_scale"}
 # attention's k/v/q scales, so an output must hold exactly one of them per layer and kind.
 OLD_SCALE_PATTERN = re.compile(r"\.(k_scale|v_scale|q_scale|kv_scale|prob_scale)$|\.[kvq]_proj\.output_scale$")
 STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
-# --- ModelOpt form (issue 6) ---
 # A ModelOpt checkpoint keeps its own quantization config (vLLM reads config.json's quantization_config,
 # else hf_quant_config.json), so its KV scales go under ModelOpt's names, which vLLM maps onto the
 # attention's k/v scales; q keeps the generic name, which vLLM maps whatever the quantization method.
 HF_QUANT_CONFIG = "hf_quant_config.json"
 MODELOPT_SCALE_NAMES = {"k": "k_proj.k_scale", "v": "v_proj.v_scale", "q": "q_scale"}
-# --- end ModelOpt form ---
 
 
 def scale_tensors(prefixes: list[str], scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -92,7 +90,6 @@ def quantization_config(existing: dict | None, strategy: str) -> dict:
     return merged
 
 
-# --- ModelOpt form (issue 6) ---
 def checkpoint_form(model_dir: Path) -> str:
     """``"modelopt"`` when vLLM would read the checkpoint with its ModelOpt loader, else ``"compressed-tensors"``.
 
@@ -139,7 +136,6 @@ def modelopt_quant_configs(source: Path, config: dict, strategy: str) -> dict[st
         hf_quant.setdefault("quantization", {})["kv_cache_quant_algo"] = "FP8"
         out[HF_QUANT_CONFIG] = hf_quant
     return out
-# --- end ModelOpt form ---
 
 
 def weight_files(model_dir: Path) -> list[Path]:
