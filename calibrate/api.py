@@ -201,10 +201,12 @@ def _short_verify(config: CalibrationConfig) -> VerifyResult | None:
     already written and the full ``kvcal verify`` takes its own sample.
     """
     seq_len = min(config.seq_len, SHORT_VERIFY_TOKENS)
-    written = config.recipe.get("verify", {}).get("schemes") or ["head" if config.granularity == "head" else "tensor", "token"]
+    recipe_verify = config.recipe.get("verify", {})
+    written = recipe_verify.get("schemes") or ["head" if config.granularity == "head" else "tensor", "token"]
     try:
         return verify(
             config.out, config.data, schemes=["scale1", *dict.fromkeys(written)], seq_len=seq_len, max_tokens=seq_len,
+            **recipe_verify.get("thresholds", {}),
             text_field=config.text_field, seed=config.seed + 1, device=config.device, dtype=config.dtype,
             fp8_format=config.fp8_format, report_dir=str(Path(config.out) / KVCAL_DIR / "verify"), progress=config.progress,
         )

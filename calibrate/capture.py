@@ -151,7 +151,7 @@ class Observer:
             raise RuntimeError(f"these attention layers saw no tokens, so no scale can be derived for them: {', '.join(missing)}")
 
 
-def _cache_kwarg(model: nn.Module) -> str:
+def cache_kwarg(model: nn.Module) -> str:
     """Name of the forward argument that takes a KV cache (``cache`` in newer transformers)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
@@ -167,7 +167,7 @@ def forward_chunked(model: nn.Module, input_ids: torch.Tensor, chunk_len: int) -
         model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
         return
     cache = DynamicCache(config=model.config)
-    kwarg = _cache_kwarg(model)
+    kwarg = cache_kwarg(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         for start in range(0, input_ids.shape[1], chunk_len):

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from . import fa3, report
-from .capture import _cache_kwarg, hooked_attention
+from .capture import cache_kwarg, hooked_attention
 from .data import DataConfig, iter_sequences
 from .export import INDEX_FILE, KVCAL_DIR, SCALE_NAMES, tensor_names, weight_files
 from .fa3 import HOPPER_ACCUM_BITS
@@ -280,7 +280,7 @@ class _Prefill:
 
     def __init__(self, model):
         self.model, self.cache, self.pos = model, DynamicCache(config=model.config), 0
-        self.kwarg = _cache_kwarg(model)
+        self.kwarg = cache_kwarg(model)
 
     def __call__(self, chunk: torch.Tensor, keep: int) -> torch.Tensor:
         """Logits of the last ``keep`` positions of ``chunk`` [1, c] → [c_keep, V] float32."""
