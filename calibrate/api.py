@@ -5,7 +5,9 @@
 """
 
 import json
+import os
 import platform
+import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -21,9 +23,11 @@ from .export import KVCAL_DIR, prepare_output, scale_tensors, weight_files, writ
 from .fp8 import get_format
 from .model import AttentionLayer, attention_layers, load_model, max_context, read_config, resolve_device, signature
 from .observers import ScaleSet, derive_scales
-from .report import SERVE_NOTES, scale_table, serve_command
+from .report import SERVE_NOTES, kvcal_version, scale_table, serve_command
 from .stats import ModelSignature, Stats
 from .verify import VerifyResult, verify
+from .weights import PROVENANCE as WEIGHTS_PROVENANCE
+from .weights import check_available, quantize_weights
 
 STATS_FILE = "stats.safetensors"
 PROVENANCE_FILE = "calibration.json"
@@ -85,7 +89,7 @@ def _check_finite(stats: Stats, layers: list[AttentionLayer]) -> None:
 def _provenance(config: CalibrationConfig, layers, sig, stats, scale_set, manifest, wall_s, device, dtype) -> dict:
     """Everything needed to reproduce and compare a run, saved as kvcal/calibration.json."""
     return {
-        "kvcal_version": version("kvcal"),
+        "kvcal_version": kvcal_version(),
         "versions": {"torch": torch.__version__, "transformers": version("transformers"), "python": platform.python_version()},
         "model": str(Path(config.model).resolve()),
         "signature": asdict(sig),
@@ -135,12 +139,21 @@ def calibrate(model: str, data: str | list[str], out: str, **options) -> Calibra
 
 
 def run_calibration(config: CalibrationConfig) -> CalibrationResult:
-    """Run a validated calibration; see ``calibrate``."""
+    """Run a validated calibration; see ``calibrate``.
+
+    With ``config.weights == "fp8"`` the weights are also quantized (llm-compressor, data-free FP8_DYNAMIC) into
+    a temporary directory beside OUT, which then is the checkpoint the scales are written into. The KV
+    statistics are still captured on the original, unquantized model: FP8 weights shift the activations
+    slightly, so the scales are those of the bf16 model (the short verify runs on the written, FP8-weight
+    checkpoint and measures the combined effect).
+    """
     start = time.perf_counter()
     # 1. Cheap checks on every input and the output before anything is loaded.
     config.validate()
     prepare_output(Path(config.out), Path(config.model), config.overwrite)
     weight_files(Path(config.model))
+    if config.weights:
+        check_available(Path(config.model), config.weights)
     data_config = DataConfig(
         sources=config.data, seq_len=config.seq_len, max_tokens=config.max_tokens, text_field=config.text_field,
         pack=config.pack, seed=config.seed, long_records=config.long_records,
@@ -174,14 +187,27 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult:
 
     # 5. Write the checkpoint, statistics and provenance atomically.
     provenance = _provenance(config, layers, sig, stats, scale_set, stream.manifest(), time.perf_counter() - start, device, model.dtype)
+    if config.weights:
+        provenance["weights"] = WEIGHTS_PROVENANCE[config.weights]
+        provenance["versions"]["llmcompressor"] = version("llmcompressor")
     stats.meta = {"model": provenance["model"], "tokens": provenance["tokens"], "data": provenance["data"]}
-    out = write_checkpoint(
-        Path(config.model), Path(config.out),
-        scales=scale_tensors([layer.prefix for layer in layers], scale_set.checkpoint_scales()),
-        strategy="head" if scale_set.per_head else "tensor",
-        write_extras=_write_extras(stats, provenance),
-        overwrite=config.overwrite,
-    )
+    source, weights_dir = Path(config.model), None
+    try:
+        if config.weights:
+            model = None  # free it before llm-compressor loads its own copy in the checkpoint's dtype
+            weights_dir = Path(config.out).parent / f".{Path(config.out).name}.kvcal-weights-{os.getpid()}"
+            shutil.rmtree(weights_dir, ignore_errors=True)
+            source = quantize_weights(source, weights_dir, config.weights)
+        out = write_checkpoint(
+            source, Path(config.out),
+            scales=scale_tensors([layer.prefix for layer in layers], scale_set.checkpoint_scales()),
+            strategy="head" if scale_set.per_head else "tensor",
+            write_extras=_write_extras(stats, provenance),
+            overwrite=config.overwrite,
+        )
+    finally:
+        if weights_dir is not None:
+            shutil.rmtree(weights_dir, ignore_errors=True)
     result = CalibrationResult(out, layers, stats, scale_set, provenance)
 
     # 6. A short verify of what was written, unless --no-verify.

@@ -121,7 +121,8 @@ class Observer:
         # Only the new positions: a cached prefix was observed by an earlier call.
         new = (query, key[:, :, -S:], value[:, :, -S:])
         # All layers of one forward share the positions; a new forward starts again at the first row.
-        if self._buffer and (row != self._start + len(self._buffer) or new[0].shape != self._buffer[0][0].shape):
+        same_shapes = self._buffer and all(a.shape == b.shape for a, b in zip(new, self._buffer[0]))
+        if self._buffer and (row != self._start + len(self._buffer) or not same_shapes):
             self.flush()
         if not self._buffer:
             self._start, self._positions = row, new_positions(query, key, kwargs)  # [B, S]

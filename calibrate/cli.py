@@ -38,6 +38,8 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="model dtype (default: checkpoint's on GPU, float32 on CPU)")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--weights", choices=["fp8"],
+                   help="also quantize the weights: fp8 = llm-compressor's data-free FP8_DYNAMIC (needs kvcal[llmcompressor])")
     p.add_argument("--no-verify", dest="verify", action="store_false", default=None,
                    help="skip the short verify of the written checkpoint (kvcal verify runs the full one)")
     _scale_options(p, dict.fromkeys(_SCALE_DEFAULTS))

@@ -23,6 +23,8 @@ class CalibrationConfig:
         headroom: multiplier ≥ 1 on every scale, range kept for unseen data.
         query_scale: also write q_scale (vLLM's FA3 path quantizes queries and uses 1.0 without it).
         fp8_format: ``e4m3fn`` (NVIDIA, CPU) or ``e4m3fnuz`` (ROCm MI300).
+        weights: ``None`` (weights untouched) or ``"fp8"``: also quantize the weights with llm-compressor's
+            data-free FP8_DYNAMIC scheme (needs the ``llmcompressor`` extra).
     """
 
     model: str
@@ -42,6 +44,7 @@ class CalibrationConfig:
     headroom: float = 1.0
     query_scale: bool = True
     fp8_format: str = "e4m3fn"
+    weights: str | None = None
     overwrite: bool = False
     verify: bool = True
     progress: bool = True
@@ -65,6 +68,8 @@ class CalibrationConfig:
             raise ValueError(f"--headroom must be a number ≥ 1.0 (1.0 = none), got {self.headroom!r}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
+        if self.weights not in (None, "fp8"):
+            raise ValueError(f"--weights {self.weights!r}: choose fp8 (or leave it out to keep the weights as they are)")
         if self.long_records not in ("split", "error"):
             raise ValueError(f"long_records must be 'split' or 'error', got {self.long_records!r}")
         return self

@@ -283,15 +283,19 @@ def write_checkpoint(
 
 
 def _remove_stale_temporaries(out: Path) -> None:
-    """Remove temporary directories that a killed run (SIGKILL, power loss) left beside ``out``."""
-    for tmp in out.parent.glob(f".{out.name}.kvcal-tmp-*"):
+    """Remove temporary directories that a killed run (SIGKILL, power loss) left beside ``out``.
+
+    ``kvcal-tmp-PID``: the output being built; ``kvcal-weights-PID``: quantized weights (``--weights``).
+    """
+    stale = [*out.parent.glob(f".{out.name}.kvcal-tmp-*"), *out.parent.glob(f".{out.name}.kvcal-weights-*")]
+    for tmp in stale:
         pid = tmp.name.rsplit("-", 1)[-1]
         if not pid.isdigit():
             continue
         try:
             os.kill(int(pid), 0)
-            if int(pid) != os.getpid():
-                continue  # another live run owns it
+            if int(pid) != os.getpid() or ".kvcal-weights-" in tmp.name:
+                continue  # another live run owns it, or these are this run's quantized weights, in use
         except ProcessLookupError:
             pass
         except PermissionError:

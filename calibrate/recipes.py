@@ -51,7 +51,7 @@ SCHEMA: dict = {
     },
     "scales": {"observer": "str", "granularity": "str", "headroom": "float", "query_scale": "bool", "fp8_format": "str"},
     "skip_layers": "list[str|int]",  # for vLLM's --kv-cache-dtype-skip-layers: "sliding_window" or layer indices
-    "export": {"form": "str"},
+    "export": {"form": "str", "weights": "str?"},  # weights: null (untouched) or fp8 (needs llm-compressor)
     "verify": {"enabled": "bool", "schemes": "list[str]", "thresholds": "dict[str,float]"},
 }
 
@@ -82,6 +82,7 @@ CONFIG_FIELDS = {
     ("scales", "headroom"): "headroom",
     ("scales", "query_scale"): "query_scale",
     ("scales", "fp8_format"): "fp8_format",
+    ("export", "weights"): "weights",
     ("verify", "enabled"): "verify",
 }
 # export.form: "auto" writes the form of the source checkpoint (ModelOpt when it is a ModelOpt
@@ -180,6 +181,9 @@ def _check_values(where: str, recipe: dict) -> None:
     form = recipe.get("export", {}).get("form")
     if form is not None and form not in EXPORT_FORMS:
         raise ValueError(f"{where}: export.form {form!r}{_suggest(form, list(EXPORT_FORMS))}; choose one of: {', '.join(EXPORT_FORMS)}")
+    weights = recipe.get("export", {}).get("weights")
+    if weights not in (None, "fp8"):
+        raise ValueError(f"{where}: export.weights {weights!r}; choose fp8, or null to keep the weights as they are")
     for scheme in recipe.get("verify", {}).get("schemes", []):
         if scheme not in VERIFY_SCHEMES:
             raise ValueError(f"{where}: verify.schemes holds {scheme!r}{_suggest(scheme, list(VERIFY_SCHEMES))}; choose from: {', '.join(VERIFY_SCHEMES)}")

@@ -1,6 +1,7 @@
 """What kvcal tells a person: the per-layer scale table, the serve command, and verify's report (text, Markdown, plots)."""
 
 import json
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -14,6 +15,14 @@ SERVE_NOTES = {
     "token": "per-token-head mode: vLLM computes scales as it writes the cache (Triton backend only) and ignores the "
     "checkpoint's scales; the per-tensor scales written are the fallback for any other --kv-cache-dtype",
 }
+
+
+def kvcal_version() -> str:
+    """kvcal's installed version, for provenance; a source checkout on PYTHONPATH has none."""
+    try:
+        return version("kvcal")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def serve_command(out: str, granularity: str, skip_sliding: bool = False) -> str:

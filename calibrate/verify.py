@@ -15,7 +15,6 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -798,7 +797,7 @@ def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> V
     recommendation, serve = recommend(results, held, layers, config.checkpoint)
     dtype = str(model.dtype).removeprefix("torch.")
     rep = {
-        "kvcal_version": version("kvcal"),
+        "kvcal_version": report.kvcal_version(),
         "checkpoint": str(Path(config.checkpoint).resolve()),
         "reference": {"name": REFERENCE, "dtype": dtype, "device": str(device),
                       "note": f"the reference is the unquantized model in {dtype}, called {REFERENCE} as vLLM would serve it"},
