@@ -70,6 +70,4 @@ class CalibrationConfig:
             raise ValueError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
         if self.weights not in (None, "fp8"):
             raise ValueError(f"--weights {self.weights!r}: choose fp8 (or leave it out to keep the weights as they are)")
-        if self.long_records not in ("split", "error"):
-            raise ValueError(f"long_records must be 'split' or 'error', got {self.long_records!r}")
         return self

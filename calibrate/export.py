@@ -202,6 +202,20 @@ def _tensor_bytes(path: Path) -> int:
     return sum(end - start for name, v in header.items() if name != "__metadata__" for start, end in [v["data_offsets"]])
 
 
+def copy_other_files(source: Path, dest: Path, *, skip: set[str], weight_suffixes: tuple[str, ...]) -> None:
+    """Copy the source's top-level files and folders (tokenizer, chat template, ...) that are not weights.
+
+    Hidden entries, names in ``skip`` and files ending with ``weight_suffixes`` are left out.
+    """
+    for item in sorted(source.iterdir()):
+        if item.name in skip or item.name.startswith("."):
+            continue
+        if item.is_dir():
+            shutil.copytree(item, dest / item.name)
+        elif not item.name.endswith(weight_suffixes):
+            shutil.copy2(item, dest / item.name)
+
+
 def prepare_output(out: Path, source: Path, overwrite: bool) -> None:
     """Cheap checks on OUT_DIR before any expensive work."""
     out, source = out.resolve(), source.resolve()
@@ -265,13 +279,7 @@ def write_checkpoint(
         for name, content in quant_files.items():
             (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
         skip = {p.name for p in files} | {INDEX_FILE, "config.json", SCALES_FILE, KVCAL_DIR} | set(quant_files)
-        for item in sorted(source.iterdir()):
-            if item.name in skip or item.name.startswith("."):
-                continue
-            if item.is_dir():
-                shutil.copytree(item, tmp / item.name)
-            elif not item.name.endswith(".safetensors"):
-                shutil.copy2(item, tmp / item.name)
+        copy_other_files(source, tmp, skip=skip, weight_suffixes=(".safetensors",))
         (tmp / KVCAL_DIR).mkdir()
         write_extras(tmp / KVCAL_DIR)
         check_index(tmp)

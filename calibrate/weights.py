@@ -9,8 +9,9 @@ llm-compressor pins transformers<=5.17, so install it in a virtual environment o
 """
 
 import json
-import shutil
 from pathlib import Path
+
+from .export import copy_other_files
 
 SCHEMES = {"fp8": "FP8_DYNAMIC"}  # --weights value → llm-compressor preset scheme
 PROVENANCE = {"fp8": "fp8 (llm-compressor FP8_DYNAMIC, data-free)"}
@@ -61,11 +62,5 @@ def quantize_weights(model_dir: Path, out_dir: Path, scheme: str = "fp8") -> Pat
     out_dir.mkdir()
     model.save_pretrained(out_dir, save_compressed=True)
     written = {p.name for p in out_dir.iterdir()}
-    for item in sorted(model_dir.iterdir()):
-        if item.name in written or item.name in _SKIP or item.name.startswith(".") or item.name.endswith(_WEIGHT_SUFFIXES):
-            continue
-        if item.is_dir():
-            shutil.copytree(item, out_dir / item.name)
-        else:
-            shutil.copy2(item, out_dir / item.name)
+    copy_other_files(model_dir, out_dir, skip=written | _SKIP, weight_suffixes=_WEIGHT_SUFFIXES)
     return out_dir
