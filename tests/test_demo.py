@@ -1,0 +1,119 @@
+"""The demo model's conversion: packaged GGUF -> a plain HF directory that loads, generates, and is shared safely.
+
+The session fixture ``smol_dir`` only ever sees the cached result; these tests run the conversion itself into
+a fresh cache, so a transformers release that changes what GGUF loading needs fails here, not in the demo.
+"""
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from calibrate import demo
+
+UMASK = 0o027  # not the usual 0o022, so a hard-coded 0644 cannot pass for following the umask
+
+
+@pytest.fixture
+def umask():
+    old = os.umask(UMASK)
+    try:
+        yield UMASK
+    finally:
+        os.umask(old)
+
+
+def modes(root: Path) -> dict[str, int]:
+    """Permission bits of ``root`` and everything under it, by path relative to ``root``."""
+    found = {".": stat.S_IMODE(root.stat().st_mode)}
+    for path in root.rglob("*"):
+        found[str(path.relative_to(root))] = stat.S_IMODE(path.stat().st_mode)
+    return found
+
+
+def assert_follows_umask(root: Path, mask: int) -> None:
+    for name, mode in modes(root).items():
+        expected = (0o777 if (root / name).is_dir() else 0o666) & ~mask
+        assert mode == expected, f"{name}: {oct(mode)}, umask {oct(mask)} gives {oct(expected)}"
+
+
+def test_publish_dir_follows_umask(tmp_path, umask):
+    def write(out: Path) -> None:
+        (out / "sub").mkdir()
+        (out / "config.json").write_text("{}")
+        fd = os.open(out / "private.bin", os.O_CREAT | os.O_WRONLY, 0o600)  # as safetensors writes
+        os.close(fd)
+
+    target = demo.publish_dir(tmp_path / "cache" / "model", write)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["model"]
+    assert_follows_umask(target, umask)
+
+
+def test_publish_dir_failure_leaves_nothing(tmp_path):
+    def write(out: Path) -> None:
+        (out / "config.json").write_text("{}")
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        demo.publish_dir(tmp_path / "model", write)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_publish_dir_keeps_an_earlier_publish(tmp_path):
+    """Two processes converting at once: the second finds the first's directory in place and keeps it."""
+    first = demo.publish_dir(tmp_path / "model", lambda out: (out / "config.json").write_text('"first"'))
+    second = demo.publish_dir(tmp_path / "model", lambda out: (out / "config.json").write_text('"second"'))
+    assert first == second and (first / "config.json").read_text() == '"first"'
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_publish_dir_replaces_a_leftover(tmp_path):
+    """A directory without config.json was never published (publishes are whole): it is replaced."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "partial.safetensors").write_text("")
+    demo.publish_dir(tmp_path / "model", lambda out: (out / "config.json").write_text("{}"))
+    assert sorted(p.name for p in (tmp_path / "model").iterdir()) == ["config.json"]
+
+
+@pytest.mark.slow
+def test_smollm2_conversion(tmp_path, monkeypatch, umask):
+    """One real conversion (~40 s of GGUF loading on 2 cores) into an empty cache, checked end to end."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("KVCAL_CACHE", str(tmp_path / "cache"))
+    target = tmp_path / "cache" / demo.SMOLLM2_NAME
+    renames = []
+    real_replace = os.replace
+
+    def replace(src, dst, *args, **kwargs):
+        if Path(dst) == target:  # what the rename publishes, seen just before it happens
+            renames.append((Path(src).parent, sorted(p.name for p in Path(src).iterdir()), Path(dst).exists()))
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(demo.os, "replace", replace)
+    assert demo.smollm2_dir() == target
+
+    # Atomic: one rename of a complete sibling directory onto a target that did not exist yet; nothing left over.
+    assert len(renames) == 1
+    parent, names, existed = renames[0]
+    assert parent == target.parent and not existed
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(names)
+    assert [p.name for p in target.parent.iterdir()] == [demo.SMOLLM2_NAME]
+    assert_follows_umask(target, umask)
+
+    # A second call is the cached directory, with no conversion.
+    assert demo.smollm2_dir() == target and len(renames) == 1
+
+    # It is a plain bf16 checkpoint that loads without GGUF and continues text sensibly.
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    assert model.dtype == torch.bfloat16
+    assert not hasattr(model.config, "quantization_config")
+    assert model.config.num_hidden_layers == 30 and model.config.num_key_value_heads == 3
+    inputs = tokenizer("The capital of France is", return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    text = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in text, text
