@@ -1,10 +1,13 @@
 """Write a checkpoint vLLM loads with static FP8 KV scales, leaving the weights untouched.
 
 The output is the source checkpoint with:
-- every weight file hardlinked (copied only across filesystems), except a shard that held old KV
-  scale tensors, which is rewritten without them so that no tensor name is stored twice;
-- the scales in a safetensors file of their own, listed in ``model.safetensors.index.json``
-  (created when the source had a single file), because vLLM then loads only the files listed there;
+- every weight file hardlinked (copied only across filesystems) under a shard name
+  ``model-0000i-of-0000N.safetensors``, except a shard that held old KV scale tensors, which is rewritten
+  without them so that no tensor name is stored twice;
+- the scales in a shard of their own, the last one, and every tensor listed once in
+  ``model.safetensors.index.json``. There is never a ``model.safetensors``: transformers loads that file
+  alone when it exists and ignores the index (so it would miss the scales), while vLLM follows the index;
+  with shard names only, every loader reads the same files (docs/vllm-notes.md, "Checkpoint layout");
 - ``config.json`` with a compressed-tensors ``quantization_config`` carrying ``kv_cache_scheme``;
   in a ModelOpt checkpoint instead, ModelOpt's scale names and its own config(s) declaring an FP8 KV cache;
 - ``kvcal/`` with the statistics and provenance.
@@ -20,12 +23,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
 
-SCALES_FILE = "kvcal-kv-scales.safetensors"
+from .files import save_tensors
+
 INDEX_FILE = "model.safetensors.index.json"
 KVCAL_DIR = "kvcal"
+SINGLE_FILE = "model.safetensors"  # transformers reads this file alone, ignoring any index, when it exists
+SCALES_PRODUCER = "kvcal"  # the "producer" metadata of the scales shard
 # Per-kind tensor name suffix under each attention module, as vLLM's compressed-tensors loader reads them.
 SCALE_NAMES = {"k": "k_scale", "v": "v_scale", "q": "q_scale"}
 # Every tensor name under which some tool has stored KV-cache scales; vLLM maps them all onto the
@@ -67,27 +72,33 @@ def check_scales(kind: str, values: torch.Tensor) -> None:
         raise ValueError(f"{kind} scales of layer rows {rows} are zero, negative or not finite; refusing to write them")
 
 
+def kv_cache_scheme(strategy: str) -> dict:
+    """compressed-tensors' ``QuantizationArgs`` of a static symmetric FP8 KV cache, as JSON.
+
+    Written out rather than built with compressed-tensors, whose import pulls transformers (seconds);
+    tests check it equals compressed-tensors' own ``model_dump``.
+    """
+    return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": STRATEGIES[strategy], "dynamic": False}
+
+
 def quantization_config(existing: dict | None, strategy: str) -> dict:
     """A compressed-tensors ``quantization_config`` with a static FP8 ``kv_cache_scheme``.
 
     An existing compressed-tensors config (e.g. FP8 weights) is kept and only its kv_cache_scheme
     replaced; any other quantization method is refused, since vLLM would not read our scheme there.
     """
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
-
-    kv_scheme = QuantizationArgs(num_bits=8, type="float", strategy=STRATEGIES[strategy], dynamic=False, symmetric=True)
     if existing is None:
-        config = QuantizationConfig(config_groups={}, kv_cache_scheme=kv_scheme, quantization_status="compressed", format="dense")
-        return config.model_dump(mode="json", exclude_none=True)
+        return {
+            "config_groups": {}, "quant_method": "compressed-tensors", "kv_cache_scheme": kv_cache_scheme(strategy),
+            "format": "dense", "quantization_status": "compressed", "ignore": [],
+        }
     method = existing.get("quant_method")
     if method != "compressed-tensors":
         raise ValueError(
             f"the source checkpoint is quantized with {method!r}; kvcal can add KV scales to unquantized or "
             "compressed-tensors checkpoints only"
         )
-    merged = dict(existing)
-    merged["kv_cache_scheme"] = kv_scheme.model_dump(mode="json", exclude_none=True)
-    return merged
+    return dict(existing) | {"kv_cache_scheme": kv_cache_scheme(strategy)}
 
 
 def checkpoint_form(model_dir: Path) -> str:
@@ -139,21 +150,54 @@ def modelopt_quant_configs(source: Path, config: dict, strategy: str) -> dict[st
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The checkpoint's top-level safetensors files (vLLM's view of the weights), refusing forms it can't take."""
-    files = sorted(p for p in model_dir.glob("*.safetensors") if p.name != SCALES_FILE)
+    """The safetensors files vLLM loads (those the index lists, else every top-level one), headers checked.
+
+    Refuses forms vLLM can't take, and a damaged file (truncated, not safetensors) with its name.
+    """
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{index} is damaged (not JSON with a weight_map); restore it from the original checkpoint") from None
+        files = [model_dir / name for name in listed]
+        absent = [p.name for p in files if not p.is_file()]
+        if absent:
+            raise ValueError(f"{INDEX_FILE} in {model_dir} lists {absent[0]}, which does not exist; the checkpoint is incomplete")
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         has_bin = any(model_dir.glob("*.bin"))
         hint = " (it has .bin files: re-save it with save_pretrained(..., safe_serialization=True))" if has_bin else ""
         raise ValueError(f"{model_dir} has no .safetensors weight files{hint}; kvcal writes scales beside safetensors weights")
     if any(p.name.startswith("consolidated") for p in files):
         raise ValueError(f"{model_dir} holds consolidated*.safetensors (Mistral format); pass the Hugging Face format directory")
+    for path in files:
+        tensor_names(path)  # reads and checks the header
     return files
 
 
 def tensor_names(path: Path) -> list[str]:
-    """Names of the tensors in a safetensors file (reads the header only)."""
-    with safe_open(str(path), "pt") as f:
-        return list(f.keys())
+    """Names of the tensors in a safetensors file (reads the header only); a damaged file is a ValueError."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path} is damaged or not a safetensors file ({e}); re-download or re-save it") from None
+
+
+def shard_name(i: int, n: int) -> str:
+    """The conventional name of shard ``i`` (from 1) of ``n``."""
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def scales_file(directory: Path) -> Path:
+    """The shard of a kvcal output that holds the KV scales (found through the index)."""
+    index = json.loads((Path(directory) / INDEX_FILE).read_text())["weight_map"]
+    shards = {file for name, file in index.items() if OLD_SCALE_PATTERN.search(name)}
+    if len(shards) != 1:
+        raise ValueError(f"{directory} holds KV scales in {len(shards)} shards, not one; is it a kvcal output?")
+    return Path(directory) / shards.pop()
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -163,20 +207,30 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def _write_weights(source: Path, tmp: Path, files: list[Path]) -> dict[str, str]:
-    """Link each weight file into ``tmp`` (rewriting shards that hold old KV scales); return name → file."""
-    weight_map = {}
+def _write_weights(tmp: Path, files: list[Path]) -> dict[str, str]:
+    """Link each weight file into ``tmp`` under a shard name, the last shard left for the scales.
+
+    A file holding old KV scales is rewritten without them (and dropped when it held nothing else).
+
+    Returns:
+        tensor name → shard file name, for the weights.
+    """
+    kept = []  # (source file, its tensors without KV scales, whether some were dropped)
     for path in files:
         names = tensor_names(path)
         keep = [n for n in names if not OLD_SCALE_PATTERN.search(n)]
-        if len(keep) == len(names):
-            _link_or_copy(path, tmp / path.name)
-        elif keep:
+        if keep:
+            kept.append((path, keep, len(keep) < len(names)))
+    weight_map = {}
+    for i, (path, keep, rewrite) in enumerate(kept, start=1):
+        name = shard_name(i, len(kept) + 1)
+        if rewrite:
             with safe_open(str(path), "pt") as f:
                 metadata = f.metadata()
-            tensors = load_file(str(path))
-            save_file({n: tensors[n] for n in keep}, str(tmp / path.name), metadata=metadata)
-        weight_map.update({n: path.name for n in keep})
+                save_tensors({n: f.get_tensor(n) for n in keep}, tmp / name, metadata)
+        else:
+            _link_or_copy(path, tmp / name)
+        weight_map.update(dict.fromkeys(keep, name))
     return weight_map
 
 
@@ -253,6 +307,7 @@ def write_checkpoint(
     """
     source, out = Path(source), Path(out)
     prepare_output(out, source, overwrite)
+    existed = out.exists()
     files = weight_files(source)
     config = json.loads((source / "config.json").read_text())
     quant_files: dict[str, dict] = {}  # other quantization config files to write (ModelOpt form)
@@ -266,24 +321,25 @@ def write_checkpoint(
     tmp = out.parent / f".{out.name}.kvcal-tmp-{os.getpid()}"
     tmp.mkdir()
     try:
-        weight_map = _write_weights(source, tmp, files)
+        weight_map = _write_weights(tmp, files)
         clash = sorted(set(scales) & set(weight_map))
         if clash:
             raise ValueError(f"the source already stores {clash[0]} under a name kvcal would write")
-        save_file(scales, str(tmp / SCALES_FILE), metadata={"format": "pt", "producer": "kvcal"})
-        weight_map.update({name: SCALES_FILE for name in scales})
+        n = len(set(weight_map.values())) + 1
+        save_tensors(scales, tmp / shard_name(n, n), metadata={"format": "pt", "producer": SCALES_PRODUCER})
+        weight_map.update(dict.fromkeys(scales, shard_name(n, n)))
         total = sum(_tensor_bytes(tmp / f) for f in set(weight_map.values()))
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name, content in quant_files.items():
             (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
-        skip = {p.name for p in files} | {INDEX_FILE, "config.json", SCALES_FILE, KVCAL_DIR} | set(quant_files)
+        skip = {INDEX_FILE, "config.json", KVCAL_DIR} | set(quant_files)
         copy_other_files(source, tmp, skip=skip, weight_suffixes=(".safetensors",))
         (tmp / KVCAL_DIR).mkdir()
         write_extras(tmp / KVCAL_DIR)
         check_index(tmp)
-        _move_into_place(tmp, out)
+        _move_into_place(tmp, out, replace=existed)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -311,10 +367,23 @@ def _remove_stale_temporaries(out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out``; an old ``out`` is moved aside first and removed only after."""
-    if not out.exists():
-        os.rename(tmp, out)
+def _move_into_place(tmp: Path, out: Path, *, replace: bool) -> None:
+    """Rename ``tmp`` to ``out``; an old ``out`` is moved aside first and removed only after.
+
+    ``replace`` says OUT existed (and --overwrite allowed it) when the run started: an OUT that appeared
+    while this run worked belongs to another run, and is never replaced.
+    """
+    if not replace:
+        try:
+            out.mkdir()  # claims the name atomically: fails if another run created it meanwhile
+        except FileExistsError:
+            raise ValueError(f"{out} appeared while this run was working (another run with the same --out?); "
+                             "nothing was written: choose another --out, or pass --overwrite to replace it") from None
+        try:
+            os.rename(tmp, out)  # replaces the empty directory just made
+        except BaseException:
+            out.rmdir()
+            raise
         return
     old = out.parent / f".{out.name}.kvcal-old-{os.getpid()}"
     os.rename(out, old)

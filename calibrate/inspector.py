@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 
 from .api import CalibrationResult, export, load_calibration
-from .export import HF_QUANT_CONFIG, INDEX_FILE, KVCAL_DIR, OLD_SCALE_PATTERN
+from .export import HF_QUANT_CONFIG, INDEX_FILE, KVCAL_DIR, OLD_SCALE_PATTERN, SINGLE_FILE, tensor_names
 from .fp8 import FORMATS
 
 # Scale tensor name after the attention prefix → (kind, quantization methods under which vLLM maps it,
@@ -98,6 +98,7 @@ class Inspection:
     strategy: str  # "tensor" or "attn_head"
     layers: list[LayerScales]
     problems: list[Problem]
+    loaders: dict[str, list[str]] = field(default_factory=dict)  # loader → the safetensors files it reads
 
     def ok(self, strict: bool = False) -> bool:
         """No errors (and, with ``strict``, no warnings either)."""
@@ -123,6 +124,7 @@ class Inspection:
                 source = s.tensor[len(layer.prefix) + 1 :] if s.tensor else "absent: 1.0"
                 cells.append(f"{shown} {source:<{29 - len(shown)}}")
             lines.append(f"{layer.index:>5}  {'sliding' if layer.sliding_window else 'full':<7}  " + "".join(cells).rstrip())
+        lines += [f"{loader} reads: {', '.join(files) or 'nothing'}" for loader, files in self.loaders.items()]
         for severity in ("error", "warning"):
             found = [p for p in self.problems if p.severity == severity]
             if found:
@@ -154,8 +156,40 @@ def loaded_files(directory: Path, problems: list[Problem]) -> list[Path]:
 
 
 def _names(path: Path) -> list[str]:
-    with safe_open(str(path), "pt") as f:
-        return list(f.keys())
+    return tensor_names(path)
+
+
+def transformers_files(directory: Path) -> list[Path]:
+    """The safetensors files transformers loads: model.safetensors alone when it exists (any index is then
+    ignored), else those the index lists (docs/vllm-notes.md, "Checkpoint layout")."""
+    if (directory / SINGLE_FILE).is_file():
+        return [directory / SINGLE_FILE]
+    if (directory / INDEX_FILE).is_file():
+        return sorted({directory / f for f in _read_json(directory / INDEX_FILE).get("weight_map", {}).values()})
+    return []
+
+
+def _loader_checks(directory: Path, files: list[Path], quant: dict | None, sources: dict, problems: list[Problem]) -> dict[str, list[str]]:
+    """Compare what transformers and vLLM read; a scale vLLM loads but transformers misses is an error when
+    config.json declares a compressed-tensors kv_cache_scheme, since transformers then quantizes K and V
+    with uninitialised scale parameters (garbage outputs, reported only as "missing" keys)."""
+    hf = transformers_files(directory)
+    if set(hf) != set(files) and hf:
+        only = sorted(p.name for p in set(files) - set(hf))
+        extra = sorted(p.name for p in set(hf) - set(files))
+        seen = {name for path in hf for name in _names(path)}
+        missed = [name for names in sources.values() for name in names
+                  if name.rsplit(".", 1)[-1] in ("k_scale", "v_scale") and name not in seen]
+        declared = (quant or {}).get("quant_method") == "compressed-tensors" and (quant or {}).get("kv_cache_scheme")
+        if missed and declared:
+            problems.append(Problem("error", f"transformers reads only {', '.join(p.name for p in hf)} (it ignores the index when "
+                                    f"{SINGLE_FILE} exists) and misses {len(missed)} k/v scales that vLLM loads from "
+                                    f"{', '.join(only)}; with kv_cache_scheme declared, transformers then quantizes K and V "
+                                    "with uninitialised scales: re-export with kvcal export (it writes shards only)"))
+        elif extra:
+            problems.append(Problem("error", f"transformers reads {', '.join(extra)}, which the index (vLLM's view) does not "
+                                    "list: the two loaders load different weights"))
+    return {"vllm": [p.name for p in files], "transformers": [p.name for p in hf]}
 
 
 def attention_prefixes(names: list[str]) -> dict[int, str]:
@@ -299,8 +333,9 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     _family_checks(model_type, strategy, layers, bool(sources), problems)
     if check_weights and sources:
         _weight_checks(layers, where, text, model_type, problems)
+    loaders = _loader_checks(directory, files, quant, sources, problems)
     problems.sort(key=lambda p: -1 if p.layer is None else p.layer)  # checkpoint-wide first, then by layer
-    return Inspection(str(directory), model_type, _producer(directory, quant), method, strategy, list(layers.values()), problems)
+    return Inspection(str(directory), model_type, _producer(directory, quant), method, strategy, list(layers.values()), problems, loaders)
 
 
 def _read(path: Path, name: str) -> torch.Tensor:

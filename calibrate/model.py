@@ -58,13 +58,34 @@ def default_dtype(device: torch.device, config: dict) -> torch.dtype:
     return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else torch.bfloat16
 
 
+def without_kv_quantization(config) -> None:
+    """Drop the KV-cache part of a checkpoint's compressed-tensors ``quantization_config``, in place.
+
+    kvcal measures and captures K and V itself, so the model it runs must not quantize them. Left in,
+    the compressed-tensors integration of transformers quantizes K and V with its own scale parameters,
+    which hold garbage when the loader misses the checkpoint's scales (and double-quantize otherwise).
+    A config with nothing else (KV-only) is removed; quantized weights stay as the checkpoint has them.
+    """
+    for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
+        quant = getattr(cfg, "quantization_config", None)
+        if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
+            continue
+        rest = {k: v for k, v in quant.items() if k != "kv_cache_scheme"}
+        if rest.get("config_groups"):
+            cfg.quantization_config = rest
+        else:
+            del cfg.quantization_config
+
+
 def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype | None = None):
-    """Load model and tokenizer from a local directory, in eval mode, on ``device``.
+    """Load model and tokenizer from a local directory, in eval mode, on ``device``, without KV quantization.
 
     Returns:
-        (model, tokenizer). Errors name the directory and say what is wrong.
+        (model, tokenizer). Errors name the directory and say what is wrong; a load that leaves any
+        parameter uninitialised (transformers' "missing" or "mismatched" keys) is refused.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors import SafetensorError
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config = read_config(model_dir)
     dtype = dtype or default_dtype(device, config)
@@ -73,12 +94,41 @@ def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtyp
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load a tokenizer from {model_dir}: {e}") from e
     try:
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        without_kv_quantization(hf_config)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+            model, info = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype, output_loading_info=True)
+    except SafetensorError as e:
+        raise ValueError(f"a weight file of {model_dir} is damaged ({e}); re-download or re-save the checkpoint") from None
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"could not load {model_dir} as a causal language model: {e}") from e
+    check_loaded(model_dir, info)
+    check_no_kv_quantization(model)
     return model.to(device).eval(), tokenizer
+
+
+def check_loaded(model_dir: str | Path, info: dict) -> None:
+    """Refuse a load that left parameters freshly initialised: the model would compute garbage."""
+    bad = sorted(info.get("missing_keys") or []) + sorted(str(m[0]) if isinstance(m, tuple) else str(m) for m in info.get("mismatched_keys") or [])
+    if bad:
+        raise ValueError(
+            f"transformers loaded {model_dir} with {len(bad)} parameters missing or of the wrong shape, left freshly "
+            f"initialised (e.g. {', '.join(bad[:3])}); the checkpoint is incomplete or its index misses a shard: "
+            f"run kvcal inspect {model_dir}"
+        )
+
+
+def check_no_kv_quantization(model: nn.Module) -> None:
+    """Refuse a model that quantizes K/V itself: kvcal's reference and capture must see unquantized K and V."""
+    found = [name for name, _ in [*model.named_parameters(), *model.named_buffers()]
+             if name.rsplit(".", 1)[-1] in ("k_scale", "v_scale", "q_scale", "kv_scale")]
+    if found:
+        raise ValueError(
+            f"the loaded model quantizes its KV cache itself ({found[0]} and {len(found) - 1} more scale parameters), "
+            "so its outputs are not an unquantized reference; remove kv_cache_scheme from the checkpoint's "
+            "quantization_config, or report this to kvcal"
+        )
 
 
 def text_config(model: nn.Module):

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from .files import save_tensors
 
 FORMAT_VERSION = 1
 KINDS = ("k", "v", "q")
@@ -320,7 +322,7 @@ class Stats:
             "meta": self.meta,
         }
         cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-        save_file(cpu, str(path), metadata={"kvcal": json.dumps(header)})
+        save_tensors(cpu, Path(path), metadata={"kvcal": json.dumps(header)})
 
     @classmethod
     def load(cls, path: str | Path) -> "Stats":

@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from . import fa3, report
 from .capture import cache_kwarg, hooked_attention
 from .data import DataConfig, iter_sequences
-from .export import INDEX_FILE, KVCAL_DIR, SCALE_NAMES, tensor_names, weight_files
+from .export import KVCAL_DIR, SCALE_NAMES, tensor_names, weight_files
 from .fa3 import HOPPER_ACCUM_BITS
 from .fp8 import FP8Format, get_format, per_token_scale, quantize, quantize_dequantize
 from .model import AttentionLayer, attention_layers, load_model, max_context, read_config, resolve_device, signature
@@ -224,17 +224,9 @@ def read_scales(files: list[Path], layers: list[AttentionLayer], sig: ModelSigna
     return scales, ("head" if per_head else "tensor"), notes
 
 
-def _checkpoint_files(directory: Path) -> list[Path]:
-    """The safetensors files vLLM reads: those listed in the index when there is one, else all top-level ones."""
-    index = directory / INDEX_FILE
-    if index.is_file():
-        return sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
-    return weight_files(directory)
-
-
 def build_schemes(config: VerifyConfig, layers, sig, stats: Stats | None, fmt: FP8Format) -> tuple[list[Scheme], dict, dict]:
     """The schemes to run, those that cannot run with the reason, and what the checkpoint holds."""
-    ckpt, granularity, notes = read_scales(_checkpoint_files(Path(config.checkpoint)), layers, sig)
+    ckpt, granularity, notes = read_scales(weight_files(Path(config.checkpoint)), layers, sig)
     ckpt = {k: v * fmt.loaded_scale_multiplier for k, v in ckpt.items()}
     if granularity is None:
         notes.append("the checkpoint has no KV scales: vLLM would load it with 1.0 for every layer (scheme scale1)")
@@ -470,6 +462,24 @@ def scheme_result(scheme: Scheme, tally: _Tally, ref_sq: torch.Tensor, ref_nll: 
     }
     result["verdict"], result["reasons"] = judge(result, config)
     return result
+
+
+def check_measured(name: str, result: dict) -> None:
+    """Refuse numbers that cannot come from a real FP8 emulation of a working model.
+
+    Quantizing real activations always changes something: a KL of exactly 0 means the scheme never ran
+    (or reference and scheme share a broken model); a layer error of exactly 0 means that layer was not
+    quantized, and exactly 1 that its attention output vanished.
+    """
+    if result["mode"] == "reference":
+        return
+    if result["kl"] == 0.0:
+        raise ValueError(f"scheme {name} measured a KL of exactly 0: its quantization changed nothing, so this verify "
+                         "cannot be trusted (is K/V quantization applied twice, or not at all?)")
+    stuck = [i for i, e in enumerate(result["layer_rel_error"]) if e in (0.0, 1.0)]
+    if stuck:
+        raise ValueError(f"scheme {name} measured a per-layer error of exactly 0 or 1 at layer rows {stuck[:5]}: "
+                         "those layers were not quantized or lost their output; this verify cannot be trusted")
 
 
 def judge(result: dict, config: VerifyConfig) -> tuple[str, list[str]]:
@@ -790,6 +800,7 @@ def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> V
     results = {}
     for s in schemes:
         r = scheme_result(s, tallies[s.name], probe.ref_sq, ref_nll, config)
+        check_measured(s.name, r)
         if needle_result and s.mode != "reference":
             r["needle_lost"] = needle_result["summary"][s.name]["lost"]
             r["verdict"], r["reasons"] = judge(r, config)

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from calibrate import calibrate, export
 from calibrate.cli import main
-from calibrate.export import INDEX_FILE, SCALES_FILE, check_index, tensor_names
+from calibrate.export import INDEX_FILE, check_index, scales_file, shard_name, tensor_names
 from calibrate.inspector import inspect
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -48,7 +48,7 @@ def source(tmp_path_factory, smol_tokenizer, kjv_path) -> Path:
 
 @pytest.fixture(scope="module")
 def source_scales(source) -> dict[str, torch.Tensor]:
-    return load_file(source / SCALES_FILE)
+    return load_file(scales_file(source))
 
 
 def all_names(directory: Path) -> list[str]:
@@ -67,10 +67,10 @@ def test_apply_to_a_fine_tune_writes_the_calibrated_scales(source, source_scales
     out = tmp_path / "out"
     assert main(["apply", str(source), str(target), "--out", str(out)]) == 0
 
-    written = load_file(out / SCALES_FILE)
+    written = load_file(scales_file(out))
     assert written.keys() == source_scales.keys()
     assert all(torch.equal(written[n], source_scales[n]) for n in written)  # the calibration's scales, bit for bit
-    assert os.stat(out / "model.safetensors").st_ino == os.stat(target / "model.safetensors").st_ino  # the target's weights
+    assert os.stat(out / shard_name(1, 2)).st_ino == os.stat(target / "model.safetensors").st_ino  # the target's weights
     provenance = json.loads((out / "kvcal" / "calibration.json").read_text())
     assert provenance["exported_from"] == str(source.resolve())
     assert inspect(str(out)).ok(strict=True)
@@ -146,9 +146,11 @@ def test_merge_into_llm_compressor_fp8_checkpoint(source, source_scales, tmp_pat
     assert {k: v for k, v in new_config.items() if k != "kv_cache_scheme"} == {k: v for k, v in old_config.items() if k != "kv_cache_scheme"}
     assert new_config["kv_cache_scheme"]["strategy"] == "tensor" and new_config["kv_cache_scheme"]["dynamic"] is False
     # The shard without old scales is linked as it is; the one with them is rewritten without them, all else bitwise.
-    assert os.stat(out / shard1.name).st_ino == os.stat(shard1).st_ino
-    before, after = load_file(shard2), load_file(out / shard2.name)
-    assert os.stat(out / shard2.name).st_ino != os.stat(shard2).st_ino
+    # Both are renumbered: two weight shards and the scales make three.
+    out1, out2 = out / shard_name(1, 3), out / shard_name(2, 3)
+    assert os.stat(out1).st_ino == os.stat(shard1).st_ino and scales_file(out) == out / shard_name(3, 3)
+    before, after = load_file(shard2), load_file(out2)
+    assert os.stat(out2).st_ino != os.stat(shard2).st_ino
     assert after.keys() == {n for n in before if not n.endswith(("k_scale", "v_scale", "q_scale"))}
     assert all(torch.equal(after[n].view(torch.uint8), before[n].view(torch.uint8)) for n in after)
     # Every KV scale name is stored once, with the calibrated value (never the old 9.0).
@@ -193,7 +195,7 @@ def test_modelopt_source_gets_the_modelopt_form(source, source_scales, tmp_path,
     out = tmp_path / "out"
     assert main(["apply", str(source), str(mo), "--out", str(out)]) == 0
 
-    written = load_file(out / SCALES_FILE)
+    written = load_file(scales_file(out))
     expected = {}
     for i in range(3):
         p = f"model.layers.{i}.self_attn"
@@ -202,7 +204,7 @@ def test_modelopt_source_gets_the_modelopt_form(source, source_scales, tmp_path,
     assert written.keys() == expected.keys() and all(torch.equal(written[n], expected[n]) for n in expected)
     names = all_names(out)
     assert len(names) == len(set(names)) and not any(n.endswith("self_attn.k_scale") for n in names)
-    kept = load_file(out / "model.safetensors")
+    kept = load_file(out / shard_name(1, 2))
     assert kept.keys() == {n for n in load_file(mo / "model.safetensors") if not n.endswith(("k_proj.k_scale", "v_proj.v_scale"))}
 
     new_hf = json.loads((out / "hf_quant_config.json").read_text())

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from calibrate import calibrate
-from calibrate.export import INDEX_FILE, SCALES_FILE, check_index, tensor_names, write_checkpoint
+from calibrate.export import INDEX_FILE, check_index, scales_file, shard_name, tensor_names, write_checkpoint
 
 
 def digest(directory) -> dict[str, str]:
@@ -34,11 +34,14 @@ def test_output_reloads_with_same_logits_and_lists_every_tensor_once(tiny_dir, t
     result = run(tiny_dir, text_file, out)
 
     assert digest(tiny_dir) == before  # the source is never modified
-    src_weights, out_weights = tiny_dir / "model.safetensors", out / "model.safetensors"
+    # No model.safetensors (transformers would read it alone): the weights and the scales are two shards.
+    assert sorted(p.name for p in out.glob("*.safetensors")) == [shard_name(1, 2), shard_name(2, 2)]
+    src_weights, out_weights = tiny_dir / "model.safetensors", out / shard_name(1, 2)
     assert os.stat(src_weights).st_ino == os.stat(out_weights).st_ino  # hardlinked, not copied
+    assert scales_file(out) == out / shard_name(2, 2)
 
     index = json.loads((out / INDEX_FILE).read_text())["weight_map"]
-    names = tensor_names(out_weights) + tensor_names(out / SCALES_FILE)
+    names = tensor_names(out_weights) + tensor_names(scales_file(out))
     assert sorted(names) == sorted(index) and len(names) == len(set(names))
     check_index(out)
 
@@ -48,7 +51,7 @@ def test_output_reloads_with_same_logits_and_lists_every_tensor_once(tiny_dir, t
         got = AutoModelForCausalLM.from_pretrained(out).eval()(ids).logits
     torch.testing.assert_close(got, ref, rtol=0, atol=0)
 
-    scales = load_file(out / SCALES_FILE)
+    scales = load_file(scales_file(out))
     for row, layer in enumerate(result.layers):
         for kind in ("k", "v", "q"):
             value = scales[f"{layer.prefix}.{kind}_scale"]
@@ -66,7 +69,7 @@ def test_config_parses_with_compressed_tensors(tiny_dir, text_file, tmp_path):
     qc = QuantizationConfig.model_validate(config["quantization_config"])
     assert qc.kv_cache_scheme.strategy == "attn_head" and qc.kv_cache_scheme.dynamic is False
     assert qc.kv_cache_scheme.num_bits == 8 and qc.kv_cache_scheme.type == "float"
-    scales = load_file(tmp_path / "out" / SCALES_FILE)
+    scales = load_file(scales_file(tmp_path / "out"))
     assert scales["model.layers.0.self_attn.k_scale"].shape == (2, 1, 1)
     assert scales["model.layers.0.self_attn.q_scale"].shape == (4, 1, 1)
 
@@ -91,7 +94,7 @@ def test_existing_output_is_refused_and_overwrite_replaces_it(tiny_dir, text_fil
         run(tiny_dir, text_file, out)
     assert (out / "keep.txt").read_text() == "mine"
     run(tiny_dir, text_file, out, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / SCALES_FILE).is_file()
+    assert not (out / "keep.txt").exists() and (scales_file(out)).is_file()
 
 
 def test_interrupted_write_leaves_nothing(tiny_dir, tmp_path):
@@ -128,9 +131,9 @@ def test_old_kv_scales_are_replaced_without_duplicates(tiny_dir, text_file, tmp_
 
     run(src, text_file, tmp_path / "out")
     out = tmp_path / "out"
-    assert "model.layers.1.self_attn.k_proj.output_scale" not in tensor_names(out / "model.safetensors")
-    assert os.stat(out / "model.safetensors").st_ino != os.stat(src / "model.safetensors").st_ino
-    assert load_file(out / SCALES_FILE)["model.layers.0.self_attn.k_scale"].item() > 0
+    assert "model.layers.1.self_attn.k_proj.output_scale" not in tensor_names(out / shard_name(1, 2))
+    assert os.stat(out / shard_name(1, 2)).st_ino != os.stat(src / "model.safetensors").st_ino
+    assert load_file(scales_file(out))["model.layers.0.self_attn.k_scale"].item() > 0
     check_index(out)
 
 

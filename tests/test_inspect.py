@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from calibrate import calibrate
 from calibrate.cli import main
-from calibrate.export import INDEX_FILE, SCALES_FILE
+from calibrate.export import INDEX_FILE, scales_file
 from calibrate.inspector import inspect
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 3, 4, 2, 4, 16
@@ -135,7 +135,7 @@ def test_kvcal_output_of_a_tiny_model_matches_its_provenance(tmp_path, smol_toke
     out = tmp_path / "out"
     calibrate(str(model_dir), [str(text_file)], str(out), seq_len=64, max_tokens=128, progress=False, verify=False)
     provenance = json.loads((out / "kvcal" / "calibration.json").read_text())
-    written = load_file(out / SCALES_FILE)
+    written = load_file(scales_file(out))
 
     found = inspect(str(out), check_weights=True)
     assert found.producer == "kvcal" and found.ok(strict=True), found.text()
@@ -143,14 +143,14 @@ def test_kvcal_output_of_a_tiny_model_matches_its_provenance(tmp_path, smol_toke
     for kind in "kvq":
         assert loaded(found, kind) == pytest.approx(provenance["scales"]["checkpoint_scales"][kind], rel=1e-6)
         for layer in found.layers:
-            assert layer.scales[kind].file == SCALES_FILE
+            assert layer.scales[kind].file == scales_file(out).name
             assert layer.scales[kind].value == written[layer.scales[kind].tensor].tolist()
 
     # Gemma 3's k-norm bounds |K| by max|1 + w| · √head_dim: a scale beyond that does not belong to these weights.
     norm = load_file(model_dir / "model.safetensors")["model.layers.1.self_attn.k_norm.weight"]
     bound = (1 + norm).abs().max().item() * math.sqrt(16)
-    tampered = load_file(out / SCALES_FILE) | {"model.layers.1.self_attn.k_scale": torch.tensor([1.5 * bound / 448])}
-    save_file(tampered, str(out / SCALES_FILE))
+    tampered = load_file(scales_file(out)) | {"model.layers.1.self_attn.k_scale": torch.tensor([1.5 * bound / 448])}
+    save_file(tampered, str(scales_file(out)))
     warnings = messages(inspect(str(out), check_weights=True), "warning")
     assert len(warnings) == 1 and warnings[0].startswith("1: k_scale allows |k| up to") and f"{bound:.4g}" in warnings[0]
     assert messages(inspect(str(out)), "warning") == []  # the weight check is opt-in
@@ -227,8 +227,16 @@ def test_files_duplicates_and_index(tmp_path):
     assert loaded(found, "k") == [1.0] * LAYERS
     assert messages(found, "error")[:2] == ["None: scales.safetensors holds KV scales but is not listed in model.safetensors.index.json, so vLLM ignores it; add its tensors to the index",
                                             "None: no KV-cache scales: vLLM uses 1.0 for every layer; calibrate with kvcal calibrate"]
+    # Listed, but beside a model.safetensors: transformers reads that file alone and misses every scale.
     listed = make_checkpoint(tmp_path / "listed", {"model.safetensors": weights(), "scales.safetensors": scales}, index=["model.safetensors", "scales.safetensors"])
-    assert inspect(str(listed)).ok(strict=True)
+    found = inspect(str(listed))
+    assert found.loaders == {"vllm": ["model.safetensors", "scales.safetensors"], "transformers": ["model.safetensors"]}
+    assert not found.ok() and "transformers reads only model.safetensors" in messages(found, "error")[0]
+    # The same files under shard names: every loader reads both.
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    sharded = make_checkpoint(tmp_path / "sharded", dict(zip(shards, [weights(), scales])), index=shards)
+    found = inspect(str(sharded))
+    assert found.loaders == {"vllm": shards, "transformers": shards} and found.ok(strict=True)
 
 
 def test_scales_without_a_quantization_config_are_ignored_by_vllm(tmp_path):

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from calibrate import calibrate, export
-from calibrate.export import SCALES_FILE, check_index
+from calibrate.export import check_index, scales_file
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ def smol_out(smol_dir, kjv_path, tmp_path_factory):
 
 
 def test_every_layer_has_finite_positive_scales(smol_out):
-    scales = load_file(smol_out.out / SCALES_FILE)
+    scales = load_file(scales_file(smol_out.out))
     assert len(smol_out.layers) == 30
     for layer in smol_out.layers:
         for kind in ("k", "v", "q"):

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from calibrate import api, recipes
 from calibrate.cli import main
 from calibrate.data import DataConfig, iter_sequences
-from calibrate.export import SCALES_FILE
+from calibrate.export import scales_file
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 SEQ_LEN, MAX_TOKENS = 64, 192
@@ -120,7 +120,7 @@ def test_family_recipe_calibrates_its_tiny_model(family, tmp_path, smol_tokenize
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     sequences = list(iter_sequences(DataConfig(sources=[str(text_file)], seq_len=SEQ_LEN, max_tokens=MAX_TOKENS), tokenizer))
     expected = captured_absmax(model_dir, sequences, monkeypatch)
-    scales = load_file(out / SCALES_FILE)
+    scales = load_file(scales_file(out))
     assert len(scales) == 3 * len(expected)
     for idx, absmax in expected.items():
         for kind in "kvq":

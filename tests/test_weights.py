@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from calibrate import calibrate
 from calibrate.config import CalibrationConfig
-from calibrate.export import INDEX_FILE, SCALES_FILE, check_index
+from calibrate.export import INDEX_FILE, check_index, scales_file
 from calibrate.weights import check_available
 
 from conftest import save_tiny_checkpoint
@@ -65,7 +65,7 @@ def test_fp8_weights_and_kv_scales_in_one_checkpoint(tmp_path, smol_tokenizer, t
     # Weights: FP8 projections with per-channel scales; lm_head and norms untouched.
     index = json.loads((out / INDEX_FILE).read_text())["weight_map"]
     dtypes = {}
-    for name in set(index.values()) - {SCALES_FILE}:
+    for name in set(index.values()) - {scales_file(out).name}:
         dtypes.update({k: v["dtype"] for k, v in _header(out / name).items() if k != "__metadata__"})
     projections = [n for n in dtypes if n.endswith("_proj.weight")]
     assert projections and all(dtypes[n] == "F8_E4M3" for n in projections)
@@ -75,7 +75,7 @@ def test_fp8_weights_and_kv_scales_in_one_checkpoint(tmp_path, smol_tokenizer, t
     assert (out / "tokenizer.json").is_file()
 
     # KV scales: those of the unquantized model, i.e. of the plain run.
-    with safe_open(str(out / SCALES_FILE), "pt") as mine, safe_open(str(plain.out / SCALES_FILE), "pt") as ref:
+    with safe_open(str(scales_file(out)), "pt") as mine, safe_open(str(scales_file(plain.out)), "pt") as ref:
         assert sorted(mine.keys()) == sorted(ref.keys())
         assert {k.rsplit(".", 1)[1] for k in ref.keys()} == {"k_scale", "v_scale", "q_scale"}
         for name in ref.keys():
