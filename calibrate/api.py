@@ -4,6 +4,8 @@
     export()     saved statistics → scales → checkpoint, no model run
 """
 
+from __future__ import annotations
+
 import json
 import os
 import platform
@@ -13,21 +15,22 @@ import warnings
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from .capture import run_capture
-from .config import CalibrationConfig
-from .data import DataConfig, iter_sequences
+from .config import LITTLE_DATA_TOKENS, CalibrationConfig, check_granularity, check_headroom, check_observer
 from .export import KVCAL_DIR, prepare_output, scale_tensors, weight_files, write_checkpoint
 from .fp8 import get_format
-from .model import AttentionLayer, attention_layers, load_model, max_context, read_config, resolve_device, signature
 from .observers import ScaleSet, derive_scales
 from .report import SERVE_NOTES, kvcal_version, scale_table, serve_command
 from .stats import ModelSignature, Stats
-from .verify import VerifyResult, verify
-from .weights import PROVENANCE as WEIGHTS_PROVENANCE
-from .weights import check_available, quantize_weights
+
+# The model, data, capture and verify modules import transformers and datasets (seconds): calibrate imports
+# them when it runs, so that export and inspect, which need none of them, start fast.
+if TYPE_CHECKING:
+    from .model import AttentionLayer
+    from .verify import VerifyResult
 
 STATS_FILE = "stats.safetensors"
 PROVENANCE_FILE = "calibration.json"
@@ -61,6 +64,7 @@ class CalibrationResult:
                 f" / per-token {s.token_rel_mse[k].mean():.2e}"
                 for k in ("k", "v")
             ),
+            *self._little_data(),
             SERVE_NOTES[s.granularity],
             f"wrote {self.out}",
             "serve it with:",
@@ -71,6 +75,14 @@ class CalibrationResult:
         if self.verification is not None:
             lines += ["", "short verify of the written checkpoint (kvcal verify runs the full one):", self.verification.summary()]
         return "\n".join(lines)
+
+    def _little_data(self) -> list[str]:
+        """One line when the scales rest on fewer tokens than LITTLE_DATA_TOKENS, else none."""
+        seen = int(self.stats.tokens.min())
+        if seen >= LITTLE_DATA_TOKENS:
+            return []
+        return [f"scales rest on little data: {seen:,} tokens per layer (< {LITTLE_DATA_TOKENS:,}); rarer outliers "
+                "were likely not seen: calibrate on more data (--max-tokens) or add --headroom before serving"]
 
 
 def _check_finite(stats: Stats, layers: list[AttentionLayer]) -> None:
@@ -84,6 +96,20 @@ def _check_finite(stats: Stats, layers: list[AttentionLayer]) -> None:
         if zero:
             names = ", ".join(layers[i].prefix for i in zero)
             warnings.warn(f"{kind} is all zero in {names}; writing the floor scale 1e-6 there", stacklevel=3)
+
+
+def _check_enough_tokens(stats: Stats, config: CalibrationConfig) -> None:
+    """Refuse to write scales that rest on fewer tokens than asked for (default: one full sequence).
+
+    A few tokens give scales without a word of warning otherwise (a one-line file calibrates on ~3 tokens).
+    """
+    seen, needed = int(stats.tokens.min()), config.needed_tokens()
+    if seen < needed:
+        given = f"--min-tokens {needed}" if config.min_tokens is not None else f"one --seq-len {config.seq_len} sequence"
+        raise ValueError(
+            f"the data gave {seen} tokens per layer, fewer than the {needed} needed ({given}); nothing was written: "
+            f"add data, or pass --min-tokens {max(seen, 1)} to accept scales from so little"
+        )
 
 
 def _provenance(config: CalibrationConfig, layers, sig, stats, scale_set, manifest, wall_s, device, dtype) -> dict:
@@ -100,6 +126,9 @@ def _provenance(config: CalibrationConfig, layers, sig, stats, scale_set, manife
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "tokens": int(stats.tokens.max()),
+        # Fewer tokens per layer than the threshold: the summary says so too.
+        "little_data": int(stats.tokens.min()) < LITTLE_DATA_TOKENS,
+        "little_data_threshold": LITTLE_DATA_TOKENS,
         "wall_time_s": round(wall_s, 2),
         "scales": scale_report(scale_set),
     }
@@ -147,6 +176,12 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult:
     slightly, so the scales are those of the bf16 model (the short verify runs on the written, FP8-weight
     checkpoint and measures the combined effect).
     """
+    from .capture import run_capture
+    from .data import DataConfig, iter_sequences
+    from .model import attention_layers, load_model, max_context, resolve_device, signature
+    from .weights import PROVENANCE as WEIGHTS_PROVENANCE
+    from .weights import check_available, quantize_weights
+
     start = time.perf_counter()
     # 1. Cheap checks on every input and the output before anything is loaded.
     config.validate()
@@ -178,6 +213,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult:
         chunk_len=config.chunk_len, total_tokens=config.max_tokens, progress=config.progress,
     ).to("cpu")
     _check_finite(stats, layers)
+    _check_enough_tokens(stats, config)
 
     # 4. Statistics → scales.
     scale_set = derive_scales(
@@ -226,6 +262,8 @@ def _short_verify(config: CalibrationConfig) -> VerifyResult | None:
     Its report goes to OUT/kvcal/verify. Data too short for one sequence only warns: the checkpoint is
     already written and the full ``kvcal verify`` takes its own sample.
     """
+    from .verify import verify
+
     seq_len = min(config.seq_len, SHORT_VERIFY_TOKENS)
     recipe_verify = config.recipe.get("verify", {})
     written = recipe_verify.get("schemes") or ["head" if config.granularity == "head" else "tensor", "token"]
@@ -243,10 +281,24 @@ def _short_verify(config: CalibrationConfig) -> VerifyResult | None:
 
 def load_calibration(source: str | Path) -> tuple[Stats, dict]:
     """Statistics and provenance saved in a kvcal output directory."""
-    directory = Path(source) / KVCAL_DIR
-    if not (directory / STATS_FILE).is_file():
+    from safetensors import SafetensorError
+
+    stats_path, provenance_path = Path(source) / KVCAL_DIR / STATS_FILE, Path(source) / KVCAL_DIR / PROVENANCE_FILE
+    if not stats_path.is_file():
         raise ValueError(f"{source} has no {KVCAL_DIR}/{STATS_FILE}; pass a directory written by kvcal calibrate")
-    return Stats.load(directory / STATS_FILE), json.loads((directory / PROVENANCE_FILE).read_text())
+    if not provenance_path.is_file():
+        raise ValueError(f"{source} has no {KVCAL_DIR}/{PROVENANCE_FILE} beside its statistics; pass a complete kvcal output")
+    try:
+        provenance = json.loads(provenance_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{provenance_path} is not valid JSON ({e}); it was not written by kvcal, or was damaged") from None
+    if not isinstance(provenance, dict) or not isinstance(provenance.get("layers"), list):
+        raise ValueError(f"{provenance_path} holds no 'layers' list; it was not written by kvcal, or was damaged")
+    try:
+        stats = Stats.load(stats_path)
+    except SafetensorError as e:
+        raise ValueError(f"{stats_path} is not a readable safetensors file ({e}); it is damaged: calibrate again") from None
+    return stats, provenance
 
 
 def signature_from_config(config: dict, layers: list[int]) -> ModelSignature:
@@ -260,6 +312,11 @@ def signature_from_config(config: dict, layers: list[int]) -> ModelSignature:
         num_heads=heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
     )
+
+
+def _layer_count(config: dict) -> int | None:
+    """``num_hidden_layers`` of a config.json (of its text model, for a multimodal one)."""
+    return config.get("text_config", config).get("num_hidden_layers")
 
 
 def export(
@@ -279,15 +336,34 @@ def export(
     No model is loaded: the statistics are checked against the target's config.json and the weight
     files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself).
     """
+    from .model import AttentionLayer, read_config
+
     start = time.perf_counter()
     # 1. Saved statistics, and the checkpoint they go into, checked against each other.
+    check_observer(observer)
+    check_granularity(granularity)
+    check_headroom(headroom)
+    fmt = get_format(fp8_format)
     stats, old = load_calibration(source)
     target = Path(model or source)
     prepare_output(Path(out), target, overwrite)
-    sig = signature_from_config(read_config(target), stats.signature.layers)
+    target_config = read_config(target)
+    try:
+        sig = signature_from_config(target_config, stats.signature.layers)
+    except KeyError as e:
+        raise ValueError(f"{target}/config.json has no {e.args[0]!r}; it does not describe a transformer kvcal knows") from None
     stats.signature.check_matches(sig, f"the statistics in {source}")
-    layers = [AttentionLayer(**layer) for layer in old["layers"]]
-    fmt = get_format(fp8_format)
+    if model is not None:  # the signature holds the calibrated layers only: a deeper or shallower model passes it
+        calibrated, given = _layer_count(read_config(source)), _layer_count(target_config)
+        if calibrated != given:
+            raise ValueError(
+                f"{model} has {given or 'an unknown number of'} layers and {source} was calibrated on a model with "
+                f"{calibrated}; its scales fit only the same architecture: calibrate {model} instead"
+            )
+    try:
+        layers = [AttentionLayer(**layer) for layer in old["layers"]]
+    except TypeError as e:
+        raise ValueError(f"the layers in {source}/{KVCAL_DIR}/{PROVENANCE_FILE} are not kvcal's ({e}); it was damaged") from None
 
     # 2. Statistics → scales.
     scale_set = derive_scales(

@@ -1,13 +1,15 @@
-"""``kvcal`` command line: argument parsing only; every subcommand calls one library function."""
+"""``kvcal`` command line: argument parsing only; every subcommand calls one library function.
+
+Parsing imports neither torch nor transformers: a command's modules are imported when it runs, so
+``kvcal --help``, ``kvcal recipes`` and a mistyped flag answer at once.
+"""
 
 import argparse
 import json
 import signal
 import sys
 
-from . import api, inspector, recipes
-from .observers import GRANULARITIES, OBSERVERS
-from .verify import SCHEMES, VerifyConfig
+from .config import DTYPES, FP8_FORMATS, GRANULARITIES, OBSERVERS, VERIFY_SCHEMES
 
 
 # The scale flags' defaults for ``export``. Under ``calibrate`` every flag a recipe can set defaults to
@@ -21,7 +23,7 @@ def _scale_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     p.add_argument("--granularity", default=defaults["granularity"], choices=GRANULARITIES, help="one scale per layer, per KV head, or per token at serve time")
     p.add_argument("--headroom", type=float, default=defaults["headroom"], help="multiply every scale by this (≥ 1) to leave range for unseen data")
     p.add_argument("--no-query-scale", dest="query_scale", action="store_false", default=defaults["query_scale"], help="do not write q_scale (vLLM then uses 1.0 for queries)")
-    p.add_argument("--fp8-format", default=defaults["fp8_format"], choices=["e4m3fn", "e4m3fnuz"], help="e4m3fn (NVIDIA, CPU) or e4m3fnuz (ROCm MI300)")
+    p.add_argument("--fp8-format", default=defaults["fp8_format"], choices=FP8_FORMATS, help="e4m3fn (NVIDIA, CPU) or e4m3fnuz (ROCm MI300)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
 
 
@@ -36,17 +38,37 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-records", choices=["split", "error"], help="a record longer than one sequence is split (default) or refused")
     p.add_argument("--seed", type=int, help="shuffling seed (default 0)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="model dtype (default: checkpoint's on GPU, float32 on CPU)")
+    p.add_argument("--dtype", choices=DTYPES, help="model dtype (default: checkpoint's on GPU, float32 on CPU)")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--weights", choices=["fp8"],
                    help="also quantize the weights: fp8 = llm-compressor's data-free FP8_DYNAMIC (needs kvcal[llmcompressor])")
     p.add_argument("--no-verify", dest="verify", action="store_false", default=None,
                    help="skip the short verify of the written checkpoint (kvcal verify runs the full one)")
+    p.add_argument("--min-tokens", type=int,
+                   help="refuse to write scales seen on fewer tokens per layer than this (default: one full --seq-len sequence)")
     _scale_options(p, dict.fromkeys(_SCALE_DEFAULTS))
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors as one line, like every other kvcal error (argparse prints the usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"kvcal: error: {message}; see {self.prog} --help\n")
+
+
+class _VerifyHelp(argparse.HelpFormatter):
+    """Fills ``{field}`` in ``kvcal verify``'s help with VerifyConfig's defaults, importing verify only to show help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        from dataclasses import fields
+
+        from .verify import VerifyConfig
+
+        return action.help.format_map({f.name: f.default for f in fields(VerifyConfig)})
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcal", description="Offline FP8 KV-cache scale calibration for vLLM.")
+    parser = _Parser(prog="kvcal", description="Offline FP8 KV-cache scale calibration for vLLM.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("calibrate", help="run data through a model and write a checkpoint with FP8 KV scales")
@@ -82,29 +104,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="new output checkpoint directory")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
 
-    v = VerifyConfig
-    p = sub.add_parser("verify", help="measure what an FP8 KV cache costs a checkpoint, per scheme, and how to serve it")
+    # Defaults come from VerifyConfig (not repeated here); its module imports transformers, so help shows them lazily.
+    p = sub.add_parser("verify", help="measure what an FP8 KV cache costs a checkpoint, per scheme, and how to serve it",
+                       argument_default=argparse.SUPPRESS, formatter_class=_VerifyHelp)
     p.add_argument("checkpoint", help="model directory: a kvcal output, or any checkpoint (scales are read from it when present)")
     p.add_argument("--data", action="append", required=True, help="data source (repeatable), as for calibrate")
-    p.add_argument("--schemes", default=v.schemes, help=f"comma-separated: {', '.join(SCHEMES)} or a .safetensors scales file (default all)")
-    p.add_argument("--seq-len", type=int, default=v.seq_len, help=f"tokens per sequence (default {v.seq_len})")
-    p.add_argument("--max-tokens", type=int, default=v.max_tokens, help=f"sample size in tokens: max-tokens // seq-len sequences (default {v.max_tokens})")
-    p.add_argument("--chunk-len", type=int, default=v.chunk_len, help=f"longer sequences run as chunked prefill (default {v.chunk_len})")
+    p.add_argument("--schemes", help=f"comma-separated: {', '.join(VERIFY_SCHEMES)} or a .safetensors scales file (default all)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default {seq_len})")
+    p.add_argument("--max-tokens", type=int, help="sample size in tokens: max-tokens // seq-len sequences (default {max_tokens})")
+    p.add_argument("--chunk-len", type=int, help="longer sequences run as chunked prefill (default {chunk_len})")
     p.add_argument("--text-field", help="column holding the text (default: found automatically)")
-    p.add_argument("--seed", type=int, default=v.seed, help="shuffling seed (default 0)")
+    p.add_argument("--seed", type=int, help="shuffling seed (default {seed})")
     p.add_argument("--kv-only", action="store_true", help="quantize only K and V (Triton/FlashInfer); default also Q, as FA3 on Hopper does")
     p.add_argument("--fa3", action="store_true", help="also run the FA3 FP8 numeric model (P in FP8, reduced-precision accumulation) on sampled rows")
-    p.add_argument("--accum-bits", type=int, default=v.accum_bits, help="FA3 model accumulator bits: 13 models Hopper (default), 25 B200")
-    p.add_argument("--fa3-rows", type=int, default=v.fa3_rows, help=f"query rows of the first sequence for the FA3 model (default {v.fa3_rows})")
+    p.add_argument("--accum-bits", type=int, help="FA3 model accumulator bits: 13 models Hopper, 25 B200 (default {accum_bits})")
+    p.add_argument("--fa3-rows", type=int, help="query rows of the first sequence for the FA3 model (default {fa3_rows})")
     p.add_argument("--fa3-layers", help="comma-separated layer indices for the FA3 model (default first, middle, last)")
     p.add_argument("--needle", help="needle-probe context lengths, comma-separated, e.g. 4096,8192")
-    p.add_argument("--max-kl", type=float, default=v.max_kl, help=f"pass: KL ≤ this, nats/token (default {v.max_kl})")
-    p.add_argument("--fail-kl", type=float, default=v.fail_kl, help=f"fail: KL > this (default {v.fail_kl})")
-    p.add_argument("--min-top1", type=float, default=v.min_top1, help=f"pass: top-1 agreement ≥ this (default {v.min_top1})")
-    p.add_argument("--fail-top1", type=float, default=v.fail_top1, help=f"fail: top-1 agreement < this (default {v.fail_top1})")
+    p.add_argument("--max-kl", type=float, help="pass: KL ≤ this, nats/token (default {max_kl})")
+    p.add_argument("--fail-kl", type=float, help="fail: KL > this (default {fail_kl})")
+    p.add_argument("--min-top1", type=float, help="pass: top-1 agreement ≥ this (default {min_top1})")
+    p.add_argument("--fail-top1", type=float, help="fail: top-1 agreement < this (default {fail_top1})")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="reference dtype (default: float32 on CPU, checkpoint's on GPU)")
-    p.add_argument("--fp8-format", default=v.fp8_format, choices=["e4m3fn", "e4m3fnuz"], help="e4m3fn (NVIDIA, CPU) or e4m3fnuz (ROCm)")
+    p.add_argument("--dtype", choices=DTYPES, help="reference dtype (default: float32 on CPU, checkpoint's on GPU)")
+    p.add_argument("--fp8-format", choices=FP8_FORMATS, help="e4m3fn (NVIDIA, CPU) or e4m3fnuz (ROCm)")
     p.add_argument("--report", dest="report_dir", help="write report.json, report.md and plots into this directory")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
     return parser
@@ -121,23 +144,37 @@ def main(argv: list[str] | None = None) -> int:
     options = {k: v for k, v in vars(args).items() if k != "command"}
     try:
         if args.command == "recipes":
+            from . import recipes
+
             if args.action == "show" and not args.name:
                 raise ValueError("kvcal recipes show needs a NAME (see kvcal recipes list)")
+            if args.action == "list" and args.name:
+                raise ValueError(f"kvcal recipes list takes no NAME; to see one recipe: kvcal recipes show {args.name}")
             print(recipes.listing() if args.action == "list" else recipes.describe(args.name))
             return 0
         if args.command == "inspect":
-            found = inspector.inspect(args.checkpoint, check_weights=args.check_weights)
+            from .inspector import inspect
+
+            found = inspect(args.checkpoint, check_weights=args.check_weights)
             print(json.dumps(found.to_json(), indent=2) if args.json else found.text())
             return 0 if found.ok(strict=args.strict) else 1
         if args.command == "calibrate":
+            from . import api, recipes
+
             result = api.run_calibration(recipes.calibration_config(**options))
             print(result.summary() + "".join(f"\n{line}" for line in recipes.serve_notes(result.provenance["recipe"])))
             return 0
         if args.command == "apply":
-            result = inspector.apply(**options)
+            from .inspector import apply
+
+            result = apply(**options)
         elif args.command == "verify":
-            result = api.verify(**options)
+            from .verify import verify
+
+            result = verify(**options)
         elif args.command == "export":
+            from . import api
+
             result = api.export(**options)
         else:
             from .demo import run_demo

@@ -19,12 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import CalibrationConfig
-from .export import checkpoint_form
-from .fp8 import get_format
-from .inspector import IGNORES_CHECKPOINT_SCALES
-from .observers import parse_granularity, parse_observer
-from .verify import SCHEMES as VERIFY_SCHEMES
+from .config import VERIFY_SCHEMES, CalibrationConfig, check_fp8_format, check_granularity, check_observer
 
 DEFAULT_RECIPE = "default"
 # Where shipped recipes are found: a source checkout first, then the installed package's data.
@@ -165,9 +160,9 @@ def _check_shape(where: str, data, schema: dict, prefix: str = "") -> None:
 def _check_values(where: str, recipe: dict) -> None:
     """Values the types alone do not catch (observer names, formats, layer names...)."""
     checks = {
-        ("scales", "observer"): parse_observer,
-        ("scales", "granularity"): parse_granularity,
-        ("scales", "fp8_format"): get_format,
+        ("scales", "observer"): check_observer,
+        ("scales", "granularity"): check_granularity,
+        ("scales", "fp8_format"): check_fp8_format,
     }
     for (section, key), check in checks.items():
         if key in recipe.get(section, {}):
@@ -227,7 +222,9 @@ def load_recipe(ref: str, _seen: tuple[Path, ...] = ()) -> dict:
         text = path.read_text()
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{where} is not valid YAML (or JSON): {e}") from None
+        mark = getattr(e, "problem_mark", None)  # YAML's own message spans lines: its problem and where, in one
+        problem = f"{e.problem} (line {mark.line + 1}, column {mark.column + 1})" if mark else " ".join(str(e).split())
+        raise ValueError(f"{where} is not valid YAML (or JSON): {problem}") from None
     data = {} if data is None else data
     _check_shape(where, data, SCHEMA)
     _check_values(where, data)
@@ -246,7 +243,12 @@ def model_family(model_dir: str | Path) -> tuple[list[str], list[str]]:
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{config_path} is not valid JSON ({e}); fix or replace it") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} holds a {type(config).__name__}, not a model configuration; fix or replace it")
     types = [config.get("text_config", {}).get("model_type"), config.get("model_type")]
     return list(dict.fromkeys(t for t in types if t)), config.get("architectures") or []
 
@@ -292,13 +294,13 @@ def apply_overrides(recipe: dict, overrides: dict) -> dict:
 
 def calibration_config(
     *, recipe: str | None, model: str, out: str, force: bool = False, overwrite: bool = False,
-    device: str = "auto", dtype: str | None = None, progress: bool = True, **overrides,
+    device: str = "auto", dtype: str | None = None, progress: bool = True, min_tokens: int | None = None, **overrides,
 ) -> CalibrationConfig:
     """The validated CalibrationConfig of a run: recipe (default: ``default``) ← flags the user gave.
 
     Args:
         recipe: shipped recipe name or YAML file; None uses the ``default`` recipe.
-        model, out, overwrite, device, dtype, progress: as in CalibrationConfig (not recipe settings).
+        model, out, overwrite, device, dtype, progress, min_tokens: as in CalibrationConfig (not recipe settings).
         force: use a recipe written for another model family (with a warning).
         **overrides: CalibrationConfig fields a recipe holds (``data``, ``seq_len``, ``observer``...), only
             those the user set; None values are ignored, so a CLI can pass its parsed flags as they are.
@@ -309,19 +311,26 @@ def calibration_config(
     """
     resolved = apply_overrides(load_recipe(recipe or DEFAULT_RECIPE), {k: v for k, v in overrides.items() if v is not None})
     check_fits(resolved, model, force=force)
-    _check_export_form(resolved, model)
-    for model_type in set(model_family(model)[0]) & set(IGNORES_CHECKPOINT_SCALES):
-        warnings.warn(IGNORES_CHECKPOINT_SCALES[model_type][1], stacklevel=2)
     settings = {field: resolved[section][key] for (section, key), field in CONFIG_FIELDS.items() if key in resolved.get(section, {})}
     settings.setdefault("data", [])
     config = CalibrationConfig(
-        model=model, out=out, overwrite=overwrite, device=device, dtype=dtype, progress=progress, recipe=resolved, **settings
-    )
-    return config.validate()
+        model=model, out=out, overwrite=overwrite, device=device, dtype=dtype, progress=progress, min_tokens=min_tokens,
+        recipe=resolved, **settings,
+    ).validate()
+    # These two read checkpoint formats through modules that import torch: after the cheap checks above.
+    model_types = model_family(model)[0]  # refuses a config.json that is not JSON, naming it
+    from .inspector import IGNORES_CHECKPOINT_SCALES
+
+    _check_export_form(resolved, model)
+    for model_type in set(model_types) & set(IGNORES_CHECKPOINT_SCALES):
+        warnings.warn(IGNORES_CHECKPOINT_SCALES[model_type][1], stacklevel=2)
+    return config
 
 
 def _check_export_form(recipe: dict, model: str) -> None:
     """A named export form must be the one the model's checkpoint can take (ModelOpt cannot hold KV-only scales)."""
+    from .export import checkpoint_form
+
     wanted = recipe.get("export", {}).get("form", "auto")
     form = checkpoint_form(Path(model))
     if wanted != "auto" and wanted != form:

@@ -304,8 +304,10 @@ def _pyplot():
 
 
 def write_verify_report(directory: Path, rep: dict) -> None:
-    """report.json (every number), the PNG plots and report.md into ``directory`` (created if needed)."""
-    directory.mkdir(exist_ok=True)
+    """report.json (every number), the PNG plots and report.md into ``directory`` (created with its parents if needed)."""
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"--report {directory} is a file; pass a directory for report.json, report.md and the plots")
+    directory.mkdir(parents=True, exist_ok=True)
     (directory / "report.json").write_text(json.dumps(rep, indent=1) + "\n")
     layers = [layer["layer_idx"] for layer in rep["layers"]]
     plots = {"layer_error": "layer_error.png"}

@@ -1,14 +1,19 @@
-"""cli.py: the command line, its errors, and what an interrupted or killed run leaves behind."""
+"""cli.py: the command line, its errors, what an interrupted or killed run leaves behind, and what it imports."""
 
+import importlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import fields
 
 import pytest
 from conftest import save_tiny_checkpoint
 
+from calibrate import config as config_module
 from calibrate.cli import build_parser, main
 
 
@@ -25,10 +30,14 @@ def test_calibrate_then_export_from_the_command_line(tiny_dir, text_file, tmp_pa
     assert code == 0
     assert f"vllm serve {out} --kv-cache-dtype fp8" in printed
     assert "k_scale" in printed and (out / "kvcal" / "stats.safetensors").is_file()
+    little = "scales rest on little data: 128 tokens per layer (< 100,000)"
+    assert little in printed
+    provenance = json.loads((out / "kvcal" / "calibration.json").read_text())
+    assert provenance["tokens"] == 128 and provenance["little_data"] is True and provenance["little_data_threshold"] == 100_000
 
     code = main(["export", str(out), "--out", str(tmp_path / "head"), "--granularity", "head", "--observer", "mse"])
     printed = capsys.readouterr().out
-    assert code == 0 and "FlashAttention-3" in printed
+    assert code == 0 and "FlashAttention-3" in printed and little in printed
 
 
 @pytest.mark.parametrize(
@@ -78,3 +87,103 @@ def test_interrupted_run_leaves_no_output(tiny_dir, text_file, tmp_path, sig):
     if sig != signal.SIGKILL:
         assert "interrupted; nothing was written" in err
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+
+# ---- start-up cost: what each command imports --------------------------------------------------------------------
+
+HEAVY = ("torch", "transformers", "datasets", "matplotlib")
+_PROBE = f"""
+import json, sys
+from calibrate.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print(json.dumps([code, [m for m in {HEAVY!r} if m in sys.modules]]), file=sys.stderr)
+"""
+
+
+def imports_of(*argv: str) -> tuple[int, set[str]]:
+    """Run ``kvcal ARGV`` in a fresh interpreter: its exit code and which of HEAVY it imported."""
+    proc = subprocess.run([sys.executable, "-c", _PROBE, *argv], capture_output=True, text=True, timeout=300)
+    code, loaded = json.loads(proc.stderr.strip().splitlines()[-1])
+    return code, set(loaded)
+
+
+@pytest.mark.parametrize(
+    "argv, code",
+    [
+        (["--help"], 0),
+        (["recipes", "list"], 0),
+        (["recipes", "show", "llama3"], 0),
+        (["calibrate", "model", "--out", "o", "--seq-len", "many"], 2),
+        (["calibrate", "model", "--out", "o", "--granularity", "channel"], 2),
+        (["verify", "ckpt", "--data", "d.jsonl", "--max-kl", "low"], 2),
+        (["export", "src"], 2),
+        (["no-such-command"], 2),
+    ],
+    ids=["help", "recipes-list", "recipes-show", "bad-int", "bad-choice", "verify-bad-float", "missing-option", "bad-command"],
+)
+def test_help_recipes_and_argument_errors_import_neither_torch_nor_transformers(argv, code):
+    assert imports_of(*argv) == (code, set())
+
+
+def test_export_and_inspect_import_no_transformers_datasets_or_matplotlib(tiny_dir, text_file, tmp_path):
+    out = tmp_path / "out"
+    assert main(["calibrate", str(tiny_dir), "--data", str(text_file), "--out", str(out), "--seq-len", "64",
+                 "--max-tokens", "128", "--quiet", "--no-verify"]) == 0
+    for argv in (["export", str(out), "--out", str(tmp_path / "mse"), "--observer", "mse"], ["inspect", str(out)]):
+        code, loaded = imports_of(*argv)
+        assert code == 0 and loaded == {"torch"}, (argv, loaded)  # torch: the probe does see what a command imports
+    assert (tmp_path / "mse" / "kvcal" / "stats.safetensors").is_file()
+
+
+def test_public_names_are_lazy_and_keep_their_meaning():
+    """``calibrate.export`` and ``calibrate.verify`` are the functions even after their modules were imported."""
+    code = """
+import sys, types
+import calibrate
+assert "torch" not in sys.modules
+import calibrate.export, calibrate.verify
+from calibrate import export, verify, inspect, apply, calibrate as run, CalibrationConfig, Stats, load_recipe
+assert all(callable(f) and not isinstance(f, types.ModuleType) for f in (export, verify, inspect, apply, run, load_recipe))
+assert calibrate.export is sys.modules["calibrate.api"].export and calibrate.verify.__module__ == "calibrate.verify"
+assert sorted(calibrate.__all__) == sorted(n for n in dir(calibrate) if n in calibrate.__all__)
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_the_cli_names_are_those_of_the_modules_that_use_them():
+    """config.py holds torch-free copies of the names the CLI and recipes check; they must not drift."""
+    observers, fp8 = importlib.import_module("calibrate.observers"), importlib.import_module("calibrate.fp8")
+    verify = importlib.import_module("calibrate.verify")
+    assert config_module.OBSERVERS == observers.OBSERVERS and config_module.GRANULARITIES == observers.GRANULARITIES
+    assert config_module.FP8_FORMATS == tuple(fp8.FORMATS) and config_module.VERIFY_SCHEMES == verify.SCHEMES
+
+    def message(check, value):
+        try:
+            check(value)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    for text in ("max", "mse", "sink-aware", "percentile:99.9", "percentile:100", "percentile:0", "percentile:x",
+                 "median", "max:1", "", " mse "):
+        assert message(config_module.check_observer, text) == message(observers.parse_observer, text), text
+    for text in ("tensor", "head", "token", "channel"):
+        assert message(config_module.check_granularity, text) == message(observers.parse_granularity, text)
+    for text in ("e4m3fn", "e4m3fnuz", "e5m2"):
+        assert message(config_module.check_fp8_format, text) == message(fp8.get_format, text)
+
+
+def test_verify_help_shows_verify_config_defaults(capsys):
+    verify = importlib.import_module("calibrate.verify")
+    with pytest.raises(SystemExit) as exc:
+        main(["verify", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert exc.value.code == 0 and not re.search(r"\{[a-z0-9_]+\}", text)  # every placeholder filled
+    defaults = {f.name: f.default for f in fields(verify.VerifyConfig)}
+    for name in ("seq_len", "max_tokens", "chunk_len", "accum_bits", "fa3_rows", "max_kl", "fail_kl", "min_top1"):
+        assert f"(default {defaults[name]})" in text, name
