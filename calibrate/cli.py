@@ -8,6 +8,7 @@ import argparse
 import json
 import signal
 import sys
+from typing import NoReturn
 
 from .config import DTYPES, FP8_FORMATS, GRANULARITIES, OBSERVERS, VERIFY_SCHEMES
 
@@ -52,7 +53,7 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
 class _Parser(argparse.ArgumentParser):
     """Argument errors as one line, like every other kvcal error (argparse prints the usage first)."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"kvcal: error: {message}; see {self.prog} --help\n")
 
 
