@@ -58,7 +58,7 @@ class CalibrationResult:
             "",
             f"observer {s.observer}, granularity {s.granularity}, format {s.fmt.name}, "
             f"{int(self.stats.tokens.max())} tokens per layer",
-            f"predicted relative error (mean over layers): "
+            "predicted relative error (mean over layers): "
             + ", ".join(
                 f"{k} {s.granularity if s.granularity != 'token' else 'tensor'} {s.predictions[k].rel_mse.mean():.2e}"
                 f" / per-token {s.token_rel_mse[k].mean():.2e}"
@@ -71,7 +71,7 @@ class CalibrationResult:
             f"  {serve_command(str(self.out), s.granularity, skip_sliding=False)}",
         ]
         if skip:
-            lines.append(f"  (this model has sliding-window layers; to keep them in bf16 add --kv-cache-dtype-skip-layers sliding_window)")
+            lines.append("  (this model has sliding-window layers; to keep them in bf16 add --kv-cache-dtype-skip-layers sliding_window)")
         if self.verification is not None:
             lines += ["", "short verify of the written checkpoint (kvcal verify runs the full one):", self.verification.summary()]
         return "\n".join(lines)
@@ -178,7 +178,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult:
     """
     from .capture import run_capture
     from .data import DataConfig, iter_sequences
-    from .model import attention_layers, load_model, max_context, resolve_device, signature
+    from .model import attention_layers, load_model, max_context, read_config, resolve_device, signature
     from .weights import PROVENANCE as WEIGHTS_PROVENANCE
     from .weights import check_available, quantize_weights
 
@@ -199,12 +199,12 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult:
     # 2. Load and place the model; find its attention layers.
     device = resolve_device(config.device)
     dtype = getattr(torch, config.dtype) if config.dtype else None
+    context = max_context(read_config(config.model))
+    if context and config.seq_len > context:
+        raise ValueError(f"--seq-len {config.seq_len} is longer than the model's context ({context}); lower it")
     model, tokenizer = load_model(config.model, device=device, dtype=dtype)
     layers = attention_layers(model)
     sig = signature(model, layers)
-    context = max_context(model)
-    if context and config.seq_len > context:
-        raise ValueError(f"--seq-len {config.seq_len} is longer than the model's context ({context}); lower it")
 
     # 3. Stream the data through the model, collecting statistics of Q, K and V.
     stream = iter_sequences(data_config, tokenizer, max_context=context)

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import check_fp8_format
+
 
 @dataclass(frozen=True)
 class FP8Format:
@@ -41,8 +43,7 @@ SCALE_FLOOR = 1e-6
 
 def get_format(name: str) -> FP8Format:
     """Look up an FP8 format by name, with an error that lists the choices."""
-    if name not in FORMATS:
-        raise ValueError(f"unknown FP8 format {name!r}; choose one of: {', '.join(FORMATS)}")
+    check_fp8_format(name)
     return FORMATS[name]
 
 

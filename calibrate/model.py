@@ -2,6 +2,7 @@
 
 import json
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,12 +36,17 @@ def resolve_device(device: str) -> torch.device:
 def read_config(model_dir: str | Path) -> dict:
     """The checkpoint's config.json, after cheap checks that it is a causal LM directory."""
     model_dir = Path(model_dir)
+    if model_dir.is_file():
+        raise ValueError(f"{model_dir} is a file; pass the model's directory (the one holding config.json)")
     if not model_dir.is_dir():
         raise ValueError(f"model directory {model_dir} does not exist; pass a local Hugging Face model directory")
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path} is not valid JSON ({e}); restore it from the original checkpoint") from None
     architectures = config.get("architectures") or []
     if architectures and not any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
         raise ValueError(
@@ -85,19 +91,15 @@ def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtyp
         parameter uninitialised (transformers' "missing" or "mismatched" keys) is refused.
     """
     from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = read_config(model_dir)
     dtype = dtype or default_dtype(device, config)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"could not load a tokenizer from {model_dir}: {e}") from e
+    tokenizer = load_tokenizer(model_dir)
     try:
         hf_config = AutoConfig.from_pretrained(model_dir)
         without_kv_quantization(hf_config)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
+        with _quiet_transformers():
             model, info = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype, output_loading_info=True)
     except SafetensorError as e:
         raise ValueError(f"a weight file of {model_dir} is damaged ({e}); re-download or re-save the checkpoint") from None
@@ -106,6 +108,35 @@ def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtyp
     check_loaded(model_dir, info)
     check_no_kv_quantization(model)
     return model.to(device).eval(), tokenizer
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The checkpoint's tokenizer, with an error naming the directory."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"could not load a tokenizer from {model_dir}: {e}") from e
+
+
+@contextmanager
+def _quiet_transformers():
+    """No load report or progress bar from transformers: kvcal checks the load itself (``check_loaded``), and
+    the scale tensors it does not load on purpose would be listed as "unexpected" on every run."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
 
 
 def check_loaded(model_dir: str | Path, info: dict) -> None:
@@ -173,6 +204,6 @@ def signature(model: nn.Module, layers: list[AttentionLayer]) -> ModelSignature:
     )
 
 
-def max_context(model: nn.Module) -> int | None:
-    """The longest sequence the model was built for, if its config says."""
-    return getattr(text_config(model), "max_position_embeddings", None)
+def max_context(config: dict) -> int | None:
+    """The longest sequence the model was built for, if its config.json (as ``read_config`` returns it) says."""
+    return config.get("text_config", config).get("max_position_embeddings")

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import GRANULARITIES, OBSERVERS, check_granularity, check_observer
 from .fp8 import SCALE_FLOOR, FP8Format
 from .stats import NUM_BINS, SINK_POSITIONS, TensorStats, bin_edges
 
-OBSERVERS = ("max", "percentile:P", "mse", "sink-aware")
-GRANULARITIES = ("tensor", "head", "token")
+__all__ = ["GRANULARITIES", "OBSERVERS"]  # their home is config.py, which imports no torch
 # Samples per histogram bin when integrating the quantization error (stratified, uniform in the bin).
 _SAMPLES_PER_BIN = 4
 # MSE search: candidate scales absmax/fmt.max × 2**(−j/16) for j < _MSE_STEPS (down to 2**-8 of the
@@ -38,23 +38,13 @@ class ObserverSpec:
 
 def parse_observer(text: str) -> ObserverSpec:
     """Parse ``max``, ``percentile:99.99``, ``mse`` or ``sink-aware``; ValueError lists the choices."""
+    check_observer(text)
     name, _, arg = text.strip().partition(":")
-    if name == "percentile":
-        try:
-            p = float(arg)
-        except ValueError:
-            raise ValueError(f"observer {text!r}: write the percentile as a number, e.g. percentile:99.99") from None
-        if not 0 < p <= 100:
-            raise ValueError(f"observer {text!r}: the percentile must be in (0, 100], e.g. percentile:99.99")
-        return ObserverSpec("percentile", p)
-    if name in ("max", "mse", "sink-aware") and not arg:
-        return ObserverSpec(name)
-    raise ValueError(f"unknown observer {text!r}; choose one of: {', '.join(OBSERVERS)}")
+    return ObserverSpec("percentile", float(arg)) if name == "percentile" else ObserverSpec(name)
 
 
 def parse_granularity(text: str) -> str:
-    if text not in GRANULARITIES:
-        raise ValueError(f"unknown granularity {text!r}; choose one of: {', '.join(GRANULARITIES)}")
+    check_granularity(text)
     return text
 
 

@@ -207,7 +207,7 @@ def _fa3_markdown(f: dict) -> list[str]:
     out += ["Validation:", "",
             f"- the emulator with exact accumulation and unquantized P reproduces float64 attention on the same FP8 inputs to "
             f"{v['exact_arithmetic_vs_float64']:.2e} (relative; fp32 registers)" if v["exact_arithmetic_vs_float64"] is not None else "- no static scheme ran",
-            f"- the model's own attention on these rows matches the float64 reference to "
+            "- the model's own attention on these rows matches the float64 reference to "
             + ", ".join(f"{r['model_check']:.1e}" for r in f["layers"].values()) + " (per layer)"]
     for key, by_mode in v.items():
         if key.startswith("same_sign_bias"):

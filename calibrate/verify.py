@@ -10,7 +10,6 @@ own inputs, for the per-layer errors) plus one forward per scheme with every lay
 so about (1 + S) forwards. The FA3 accumulator model (``fa3.py``) and the needle probe are extra.
 """
 
-import json
 import math
 import random
 import time
@@ -24,16 +23,17 @@ from transformers import DynamicCache
 
 from . import fa3, report
 from .capture import cache_kwarg, hooked_attention
+from .config import VERIFY_SCHEMES
 from .data import DataConfig, iter_sequences
 from .export import KVCAL_DIR, SCALE_NAMES, tensor_names, weight_files
 from .fa3 import HOPPER_ACCUM_BITS
 from .fp8 import FP8Format, get_format, per_token_scale, quantize, quantize_dequantize
-from .model import AttentionLayer, attention_layers, load_model, max_context, read_config, resolve_device, signature
+from .model import AttentionLayer, attention_layers, load_model, load_tokenizer, max_context, read_config, resolve_device, signature
 from .observers import derive_scales
 from .stats import ModelSignature, Stats, position_bucket_starts
 
 REFERENCE = "bf16"  # the name users know; the reference runs in the dtype the report states
-SCHEMES = ("bf16", "scale1", "tensor", "head", "token")
+SCHEMES = VERIFY_SCHEMES
 SCHEME_NOTES = {
     "bf16": "reference: no quantization",
     "scale1": "scale 1.0 everywhere: what vLLM uses when a checkpoint has no scales (ModelOpt's fp8_cast)",
@@ -99,6 +99,8 @@ class VerifyConfig:
         if not self.data:
             raise ValueError("no data: pass --data FILE (txt, jsonl, json, parquet, csv) or a dataset name")
         self.schemes = _split(self.schemes)
+        if not self.schemes:
+            raise ValueError(f"--schemes names no scheme; choose from {', '.join(SCHEMES)} or name a .safetensors scales file")
         for name in self.schemes:
             if name not in SCHEMES and not (name.endswith(".safetensors") and Path(name).is_file()):
                 raise ValueError(f"unknown scheme {name!r}: choose from {', '.join(SCHEMES)} or name an existing .safetensors scales file")
@@ -111,8 +113,8 @@ class VerifyConfig:
             raise ValueError(f"--accum-bits must be between 1 and 40 (13 models Hopper, 25 B200), got {self.accum_bits}")
         if self.fa3_rows < 1:
             raise ValueError(f"--fa3-rows must be ≥ 1, got {self.fa3_rows}")
-        self.fa3_layers = [int(x) for x in _split(self.fa3_layers)] if self.fa3_layers is not None else None
-        self.needle = [int(x) for x in _split(self.needle)] if self.needle else []
+        self.fa3_layers = _integers("fa3-layers", self.fa3_layers) if self.fa3_layers is not None else None
+        self.needle = _integers("needle", self.needle)
         if any(n < 64 for n in self.needle):
             raise ValueError(f"--needle lengths must be ≥ 64 tokens, got {self.needle}")
         if not all(0 <= d <= 1 for d in self.needle_depths):
@@ -120,9 +122,17 @@ class VerifyConfig:
         if not (0 <= self.max_kl <= self.fail_kl and 0 <= self.fail_top1 <= self.min_top1 <= 1):
             raise ValueError("thresholds must satisfy 0 ≤ max-kl ≤ fail-kl and 0 ≤ fail-top1 ≤ min-top1 ≤ 1")
         get_format(self.fp8_format)
-        if self.report_dir is not None and not Path(self.report_dir).resolve().parent.is_dir():
-            raise ValueError(f"the parent directory of --report {self.report_dir} does not exist; create it first")
+        if self.report_dir is not None and Path(self.report_dir).exists() and not Path(self.report_dir).is_dir():
+            raise ValueError(f"--report {self.report_dir} is a file; name a directory for the report")
         return self
+
+
+def _integers(flag: str, value: str | list | None) -> list[int]:
+    """Comma-separated integers of a flag, with an error naming the flag."""
+    try:
+        return [int(x) for x in _split(value)]
+    except ValueError:
+        raise ValueError(f"--{flag} takes comma-separated whole numbers, e.g. 4096,8192; got {value!r}") from None
 
 
 def _split(value: str | list | None) -> list[str]:
@@ -771,22 +781,24 @@ def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> V
                              text_field=config.text_field, seed=config.seed)
     data_config.validate()
     fmt = get_format(config.fp8_format)
+    weight_files(Path(config.checkpoint))  # every file the loaders read has a readable header
 
-    # 2. The reference model (float32 on CPU by default) and its attention layers.
+    # 2. The sample, before the model is loaded: data too short for one sequence is refused cheaply.
     device = resolve_device(config.device)
+    context = max_context(read_config(config.checkpoint))
+    sequences, manifest = _sample(data_config, load_tokenizer(config.checkpoint), context)
+    sampled = time.perf_counter()
+
+    # 3. The reference model (float32 on CPU by default, K and V unquantized) and its attention layers.
     model, tokenizer = load_model(config.checkpoint, device=device, dtype=getattr(torch, config.dtype) if config.dtype else None)
     layers = attention_layers(model)
     sig = signature(model, layers)
-    context = max_context(model)
     loaded = time.perf_counter()
 
-    # 3. Schemes: the checkpoint's scales, scales derived from its statistics, named files.
+    # 4. Schemes (the checkpoint's scales, scales derived from its statistics, named files), then the reference
+    # pass and one pass per scheme.
     stats = _load_stats(Path(config.checkpoint), sig)
     schemes, skipped, held = build_schemes(config, layers, sig, stats, fmt)
-
-    # 4. The sample, then the reference pass and one pass per scheme.
-    sequences, manifest = _sample(data_config, tokenizer, context)
-    sampled = time.perf_counter()
     fa3_rows = _fa3_rows(config.seq_len, config.chunk_len, config.fa3_rows) if config.fa3 else None
     tallies, probe, ref_nll, ref_seconds = measure(model, layers, schemes, sequences, config, fa3_rows)
     measured = time.perf_counter()
@@ -826,7 +838,7 @@ def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> V
         "serve_command": serve,
         "position_profile": _position_profile(stats),
         "timings": {
-            "load_s": loaded - start, "sample_s": sampled - loaded, "passes_s": measured - sampled,
+            "sample_s": sampled - start, "load_s": loaded - sampled, "passes_s": measured - loaded,
             "reference_pass_s": ref_seconds, "scheme_pass_s": {n: t.seconds for n, t in tallies.items()},
             "fa3_s": probed - measured, "needle_s": time.perf_counter() - probed, "total_s": time.perf_counter() - start,
         },

@@ -13,7 +13,6 @@ from conftest import save_tiny_checkpoint, tiny_config
 from calibrate import calibrate
 from calibrate.cli import main
 
-OWNED_ELSEWHERE = "owned elsewhere"
 
 
 @pytest.fixture(scope="module")
@@ -239,59 +238,49 @@ def test_verify_refuses(root, capsys, args, fragments):
     assert not report.exists()
 
 
-# ---- cases whose fix belongs to export.py / model.py / verify.py (another engineer's) --------------------------
+# ---- model, checkpoint and verify inputs -------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=False, reason=f"{OWNED_ELSEWHERE}: model.read_config says 'does not exist' for a file")
 def test_verify_names_a_file_given_as_checkpoint(root, capsys):
     code, err = kvcal(capsys, "verify", str(root / "a-file"), "--data", str(root / "data.jsonl"), "--quiet")
     assert_refused(code, err, "a-file is a file")
 
 
-@pytest.mark.xfail(strict=False, reason=f"{OWNED_ELSEWHERE}: model.read_config does not name a config.json that is not JSON")
 def test_export_names_a_target_config_that_is_not_json(root, capsys):
     code, err = kvcal(capsys, "export", str(root / "out"), "--model", str(root / "config-not-json"), "--out", str(root / "new"))
     assert_refused(code, err, "config.json")
     assert not (root / "new").exists()
 
 
-@pytest.mark.xfail(strict=False, reason=f"{OWNED_ELSEWHERE}: verify parses --needle with int() and passes its words on")
 def test_verify_names_a_bad_needle(root, capsys):
     code, err = kvcal(capsys, "verify", str(root / "out"), "--data", str(root / "data.jsonl"), "--needle", "long", "--quiet")
     assert_refused(code, err, "--needle")
 
 
-@pytest.mark.xfail(strict=False, reason=f"{OWNED_ELSEWHERE}: verify runs with no scheme at all and exits 0")
 def test_verify_refuses_an_empty_scheme_list(root, capsys):
     code, err = kvcal(capsys, "verify", str(root / "out"), "--data", str(root / "data.jsonl"), "--schemes", ",",
                       "--seq-len", "64", "--max-tokens", "64", "--quiet")
     assert_refused(code, err, "--schemes")
 
 
-@pytest.mark.xfail(strict=False, reason=f"{OWNED_ELSEWHERE}: verify loads the model (and transformers prints its load "
-                   "report and progress bar) before it finds the data too short")
 def test_verify_with_seq_len_longer_than_the_data_is_one_line(root, capsys):
     code, err = kvcal(capsys, "verify", str(root / "out"), "--data", str(root / "hi.jsonl"), "--seq-len", "64",
                       "--max-tokens", "128", "--quiet")
     assert_refused(code, err, "2 tokens")
 
 
-@pytest.mark.xfail(strict=False, reason=f"{OWNED_ELSEWHERE}: VerifyConfig.validate does not check --report, so a file "
-                   "there is refused (by report.py) only after the model loaded and the whole run")
 def test_verify_refuses_a_report_path_that_is_a_file(root, capsys):
     code, err = kvcal(capsys, "verify", str(root / "out"), "--data", str(root / "data.jsonl"), "--seq-len", "64",
                       "--max-tokens", "64", "--report", str(root / "a-file"), "--quiet")
     assert_refused(code, err, "a-file")
 
 
-@pytest.mark.xfail(strict=False, reason=f"{OWNED_ELSEWHERE}: model.load_model shows transformers' progress bar under --quiet")
 def test_an_error_after_the_model_loads_is_still_one_line(root, capsys):
     code, err = kvcal(capsys, "calibrate", str(root / "llama"), "--data", str(root / "hi.jsonl"), "--out", str(root / "new"),
                       "--seq-len", "64", "--max-tokens", "128", "--quiet", "--no-verify")
     assert_refused(code, err, "fewer than the 64 needed")
 
 
-@pytest.mark.xfail(strict=False, reason=f"{OWNED_ELSEWHERE}: truncated or corrupt safetensors weight files")
 def test_truncated_weights_are_refused(root, capsys):
     model = root / "truncated"
     if not model.exists():

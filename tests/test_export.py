@@ -166,3 +166,51 @@ def test_seq_len_above_context_is_refused(tiny_dir, text_file, tmp_path):
     with pytest.raises(ValueError, match="longer than the model's context"):
         run(tiny_dir, text_file, tmp_path / "out", seq_len=8192, max_tokens=8192)
     assert not (tmp_path / "out").exists()
+
+
+def test_an_out_that_appears_while_running_is_never_replaced(tiny_dir, tmp_path):
+    """Two runs with the same --out: the one that finishes second refuses, and keeps nothing half-written."""
+    out = tmp_path / "out"
+
+    def other_run_finishes_first(directory):
+        out.mkdir()
+        (out / "theirs.txt").write_text("first run's output")
+
+    scales = {"model.layers.0.self_attn.k_scale": torch.ones(1)}
+    with pytest.raises(ValueError, match="appeared while this run was working"):
+        write_checkpoint(tiny_dir, out, scales=scales, strategy="tensor", write_extras=other_run_finishes_first)
+    assert [p.name for p in out.iterdir()] == ["theirs.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny"]  # no temporary left behind
+
+
+def test_written_files_follow_the_umask(tiny_dir, text_file, tmp_path):
+    """safetensors creates files 0600; a server running as another user must still read the scales."""
+    old = os.umask(0o027)
+    try:
+        run(tiny_dir, text_file, tmp_path / "out")
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    written = [scales_file(out), out / "kvcal" / "stats.safetensors", out / "kvcal" / "calibration.json", out / "config.json"]
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in written} == {p.name: oct(0o640) for p in written}
+
+
+def test_damaged_weights_are_named_before_anything_is_written(tiny_dir, text_file, tmp_path):
+    weights = tiny_dir / "model.safetensors"
+    os.truncate(weights, 100)
+    with pytest.raises(ValueError, match="model.safetensors is damaged"):
+        run(tiny_dir, text_file, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_kv_cache_scheme_equals_compressed_tensors_own(tiny_dir):
+    """kvcal writes the scheme by hand (importing compressed-tensors costs seconds); it must be the library's."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+
+    from calibrate.export import kv_cache_scheme, quantization_config
+
+    for strategy, theirs in (("tensor", "tensor"), ("head", "attn_head")):
+        args = QuantizationArgs(num_bits=8, type="float", strategy=theirs, dynamic=False, symmetric=True)
+        assert kv_cache_scheme(strategy) == args.model_dump(mode="json", exclude_none=True)
+        config = QuantizationConfig(config_groups={}, kv_cache_scheme=args, quantization_status="compressed", format="dense")
+        assert quantization_config(None, strategy) == config.model_dump(mode="json", exclude_none=True)

@@ -18,7 +18,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from calibrate import apply, calibrate, export

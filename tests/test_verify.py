@@ -2,16 +2,20 @@
 
 import json
 import math
+import os
+import shutil
+import sys
 
 import pytest
 import torch
 from conftest import tiny_config
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from calibrate import api, cli
 from calibrate.capture import hooked_attention
 from calibrate.data import DataConfig, iter_sequences
+from calibrate.export import INDEX_FILE, scales_file, shard_name
 from calibrate.fp8 import FORMATS
 from calibrate.model import load_model
 from calibrate.verify import Scheme, needle_prompt, verify
@@ -367,3 +371,76 @@ def test_smollm2_every_number_finite_and_report_renders(smol_dir, kjv_path, tmp_
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "float32" in md and "vllm serve" in md and "layers [0, 29]" in md
     assert json.loads((tmp_path / "rep" / "report.json").read_text())["schemes"]["tensor"]["kl"] == result.schemes["tensor"]["kl"]
+
+
+# ---- verify never passes a broken model -------------------------------------------------------------------------
+
+
+def copy_checkpoint(source, target):
+    """A copy with real files (not links), so a test may damage it."""
+    shutil.copytree(source, target, copy_function=shutil.copy2)
+    return target
+
+
+def test_a_load_with_missing_parameters_is_refused(plain_ckpt, data_file, tmp_path):
+    """A weight the files do not hold would be freshly initialised by transformers: verify refuses, naming it."""
+    broken = copy_checkpoint(plain_ckpt, tmp_path / "broken")
+    shard = broken / shard_name(1, 2)
+    tensors = load_file(shard)
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = json.loads((broken / INDEX_FILE).read_text())
+    del index["weight_map"]["model.layers.1.self_attn.k_proj.weight"]
+    (broken / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"missing or of the wrong shape.*model\.layers\.1\.self_attn\.k_proj\.weight"):
+        verify(str(broken), [str(data_file)], schemes="scale1,tensor", seq_len=64, max_tokens=64, **QUIET)
+
+
+def test_unreadable_scales_are_refused(plain_ckpt, data_file, tmp_path):
+    broken = copy_checkpoint(plain_ckpt, tmp_path / "broken")
+    scales = scales_file(broken)
+    os.truncate(scales, scales.stat().st_size // 2)
+    with pytest.raises(ValueError, match=f"{scales.name} is damaged"):
+        verify(str(broken), [str(data_file)], schemes="tensor", seq_len=64, max_tokens=64, **QUIET)
+
+
+def test_a_model_that_quantizes_its_own_kv_is_refused(plain_ckpt, data_file, monkeypatch):
+    """Plant what transformers' compressed-tensors integration does with a kv_cache_scheme: scale parameters on
+    every attention module. The reference would then be quantized (or garbage): verify refuses it."""
+    from transformers import AutoModelForCausalLM
+
+    real = AutoModelForCausalLM.from_pretrained.__func__
+
+    def quantizing(cls, *args, **kwargs):
+        model, info = real(cls, *args, **kwargs)
+        for layer in model.model.layers:
+            layer.self_attn.register_parameter("k_scale", torch.nn.Parameter(torch.tensor([6.7e-44])))
+        return model, info
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(quantizing))
+    with pytest.raises(ValueError, match="quantizes its KV cache itself"):
+        verify(str(plain_ckpt), [str(data_file)], schemes="tensor", seq_len=64, max_tokens=64, **QUIET)
+
+
+def test_kv_cache_scheme_never_reaches_the_reference(plain_ckpt):
+    """The output's config declares a kv_cache_scheme; kvcal's load drops it (and nothing else)."""
+    from transformers import AutoConfig
+
+    from calibrate.model import without_kv_quantization
+
+    config = AutoConfig.from_pretrained(plain_ckpt)
+    assert config.quantization_config["kv_cache_scheme"]["num_bits"] == 8
+    without_kv_quantization(config)
+    assert getattr(config, "quantization_config", None) is None  # KV-only: nothing else to keep
+    weights_too = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"targets": ["Linear"]}},
+                   "kv_cache_scheme": {"num_bits": 8}, "format": "float-quantized"}
+    config.quantization_config = dict(weights_too)
+    without_kv_quantization(config)
+    assert config.quantization_config == {k: v for k, v in weights_too.items() if k != "kv_cache_scheme"}
+
+
+def test_a_scheme_that_changes_nothing_is_an_error(plain_ckpt, data_file, monkeypatch):
+    """A KL of exactly 0 cannot come from FP8: plant a quantizer that does nothing and see verify refuse."""
+    monkeypatch.setattr(sys.modules["calibrate.verify"], "quantize_dequantize", lambda x, scale, fmt: x)
+    with pytest.raises(ValueError, match="KL of exactly 0"):
+        verify(str(plain_ckpt), [str(data_file)], schemes="scale1,tensor", seq_len=64, max_tokens=64, **QUIET)
