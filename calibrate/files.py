@@ -7,11 +7,34 @@ import torch
 from safetensors.torch import save_file
 
 
+def current_umask() -> int:
+    """The process umask, read from /proc where it can be: ``os.umask`` can only read by setting, racing threads."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(root: Path) -> None:
+    """Give ``root`` and everything under it the modes a plain ``open``/``mkdir`` would have made."""
+    mask = current_umask()
+    os.chmod(root, 0o777 & ~mask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for names, mode in ((dirnames, 0o777), (filenames, 0o666)):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                if not os.path.islink(path):  # a link's own mode means nothing; its target is not ours
+                    os.chmod(path, mode & ~mask)
+
+
 def file_mode() -> int:
     """The mode a new file gets under the process umask (0644 under the usual 022)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
+    return 0o666 & ~current_umask()
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from .export import copy_other_files
+from .files import apply_umask
 
 SCHEMES = {"fp8": "FP8_DYNAMIC"}  # --weights value → llm-compressor preset scheme
 PROVENANCE = {"fp8": "fp8 (llm-compressor FP8_DYNAMIC, data-free)"}
@@ -63,4 +64,5 @@ def quantize_weights(model_dir: Path, out_dir: Path, scheme: str = "fp8") -> Pat
     model.save_pretrained(out_dir, save_compressed=True)
     written = {p.name for p in out_dir.iterdir()}
     copy_other_files(model_dir, out_dir, skip=written | _SKIP, weight_suffixes=_WEIGHT_SUFFIXES)
+    apply_umask(out_dir)  # save_pretrained's safetensors shards are 0600; the output links them
     return out_dir

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from calibrate import calibrate
 from calibrate.config import CalibrationConfig
 from calibrate.export import INDEX_FILE, check_index, scales_file
+from calibrate.files import file_mode
 from calibrate.weights import check_available
 
 from conftest import save_tiny_checkpoint
@@ -73,6 +74,8 @@ def test_fp8_weights_and_kv_scales_in_one_checkpoint(tmp_path, smol_tokenizer, t
     assert dtypes["lm_head.weight"] != "F8_E4M3"
     check_index(out)
     assert (out / "tokenizer.json").is_file()
+    # llm-compressor's shards are written 0600; what kvcal publishes follows the umask.
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.glob("*.safetensors")} == dict.fromkeys(index.values(), file_mode())
 
     # KV scales: those of the unquantized model, i.e. of the plain run.
     with safe_open(str(scales_file(out)), "pt") as mine, safe_open(str(scales_file(plain.out)), "pt") as ref:
