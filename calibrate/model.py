@@ -45,8 +45,10 @@ def read_config(model_dir: str | Path) -> dict:
         raise ValueError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")
     try:
         config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path} is not valid JSON ({e}); restore it from the original checkpoint") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{config_path} is not valid JSON ({e}); fix or replace it") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} holds a {type(config).__name__}, not a model configuration; fix or replace it")
     architectures = config.get("architectures") or []
     if architectures and not any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
         raise ValueError(

@@ -240,15 +240,9 @@ def load_recipe(ref: str, _seen: tuple[Path, ...] = ()) -> dict:
 def model_family(model_dir: str | Path) -> tuple[list[str], list[str]]:
     """(model types, architectures) from a checkpoint's config.json: the text model's type and, for a
     multimodal checkpoint, the top-level one too."""
-    config_path = Path(model_dir) / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")
-    try:
-        config = json.loads(config_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{config_path} is not valid JSON ({e}); fix or replace it") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_path} holds a {type(config).__name__}, not a model configuration; fix or replace it")
+    from .model import read_config
+
+    config = read_config(model_dir)
     types = [config.get("text_config", {}).get("model_type"), config.get("model_type")]
     return list(dict.fromkeys(t for t in types if t)), config.get("architectures") or []
 
