@@ -35,6 +35,18 @@ def resolve_device(device: str) -> torch.device:
 
 def read_config(model_dir: str | Path) -> dict:
     """The checkpoint's config.json, after cheap checks that it is a causal LM directory."""
+    config = read_config_file(model_dir)
+    architectures = config.get("architectures") or []
+    if architectures and not any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
+        raise ValueError(
+            f"{model_dir} holds a {', '.join(architectures)}, not a causal language model; "
+            "kvcal calibrates decoder models that vLLM serves with a KV cache"
+        )
+    return config
+
+
+def read_config_file(model_dir: str | Path) -> dict:
+    """A model directory's config.json as a dict, with a one-line error for each way it can be wrong."""
     model_dir = Path(model_dir)
     if model_dir.is_file():
         raise ValueError(f"{model_dir} is a file; pass the model's directory (the one holding config.json)")
@@ -49,13 +61,92 @@ def read_config(model_dir: str | Path) -> dict:
         raise ValueError(f"{config_path} is not valid JSON ({e}); fix or replace it") from None
     if not isinstance(config, dict):
         raise ValueError(f"{config_path} holds a {type(config).__name__}, not a model configuration; fix or replace it")
-    architectures = config.get("architectures") or []
-    if architectures and not any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
-        raise ValueError(
-            f"{model_dir} holds a {', '.join(architectures)}, not a causal language model; "
-            "kvcal calibrates decoder models that vLLM serves with a KV cache"
-        )
     return config
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the model goes: wholly on ``device``, or (``device_map`` set) by accelerate over GPUs, CPU and disk.
+
+    With a device map, ``device`` is the one the run expects to compute on (the first GPU given, else CPU): it
+    picks the default dtype; the device inputs really go to is read back from the loaded model (``input_device``).
+    """
+
+    device: torch.device
+    device_map: str | None = None
+    max_memory: dict[int | str, int] | None = None
+    offload_folder: str | None = None
+
+
+def resolve_placement(
+    device: str, *, device_map: str | None = None, max_memory: dict[int | str, int] | None = None, offload_folder: str | None = None,
+) -> Placement:
+    """The placement of validated settings (``CalibrationConfig``): any device-map setting means accelerate's map.
+
+    ``device`` is ``auto`` or ``cpu`` then (config.validate refuses others); ``cpu`` keeps the GPUs out of the map.
+    Refuses a GPU index that is not visible.
+    """
+    if device_map is None and max_memory is None and offload_folder is None:
+        return Placement(resolve_device(device))
+    visible = torch.cuda.device_count()
+    gpus = sorted(k for k in max_memory if isinstance(k, int)) if max_memory is not None else []
+    missing = [g for g in gpus if g >= visible]
+    if missing:
+        fix = f"name GPUs 0 to {visible - 1}" if visible else "give cpu=SIZE (and disk) only"
+        raise ValueError(f"--max-memory names GPU {missing[0]}, but {visible} GPUs are visible; {fix}")
+    if max_memory is None and device == "cpu" and visible:
+        from accelerate.utils import get_max_memory
+
+        max_memory = {"cpu": get_max_memory()["cpu"]}  # only the CPU (and disk): --device cpu keeps the GPUs out
+    if max_memory is None:
+        main = torch.device("cuda:0" if visible else "cpu")
+    else:
+        main = torch.device(f"cuda:{gpus[0]}" if gpus else "cpu")
+    return Placement(main, device_map or "auto", max_memory, offload_folder)
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where input ids must go: the embedding's device, or, when accelerate offloads it, the device it runs on."""
+    embedding = model.get_input_embeddings()
+    hook = getattr(embedding, "_hf_hook", None)
+    execution = getattr(hook, "execution_device", None)
+    return torch.device(execution) if execution is not None else embedding.weight.device
+
+
+def decoder_layer_bytes(hf_config, dtype: torch.dtype) -> int:
+    """Bytes of the largest block accelerate never splits across devices (a decoder layer), in ``dtype``.
+
+    Measured on a weightless (meta) copy of the model, so any architecture, MoE included, is counted as
+    transformers builds it. Quantized weights count at ``dtype`` (an overestimate for FP8 weights).
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), _quiet_transformers():
+        meta = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    no_split = set(meta._no_split_modules or ())
+    blocks = [m for m in meta.modules() if type(m).__name__ in no_split] or [meta]
+    return max(sum(t.numel() * t.element_size() for t in (*b.parameters(), *b.buffers())) for b in blocks)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:,.1f} MiB"
+
+
+def check_fits_one_layer(model_dir: str | Path, hf_config, dtype: torch.dtype, max_memory: dict[int | str, int]) -> None:
+    """Refuse budgets in which no computing device (a GPU or the CPU) can hold one decoder layer.
+
+    accelerate runs each layer on a GPU or the CPU, bringing offloaded weights there for it; with less room
+    than one layer it would silently put the whole model on disk and still need that room while it runs.
+    """
+    needed = decoder_layer_bytes(hf_config, dtype)
+    compute = {k: v for k, v in max_memory.items() if k != "disk"}
+    if max(compute.values(), default=0) < needed:
+        given = ", ".join(f"{k}={_mib(v)}" for k, v in compute.items())
+        name = "cpu" if "cpu" in compute or not compute else next(iter(compute))
+        raise ValueError(
+            f"--max-memory {given} cannot hold one decoder layer of {model_dir}, which needs {_mib(needed)} in "
+            f"{str(dtype).removeprefix('torch.')}; give one device at least that, e.g. {name}={-(-needed // 2**20)}MiB"
+        )
 
 
 def default_dtype(device: torch.device, config: dict) -> torch.dtype:
@@ -85,8 +176,14 @@ def without_kv_quantization(config) -> None:
             del cfg.quantization_config
 
 
-def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtype | None = None):
+def load_model(
+    model_dir: str | Path, *, device: torch.device, dtype: torch.dtype | None = None, placement: Placement | None = None,
+):
     """Load model and tokenizer from a local directory, in eval mode, on ``device``, without KV quantization.
+
+    With a ``placement`` that has a device map, transformers places the model with accelerate instead (GPUs, then
+    CPU, then disk, within ``max_memory``): layers offloaded to CPU or disk run on ``input_device(model)``, their
+    weights brought there for each forward; ``device`` is ignored.
 
     Returns:
         (model, tokenizer). Errors name the directory and say what is wrong; a load that leaves any
@@ -95,21 +192,37 @@ def load_model(model_dir: str | Path, *, device: torch.device, dtype: torch.dtyp
     from safetensors import SafetensorError
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    mapped = placement is not None and placement.device_map is not None
     config = read_config(model_dir)
-    dtype = dtype or default_dtype(device, config)
+    dtype = dtype or default_dtype(placement.device if mapped else device, config)
     tokenizer = load_tokenizer(model_dir)
+    place = {}
     try:
         hf_config = AutoConfig.from_pretrained(model_dir)
         without_kv_quantization(hf_config)
+        if mapped:
+            if placement.max_memory is not None:
+                check_fits_one_layer(model_dir, hf_config, dtype, placement.max_memory)
+            place = {"device_map": placement.device_map, "max_memory": placement.max_memory, "offload_folder": placement.offload_folder}
         with _quiet_transformers():
-            model, info = AutoModelForCausalLM.from_pretrained(model_dir, config=hf_config, dtype=dtype, output_loading_info=True)
-    except SafetensorError as e:
-        raise ValueError(f"a weight file of {model_dir} is damaged ({e}); re-download or re-save the checkpoint") from None
-    except (OSError, ValueError, KeyError) as e:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                model_dir, config=hf_config, dtype=dtype, output_loading_info=True, **place
+            )
+    except (SafetensorError, OSError, ValueError, KeyError) as e:
+        if mapped and "offload_folder" in str(e):
+            raise ValueError(f"{model_dir}'s weights offloaded to disk must be re-saved (not safetensors, or converted on "
+                             "load, as in most MoE models): pass --offload-folder DIR on a disk with room") from None
+        if mapped and placement.offload_folder is not None and "No space left on device" in str(e):
+            raise ValueError(f"--offload-folder {placement.offload_folder} ran out of space for the offloaded weights; "
+                             "free space there or pass a directory on a larger disk") from None
+        if isinstance(e, SafetensorError):
+            raise ValueError(f"a weight file of {model_dir} is damaged ({e}); re-download or re-save the checkpoint") from None
         raise ValueError(f"could not load {model_dir} as a causal language model: {e}") from e
     check_loaded(model_dir, info)
     check_no_kv_quantization(model)
-    return model.to(device).eval(), tokenizer
+    if not mapped:
+        model = model.to(device)
+    return model.eval(), tokenizer
 
 
 def load_tokenizer(model_dir: str | Path):

@@ -240,9 +240,9 @@ def load_recipe(ref: str, _seen: tuple[Path, ...] = ()) -> dict:
 def model_family(model_dir: str | Path) -> tuple[list[str], list[str]]:
     """(model types, architectures) from a checkpoint's config.json: the text model's type and, for a
     multimodal checkpoint, the top-level one too."""
-    from .model import read_config
+    from .model import read_config_file
 
-    config = read_config(model_dir)
+    config = read_config_file(model_dir)
     types = [config.get("text_config", {}).get("model_type"), config.get("model_type")]
     return list(dict.fromkeys(t for t in types if t)), config.get("architectures") or []
 
