@@ -103,9 +103,8 @@ def round_to_e4m3(xs: torch.Tensor) -> torch.Tensor:
     """
     bits = xs.view(torch.int32)
     rounded = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & ~0xFFFFF).view(torch.float32)  # drop 20 of 23 bits, RNE
-    small = xs.abs() < 2.0**-6  # e4m3 subnormals: few values, fixed up where they are
-    rounded[small] = torch.round(xs[small] * 512.0) / 512.0
-    return rounded
+    # e4m3 subnormals, chosen elementwise: masked indexing would read the mask's count back to the host on CUDA.
+    return torch.where(xs.abs() < 2.0**-6, torch.round(xs * 512.0) / 512.0, rounded)
 
 
 def position_bucket(pos: torch.Tensor) -> torch.Tensor:
@@ -119,17 +118,33 @@ def position_bucket_starts() -> list[int]:
     return list(range(SINK_POSITIONS)) + [2**e for e in range(2, 2 + NUM_POS_BUCKETS - SINK_POSITIONS)]
 
 
-def _head_histograms(ax: torch.Tensor) -> torch.Tensor:
-    """Histogram per (layer, head) of float32 ``ax`` = |x|, [Lb, H, N] → int64 [Lb, H, NUM_BINS].
+def _count(index: torch.Tensor, size: int) -> torch.Tensor:
+    """How often each value in [0, size) occurs in the integer tensor ``index``, int64 [size].
 
-    Counts raw float32 bit patterns per (layer, head) with one bincount, then folds them into the
-    bins: a handful of cheap integer passes over the data, which matters on CPU.
+    The counts of ``torch.bincount(index.flatten(), minlength=size)``, into an output of fixed size: CUDA's
+    bincount reads the data's maximum back to the host to size its output, a device sync per call.
     """
-    Lb, H, _ = ax.shape
-    raw = _raw(ax)  # [Lb, H, N] int32
-    raw += (torch.arange(Lb * H, device=ax.device, dtype=torch.int32) * RAW_BINS).view(Lb, H, 1)
-    counts = torch.bincount(raw.flatten(), minlength=Lb * H * RAW_BINS).view(Lb * H, RAW_BINS)
-    return _fold_raw_counts(counts).view(Lb, H, NUM_BINS)
+    ones = torch.ones((), dtype=torch.int64, device=index.device).expand(index.numel())  # no memory per element
+    return torch.zeros(size, dtype=torch.int64, device=index.device).index_add_(0, index.flatten(), ones)
+
+
+def _head_histograms(ax: torch.Tensor, token_group: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
+    """Histograms per (group, layer, head) of float32 ``ax`` = |x|, [Lb, H, T, E] → int64 [groups, Lb, H, NUM_BINS].
+
+    Element (l, h, t, e) counts in group ``token_group[t]`` (int or bool [T], values < groups), or in group 0
+    without it. Splitting by a group index rather than selecting tokens keeps every size fixed (selecting would
+    sync with the host on CUDA) and counts all groups in the same pass. Counts raw float32 bit patterns per
+    (group, layer, head) with one ``_count``, then folds them into the bins: a handful of cheap integer passes
+    over the data, which matters on CPU.
+    """
+    Lb, H, T, _ = ax.shape
+    raw = _raw(ax)  # [Lb, H, T, E] int32
+    offset = (torch.arange(Lb * H, device=ax.device, dtype=torch.int32) * RAW_BINS).view(Lb, H, 1, 1)
+    if token_group is not None:
+        offset = offset + (token_group.to(torch.int32) * (Lb * H * RAW_BINS)).view(1, 1, T, 1)  # [Lb, H, T, 1]
+    raw += offset
+    counts = _count(raw, groups * Lb * H * RAW_BINS).view(groups * Lb * H, RAW_BINS)
+    return _fold_raw_counts(counts).view(groups, Lb, H, NUM_BINS)
 
 
 @dataclass
@@ -205,12 +220,12 @@ class TensorStats:
         self.sum[rows] += x.sum(-1).sum((1, 3), dtype=torch.float64)
         self.sumsq[rows] += tok_sumsq.sum((1, 3), dtype=torch.float64)
 
-        self.hist[rows] += _head_histograms(ax.transpose(1, 2).reshape(Lb, H, -1))
-        if sink.any():
-            at_sink = ax.permute(0, 2, 1, 3, 4)[:, :, sink]  # [Lb, H, n_sink_tokens, D]
-            self.sink_hist[rows] += _head_histograms(at_sink.reshape(Lb, H, -1))
+        # One pass counts other tokens (group 0) and sink tokens (group 1) apart: [2, Lb, H, NUM_BINS].
+        split = _head_histograms(ax.transpose(1, 2).reshape(Lb, H, B * S, D), sink.flatten(), groups=2)
+        self.hist[rows] += split.sum(0)
+        self.sink_hist[rows] += split[1]
         by_head = tok_amax.transpose(1, 2).reshape(Lb, H, B * S)  # [Lb, H, B*S]
-        self.token_hist[rows] += _head_histograms(by_head)
+        self.token_hist[rows] += _head_histograms(by_head.unsqueeze(-1))[0]
 
         flat_bucket = bucket.flatten().expand(Lb, H, B * S)  # [Lb, H, B*S]
         self.pos_absmax[rows] = self.pos_absmax[rows].scatter_reduce(2, flat_bucket, by_head, reduce="amax")
@@ -289,7 +304,7 @@ class Stats:
         sink = positions < SINK_POSITIONS  # [B, S]
         rows = slice(start, start + q.shape[0])
         self.tokens[rows] += positions.numel()
-        self.pos_tokens[rows] += torch.bincount(bucket.flatten(), minlength=NUM_POS_BUCKETS)
+        self.pos_tokens[rows] += _count(bucket, NUM_POS_BUCKETS)
         self.kinds["k"].update_layers(start, k, bucket, sink, token_error=True)
         self.kinds["v"].update_layers(start, v, bucket, sink, token_error=True)
         self.kinds["q"].update_layers(start, q, bucket, sink, token_error=False)
