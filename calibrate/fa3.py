@@ -137,6 +137,7 @@ def fa3_attention(
         v_descale: [H] v_scale, applied to the output at the end.
         softmax_scale: the model's attention scaling (usually head_dim ** −0.5).
         q_pos: [R] int64 absolute position of each row; key n is visible when n ≤ q_pos (and within ``window``).
+            All tensors on one device: the model runs where they are (a GPU runs long contexts far faster).
         window: sliding-window length in keys, or None.
         mode: ``two_level`` or ``single_chain`` (see the module docstring).
         accum_bits: accumulator fractional bits; None accumulates exactly (float64).
@@ -156,13 +157,14 @@ def fa3_attention(
     vt = torch.nn.functional.pad(v8[:, :n_keys], (0, 0, 0, pad)).transpose(1, 2)  # [H, D, n_blocks·bn]
     scale_log2 = (softmax_scale * LOG2E * descale.double())[:, None, None]  # [H, 1, 1]
 
-    m = torch.full((H, R), -math.inf, dtype=torch.float64)  # running row max, log2 units
-    row_sum = torch.zeros(H, R, dtype=torch.float64)
-    acc = torch.zeros(H, R, D, dtype=torch.float64)  # the fp32 output register (single chain: also the MMA's C)
+    f64 = dict(dtype=torch.float64, device=q8.device)
+    m = torch.full((H, R), -math.inf, **f64)  # running row max, log2 units
+    row_sum = torch.zeros(H, R, **f64)
+    acc = torch.zeros(H, R, D, **f64)  # the fp32 output register (single chain: also the MMA's C)
     for j in reversed(range(n_blocks)):  # FA3 walks key blocks last first
         keys = slice(j * bn, (j + 1) * bn)
-        s = mma(q8, k8[:, keys], torch.zeros(H, R, bn, dtype=torch.float64), accum_bits)  # [H, R, bn] fresh per block
-        visible = _visible(q_pos, torch.arange(j * bn, (j + 1) * bn), window)  # [R, bn]
+        s = mma(q8, k8[:, keys], torch.zeros(H, R, bn, **f64), accum_bits)  # [H, R, bn] fresh per block
+        visible = _visible(q_pos, torch.arange(j * bn, (j + 1) * bn, device=q_pos.device), window)  # [R, bn]
         s = _fp32(s * scale_log2).masked_fill(~visible, -math.inf)  # [H, R, bn]
         m_new = torch.maximum(m, s.amax(-1))  # [H, R]
         seen = m_new > -math.inf  # rows with at least one visible key so far
@@ -190,7 +192,7 @@ def exact_attention(
     """
     q, k, v = q.double(), k.double(), v.double()
     s = torch.einsum("hrd,hnd->hrn", q, k) * softmax_scale  # [H, R, N]
-    visible = _visible(q_pos, torch.arange(k.shape[1]), window)  # [R, N]
+    visible = _visible(q_pos, torch.arange(k.shape[1], device=q_pos.device), window)  # [R, N]
     p = torch.softmax(s.masked_fill(~visible, -math.inf), dim=-1)
     return torch.einsum("hrn,hnd->hrd", p, v)
 
