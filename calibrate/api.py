@@ -178,7 +178,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult:
     """
     from .capture import run_capture
     from .data import DataConfig, iter_sequences
-    from .model import attention_layers, load_model, max_context, read_config, resolve_device, signature
+    from .model import attention_layers, input_device, load_model, max_context, read_config, resolve_placement, signature
     from .weights import PROVENANCE as WEIGHTS_PROVENANCE
     from .weights import check_available, quantize_weights
 
@@ -196,15 +196,19 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult:
     data_config.validate()
     fmt = get_format(config.fp8_format)
 
-    # 2. Load and place the model; find its attention layers.
-    device = resolve_device(config.device)
+    # 2. Load and place the model (on one device, or by accelerate's device map); find its attention layers.
+    placement = resolve_placement(
+        config.device, device_map=config.device_map, max_memory=config.max_memory_bytes(), offload_folder=config.offload_folder,
+    )
     dtype = getattr(torch, config.dtype) if config.dtype else None
     context = max_context(read_config(config.model))
     if context and config.seq_len > context:
         raise ValueError(f"--seq-len {config.seq_len} is longer than the model's context ({context}); lower it")
-    model, tokenizer = load_model(config.model, device=device, dtype=dtype)
+    model, tokenizer = load_model(config.model, device=placement.device, dtype=dtype, placement=placement)
     layers = attention_layers(model)
     sig = signature(model, layers)
+    # Statistics live where the token ids go (the main device of a device map); other GPUs' layers hand theirs over.
+    device = input_device(model)
 
     # 3. Stream the data through the model, collecting statistics of Q, K and V.
     stream = iter_sequences(data_config, tokenizer, max_context=context)

@@ -20,7 +20,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .model import AttentionLayer
+from .model import AttentionLayer, input_device
 from .stats import Stats
 
 # hook(module, query, key, value, attention_mask, base_attention, **kwargs) -> attention output tuple
@@ -105,6 +105,10 @@ class Observer:
     together, as a few large operations instead of thousands of small ones (on CPU the per-operation
     overhead would otherwise cost more than the arithmetic). The buffer holds at most one forward's
     new positions, and about _FLUSH_ELEMENTS query elements; ``flush()`` empties it.
+
+    The statistics live on one device (that of ``stats``). With a device map, layers on other GPUs
+    hand their tensors over at the flush: a buffer holds tensors of one device only (stacking needs
+    that), and is moved to the statistics' device as one copy per flush.
     """
 
     def __init__(self, stats: Stats, layers: list[AttentionLayer]):
@@ -122,7 +126,8 @@ class Observer:
         new = (query, key[:, :, -S:], value[:, :, -S:])
         # All layers of one forward share the positions; a new forward starts again at the first row.
         same_shapes = self._buffer and all(a.shape == b.shape for a, b in zip(new, self._buffer[0]))
-        if self._buffer and (row != self._start + len(self._buffer) or not same_shapes):
+        same_device = self._buffer and query.device == self._buffer[0][0].device
+        if self._buffer and (row != self._start + len(self._buffer) or not same_shapes or not same_device):
             self.flush()
         if not self._buffer:
             self._start, self._positions = row, new_positions(query, key, kwargs)  # [B, S]
@@ -136,9 +141,10 @@ class Observer:
         if not self._buffer:
             return
         # [Lb, B, H, S, D] each; a single layer needs no copy.
-        q, k, v = (torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0) for ts in zip(*self._buffer))
+        device = self.stats.tokens.device
+        q, k, v = ((torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0)).to(device) for ts in zip(*self._buffer))
         self._buffer = []
-        self.stats.update_layers(self._start, q, k, v, self._positions)
+        self.stats.update_layers(self._start, q, k, v, self._positions.to(device))
 
     def check_complete(self) -> None:
         """Refuse a capture in which some attention layer saw nothing (it would get a made-up scale)."""
@@ -190,9 +196,10 @@ def run_capture(
     """Stream ``sequences`` (1-D token tensors) through the model, filling ``stats``.
 
     Sequences run one at a time (batch 1, no padding), each as chunked prefill when longer than
-    ``chunk_len``. Raises when any layer saw nothing.
+    ``chunk_len``. Token ids go to the embedding's device (``input_device``: with a device map, where the
+    embedding runs). Raises when any layer saw nothing.
     """
-    device = next(model.parameters()).device
+    device = input_device(model)
     observer = Observer(stats, layers)
     bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="calibrating", disable=not progress)
     with hooked_attention(model, observer), bar:

@@ -10,7 +10,7 @@ import signal
 import sys
 from typing import NoReturn
 
-from .config import DTYPES, FP8_FORMATS, GRANULARITIES, OBSERVERS, VERIFY_SCHEMES
+from .config import DEVICE_MAPS, DTYPES, FP8_FORMATS, GRANULARITIES, OBSERVERS, VERIFY_SCHEMES
 
 
 # The scale flags' defaults for ``export``. Under ``calibrate`` every flag a recipe can set defaults to
@@ -40,6 +40,13 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="shuffling seed (default 0)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=DTYPES, help="model dtype (default: checkpoint's on GPU, float32 on CPU)")
+    p.add_argument("--device-map", choices=DEVICE_MAPS,
+                   help="place a model bigger than one device with accelerate: over every visible GPU, then CPU, then disk")
+    p.add_argument("--max-memory", metavar="DEVICE=SIZE[,...]",
+                   help="budget per device for the device map, e.g. 0=70GiB,cpu=200GiB (devices 0, cuda:1, cpu, disk); "
+                        "only the devices named are used")
+    p.add_argument("--offload-folder", metavar="DIR",
+                   help="where weights offloaded to disk are re-saved when the checkpoint's own files cannot be read in place")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--weights", choices=["fp8"],
                    help="also quantize the weights: fp8 = llm-compressor's data-free FP8_DYNAMIC (needs kvcal[llmcompressor])")
@@ -160,9 +167,14 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(found.to_json(), indent=2) if args.json else found.text())
             return 0 if found.ok(strict=args.strict) else 1
         if args.command == "calibrate":
+            from dataclasses import replace
+
             from . import api, recipes
 
-            result = api.run_calibration(recipes.calibration_config(**options))
+            # Placement is no recipe setting: it joins the config after the recipe is resolved.
+            placement = {k: options.pop(k) for k in ("device_map", "max_memory", "offload_folder")}
+            config = replace(recipes.calibration_config(**options), **placement).validate()
+            result = api.run_calibration(config)
             print(result.summary() + "".join(f"\n{line}" for line in recipes.serve_notes(result.provenance["recipe"])))
             return 0
         if args.command == "apply":

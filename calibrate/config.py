@@ -5,6 +5,10 @@ This module imports neither torch nor transformers: the command line parses and 
 ones ``observers``, ``fp8`` and ``verify`` define (tests/test_cli.py checks they agree).
 """
 
+import os
+import re
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +17,12 @@ GRANULARITIES = ("tensor", "head", "token")
 FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
 DTYPES = ("float32", "bfloat16", "float16")
 VERIFY_SCHEMES = ("bf16", "scale1", "tensor", "head", "token")
+DEVICE_MAPS = ("auto",)
+# Size units of --max-memory, as accelerate spells them (all in bytes; case does not matter).
+SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)")
+_MAX_MEMORY_EXAMPLE = "e.g. --max-memory 0=70GiB,cpu=200GiB (devices 0, 1, cuda:0, cpu, disk)"
 # A run whose layers saw fewer tokens than this says so in its summary and in calibration.json.
 LITTLE_DATA_TOKENS = 100_000
 
@@ -49,6 +59,73 @@ def check_headroom(value: float) -> None:
         raise ValueError(f"--headroom must be a number ≥ 1.0 (1.0 = none), got {value!r}")
 
 
+def parse_size(text: str | int) -> int:
+    """Bytes in a size such as ``70GiB``, ``500MB`` or ``1.5GB`` (an int is bytes already)."""
+    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+        return text
+    match = _SIZE.fullmatch(text.strip()) if isinstance(text, str) else None
+    unit = match and SIZE_UNITS.get(match.group(2).upper())
+    if not unit:
+        raise ValueError(f"--max-memory size {text!r} is not a size; write a number and a unit, e.g. 70GiB, 500MB, 1.5GB")
+    return round(float(match.group(1)) * unit)
+
+
+def parse_device(name: str | int) -> int | str:
+    """A --max-memory device as accelerate names it: GPU index (``0``, ``cuda:0``), ``cpu`` or ``disk``."""
+    text = str(name).strip().lower() if not isinstance(name, bool) else ""
+    index = text.removeprefix("cuda:")
+    if index.isdigit():
+        return int(index)
+    if text in ("cpu", "disk"):
+        return text
+    raise ValueError(f"--max-memory device {name!r} is not a device; name a GPU (0, 1, cuda:0), cpu or disk")
+
+
+def parse_max_memory(value: str | dict) -> dict[int | str, int]:
+    """``DEVICE=SIZE[,DEVICE=SIZE...]`` (or a dict of the same) → accelerate's ``max_memory``, sizes in bytes."""
+    if isinstance(value, str):
+        pairs = []
+        for part in value.split(","):
+            device, sep, size = part.partition("=")
+            if not sep or not device.strip() or not size.strip():
+                raise ValueError(f"--max-memory {value!r}: {part.strip()!r} is not DEVICE=SIZE; write {_MAX_MEMORY_EXAMPLE}")
+            pairs.append((device, size))
+    elif isinstance(value, dict):
+        pairs = list(value.items())
+    else:
+        raise ValueError(f"--max-memory must be a string or a dict, got {type(value).__name__}; write {_MAX_MEMORY_EXAMPLE}")
+    if not pairs:
+        raise ValueError(f"--max-memory names no device; write {_MAX_MEMORY_EXAMPLE}")
+    budgets: dict[int | str, int] = {}
+    for device, size in pairs:
+        key = parse_device(device)
+        if key in budgets:
+            raise ValueError(f"--max-memory names device {key} twice; give each device one size")
+        budgets[key] = parse_size(size)
+    return budgets
+
+
+def check_offload_folder(folder: str) -> None:
+    """Refuse an offload folder that cannot be written (a parent that is a file, read-only, a full disk).
+
+    Checked by writing a small file there, so permission, read-only mounts and ENOSPC all show before the model loads;
+    a folder that does not exist yet is probed in its nearest existing parent (transformers creates it).
+    """
+    path = Path(folder)
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--offload-folder {folder}: {existing} is not a directory; pass a directory on a disk with room")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".kvcal-offload-probe-") as probe:
+            probe.write(b"\0" * 4096)
+            probe.flush()
+            os.fsync(probe.fileno())
+    except OSError as e:
+        raise ValueError(f"--offload-folder {folder} cannot be written ({e.strerror}); pass a writable directory with free space") from None
+    if shutil.disk_usage(existing).free == 0:
+        raise ValueError(f"--offload-folder {folder} is on a full disk; free space there or pass another directory")
+
+
 @dataclass
 class CalibrationConfig:
     """Everything a calibration run needs. ``validate()`` raises ValueError with the fix.
@@ -69,6 +146,12 @@ class CalibrationConfig:
             data-free FP8_DYNAMIC scheme (needs the ``llmcompressor`` extra).
         min_tokens: fewer tokens per layer than this is an error, raised before anything is written;
             None = one full ``seq_len`` sequence (``max_tokens`` when that is smaller, as with ``pack=False``).
+        device_map: ``"auto"``: place the model with accelerate's device map over every visible GPU, then CPU,
+            then disk, instead of wholly on ``device``. Also implied by ``max_memory`` or ``offload_folder``.
+        max_memory: budget per device for that map, ``"0=70GiB,cpu=200GiB"`` or ``{0: "70GiB", "cpu": 200 * 2**30}``;
+            only the devices named are used, so ``cpu=...`` alone forces what does not fit onto disk.
+        offload_folder: where weights offloaded to disk are written when they cannot be read from the
+            checkpoint's own safetensors files (non-safetensors or converted weights, e.g. most MoE models).
     """
 
     model: str
@@ -90,6 +173,9 @@ class CalibrationConfig:
     fp8_format: str = "e4m3fn"
     weights: str | None = None
     min_tokens: int | None = None
+    device_map: str | None = None
+    max_memory: str | dict | None = None
+    offload_folder: str | None = None
     overwrite: bool = False
     verify: bool = True
     progress: bool = True
@@ -121,7 +207,37 @@ class CalibrationConfig:
             raise ValueError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
         if self.weights not in (None, "fp8"):
             raise ValueError(f"--weights {self.weights!r}: choose fp8 (or leave it out to keep the weights as they are)")
+        self._check_placement()
         return self
+
+    def mapped(self) -> bool:
+        """Whether the model is placed with a device map (any of device_map, max_memory, offload_folder)."""
+        return self.device_map is not None or self.max_memory is not None or self.offload_folder is not None
+
+    def max_memory_bytes(self) -> dict[int | str, int] | None:
+        """``max_memory`` as accelerate takes it: device (GPU index, "cpu", "disk") → bytes."""
+        return None if self.max_memory is None else parse_max_memory(self.max_memory)
+
+    def _check_placement(self) -> None:
+        """Device-map settings: known names, parseable sizes, a writable offload folder, no clash with --device."""
+        if self.device_map is not None and self.device_map not in DEVICE_MAPS:
+            raise ValueError(f"--device-map {self.device_map!r}: choose auto (or give --max-memory / --offload-folder alone)")
+        budgets = self.max_memory_bytes()
+        if self.offload_folder is not None:
+            if not isinstance(self.offload_folder, (str, os.PathLike)) or not str(self.offload_folder).strip():
+                raise ValueError(f"--offload-folder must be a directory path, got {self.offload_folder!r}")
+            check_offload_folder(str(self.offload_folder))
+        if not self.mapped():
+            return
+        if self.device not in ("auto", "cpu"):
+            raise ValueError(
+                f"--device {self.device} puts the whole model on one device, which --device-map/--max-memory/--offload-folder "
+                "replace: leave --device out and name the GPUs in --max-memory (e.g. 0=70GiB,cpu=200GiB)"
+            )
+        if self.device == "cpu" and budgets and any(isinstance(k, int) for k in budgets):
+            raise ValueError("--device cpu and a GPU in --max-memory contradict each other; drop one of them")
+        if budgets is not None and not any(k != "disk" for k in budgets):
+            raise ValueError("--max-memory names only disk, but layers run on a GPU or the CPU; add one, e.g. cpu=8GiB")
 
     def needed_tokens(self) -> int:
         """Tokens per layer a run must see: ``min_tokens``, else one full sequence within the budget."""

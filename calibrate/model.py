@@ -1,6 +1,7 @@
 """Load a Hugging Face causal LM for calibration, place it, and describe its attention layers."""
 
 import json
+import logging
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -128,8 +129,10 @@ def decoder_layer_bytes(hf_config, dtype: torch.dtype) -> int:
     return max(sum(t.numel() * t.element_size() for t in (*b.parameters(), *b.buffers())) for b in blocks)
 
 
-def _mib(size: int) -> str:
-    return f"{size / 2**20:,.1f} MiB"
+def _size(size: int) -> str:
+    """``size`` bytes in the largest binary unit that leaves at least 1."""
+    unit, scale = next(((u, f) for u, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if size >= f), ("B", 1))
+    return f"{size / scale:,.1f} {unit}" if scale > 1 else f"{size} B"
 
 
 def check_fits_one_layer(model_dir: str | Path, hf_config, dtype: torch.dtype, max_memory: dict[int | str, int]) -> None:
@@ -141,10 +144,10 @@ def check_fits_one_layer(model_dir: str | Path, hf_config, dtype: torch.dtype, m
     needed = decoder_layer_bytes(hf_config, dtype)
     compute = {k: v for k, v in max_memory.items() if k != "disk"}
     if max(compute.values(), default=0) < needed:
-        given = ", ".join(f"{k}={_mib(v)}" for k, v in compute.items())
+        given = ",".join(f"{k}={_size(v)}" for k, v in compute.items())
         name = "cpu" if "cpu" in compute or not compute else next(iter(compute))
         raise ValueError(
-            f"--max-memory {given} cannot hold one decoder layer of {model_dir}, which needs {_mib(needed)} in "
+            f"--max-memory {given} cannot hold one decoder layer of {model_dir}, which needs {_size(needed)} in "
             f"{str(dtype).removeprefix('torch.')}; give one device at least that, e.g. {name}={-(-needed // 2**20)}MiB"
         )
 
@@ -196,15 +199,18 @@ def load_model(
     config = read_config(model_dir)
     dtype = dtype or default_dtype(placement.device if mapped else device, config)
     tokenizer = load_tokenizer(model_dir)
-    place = {}
     try:
         hf_config = AutoConfig.from_pretrained(model_dir)
-        without_kv_quantization(hf_config)
-        if mapped:
-            if placement.max_memory is not None:
-                check_fits_one_layer(model_dir, hf_config, dtype, placement.max_memory)
-            place = {"device_map": placement.device_map, "max_memory": placement.max_memory, "offload_folder": placement.offload_folder}
-        with _quiet_transformers():
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"could not load {model_dir} as a causal language model: {e}") from e
+    without_kv_quantization(hf_config)
+    place = {}
+    if mapped:
+        if placement.max_memory is not None:
+            check_fits_one_layer(model_dir, hf_config, dtype, placement.max_memory)
+        place = {"device_map": placement.device_map, "max_memory": placement.max_memory, "offload_folder": placement.offload_folder}
+    try:
+        with _quiet_transformers(), _quiet_accelerate():
             model, info = AutoModelForCausalLM.from_pretrained(
                 model_dir, config=hf_config, dtype=dtype, output_loading_info=True, **place
             )
@@ -223,6 +229,18 @@ def load_model(
     if not mapped:
         model = model.to(device)
     return model.eval(), tokenizer
+
+
+@contextmanager
+def _quiet_accelerate():
+    """No "parameters are on the meta device because they were offloaded" warning: the offload was asked for."""
+    logger = logging.getLogger("accelerate.big_modeling")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def load_tokenizer(model_dir: str | Path):
