@@ -243,6 +243,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult:
             scales=scale_tensors([layer.prefix for layer in layers], scale_set.checkpoint_scales()),
             strategy="head" if scale_set.per_head else "tensor",
             write_extras=_write_extras(stats, provenance),
+            fp8_format=fmt.name,
             overwrite=config.overwrite,
         )
     finally:
@@ -385,6 +386,7 @@ def export(
         scales=scale_tensors([layer.prefix for layer in layers], scale_set.checkpoint_scales()),
         strategy="head" if scale_set.per_head else "tensor",
         write_extras=_write_extras(stats, provenance),
+        fp8_format=fmt.name,
         overwrite=overwrite,
     )
     return CalibrationResult(written, layers, stats, scale_set, provenance)

@@ -17,31 +17,21 @@ leaves no partial OUT_DIR.
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 
+from .checkpoint import (
+    HF_QUANT_CONFIG, INDEX_FILE, OLD_SCALE_PATTERN, STRATEGIES, WRITE_NAMES, checkpoint_form, loaded_multiplier,
+    tensor_names, vllm_files,
+)
 from .files import save_tensors
 
-INDEX_FILE = "model.safetensors.index.json"
 KVCAL_DIR = "kvcal"
-SINGLE_FILE = "model.safetensors"  # transformers reads this file alone, ignoring any index, when it exists
 SCALES_PRODUCER = "kvcal"  # the "producer" metadata of the scales shard
-# Per-kind tensor name suffix under each attention module, as vLLM's compressed-tensors loader reads them.
-SCALE_NAMES = {"k": "k_scale", "v": "v_scale", "q": "q_scale"}
-# Every tensor name under which some tool has stored KV-cache scales; vLLM maps them all onto the
-# attention's k/v/q scales, so an output must hold exactly one of them per layer and kind.
-OLD_SCALE_PATTERN = re.compile(r"\.(k_scale|v_scale|q_scale|kv_scale|prob_scale)$|\.[kvq]_proj\.output_scale$")
-STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
-# A ModelOpt checkpoint keeps its own quantization config (vLLM reads config.json's quantization_config,
-# else hf_quant_config.json), so its KV scales go under ModelOpt's names, which vLLM maps onto the
-# attention's k/v scales; q keeps the generic name, which vLLM maps whatever the quantization method.
-HF_QUANT_CONFIG = "hf_quant_config.json"
-MODELOPT_SCALE_NAMES = {"k": "k_proj.k_scale", "v": "v_proj.v_scale", "q": "q_scale"}
 
 
 def scale_tensors(prefixes: list[str], scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -60,7 +50,7 @@ def scale_tensors(prefixes: list[str], scales: dict[str, torch.Tensor]) -> dict[
             raise ValueError(f"{kind} scales cover {values.shape[0]} layers but the model has {len(prefixes)}")
         check_scales(kind, values)
         for prefix, value in zip(prefixes, values.float().cpu()):
-            out[f"{prefix}.{SCALE_NAMES[kind]}"] = value.reshape(-1, 1, 1).clone() if value.dim() == 1 else value.reshape(1).clone()
+            out[f"{prefix}.{WRITE_NAMES['compressed-tensors'][kind]}"] = value.reshape(-1, 1, 1).clone() if value.dim() == 1 else value.reshape(1).clone()
     return out
 
 
@@ -101,28 +91,18 @@ def quantization_config(existing: dict | None, strategy: str) -> dict:
     return dict(existing) | {"kv_cache_scheme": kv_cache_scheme(strategy)}
 
 
-def checkpoint_form(model_dir: Path) -> str:
-    """``"modelopt"`` when vLLM would read the checkpoint with its ModelOpt loader, else ``"compressed-tensors"``.
+def modelopt_scales(scales: dict[str, torch.Tensor], fp8_format: str) -> dict[str, torch.Tensor]:
+    """kvcal's compressed-tensors scale tensors under ModelOpt's names, in the units ModelOpt's loader expects.
 
-    vLLM takes config.json's ``quantization_config`` and, only when there is none, hf_quant_config.json
-    (ModelOpt ≤ 0.29 writes only the latter).
+    vLLM's ModelOpt loader doubles loaded scales on e4m3fnuz platforms (it expects e4m3fn units), so the
+    values are divided by that factor: after loading, vLLM uses exactly the calibrated scales.
     """
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")
-    quant = json.loads(config_path.read_text()).get("quantization_config")
-    if quant is None:
-        return "modelopt" if (model_dir / HF_QUANT_CONFIG).is_file() else "compressed-tensors"
-    return "modelopt" if str(quant.get("quant_method", "")).lower().startswith("modelopt") else "compressed-tensors"
-
-
-def modelopt_scales(scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename ``{prefix}.k_scale``/``v_scale`` tensors to ModelOpt's ``{prefix}.k_proj.k_scale``/``v_proj.v_scale``."""
-    kind_of = {suffix: kind for kind, suffix in SCALE_NAMES.items()}
+    kind_of = {suffix: kind for kind, suffix in WRITE_NAMES["compressed-tensors"].items()}
+    factor = loaded_multiplier("modelopt", fp8_format)
     renamed = {}
     for name, value in scales.items():
         prefix, _, suffix = name.rpartition(".")
-        renamed[f"{prefix}.{MODELOPT_SCALE_NAMES[kind_of[suffix]]}"] = value
+        renamed[f"{prefix}.{WRITE_NAMES['modelopt'][kind_of[suffix]]}"] = value / factor
     return renamed
 
 
@@ -150,22 +130,10 @@ def modelopt_quant_configs(source: Path, config: dict, strategy: str) -> dict[st
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files vLLM loads (those the index lists, else every top-level one), headers checked.
-
-    Refuses forms vLLM can't take, and a damaged file (truncated, not safetensors) with its name.
-    """
-    index = model_dir / INDEX_FILE
-    if index.is_file():
-        try:
-            listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise ValueError(f"{index} is damaged (not JSON with a weight_map); restore it from the original checkpoint") from None
-        files = [model_dir / name for name in listed]
-        absent = [p.name for p in files if not p.is_file()]
-        if absent:
-            raise ValueError(f"{INDEX_FILE} in {model_dir} lists {absent[0]}, which does not exist; the checkpoint is incomplete")
-    else:
-        files = sorted(model_dir.glob("*.safetensors"))
+    """The safetensors files vLLM loads, headers checked; refuses forms vLLM can't take and damaged files."""
+    files, problems = vllm_files(model_dir)
+    if problems:
+        raise ValueError(f"{model_dir}: {problems[0]}; the checkpoint is incomplete")
     if not files:
         has_bin = any(model_dir.glob("*.bin"))
         hint = " (it has .bin files: re-save it with save_pretrained(..., safe_serialization=True))" if has_bin else ""
@@ -175,15 +143,6 @@ def weight_files(model_dir: Path) -> list[Path]:
     for path in files:
         tensor_names(path)  # reads and checks the header
     return files
-
-
-def tensor_names(path: Path) -> list[str]:
-    """Names of the tensors in a safetensors file (reads the header only); a damaged file is a ValueError."""
-    try:
-        with safe_open(str(path), "pt") as f:
-            return list(f.keys())
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{path} is damaged or not a safetensors file ({e}); re-download or re-save it") from None
 
 
 def shard_name(i: int, n: int) -> str:
@@ -290,6 +249,7 @@ def write_checkpoint(
     scales: dict[str, torch.Tensor],
     strategy: str,
     write_extras: Callable[[Path], None],
+    fp8_format: str = "e4m3fn",
     overwrite: bool = False,
 ) -> Path:
     """Build the output checkpoint in a temporary directory and move it into place.
@@ -300,6 +260,7 @@ def write_checkpoint(
         scales: checkpoint tensor name → scale tensor (see ``scale_tensors``).
         strategy: "tensor" or "head".
         write_extras: called with the temporary kvcal/ directory to add statistics and provenance.
+        fp8_format: the format the scales are in (a ModelOpt target gets them in its loader's units).
         overwrite: replace an existing ``out``.
 
     Returns:
@@ -312,7 +273,7 @@ def write_checkpoint(
     config = json.loads((source / "config.json").read_text())
     quant_files: dict[str, dict] = {}  # other quantization config files to write (ModelOpt form)
     if checkpoint_form(source) == "modelopt":
-        scales = modelopt_scales(scales)
+        scales = modelopt_scales(scales, fp8_format)
         quant_files = modelopt_quant_configs(source, config, strategy)
     else:
         config["quantization_config"] = quantization_config(config.get("quantization_config"), strategy)

@@ -22,18 +22,13 @@ class FP8Format:
     min_normal: float  # smallest normal magnitude
     min_subnormal: float  # smallest non-zero magnitude
     mantissa_bits: int
-    # What vLLM multiplies the scales it loads from kvcal's (compressed-tensors) checkpoint by on
-    # platforms using this format. vLLM 0.32's CompressedTensorsKVCacheMethod.process_weights_after_loading
-    # uses them as they are, on ROCm too; only the fp8/ModelOpt/Quark loaders (BaseKVCacheMethod) double
-    # k/v/q scales on e4m3fnuz platforms, for checkpoints calibrated in e4m3fn units.
-    loaded_scale_multiplier: float
 
 
 FORMATS: dict[str, FP8Format] = {
-    "e4m3fn": FP8Format("e4m3fn", torch.float8_e4m3fn, 448.0, 2.0**-6, 2.0**-9, 3, 1.0),
+    "e4m3fn": FP8Format("e4m3fn", torch.float8_e4m3fn, 448.0, 2.0**-6, 2.0**-9, 3),
     # ROCm (MI300, gfx94x): exponent bias one larger, so a code is worth half its e4m3fn value; 0x7F is
     # 240 (not NaN) and 0x80 is the only NaN (no -0).
-    "e4m3fnuz": FP8Format("e4m3fnuz", torch.float8_e4m3fnuz, 240.0, 2.0**-7, 2.0**-10, 3, 1.0),
+    "e4m3fnuz": FP8Format("e4m3fnuz", torch.float8_e4m3fnuz, 240.0, 2.0**-7, 2.0**-10, 3),
 }
 
 # Smallest scale kvcal ever writes: an all-zero layer gets this floor (with a warning), so no

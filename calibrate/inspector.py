@@ -10,7 +10,6 @@ attention layers come from the tensor names and config.json, and only the scale 
     apply()    one calibration's scales → another checkpoint of the same architecture (via api.export)
 """
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -20,24 +19,14 @@ import torch
 from safetensors import safe_open
 
 from .api import CalibrationResult, export, load_calibration
-from .export import HF_QUANT_CONFIG, INDEX_FILE, KVCAL_DIR, OLD_SCALE_PATTERN, SINGLE_FILE, tensor_names
+from .checkpoint import (
+    SINGLE_FILE, LoadedScale, fill_missing, layer_sources, quant_config, quant_method, read_json,
+    read_tensor, tensor_names, transformers_files, vllm_files,
+)
+from .export import KVCAL_DIR
+from .stats import KINDS
 from .fp8 import FORMATS
 
-# Scale tensor name after the attention prefix → (kind, quantization methods under which vLLM maps it,
-# None = any). From vLLM 0.32's QuantizationConfig.get_cache_scale_mapper and its fp8/quark overrides.
-SCALE_SOURCES: dict[str, tuple[str, tuple[str, ...] | None]] = {
-    "k_scale": ("k", None),
-    "v_scale": ("v", None),
-    "q_scale": ("q", None),
-    "k_proj.k_scale": ("k", None),  # ModelOpt
-    "v_proj.v_scale": ("v", None),  # ModelOpt
-    "qkv_proj.k_scale": ("k", None),  # fused projection names
-    "qkv_proj.v_scale": ("v", None),
-    "kv_scale": ("k", None),  # legacy: vLLM copies it to v_scale when the cache is FP8
-    "k_proj.output_scale": ("k", ("fp8", "quark")),  # old llm-compressor, Quark
-    "v_proj.output_scale": ("v", ("fp8", "quark")),
-    "q_proj.output_scale": ("q", ("fp8", "quark")),
-}
 _QWEN3_5 = ("vLLM's Qwen3.5 loaders do not load checkpoint KV scales (vllm#54623, open): an FP8 cache runs at scale 1.0 "
             "whatever the checkpoint holds")
 # Families whose vLLM loader has dropped checkpoint KV scales: model_type → (severity, what to tell the user).
@@ -59,15 +48,6 @@ _NOT_DECODER = ("vision", "visual", "audio", "mtp.")
 _HEURISTIC_LOW, _HEURISTIC_HIGH = 1.0, 50.0
 FP8_MAX = FORMATS["e4m3fn"].max  # the weight heuristic assumes e4m3fn units (see docs/vllm-notes.md for e4m3fnuz)
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors dtypes the weight check reads
-
-
-@dataclass
-class LoadedScale:
-    """One scale as vLLM loads it."""
-
-    value: list[float]  # flattened: one value per tensor, or one per head
-    tensor: str | None  # checkpoint tensor it comes from; None when absent (vLLM uses 1.0)
-    file: str | None = None
 
 
 @dataclass
@@ -134,41 +114,6 @@ class Inspection:
         return "\n".join(lines)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
-
-
-def loaded_files(directory: Path, problems: list[Problem]) -> list[Path]:
-    """The safetensors files vLLM loads: those the index lists, or every top-level one when there is no index."""
-    present = sorted(directory.glob("*.safetensors"))
-    if not (directory / INDEX_FILE).is_file():
-        return present
-    listed = set(_read_json(directory / INDEX_FILE).get("weight_map", {}).values())
-    for name in sorted(listed - {p.name for p in present}):
-        problems.append(Problem("error", f"{INDEX_FILE} lists {name}, which does not exist; vLLM fails to load"))
-    for path in present:
-        if path.name not in listed and any(OLD_SCALE_PATTERN.search(n) for n in _names(path)):
-            problems.append(Problem("error", f"{path.name} holds KV scales but is not listed in {INDEX_FILE}, so vLLM ignores it; add its tensors to the index"))
-    return [p for p in present if p.name in listed]
-
-
-def _names(path: Path) -> list[str]:
-    return tensor_names(path)
-
-
-def transformers_files(directory: Path) -> list[Path]:
-    """The safetensors files transformers loads: model.safetensors alone when it exists (any index is then
-    ignored), else those the index lists (docs/vllm-notes.md, "Checkpoint layout")."""
-    if (directory / SINGLE_FILE).is_file():
-        return [directory / SINGLE_FILE]
-    if (directory / INDEX_FILE).is_file():
-        return sorted({directory / f for f in _read_json(directory / INDEX_FILE).get("weight_map", {}).values()})
-    return []
-
-
 def _loader_checks(directory: Path, files: list[Path], quant: dict | None, sources: dict, problems: list[Problem]) -> dict[str, list[str]]:
     """Compare what transformers and vLLM read; a scale vLLM loads but transformers misses is an error when
     config.json declares a compressed-tensors kv_cache_scheme, since transformers then quantizes K and V
@@ -177,7 +122,7 @@ def _loader_checks(directory: Path, files: list[Path], quant: dict | None, sourc
     if set(hf) != set(files) and hf:
         only = sorted(p.name for p in set(files) - set(hf))
         extra = sorted(p.name for p in set(hf) - set(files))
-        seen = {name for path in hf for name in _names(path)}
+        seen = {name for path in hf for name in tensor_names(path)}
         missed = [name for names in sources.values() for name in names
                   if name.rsplit(".", 1)[-1] in ("k_scale", "v_scale") and name not in seen]
         declared = (quant or {}).get("quant_method") == "compressed-tensors" and (quant or {}).get("kv_cache_scheme")
@@ -205,15 +150,7 @@ def attention_prefixes(names: list[str]) -> dict[int, str]:
 def checkpoint_prefixes(checkpoint: str | Path) -> dict[int, str]:
     """Layer index → attention prefix of a checkpoint directory, from the headers of the files vLLM loads."""
     directory = Path(checkpoint)
-    return attention_prefixes([n for path in loaded_files(directory, []) for n in _names(path)])
-
-
-def _quant_config(directory: Path, config: dict) -> dict | None:
-    """The quantization config vLLM uses: config.json's, else hf_quant_config.json (ModelOpt ≤ 0.29)."""
-    quant = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
-    if quant is None and (directory / HF_QUANT_CONFIG).is_file():
-        quant = _read_json(directory / HF_QUANT_CONFIG) | {"quant_method": "modelopt"}
-    return quant
+    return attention_prefixes([n for path in vllm_files(directory)[0] for n in tensor_names(path)])
 
 
 def _kv_declaration(quant: dict | None, problems: list[Problem]) -> str:
@@ -276,21 +213,22 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     # 1. config.json and the quantization config vLLM would use.
     if not (directory / "config.json").is_file():
         raise ValueError(f"{checkpoint} is not a checkpoint: it has no config.json; pass a Hugging Face model directory")
-    config = _read_json(directory / "config.json")
+    config = read_json(directory / "config.json")
     text = config.get("text_config", config)
     model_type = text.get("model_type") or config.get("model_type", "unknown")
     problems: list[Problem] = []
-    quant = _quant_config(directory, config)
-    method = str(quant.get("quant_method", "")).lower() if quant else None
+    quant = quant_config(directory, config)
+    method = quant_method(quant)
     strategy = _kv_declaration(quant, problems)
 
     # 2. The files vLLM loads and every tensor name in them; a name stored twice is kept from one file only.
-    files = loaded_files(directory, problems)
+    files, file_problems = vllm_files(directory)
+    problems += [Problem("error", message) for message in file_problems]
     if not files:
         raise ValueError(f"{checkpoint} is not a checkpoint vLLM can load: it has no .safetensors weight files")
     where: dict[str, Path] = {}
     for path in files:
-        for name in _names(path):
+        for name in tensor_names(path):
             if name in where:
                 problems.append(Problem("error", f"{name} is stored in both {where[name].name} and {path.name}; vLLM keeps one of them silently"))
             where[name] = path
@@ -301,18 +239,8 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
         raise ValueError(f"{checkpoint} has no '...layers.N.self_attn.*' tensors; kvcal inspect reads decoder checkpoints only")
     sliding = _sliding_layers(config)
     layers = {i: LayerScales(i, p, i in sliding) for i, p in prefixes.items()}
-    by_prefix = {p: i for i, p in prefixes.items()}
-    sources: dict[tuple[int, str], list[str]] = {}
-    for name in where:
-        for suffix, (kind, methods) in SCALE_SOURCES.items():
-            prefix = name[: -len(suffix) - 1]
-            if name.endswith("." + suffix) and prefix in by_prefix:
-                if methods is not None and method not in methods:
-                    problems.append(Problem("error", f"{name}: vLLM maps {suffix} only for quant_method {' or '.join(methods)}, "
-                                            f"not {method}; it is ignored", by_prefix[prefix]))
-                else:
-                    sources.setdefault((by_prefix[prefix], kind), []).append(name)
-                break
+    sources, ignored = layer_sources(where, prefixes, method)
+    problems += [Problem("error", message, index) for index, message in ignored]
     if not sources:
         problems.append(Problem("error", "no KV-cache scales: vLLM uses 1.0 for every layer; calibrate with kvcal calibrate"))
     elif quant is None:
@@ -325,7 +253,7 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     for (index, kind), names in sources.items():
         if len(names) > 1:
             problems.append(Problem("error", f"{kind}_scale comes from {len(names)} tensors ({', '.join(names)}); vLLM keeps one silently", index))
-        tensor = _read(where[names[-1]], names[-1])
+        tensor = read_tensor(where[names[-1]], names[-1])
         layers[index].scales[kind] = LoadedScale(tensor.flatten().tolist(), names[-1], where[names[-1]].name)
         _check_values(kind, tensor, names[-1], index, strategy, {"k": num_kv_heads, "v": num_kv_heads, "q": num_heads}[kind], problems)
     for layer in layers.values():
@@ -336,11 +264,6 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     loaders = _loader_checks(directory, files, quant, sources, problems)
     problems.sort(key=lambda p: -1 if p.layer is None else p.layer)  # checkpoint-wide first, then by layer
     return Inspection(str(directory), model_type, _producer(directory, quant), method, strategy, list(layers.values()), problems, loaders)
-
-
-def _read(path: Path, name: str) -> torch.Tensor:
-    with safe_open(str(path), "pt") as f:
-        return f.get_tensor(name).float()
 
 
 def _check_values(kind: str, tensor: torch.Tensor, name: str, index: int, strategy: str, heads: int, problems: list[Problem]) -> None:
@@ -356,26 +279,9 @@ def _check_values(kind: str, tensor: torch.Tensor, name: str, index: int, strate
 
 
 def _fill_missing(layer: LayerScales, any_scales: bool, problems: list[Problem]) -> None:
-    """What vLLM uses where a layer lacks a scale (vLLM 0.32 BaseKVCacheMethod.process_weights_after_loading)."""
-    k, v = layer.scales.get("k"), layer.scales.get("v")
-    if k and not v:
-        legacy = k.tensor.endswith(".kv_scale")
-        layer.scales["v"] = LoadedScale(k.value, k.tensor, k.file)
-        if not legacy:
-            problems.append(Problem("error", "no v_scale: vLLM copies k_scale into it", layer.index))
-    elif v and not k:
-        layer.scales["k"] = LoadedScale([1.0], None)
-        problems.append(Problem("error", "v_scale without k_scale: vLLM fails while loading (it asserts k_scale > 0)", layer.index))
-    elif not k and any_scales:
-        problems.append(Problem("error", "no k_scale or v_scale: vLLM uses 1.0 for this layer", layer.index))
-    for kind in "kv":
-        layer.scales.setdefault(kind, LoadedScale([1.0], None))
-    if "q" not in layer.scales:
-        layer.scales["q"] = LoadedScale([1.0], None)
-        if any_scales:
-            problems.append(Problem("warning", "no q_scale: where vLLM quantizes queries (FA3 on Hopper) it uses 1.0, so "
-                                    "queries beyond ±448 saturate", layer.index))
-    layer.scales = {kind: layer.scales[kind] for kind in "kvq"}
+    """What vLLM uses where a layer lacks a scale (``checkpoint.fill_missing``), with a problem for each gap."""
+    problems += [Problem(severity, message, layer.index) for severity, message in fill_missing(layer.scales, any_scales)]
+    layer.scales = {kind: layer.scales[kind] for kind in KINDS}
 
 
 def _family_checks(model_type: str, strategy: str, layers: dict[int, LayerScales], any_scales: bool, problems: list[Problem]) -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checkpoint import loaded_multiplier
 from .config import GRANULARITIES, OBSERVERS, check_granularity, check_observer
 from .fp8 import SCALE_FLOOR, FP8Format
 from .stats import NUM_BINS, SINK_POSITIONS, TensorStats, bin_edges
@@ -218,8 +219,8 @@ def token_rel_mse(stats: TensorStats, per_head: bool) -> torch.Tensor:
 class ScaleSet:
     """The scales of one observer and granularity, with their predicted cost, per tensor kind.
 
-    ``scales`` are what the FP8 cache uses (``fmt``'s own units); ``checkpoint_scales()`` are what
-    to write so that vLLM, after its own adjustment for the format, uses exactly those.
+    ``scales`` are what the FP8 cache uses (``fmt``'s own units); ``checkpoint_scales()`` are what a
+    compressed-tensors checkpoint stores so that vLLM, after its loader's adjustment, uses exactly those.
     """
 
     observer: str
@@ -235,7 +236,10 @@ class ScaleSet:
         return self.granularity == "head"
 
     def checkpoint_scales(self) -> dict[str, torch.Tensor]:
-        return {kind: s / self.fmt.loaded_scale_multiplier for kind, s in self.scales.items()}
+        """The scales as a compressed-tensors checkpoint stores them, so that vLLM's loader uses exactly
+        ``scales`` on either format (export converts them for a ModelOpt target: ``export.modelopt_scales``)."""
+        factor = loaded_multiplier("compressed-tensors", self.fmt.name)
+        return {kind: s / factor for kind, s in self.scales.items()}
 
 
 def derive_scales(

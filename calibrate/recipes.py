@@ -323,7 +323,7 @@ def calibration_config(
 
 def _check_export_form(recipe: dict, model: str) -> None:
     """A named export form must be the one the model's checkpoint can take (ModelOpt cannot hold KV-only scales)."""
-    from .export import checkpoint_form
+    from .checkpoint import checkpoint_form
 
     wanted = recipe.get("export", {}).get("form", "auto")
     form = checkpoint_form(Path(model))

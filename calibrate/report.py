@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .export import SCALE_NAMES
+from .stats import KINDS
 
 # What each granularity needs from vLLM at serve time.
 SERVE_NOTES = {
@@ -40,7 +40,7 @@ def scale_table(
     layers: list[int], absmax: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], saturated: dict[str, torch.Tensor]
 ) -> str:
     """Per-layer table of absmax, scale and predicted saturation for k, v and q (max over heads when per head)."""
-    kinds = [k for k in SCALE_NAMES if k in scales]
+    kinds = [k for k in KINDS if k in scales]
     header = f"{'layer':>5} " + " ".join(f"{k + ' absmax':>10} {k + '_scale':>10} {k + ' sat%':>7}" for k in kinds)
     rows = [header, "-" * len(header)]
     for row, layer in enumerate(layers):

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
@@ -25,12 +24,13 @@ from . import fa3, report
 from .capture import cache_kwarg, hooked_attention
 from .config import VERIFY_SCHEMES
 from .data import DataConfig, iter_sequences
-from .export import KVCAL_DIR, SCALE_NAMES, tensor_names, weight_files
+from .checkpoint import LoadedScale, fill_missing, layer_sources, loaded_multiplier, quant_config, quant_method, read_tensor, tensor_names
+from .export import KVCAL_DIR, weight_files
 from .fa3 import HOPPER_ACCUM_BITS
 from .fp8 import FP8Format, get_format, per_token_scale, quantize, quantize_dequantize
 from .model import AttentionLayer, attention_layers, load_model, load_tokenizer, max_context, read_config, resolve_device, signature
 from .observers import derive_scales
-from .stats import ModelSignature, Stats, position_bucket_starts
+from .stats import KINDS, ModelSignature, Stats, position_bucket_starts
 
 REFERENCE = "bf16"  # the name users know; the reference runs in the dtype the report states
 SCHEMES = VERIFY_SCHEMES
@@ -41,8 +41,6 @@ SCHEME_NOTES = {
     "head": "one static scale per layer and head (FA3 on Hopper only)",
     "token": "dynamic scale per token and KV head (--kv-cache-dtype fp8_per_token_head, Triton; queries stay unquantized)",
 }
-# Older or other tools' names vLLM maps onto the same k/v scales (kv-format.md), tried after SCALE_NAMES.
-SCALE_ALIASES = {"k": ("k_proj.k_scale", "k_proj.output_scale"), "v": ("v_proj.v_scale", "v_proj.output_scale"), "q": ()}
 STATS_PATH = Path(KVCAL_DIR) / "stats.safetensors"  # written by api.run_calibration
 NEEDLE = "The secret code is {code}."
 NEEDLE_QUESTION = "What is the secret code? The secret code is"
@@ -180,37 +178,38 @@ class Scheme:
 # ---- scales: from the checkpoint, its statistics, or a file --------------------------------------------------------
 
 
-def read_scales(files: list[Path], layers: list[AttentionLayer], sig: ModelSignature) -> tuple[dict[str, torch.Tensor], str | None, list[str]]:
+def read_scales(files: list[Path], layers: list[AttentionLayer], sig: ModelSignature, method: str | None) -> tuple[dict[str, torch.Tensor], str | None, list[str]]:
     """KV scales stored in safetensors ``files``, as vLLM would load them for each attention layer.
 
+    Names, and what a missing scale becomes, follow ``checkpoint`` (the rules ``kvcal inspect`` reports by).
+
+    Args:
+        method: the checkpoint's quantization method (vLLM maps some names only under some methods).
+
     Returns:
-        (kind → [L, H] float32 scales as written (before any format multiplier), granularity
-        "tensor"/"head"/None when no k/v scale exists, notes for the report). A layer missing a scale
-        gets 1.0, as in vLLM; so does a zero or negative one.
+        (kind → [L, H] float32 scales as stored (before any loader multiplier), granularity
+        "tensor"/"head"/None when no k/v scale exists, notes for the report). A zero or negative scale is
+        treated as 1.0, as vLLM does.
 
     Raises:
         ValueError: a scale whose shape does not fit the model's heads, or that is NaN/Inf.
     """
     where = {name: path for path in files for name in tensor_names(path)}
+    sources, ignored = layer_sources(where, {layer.layer_idx: layer.prefix for layer in layers}, method)
+    notes = [message for _, message in ignored]
+    if not any(kind in ("k", "v") for _, kind in sources):
+        return {}, None, notes
     heads = {"k": sig.num_kv_heads, "v": sig.num_kv_heads, "q": sig.num_heads}
-    scales, notes, per_head = {}, [], False
-    for kind in ("k", "v", "q"):
-        rows, missing = [], []
-        for layer in layers:
-            names = [f"{layer.prefix}.{n}" for n in (SCALE_NAMES[kind], *SCALE_ALIASES[kind])]
-            name = next((n for n in names if n in where), None)
-            if name is None:
-                rows.append(torch.ones(heads[kind]))
-                missing.append(layer.layer_idx)
+    rows: dict[str, list[torch.Tensor]] = {kind: [] for kind in KINDS}
+    per_head = False
+    for layer in layers:
+        loaded = {}
+        for kind in KINDS:
+            if (layer.layer_idx, kind) not in sources:
                 continue
-            with safe_open(str(where[name]), "pt") as f:
-                t = f.get_tensor(name).float()
-            if t.numel() == 1:
-                rows.append(t.reshape(1).expand(heads[kind]).clone())
-            elif t.shape in ((heads[kind], 1, 1), (heads[kind],)):
-                rows.append(t.flatten())
-                per_head = True
-            else:
+            name = sources[layer.layer_idx, kind][-1]
+            t = read_tensor(where[name], name)
+            if t.numel() != 1 and t.shape not in ((heads[kind], 1, 1), (heads[kind],)):
                 raise ValueError(
                     f"{name} in {where[name].name} has shape {list(t.shape)}, but this model has {heads[kind]} "
                     f"{'query' if kind == 'q' else 'KV'} heads: expected [1] or [{heads[kind]}, 1, 1]; were these "
@@ -218,26 +217,24 @@ def read_scales(files: list[Path], layers: list[AttentionLayer], sig: ModelSigna
                 )
             if not torch.isfinite(t).all():
                 raise ValueError(f"{name} is NaN or Inf; vLLM would produce garbage with it: recalibrate")
-            if (t <= 0).any():
-                notes.append(f"{name} is zero or negative: vLLM treats it as absent and uses 1.0, and so does this verify")
-                rows[-1] = torch.where(rows[-1] > 0, rows[-1], torch.ones_like(rows[-1]))
-        if len(missing) < len(layers):
-            scales[kind] = torch.stack(rows)  # [L, H]
-            if missing:
-                notes.append(f"{SCALE_NAMES[kind]} is missing for layers {missing}: vLLM uses 1.0 there, and so does this verify")
-    if "k" not in scales and "v" not in scales:
-        return {}, None, notes
-    for kind in ("k", "v", "q"):
-        if kind not in scales:
-            scales[kind] = torch.ones(len(layers), heads[kind])
-            notes.append(f"no {SCALE_NAMES[kind]} at all: vLLM uses 1.0" + (" (queries beyond ±448 saturate on FA3)" if kind == "q" else ""))
-    return scales, ("head" if per_head else "tensor"), notes
+            per_head |= t.numel() > 1
+            loaded[kind] = LoadedScale(t.flatten().tolist(), name, where[name].name)
+        notes += [f"layer {layer.layer_idx}: {message}; so does this verify" for _, message in fill_missing(loaded, any_scales=True)]
+        for kind in KINDS:
+            value = torch.tensor(loaded[kind].value).expand(heads[kind]).clone()  # [H]
+            if (value <= 0).any():
+                notes.append(f"{loaded[kind].tensor} is zero or negative: vLLM treats it as absent and uses 1.0, and so does this verify")
+                value = torch.where(value > 0, value, torch.ones_like(value))
+            rows[kind].append(value)
+    return {kind: torch.stack(r) for kind, r in rows.items()}, ("head" if per_head else "tensor"), notes  # kind → [L, H]
 
 
 def build_schemes(config: VerifyConfig, layers, sig, stats: Stats | None, fmt: FP8Format) -> tuple[list[Scheme], dict, dict]:
     """The schemes to run, those that cannot run with the reason, and what the checkpoint holds."""
-    ckpt, granularity, notes = read_scales(weight_files(Path(config.checkpoint)), layers, sig)
-    ckpt = {k: v * fmt.loaded_scale_multiplier for k, v in ckpt.items()}
+    directory = Path(config.checkpoint)
+    method = quant_method(quant_config(directory, read_config(directory)))
+    ckpt, granularity, notes = read_scales(weight_files(directory), layers, sig, method)
+    ckpt = {k: v * loaded_multiplier(method, fmt.name) for k, v in ckpt.items()}
     if granularity is None:
         notes.append("the checkpoint has no KV scales: vLLM would load it with 1.0 for every layer (scheme scale1)")
     held = {"granularity": granularity, "notes": notes, "statistics": stats is not None}
@@ -264,11 +261,11 @@ def build_schemes(config: VerifyConfig, layers, sig, stats: Stats | None, fmt: F
                 has = f"holds {granularity} scales" if granularity else "has no KV scales"
                 skipped[name] = f"the checkpoint {has} and no kvcal statistics to derive {name} scales from"
         else:
-            scales, file_granularity, file_notes = read_scales([Path(name)], layers, sig)
+            scales, file_granularity, file_notes = read_scales([Path(name)], layers, sig, method)
             if file_granularity is None:
                 raise ValueError(f"{name} holds no k/v scales under this model's attention prefixes (e.g. {layers[0].prefix}.k_scale)")
             notes += [f"{Path(name).name}: {n}" for n in file_notes]
-            scaled = {k: v * fmt.loaded_scale_multiplier for k, v in scales.items()}
+            scaled = {k: v * loaded_multiplier(method, fmt.name) for k, v in scales.items()}
             schemes.append(Scheme(Path(name).stem, "static", str(Path(name).resolve()), fmt, file_granularity, scaled, q))
     return schemes, skipped, held
 

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from calibrate import calibrate, export
 from calibrate.cli import main
-from calibrate.export import INDEX_FILE, check_index, scales_file, shard_name, tensor_names
+from calibrate.checkpoint import INDEX_FILE, tensor_names
+from calibrate.export import check_index, scales_file, shard_name
 from calibrate.inspector import inspect
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from calibrate import calibrate
-from calibrate.export import INDEX_FILE, check_index, scales_file, shard_name, tensor_names, write_checkpoint
+from calibrate.checkpoint import INDEX_FILE, tensor_names
+from calibrate.export import check_index, scales_file, shard_name, write_checkpoint
 
 
 def digest(directory) -> dict[str, str]:

@@ -236,10 +236,3 @@ def test_get_format_error_lists_choices():
     with pytest.raises(ValueError, match="e4m3fn, e4m3fnuz"):
         get_format("e5m2")
     assert get_format("e4m3fnuz") is FORMATS["e4m3fnuz"]
-
-
-def test_loaded_scale_multiplier_matches_vllm_compressed_tensors_loader():
-    """vLLM 0.32 (CompressedTensorsKVCacheMethod.process_weights_after_loading) uses compressed-tensors k/v/q
-    scales as loaded, also on e4m3fnuz (ROCm MI300) platforms: kvcal must write fnuz scales unchanged."""
-    assert FORMATS["e4m3fn"].loaded_scale_multiplier == 1.0
-    assert FORMATS["e4m3fnuz"].loaded_scale_multiplier == 1.0

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from calibrate import calibrate
 from calibrate.cli import main
-from calibrate.export import INDEX_FILE, scales_file
+from calibrate.checkpoint import INDEX_FILE
+from calibrate.export import scales_file
 from calibrate.inspector import inspect
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 3, 4, 2, 4, 16

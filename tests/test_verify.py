@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from calibrate import api, cli
 from calibrate.capture import hooked_attention
 from calibrate.data import DataConfig, iter_sequences
-from calibrate.export import INDEX_FILE, scales_file, shard_name
+from calibrate.checkpoint import INDEX_FILE
+from calibrate.export import scales_file, shard_name
 from calibrate.fp8 import FORMATS
 from calibrate.model import load_model
 from calibrate.verify import Scheme, needle_prompt, verify

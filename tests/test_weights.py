@@ -18,7 +18,8 @@ from safetensors import safe_open
 
 from calibrate import calibrate
 from calibrate.config import CalibrationConfig
-from calibrate.export import INDEX_FILE, check_index, scales_file
+from calibrate.checkpoint import INDEX_FILE
+from calibrate.export import check_index, scales_file
 from calibrate.files import file_mode
 from calibrate.weights import check_available
 

@@ -1,0 +1,207 @@
+"""What loaders read from a checkpoint directory, in one place.
+
+Which safetensors files vLLM and transformers read, the tensor names under which each checkpoint form
+stores KV-cache scales, what vLLM does where a layer lacks one, and what a loader multiplies loaded
+scales by on e4m3fnuz platforms. Facts are vLLM 0.32's and transformers 5.17–5.24's, with sources in
+docs/vllm-notes.md. ``export`` writes by these rules; ``inspector``, ``apply`` and ``verify`` read by them.
+No model is loaded: only headers and the scale tensors are read.
+"""
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"  # transformers reads this file alone, ignoring any index, when it exists
+HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt ≤ 0.29 keeps its quantization config here only
+
+# The names kvcal writes, per checkpoint form, under each attention module. compressed-tensors: the
+# attention's own k/v/q_scale. ModelOpt: its k_proj.k_scale / v_proj.v_scale, which vLLM maps onto the
+# attention's scales; q keeps the generic name, which vLLM maps whatever the quantization method.
+WRITE_NAMES = {
+    "compressed-tensors": {"k": "k_scale", "v": "v_scale", "q": "q_scale"},
+    "modelopt": {"k": "k_proj.k_scale", "v": "v_proj.v_scale", "q": "q_scale"},
+}
+# compressed-tensors' kv_cache_scheme strategy of each kvcal granularity.
+STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
+
+# Every name vLLM maps onto an attention's scales: suffix after the attention prefix → (kind, quantization
+# methods under which it is mapped; None = any). From QuantizationConfig.get_cache_scale_mapper and its
+# fp8/Quark overrides (docs/vllm-notes.md, "Checkpoint names").
+SCALE_SOURCES: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    "k_scale": ("k", None),
+    "v_scale": ("v", None),
+    "q_scale": ("q", None),
+    "k_proj.k_scale": ("k", None),  # ModelOpt
+    "v_proj.v_scale": ("v", None),  # ModelOpt
+    "qkv_proj.k_scale": ("k", None),  # fused projection names
+    "qkv_proj.v_scale": ("v", None),
+    "kv_scale": ("k", None),  # legacy: vLLM copies it to v_scale when the cache is FP8
+    "k_proj.output_scale": ("k", ("fp8", "quark")),  # old llm-compressor, Quark
+    "v_proj.output_scale": ("v", ("fp8", "quark")),
+    "q_proj.output_scale": ("q", ("fp8", "quark")),
+}
+# Any tensor some tool stored as a KV-cache (or attention-probability) scale: an output holds exactly one
+# scale per layer and kind, so these are dropped from weight shards before kvcal writes its own.
+OLD_SCALE_PATTERN = re.compile(
+    r"\.(" + "|".join(re.escape(s) for s in sorted(SCALE_SOURCES, key=len, reverse=True)) + r"|prob_scale)$"
+)
+
+
+def tensor_names(path: Path) -> list[str]:
+    """Names of the tensors in a safetensors file (reads the header only); a damaged file is a ValueError."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path} is damaged or not a safetensors file ({e}); re-download or re-save it") from None
+
+
+def read_tensor(path: Path, name: str) -> torch.Tensor:
+    with safe_open(str(path), "pt") as f:
+        return f.get_tensor(name).float()
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); restore it from the original checkpoint") from None
+
+
+def index_files(directory: Path) -> list[str] | None:
+    """File names the index lists, or None when there is no index."""
+    index = directory / INDEX_FILE
+    if not index.is_file():
+        return None
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} is damaged (no weight_map); restore it from the original checkpoint")
+    return sorted(set(weight_map.values()))
+
+
+def vllm_files(directory: Path) -> tuple[list[Path], list[str]]:
+    """The safetensors files vLLM loads (those the index lists, else every top-level one) and what is wrong.
+
+    Returns:
+        (files, problems): a listed file that does not exist, or an unlisted one holding KV scales (vLLM
+        ignores it without a word, so every scale loads as 1.0).
+    """
+    present = sorted(directory.glob("*.safetensors"))
+    listed = index_files(directory)
+    if listed is None:
+        return present, []
+    problems = [f"{INDEX_FILE} lists {name}, which does not exist; vLLM fails to load"
+                for name in listed if not (directory / name).is_file()]
+    problems += [f"{path.name} holds KV scales but is not listed in {INDEX_FILE}, so vLLM ignores it; add its tensors to the index"
+                 for path in present if path.name not in listed and any(OLD_SCALE_PATTERN.search(n) for n in tensor_names(path))]
+    return [p for p in present if p.name in listed], problems
+
+
+def transformers_files(directory: Path) -> list[Path]:
+    """The safetensors files transformers loads: model.safetensors alone when it exists (any index is then
+    ignored), else those the index lists."""
+    if (directory / SINGLE_FILE).is_file():
+        return [directory / SINGLE_FILE]
+    return [directory / name for name in index_files(directory) or []]
+
+
+def quant_config(directory: Path, config: dict) -> dict | None:
+    """The quantization config vLLM uses: config.json's (or its text model's), else hf_quant_config.json (ModelOpt)."""
+    quant = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+    if quant is None and (directory / HF_QUANT_CONFIG).is_file():
+        quant = read_json(directory / HF_QUANT_CONFIG) | {"quant_method": "modelopt"}
+    return quant
+
+
+def quant_method(quant: dict | None) -> str | None:
+    """The loader vLLM picks: ``compressed-tensors``, ``modelopt``, ``fp8``, ``quark``, ... (None: no quantization)."""
+    if quant is None:
+        return None
+    method = str(quant.get("quant_method", "")).lower()
+    return "modelopt" if method.startswith("modelopt") else method
+
+
+def checkpoint_form(directory: Path) -> str:
+    """The form kvcal writes into: ``"modelopt"`` when vLLM reads the checkpoint with its ModelOpt loader, else
+    ``"compressed-tensors"`` (other quantization methods are refused when the config is written)."""
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"{directory} has no config.json, so it is not a Hugging Face model directory")
+    method = quant_method(quant_config(directory, read_json(config_path)))
+    return "modelopt" if method == "modelopt" else "compressed-tensors"
+
+
+def loaded_multiplier(method: str | None, fp8_format: str) -> float:
+    """What vLLM multiplies a loaded k/v/q scale by: 2 on e4m3fnuz platforms (ROCm MI300) under the base KV
+    loader (fp8, ModelOpt, Quark, legacy), which expects scales in e4m3fn units; 1 under compressed-tensors,
+    whose loader uses them as they are, and everywhere on e4m3fn."""
+    return 2.0 if fp8_format == "e4m3fnuz" and method != "compressed-tensors" else 1.0
+
+
+@dataclass
+class LoadedScale:
+    """One scale as vLLM loads it."""
+
+    value: list[float]  # flattened: one value per tensor, or one per head
+    tensor: str | None  # checkpoint tensor it comes from; None when absent (vLLM uses 1.0)
+    file: str | None = None
+
+
+def layer_sources(where: dict[str, Path], prefixes: dict[int, str], method: str | None) -> tuple[dict[tuple[int, str], list[str]], list[tuple[int, str]]]:
+    """The scale tensors vLLM maps onto each layer.
+
+    Args:
+        where: tensor name → file, over the files vLLM reads.
+        prefixes: layer index → attention module prefix.
+        method: the checkpoint's quantization method (some names are mapped only under some methods).
+
+    Returns:
+        ((layer, kind) → tensor names mapped there, in file order; more than one is a conflict vLLM resolves
+        silently), and (layer, message) for each name vLLM ignores under this method.
+    """
+    by_prefix = {p: i for i, p in prefixes.items()}
+    sources: dict[tuple[int, str], list[str]] = {}
+    ignored = []
+    for name in where:
+        for suffix, (kind, methods) in SCALE_SOURCES.items():
+            prefix = name[: -len(suffix) - 1]
+            if name.endswith("." + suffix) and prefix in by_prefix:
+                if methods is not None and method not in methods:
+                    ignored.append((by_prefix[prefix], f"{name}: vLLM maps {suffix} only for quant_method "
+                                    f"{' or '.join(methods)}, not {method}; it is ignored"))
+                else:
+                    sources.setdefault((by_prefix[prefix], kind), []).append(name)
+                break
+    return sources, ignored
+
+
+def fill_missing(scales: dict[str, LoadedScale], any_scales: bool) -> list[tuple[str, str]]:
+    """Complete one layer's k/v/q scales as vLLM 0.32 does (BaseKVCacheMethod.process_weights_after_loading), in place.
+
+    A missing v copies k (the legacy ``kv_scale`` is meant that way); v without k fails vLLM's load; a missing
+    k and v, or q, load as 1.0. Returns (severity, message) for each gap.
+    """
+    found = []
+    k, v = scales.get("k"), scales.get("v")
+    if k and not v:
+        scales["v"] = LoadedScale(k.value, k.tensor, k.file)
+        if not k.tensor.endswith(".kv_scale"):
+            found.append(("error", "no v_scale: vLLM copies k_scale into it"))
+    elif v and not k:
+        scales["k"] = LoadedScale([1.0], None)
+        found.append(("error", "v_scale without k_scale: vLLM fails while loading (it asserts k_scale > 0)"))
+    elif not k and any_scales:
+        found.append(("error", "no k_scale or v_scale: vLLM uses 1.0 for this layer"))
+    for kind in "kv":
+        scales.setdefault(kind, LoadedScale([1.0], None))
+    if "q" not in scales:
+        scales["q"] = LoadedScale([1.0], None)
+        if any_scales:
+            found.append(("warning", "no q_scale: where vLLM quantizes queries (FA3 on Hopper) it uses 1.0, so "
+                          "queries beyond ±448 saturate"))
+    return found
