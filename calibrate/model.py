@@ -3,6 +3,7 @@
 import json
 import logging
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,7 +233,7 @@ def load_model(
 
 
 @contextmanager
-def _quiet_accelerate():
+def _quiet_accelerate() -> Iterator[None]:
     """No "parameters are on the meta device because they were offloaded" warning: the offload was asked for."""
     logger = logging.getLogger("accelerate.big_modeling")
     level = logger.level
