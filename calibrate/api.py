@@ -252,7 +252,11 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult:
     result = CalibrationResult(out, layers, stats, scale_set, provenance)
 
     # 6. A short verify of what was written, unless --no-verify.
-    if config.verify:
+    if config.verify and config.mapped():
+        # verify places the whole model on one device: a model that needed a device map may not fit there.
+        warnings.warn(f"the short verify was skipped: this model was placed with a device map; run kvcal verify "
+                      f"{config.out} --data ... on a device that holds it", stacklevel=2)
+    elif config.verify:
         del model  # verify loads the written checkpoint itself
         result.verification = _short_verify(config)
     return result

@@ -167,14 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(found.to_json(), indent=2) if args.json else found.text())
             return 0 if found.ok(strict=args.strict) else 1
         if args.command == "calibrate":
-            from dataclasses import replace
-
             from . import api, recipes
 
-            # Placement is no recipe setting: it joins the config after the recipe is resolved.
-            placement = {k: options.pop(k) for k in ("device_map", "max_memory", "offload_folder")}
-            config = replace(recipes.calibration_config(**options), **placement).validate()
-            result = api.run_calibration(config)
+            result = api.run_calibration(recipes.calibration_config(**options))
             print(result.summary() + "".join(f"\n{line}" for line in recipes.serve_notes(result.provenance["recipe"])))
             return 0
         if args.command == "apply":
