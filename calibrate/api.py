@@ -21,6 +21,7 @@ import torch
 
 from .config import LITTLE_DATA_TOKENS, CalibrationConfig, check_granularity, check_headroom, check_observer
 from .export import KVCAL_DIR, prepare_output, scale_tensors, weight_files, write_checkpoint
+from .files import read_json_object
 from .fp8 import get_format
 from .observers import ScaleSet, derive_scales
 from .report import SERVE_NOTES, kvcal_version, scale_table, serve_command
@@ -297,11 +298,8 @@ def load_calibration(source: str | Path) -> tuple[Stats, dict]:
         raise ValueError(f"{source} has no {KVCAL_DIR}/{STATS_FILE}; pass a directory written by kvcal calibrate")
     if not provenance_path.is_file():
         raise ValueError(f"{source} has no {KVCAL_DIR}/{PROVENANCE_FILE} beside its statistics; pass a complete kvcal output")
-    try:
-        provenance = json.loads(provenance_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{provenance_path} is not valid JSON ({e}); it was not written by kvcal, or was damaged") from None
-    if not isinstance(provenance, dict) or not isinstance(provenance.get("layers"), list):
+    provenance = read_json_object(provenance_path, "it was not written by kvcal, or was damaged")
+    if not isinstance(provenance.get("layers"), list):
         raise ValueError(f"{provenance_path} holds no 'layers' list; it was not written by kvcal, or was damaged")
     try:
         stats = Stats.load(stats_path)

@@ -7,13 +7,14 @@ docs/vllm-notes.md. ``export`` writes by these rules; ``inspector``, ``apply`` a
 No model is loaded: only headers and the scale tensors are read.
 """
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+from .files import read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"  # transformers reads this file alone, ignoring any index, when it exists
@@ -67,10 +68,7 @@ def read_tensor(path: Path, name: str) -> torch.Tensor:
 
 
 def read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); restore it from the original checkpoint") from None
+    return read_json_object(path, "restore it from the original checkpoint")
 
 
 def index_files(directory: Path) -> list[str] | None:

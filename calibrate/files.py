@@ -1,5 +1,6 @@
 """Files as kvcal writes them: modes that follow the umask, whoever writes the bytes."""
 
+import json
 import os
 from pathlib import Path
 
@@ -30,6 +31,17 @@ def apply_umask(root: Path) -> None:
                 path = os.path.join(dirpath, name)
                 if not os.path.islink(path):  # a link's own mode means nothing; its target is not ours
                     os.chmod(path, mode & ~mask)
+
+
+def read_json_object(path: Path, fix: str) -> dict:
+    """The JSON object in ``path``; not JSON, or JSON but not an object, is a one-line ValueError ending in ``fix``."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); {fix}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a {type(value).__name__}, not a JSON object; {fix}")
+    return value
 
 
 def file_mode() -> int:

@@ -1,6 +1,5 @@
 """Load a Hugging Face causal LM for calibration, place it, and describe its attention layers."""
 
-import json
 import logging
 import warnings
 from collections.abc import Iterator
@@ -11,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .files import read_json_object
 from .stats import ModelSignature
 
 
@@ -57,13 +57,7 @@ def read_config_file(model_dir: str | Path) -> dict:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")
-    try:
-        config = json.loads(config_path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{config_path} is not valid JSON ({e}); fix or replace it") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{config_path} holds a {type(config).__name__}, not a model configuration; fix or replace it")
-    return config
+    return read_json_object(config_path, "fix or replace it")
 
 
 @dataclass(frozen=True)
