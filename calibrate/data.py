@@ -238,6 +238,17 @@ class SequenceStream:
             self.tokens_yielded += len(sequence)
             yield torch.tensor(sequence, dtype=torch.long)
 
+    def shard(self, rank: int, world: int) -> Iterator[torch.Tensor]:
+        """This rank's share of the sequences: sequence i goes to rank ``i % world``.
+
+        Every rank reads and tokenizes the whole stream and keeps its share, so the shares together are
+        exactly the sequences of one process, however many ranks and however unevenly they split (a rank
+        may get none), and ``manifest()`` still describes the whole set once the shard is exhausted.
+        """
+        for i, sequence in enumerate(self):
+            if i % world == rank:
+                yield sequence
+
     def manifest(self) -> list[dict]:
         """Per source: what it is, its weight, how much of it was used, and hashes to reproduce the run.
 

@@ -45,6 +45,8 @@ SINK_POSITIONS = 4
 # Position buckets: positions 0..3 alone (the attention sinks), then [4, 8), [8, 16), ... [2**21, inf).
 NUM_POS_BUCKETS = SINK_POSITIONS + 20
 _RAW_OFFSET = (HIST_MIN_EXP + 127) << 5  # float32 biased exponent of 2**HIST_MIN_EXP, times 32
+# TensorStats fields merged by maximum; every other field (and Stats.tokens, pos_tokens) is a sum.
+MAX_FIELDS = ("absmax", "pos_absmax", "channel_absmax")
 
 
 def bin_edges(dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -245,7 +247,7 @@ class TensorStats:
         """Fold ``other`` (same shapes) into self."""
         for f in fields(self):
             a, b = getattr(self, f.name), getattr(other, f.name)
-            if f.name in ("absmax", "pos_absmax", "channel_absmax"):
+            if f.name in MAX_FIELDS:
                 a.copy_(torch.maximum(a, b))
             else:
                 a.add_(b)
@@ -317,6 +319,15 @@ class Stats:
         for kind in KINDS:
             self.kinds[kind].merge_(other.kinds[kind])
         return self
+
+    def merge_parts(self) -> list[tuple[torch.Tensor, str]]:
+        """Every tensor with how ``merge_`` combines it, ``"sum"`` or ``"max"``: for merges that reduce in place
+        elsewhere (``distributed.Group.merge`` across processes)."""
+        parts = [(self.tokens, "sum"), (self.pos_tokens, "sum")]
+        for kind in KINDS:
+            s = self.kinds[kind]
+            parts += [(getattr(s, f.name), "max" if f.name in MAX_FIELDS else "sum") for f in fields(s)]
+        return parts
 
     def to(self, device: torch.device | str) -> "Stats":
         kinds = {kind: TensorStats(**{f.name: getattr(s, f.name).to(device) for f in fields(s)}) for kind, s in self.kinds.items()}
