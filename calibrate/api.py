@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import platform
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import LITTLE_DATA_TOKENS, CalibrationConfig, check_granularity, check_headroom, check_observer
+from .distributed import Group, session
 from .export import KVCAL_DIR, prepare_output, scale_tensors, weight_files, write_checkpoint
 from .files import read_json_object
 from .fp8 import get_format
@@ -113,7 +115,7 @@ def _check_enough_tokens(stats: Stats, config: CalibrationConfig) -> None:
         )
 
 
-def _provenance(config: CalibrationConfig, layers, sig, stats, scale_set, manifest, wall_s, device, dtype) -> dict:
+def _provenance(config: CalibrationConfig, layers, sig, stats, scale_set, manifest, wall_s, device, dtype, ranks) -> dict:
     """Everything needed to reproduce and compare a run, saved as kvcal/calibration.json."""
     return {
         "kvcal_version": kvcal_version(),
@@ -125,6 +127,7 @@ def _provenance(config: CalibrationConfig, layers, sig, stats, scale_set, manife
         "settings": {k: v for k, v in asdict(config).items() if k not in ("model", "out", "recipe")},
         "recipe": config.recipe,
         "device": str(device),
+        "ranks": ranks,  # processes that shared the data (torchrun), each on its own device
         "dtype": str(dtype).removeprefix("torch."),
         "tokens": int(stats.tokens.max()),
         # Fewer tokens per layer than the threshold: the summary says so too.
@@ -159,17 +162,22 @@ def _write_extras(stats: Stats, provenance: dict):
     return write
 
 
-def calibrate(model: str, data: str | list[str], out: str, **options) -> CalibrationResult:
+def calibrate(model: str, data: str | list[str], out: str, **options) -> CalibrationResult | None:
     """Calibrate FP8 KV-cache scales for ``model`` on ``data`` and write a vLLM checkpoint to ``out``.
 
     ``options`` are the fields of ``CalibrationConfig`` (seq_len, max_tokens, observer, granularity, ...).
+    Under torchrun, returns None on every rank but 0 (see ``run_calibration``).
     """
     data = [data] if isinstance(data, str) else list(data)
     return run_calibration(CalibrationConfig(model=model, data=data, out=out, **options))
 
 
-def run_calibration(config: CalibrationConfig) -> CalibrationResult:
+def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     """Run a validated calibration; see ``calibrate``.
+
+    Launched by torchrun, each rank captures its share of the sequences (``SequenceStream.shard``) on its own
+    device, the statistics are merged exactly across ranks, and rank 0 alone writes, verifies and returns the
+    result; the other ranks return None after the merge. A rank that fails makes every rank fail.
 
     With ``config.weights == "fp8"`` the weights are also quantized (llm-compressor, data-free FP8_DYNAMIC) into
     a temporary directory beside OUT, which then is the checkpoint the scales are written into. The KV
@@ -177,46 +185,38 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult:
     slightly, so the scales are those of the bf16 model (the short verify runs on the written, FP8-weight
     checkpoint and measures the combined effect).
     """
-    from .capture import run_capture
-    from .data import DataConfig, iter_sequences
-    from .model import attention_layers, input_device, load_model, max_context, read_config, resolve_placement, signature
+    from .data import DataConfig
     from .weights import PROVENANCE as WEIGHTS_PROVENANCE
     from .weights import check_available, quantize_weights
 
     start = time.perf_counter()
-    # 1. Cheap checks on every input and the output before anything is loaded.
     config.validate()
-    prepare_output(Path(config.out), Path(config.model), config.overwrite)
-    weight_files(Path(config.model))
-    if config.weights:
-        check_available(Path(config.model), config.weights)
-    data_config = DataConfig(
-        sources=config.data, seq_len=config.seq_len, max_tokens=config.max_tokens, text_field=config.text_field,
-        pack=config.pack, seed=config.seed, long_records=config.long_records,
-    )
-    data_config.validate()
-    fmt = get_format(config.fp8_format)
+    with session(config.device, config.dist_timeout) as group:
+        # 1. Cheap checks on every input and the output before anything is loaded (the output on rank 0, which writes).
+        with group.together("the checks of the inputs"):
+            if group.active and config.mapped():
+                raise ValueError("--device-map/--max-memory/--offload-folder spread one model over several devices; under "
+                                 "torchrun each rank holds the whole model on its own GPU: use one or the other")
+            if group.writes:
+                prepare_output(Path(config.out), Path(config.model), config.overwrite)
+            weight_files(Path(config.model))
+            if config.weights:
+                check_available(Path(config.model), config.weights)
+            data_config = DataConfig(
+                sources=config.data, seq_len=config.seq_len, max_tokens=config.max_tokens, text_field=config.text_field,
+                pack=config.pack, seed=config.seed, long_records=config.long_records,
+            )
+            data_config.validate()
+            fmt = get_format(config.fp8_format)
 
-    # 2. Load and place the model (on one device, or by accelerate's device map); find its attention layers.
-    placement = resolve_placement(
-        config.device, device_map=config.device_map, max_memory=config.max_memory_bytes(), offload_folder=config.offload_folder,
-    )
-    dtype = getattr(torch, config.dtype) if config.dtype else None
-    context = max_context(read_config(config.model))
-    if context and config.seq_len > context:
-        raise ValueError(f"--seq-len {config.seq_len} is longer than the model's context ({context}); lower it")
-    model, tokenizer = load_model(config.model, device=placement.device, dtype=dtype, placement=placement)
-    layers = attention_layers(model)
-    sig = signature(model, layers)
-    # Statistics live where the token ids go (the main device of a device map); other GPUs' layers hand theirs over.
-    device = input_device(model)
-
-    # 3. Stream the data through the model, collecting statistics of Q, K and V.
-    stream = iter_sequences(data_config, tokenizer, max_context=context)
-    stats = run_capture(
-        model, layers, stream, Stats.empty(sig, device),
-        chunk_len=config.chunk_len, total_tokens=config.max_tokens, progress=config.progress,
-    ).to("cpu")
+        # 2. and 3. Load the model, stream this rank's share of the data through it (the model is freed after).
+        with group.together("loading the model and capturing statistics"):
+            captured = _load_and_capture(config, data_config, group)
+        # The statistics of every rank, merged exactly (on the device: NCCL on GPUs); rank 0 carries on alone.
+        group.merge(captured.stats)
+        if not group.writes:
+            return None
+    layers, sig, stats = captured.layers, captured.sig, captured.stats.to("cpu")
     _check_finite(stats, layers)
     _check_enough_tokens(stats, config)
 
@@ -227,7 +227,10 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult:
     )
 
     # 5. Write the checkpoint, statistics and provenance atomically.
-    provenance = _provenance(config, layers, sig, stats, scale_set, stream.manifest(), time.perf_counter() - start, device, model.dtype)
+    provenance = _provenance(
+        config, layers, sig, stats, scale_set, captured.manifest, time.perf_counter() - start, captured.device,
+        captured.dtype, group.world,
+    )
     if config.weights:
         provenance["weights"] = WEIGHTS_PROVENANCE[config.weights]
         provenance["versions"]["llmcompressor"] = version("llmcompressor")
@@ -235,7 +238,6 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult:
     source, weights_dir = Path(config.model), None
     try:
         if config.weights:
-            model = None  # free it before llm-compressor loads its own copy in the checkpoint's dtype
             weights_dir = Path(config.out).parent / f".{Path(config.out).name}.kvcal-weights-{os.getpid()}"
             shutil.rmtree(weights_dir, ignore_errors=True)
             source = quantize_weights(source, weights_dir, config.weights)
@@ -258,9 +260,58 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult:
         warnings.warn(f"the short verify was skipped: this model was placed with a device map; run kvcal verify "
                       f"{config.out} --data ... on a device that holds it", stacklevel=2)
     elif config.verify:
-        del model  # verify loads the written checkpoint itself
         result.verification = _short_verify(config)
     return result
+
+
+@dataclass
+class _Captured:
+    """What steps 2 and 3 leave for the rest of the run: everything but the model, so that it is freed."""
+
+    layers: list[AttentionLayer]
+    sig: ModelSignature
+    stats: Stats  # on the capture device
+    manifest: list[dict]
+    device: torch.device
+    dtype: torch.dtype
+
+
+def _load_and_capture(config: CalibrationConfig, data_config, group: Group) -> _Captured:
+    """Steps 2 and 3 of ``run_calibration`` on one rank: load and place the model, capture this rank's share.
+
+    A rank other than 0 whose share is empty (fewer sequences than ranks) keeps zero statistics: the capture
+    would refuse them, but the merge needs them. Rank 0 always captures, so no data at all fails as in one process.
+    """
+    from .capture import run_capture
+    from .data import iter_sequences
+    from .model import attention_layers, input_device, load_model, max_context, read_config, resolve_placement, signature
+
+    # 2. Load and place the model (on this rank's device, or by accelerate's device map); find its attention layers.
+    placement = resolve_placement(
+        group.device, device_map=config.device_map, max_memory=config.max_memory_bytes(), offload_folder=config.offload_folder,
+    )
+    dtype = getattr(torch, config.dtype) if config.dtype else None
+    context = max_context(read_config(config.model))
+    if context and config.seq_len > context:
+        raise ValueError(f"--seq-len {config.seq_len} is longer than the model's context ({context}); lower it")
+    model, tokenizer = load_model(config.model, device=placement.device, dtype=dtype, placement=placement)
+    layers = attention_layers(model)
+    sig = signature(model, layers)
+    # Statistics live where the token ids go (the main device of a device map); other GPUs' layers hand theirs over.
+    device = input_device(model)
+    stats = Stats.empty(sig, device)
+
+    # 3. Stream this rank's share of the data through the model, collecting statistics of Q, K and V.
+    stream = iter_sequences(data_config, tokenizer, max_context=context)
+    share = stream.shard(group.rank, group.world)
+    first = next(share, None)
+    if first is not None or group.writes:
+        run_capture(
+            model, layers, share if first is None else itertools.chain([first], share), stats,
+            chunk_len=config.chunk_len, total_tokens=-(-config.max_tokens // group.world),
+            progress=config.progress and group.writes,
+        )
+    return _Captured(layers, sig, stats, stream.manifest(), device, model.dtype)
 
 
 SHORT_VERIFY_TOKENS = 512  # one sequence: about (1 + 3) forwards of 512 tokens

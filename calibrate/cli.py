@@ -54,6 +54,8 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
                    help="skip the short verify of the written checkpoint (kvcal verify runs the full one)")
     p.add_argument("--min-tokens", type=int,
                    help="refuse to write scales seen on fewer tokens per layer than this (default: one full --seq-len sequence)")
+    p.add_argument("--dist-timeout", type=float, metavar="SECONDS",
+                   help="under torchrun: how long a rank waits for the others before the run fails (default 600)")
     _scale_options(p, dict.fromkeys(_SCALE_DEFAULTS))
 
 
@@ -167,10 +169,15 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(found.to_json(), indent=2) if args.json else found.text())
             return 0 if found.ok(strict=args.strict) else 1
         if args.command == "calibrate":
+            from dataclasses import replace
+
             from . import api, recipes
 
-            result = api.run_calibration(recipes.calibration_config(**options))
-            print(result.summary() + "".join(f"\n{line}" for line in recipes.serve_notes(result.provenance["recipe"])))
+            timeout = options.pop("dist_timeout")
+            config = recipes.calibration_config(**options)
+            result = api.run_calibration(config if timeout is None else replace(config, dist_timeout=timeout))
+            if result is not None:  # None: a torchrun rank other than 0, which writes and prints nothing
+                print(result.summary() + "".join(f"\n{line}" for line in recipes.serve_notes(result.provenance["recipe"])))
             return 0
         if args.command == "apply":
             from .inspector import apply

@@ -152,6 +152,8 @@ class CalibrationConfig:
             only the devices named are used, so ``cpu=...`` alone forces what does not fit onto disk.
         offload_folder: where weights offloaded to disk are written when they cannot be read from the
             checkpoint's own safetensors files (non-safetensors or converted weights, e.g. most MoE models).
+        dist_timeout: under torchrun, seconds a rank waits for the others (to join, and at each step's end)
+            before it gives up with an error: a rank that died or hangs then ends the run instead of blocking it.
     """
 
     model: str
@@ -176,6 +178,7 @@ class CalibrationConfig:
     device_map: str | None = None
     max_memory: str | dict | None = None
     offload_folder: str | None = None
+    dist_timeout: float = 600.0
     overwrite: bool = False
     verify: bool = True
     progress: bool = True
@@ -207,6 +210,8 @@ class CalibrationConfig:
             raise ValueError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
         if self.weights not in (None, "fp8"):
             raise ValueError(f"--weights {self.weights!r}: choose fp8 (or leave it out to keep the weights as they are)")
+        if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, (int, float)) or not 0 < self.dist_timeout < float("inf"):
+            raise ValueError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
         self._check_placement()
         return self
 
