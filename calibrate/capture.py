@@ -10,7 +10,7 @@ import inspect
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 
 import torch
@@ -164,23 +164,53 @@ def cache_kwarg(model: nn.Module) -> str:
 
 
 @torch.no_grad()
-def forward_chunked(model: nn.Module, input_ids: torch.Tensor, chunk_len: int) -> None:
-    """Run ``input_ids`` [B, S] through the model as chunked prefill through a KV cache.
+def prefill_chunks(
+    model: nn.Module, input_ids: torch.Tensor, chunk_len: int, *, hook: AttentionHook | None = None, keep_from: int | None = None
+) -> Iterator[torch.Tensor]:
+    """Run ``input_ids`` [1, N] through the model as chunked prefill, one chunk per step, with its own KV cache.
 
-    Each position passes through attention once, as a new token; memory for attention scores grows
-    with chunk_len × S, not S². Without chunking (S <= chunk_len) it is one plain forward.
+    The one chunk loop of capture, verify's passes and the needle probe. Position ids are explicit, so
+    every position passes through attention once, as a new token, at its absolute position; memory for
+    attention scores grows with chunk_len × N, not N². Being a generator, several sequences (each with
+    its own cache) can advance chunk by chunk in turn; ``hook``, when given, is in force only while this
+    generator's own chunk runs.
+
+    Args:
+        keep_from: logits are kept (``logits_to_keep``) for this chunk's positions from ``keep_from`` on;
+            a chunk that ends before it, and every chunk when None, keeps only its last position.
+
+    Yields:
+        Per chunk, float32 logits [k, V] of its last k kept positions.
+    """
+    cache = DynamicCache(config=model.config)
+    kwarg = cache_kwarg(model)
+
+    def run(chunk: torch.Tensor, start: int, keep: int) -> torch.Tensor:
+        # A function of its own so that the suspended generator holds no model output (logits [keep, V] per run).
+        positions = torch.arange(start, start + chunk.shape[1], device=chunk.device)[None]  # [1, c]
+        with hooked_attention(model, hook) if hook is not None else nullcontext():
+            out = model(input_ids=chunk, position_ids=positions, use_cache=True, logits_to_keep=keep, **{kwarg: cache})
+        return out.logits[0].float()  # [keep, V]
+
+    for start in range(0, input_ids.shape[1], chunk_len):
+        chunk = input_ids[:, start : start + chunk_len]  # [1, c]
+        keep = 1 if keep_from is None else min(max(1, start + chunk.shape[1] - keep_from), chunk.shape[1])
+        yield run(chunk, start, keep)
+
+
+@torch.no_grad()
+def forward_chunked(model: nn.Module, input_ids: torch.Tensor, chunk_len: int) -> None:
+    """Run ``input_ids`` [1, S] through the model for its attention inputs only, as chunked prefill (``prefill_chunks``).
+
+    Without chunking (S <= chunk_len) it is one plain forward, without a cache.
     """
     if input_ids.shape[1] <= chunk_len:
         model(input_ids=input_ids, use_cache=False, logits_to_keep=1)
         return
-    cache = DynamicCache(config=model.config)
-    kwarg = cache_kwarg(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        for start in range(0, input_ids.shape[1], chunk_len):
-            chunk = input_ids[:, start : start + chunk_len]  # [B, <=chunk_len]
-            positions = torch.arange(start, start + chunk.shape[1], device=input_ids.device).expand_as(chunk)
-            model(input_ids=chunk, position_ids=positions, use_cache=True, logits_to_keep=1, **{kwarg: cache})
+        for _ in prefill_chunks(model, input_ids, chunk_len):
+            pass
 
 
 def run_capture(
