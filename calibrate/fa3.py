@@ -17,12 +17,15 @@ follows the facts gathered in ``fa3-numerics.md``:
   context (``single_chain``: upstream FA3) or each block in a fresh accumulator promoted to an fp32
   register (``two_level``: vLLM's fork since flash-attention PR #104).
 
-The emulator is slow (a Python loop over k-steps): run it on a few sampled query rows.
+The emulator is slow (a Python loop over k-steps): run it on a few sampled query rows. ``probe`` does that
+for verify, on the rows its reference pass captured.
 """
 
 import math
 
 import torch
+
+from .fp8 import FP8Format, quantize
 
 LOG2E = math.log2(math.e)
 K_STEP = 32  # products per WGMMA k-step (PTX; MMA-Sim)
@@ -218,3 +221,89 @@ def same_sign_bias(n_keys: int, *, mode: str, accum_bits: int | None, head_dim: 
                         accum_bits=accum_bits, quantize_p=False)
     want = exact_attention(q, k, v, softmax_scale=1.0, q_pos=pos)
     return float(got.mean() / want.mean() - 1)
+
+
+# ---- verify's FA3 probe: the model run on query rows captured by the reference pass ---------------------------------
+
+
+def query_rows(seq_len: int, chunk_len: int, n: int) -> torch.Tensor:
+    """Query positions for the FA3 model: up to n, spread over the second half of the last chunk (longest contexts)."""
+    last = seq_len - 2  # the last position that runs (the final token is only a target)
+    start = max((last // chunk_len) * chunk_len, last // 2)
+    return torch.linspace(start, last, n).round().long().unique()  # [R]
+
+
+def layer_rows(requested: list[int] | None, layer_idx: list[int]) -> list[int]:
+    """Rows (indices into ``layer_idx``, the attention layers) the FA3 model runs on: those asked for, else first, middle and last."""
+    if requested is None:
+        return sorted({0, len(layer_idx) // 2, len(layer_idx) - 1})
+    row_of = {idx: row for row, idx in enumerate(layer_idx)}
+    unknown = [i for i in requested if i not in row_of]
+    if unknown:
+        raise ValueError(f"--fa3-layers {unknown} are not attention layers of this model (layer_idx {layer_idx[0]}..{layer_idx[-1]})")
+    return sorted(row_of[i] for i in requested)
+
+
+def _error(o: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Relative RMS error and magnitude bias (Σ ref·(o − ref) / Σ ref², negative = shrunk) of o against ref."""
+    d = o - ref
+    return {"rel_error": (d.norm() / ref.norm()).item(), "bias": ((ref * d).sum() / ref.square().sum()).item()}
+
+
+@torch.no_grad()
+def probe(
+    capture: dict[int, dict], rows: torch.Tensor, scales: dict[str, dict[str, torch.Tensor]], fmt: FP8Format, *,
+    layer_idx: list[int], groups: int, head_dim: int, accum_bits: int, unmodelled: list[str],
+) -> dict:
+    """Run the FA3 FP8 model (both P·V modes) on the captured rows for every static scheme; validate it.
+
+    Each output is compared with float64 attention on the unquantized q, k, v. "fp8_inputs" is the
+    same quantization with exact arithmetic, so the rest of the error is P's FP8 cast and the accumulator.
+
+    Args:
+        capture: layer row → the reference pass's inputs and output at ``rows`` (verify's ``_ReferenceProbe``).
+        scales: static scheme name → kind → [L, H] dequantization multipliers (x ≈ fp8 × scale).
+        layer_idx: the model's layer index of each row; groups: query heads per KV head.
+        unmodelled: schemes FA3 does not run (per-token scales), named in the notes.
+    """
+    results, exact_check = {}, None
+    notes = [f"{name}: not an FA3 mode (vLLM runs it on Triton), not emulated" for name in unmodelled]
+    for row, cap in sorted(capture.items()):
+        idx = layer_idx[row]
+        if cap["softcap"]:
+            notes.append(f"layer {idx}: attention logit softcapping is not modelled; skipped")
+            continue
+        q, k, v = cap["q"], cap["k"].repeat_interleave(groups, 0), cap["v"].repeat_interleave(groups, 0)  # [Hq, R|N, D]
+        shape = dict(softmax_scale=cap["scaling"], q_pos=rows, window=cap["window"])
+        ref = exact_attention(q, k, v, **shape)  # [Hq, R, D]
+        layer = {"model_check": _error(cap["model_out"], ref)["rel_error"], "schemes": {}}
+        for name, scheme_scales in scales.items():
+            qs = scheme_scales["q"][row].double()  # [Hq]
+            ks, vs = (scheme_scales[kind][row].double().repeat_interleave(groups) for kind in ("k", "v"))  # [Hq]
+            q8, k8, v8 = (quantize(x, sc.view(-1, 1, 1), fmt).double() for x, sc in ((q, qs), (k, ks), (v, vs)))
+            fp8_inputs = exact_attention(q8 * qs.view(-1, 1, 1), k8 * ks.view(-1, 1, 1), v8 * vs.view(-1, 1, 1), **shape)
+            run = dict(descale=qs * ks, v_descale=vs, **shape)
+            layer["schemes"][name] = {
+                "fp8_inputs": _error(fp8_inputs, ref),
+                **{m: _error(fa3_attention(q8, k8, v8, mode=m, accum_bits=accum_bits, **run), ref) for m in MODES},
+            }
+            if exact_check is None:  # the emulator with exact arithmetic must reproduce fp8_inputs
+                exact_check = _error(fa3_attention(q8, k8, v8, accum_bits=None, quantize_p=False, **run), fp8_inputs)["rel_error"]
+        results[idx] = layer
+    n_keys = int(rows.max()) + 1
+    bits = sorted({accum_bits, B200_ACCUM_BITS})
+    return {
+        "parameters": {
+            "format": "e4m3fn, round to nearest even, saturate ±448 (Q, K, V and P)", "k_step": K_STEP,
+            "accum_bits": accum_bits, "accumulator": "per-term aligned, truncate toward zero (MMA-Sim model)",
+            "p": "exp2(S·scale·log2e − (m − 8)) in [0, 256], e4m3; row sum from fp32 P",
+            "kblock_n": {m: block_n(head_dim, m) for m in MODES},
+        },
+        "query_positions": rows.tolist(),
+        "layers": results,
+        "validation": {
+            "exact_arithmetic_vs_float64": exact_check,
+            f"same_sign_bias_{n_keys}_keys": {m: {b: same_sign_bias(n_keys, mode=m, accum_bits=b) for b in bits} for m in MODES},
+        },
+        "notes": notes,
+    }

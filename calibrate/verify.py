@@ -7,44 +7,35 @@ backend quantizes queries (FA3 on Hopper; ``kv_only`` models the Triton/FlashInf
 
 Cost: one reference forward of the sample (which also runs each scheme's attention on every layer's
 own inputs, for the per-layer errors) plus one forward per scheme with every layer quantized at once,
-so about (1 + S) forwards. The FA3 accumulator model (``fa3.py``) and the needle probe are extra.
+so about (1 + S) forwards. The FA3 accumulator model (``fa3.probe``) and the needle probe (``needle.py``)
+are extra. What the numbers mean, verdicts and the recommendation, is ``verdict.py``'s.
 """
 
 import math
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from . import fa3, report
-from .capture import cache_kwarg, hooked_attention
+from .capture import prefill_chunks
 from .config import VERIFY_SCHEMES
 from .data import DataConfig, iter_sequences
 from .checkpoint import LoadedScale, fill_missing, layer_sources, loaded_multiplier, quant_config, quant_method, read_tensor, tensor_names
 from .export import KVCAL_DIR, weight_files
 from .fa3 import HOPPER_ACCUM_BITS
-from .fp8 import FP8Format, get_format, per_token_scale, quantize, quantize_dequantize
+from .fp8 import FP8Format, get_format, per_token_scale, quantize_dequantize
 from .model import AttentionLayer, attention_layers, load_model, load_tokenizer, max_context, read_config, resolve_device, signature
+from .needle import NEEDLE_DEPTHS, needle_probe
 from .observers import derive_scales
 from .stats import KINDS, ModelSignature, Stats, position_bucket_starts
+from .verdict import SCHEME_NOTES, Thresholds, check_measured, judge, mean_stderr, recommend
 
 REFERENCE = "bf16"  # the name users know; the reference runs in the dtype the report states
 SCHEMES = VERIFY_SCHEMES
-SCHEME_NOTES = {
-    "bf16": "reference: no quantization",
-    "scale1": "scale 1.0 everywhere: what vLLM uses when a checkpoint has no scales (ModelOpt's fp8_cast)",
-    "tensor": "one static scale per layer (--kv-cache-dtype fp8, every backend)",
-    "head": "one static scale per layer and head (FA3 on Hopper only)",
-    "token": "dynamic scale per token and KV head (--kv-cache-dtype fp8_per_token_head, Triton; queries stay unquantized)",
-}
 STATS_PATH = Path(KVCAL_DIR) / "stats.safetensors"  # written by api.run_calibration
-NEEDLE = "The secret code is {code}."
-NEEDLE_QUESTION = "What is the secret code? The secret code is"
-NEEDLE_DEPTHS = (0.1, 0.5, 0.9)
 
 
 @dataclass
@@ -123,6 +114,11 @@ class VerifyConfig:
         if self.report_dir is not None and Path(self.report_dir).exists() and not Path(self.report_dir).is_dir():
             raise ValueError(f"--report {self.report_dir} is a file; name a directory for the report")
         return self
+
+    @property
+    def thresholds(self) -> Thresholds:
+        """The verdict's limits, as ``verdict.judge`` takes them."""
+        return Thresholds(self.max_kl, self.fail_kl, self.min_top1, self.fail_top1)
 
 
 def _integers(flag: str, value: str | list | None) -> list[int]:
@@ -273,21 +269,6 @@ def build_schemes(config: VerifyConfig, layers, sig, stats: Stats | None, fmt: F
 # ---- the passes ---------------------------------------------------------------------------------------------------
 
 
-class _Prefill:
-    """One sequence run through the model as chunked prefill, with its own KV cache."""
-
-    def __init__(self, model):
-        self.model, self.cache, self.pos = model, DynamicCache(config=model.config), 0
-        self.kwarg = cache_kwarg(model)
-
-    def __call__(self, chunk: torch.Tensor, keep: int) -> torch.Tensor:
-        """Logits of the last ``keep`` positions of ``chunk`` [1, c] → [c_keep, V] float32."""
-        positions = torch.arange(self.pos, self.pos + chunk.shape[1], device=chunk.device)[None]  # [1, c]
-        out = self.model(input_ids=chunk, position_ids=positions, use_cache=True, logits_to_keep=keep, **{self.kwarg: self.cache})
-        self.pos += chunk.shape[1]
-        return out.logits[0].float()
-
-
 class _Apply:
     """Attention hook of a scheme's end-to-end pass: every layer quantized, then the model's own attention."""
 
@@ -397,28 +378,27 @@ def measure(
     L = len(layers)
     tallies = {s.name: _Tally(torch.zeros(L, dtype=torch.float64), {k: torch.zeros(L, 3, dtype=torch.int64) for k in s.kinds()}) for s in schemes}
     probe = _ReferenceProbe(schemes, tallies, row_of, L)
-    probe.fa3_layers = set(_fa3_layer_rows(config, layers)) if fa3_rows is not None else set()
+    probe.fa3_layers = set(fa3.layer_rows(config.fa3_layers, [layer.layer_idx for layer in layers])) if fa3_rows is not None else set()
     ref_nll, ref_seconds = [], 0.0
     for i, seq in enumerate(tqdm(sequences, desc="verifying", unit="seq", disable=not config.progress)):
         ids = seq.to(device)[None]  # [1, S]
         probe.fa3_rows = fa3_rows if i == 0 else None
-        ref_run, runs = _Prefill(model), {name: _Prefill(model) for name in tallies}
+        # One chunked prefill per run, each with its own cache and hook, advanced chunk by chunk in turn.
+        ref_run = prefill_chunks(model, ids, config.chunk_len, hook=probe, keep_from=0)
+        runs = {s.name: prefill_chunks(model, ids, config.chunk_len, hook=_Apply(s, row_of), keep_from=0) for s in schemes}
         sums = {name: [0.0, 0.0, 0.0] for name in tallies}
         nll = 0.0
-        for start in range(0, ids.shape[1] - 1, config.chunk_len):
-            chunk = ids[:, start : start + config.chunk_len]  # [1, c]
-            targets = ids[0, start + 1 : start + 1 + chunk.shape[1]]  # next tokens; the last position has none
+        for start in range(0, ids.shape[1] - 1, config.chunk_len):  # a last chunk of only the final token never runs
+            targets = ids[0, start + 1 : start + 1 + config.chunk_len]  # [n] next tokens; the last position has none
             t0 = time.perf_counter()
-            with hooked_attention(model, probe):
-                ref_logits = ref_run(chunk, chunk.shape[1])[: len(targets)]  # [n, V]
+            ref_logits = next(ref_run)[: len(targets)]  # [n, V]
             ref_lp = torch.log_softmax(ref_logits, -1)  # [n, V]
             ref = (ref_lp, ref_lp.exp(), ref_lp.argmax(-1))
             nll -= ref_lp.gather(-1, targets[:, None]).sum(dtype=torch.float64).item()
             ref_seconds += time.perf_counter() - t0
             for scheme in schemes:
                 t0 = time.perf_counter()
-                with hooked_attention(model, _Apply(scheme, row_of)):
-                    logits = runs[scheme.name](chunk, chunk.shape[1])[: len(targets)]
+                logits = next(runs[scheme.name])[: len(targets)]  # [n, V]
                 tallies[scheme.name].seconds += time.perf_counter() - t0
                 for j, value in enumerate(_positions_metrics(ref, logits, targets)):
                     sums[scheme.name][j] += value
@@ -431,29 +411,32 @@ def measure(
     return tallies, probe, ref_nll, ref_seconds
 
 
-def _fa3_layer_rows(config: VerifyConfig, layers: list[AttentionLayer]) -> list[int]:
-    """Rows (indices into ``layers``) the FA3 model runs on: those asked for, else first, middle and last."""
-    if config.fa3_layers is None:
-        return sorted({0, len(layers) // 2, len(layers) - 1})
+def _fa3(probe: _ReferenceProbe, rows: torch.Tensor, schemes: list[Scheme], layers, sig: ModelSignature, config: VerifyConfig) -> dict:
+    """``fa3.probe`` on the rows the reference pass captured, for every static scheme."""
+    return fa3.probe(
+        probe.capture, rows, {s.name: s.scales for s in schemes if s.mode == "static"}, get_format(config.fp8_format),
+        layer_idx=[layer.layer_idx for layer in layers], groups=sig.num_heads // sig.num_kv_heads, head_dim=sig.head_dim,
+        accum_bits=config.accum_bits, unmodelled=[s.name for s in schemes if s.mode == "token"],
+    )
+
+
+def _needle(model, tokenizer, layers, schemes: list[Scheme], config: VerifyConfig, context: int | None) -> dict:
+    """``needle.needle_probe`` under each scheme's end-to-end hook, the reference first when not among the schemes."""
     row_of = {layer.layer_idx: row for row, layer in enumerate(layers)}
-    unknown = [i for i in config.fa3_layers if i not in row_of]
-    if unknown:
-        raise ValueError(f"--fa3-layers {unknown} are not attention layers of this model (layer_idx {layers[0].layer_idx}..{layers[-1].layer_idx})")
-    return sorted(row_of[i] for i in config.fa3_layers)
+    runs = schemes if any(s.mode == "reference" for s in schemes) else [Scheme(REFERENCE, "reference", "", schemes[0].fmt), *schemes]
+    return needle_probe(
+        model, tokenizer, {s.name: _Apply(s, row_of) for s in runs}, reference=REFERENCE, lengths=config.needle,
+        depths=config.needle_depths, data=config.data, text_field=config.text_field, seed=config.seed,
+        chunk_len=config.chunk_len, context=context, progress=config.progress,
+    )
 
 
 # ---- derived results ----------------------------------------------------------------------------------------------
 
 
-def _mean_stderr(values: list[float]) -> tuple[float, float | None]:
-    """Mean over sequences and its standard error (None with a single sequence)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    return t.mean().item(), (t.std().item() / math.sqrt(len(values)) if len(values) > 1 else None)
-
-
 def scheme_result(scheme: Scheme, tally: _Tally, ref_sq: torch.Tensor, ref_nll: list[float], config: VerifyConfig) -> dict:
     """Every number of one scheme, as plain JSON-able values, with its verdict."""
-    kl, kl_se = _mean_stderr(tally.seq_kl)
+    kl, kl_se = mean_stderr(tally.seq_kl)
     nll, ref_mean_nll = sum(tally.seq_nll) / len(tally.seq_nll), sum(ref_nll) / len(ref_nll)
     top1 = sum(tally.seq_top1) / len(tally.seq_top1)
     frac = {k: {"saturated": (c[:, 0] / c[:, 2].clamp(min=1)).tolist(), "underflow": (c[:, 1] / c[:, 2].clamp(min=1)).tolist()} for k, c in tally.counts.items()}
@@ -467,248 +450,8 @@ def scheme_result(scheme: Scheme, tally: _Tally, ref_sq: torch.Tensor, ref_nll: 
         "top1": top1, "seconds": tally.seconds,
         "scales": {k: v.tolist() for k, v in scheme.scales.items()},
     }
-    result["verdict"], result["reasons"] = judge(result, config)
+    result["verdict"], result["reasons"] = judge(result, config.thresholds)
     return result
-
-
-def check_measured(name: str, result: dict) -> None:
-    """Refuse numbers that cannot come from a real FP8 emulation of a working model.
-
-    Quantizing real activations always changes something: a KL of exactly 0 means the scheme never ran
-    (or reference and scheme share a broken model); a layer error of exactly 0 means that layer was not
-    quantized, and exactly 1 that its attention output vanished.
-    """
-    if result["mode"] == "reference":
-        return
-    if result["kl"] == 0.0:
-        raise ValueError(f"scheme {name} measured a KL of exactly 0: its quantization changed nothing, so this verify "
-                         "cannot be trusted (is K/V quantization applied twice, or not at all?)")
-    stuck = [i for i, e in enumerate(result["layer_rel_error"]) if e in (0.0, 1.0)]
-    if stuck:
-        raise ValueError(f"scheme {name} measured a per-layer error of exactly 0 or 1 at layer rows {stuck[:5]}: "
-                         "those layers were not quantized or lost their output; this verify cannot be trusted")
-
-
-def judge(result: dict, config: VerifyConfig) -> tuple[str, list[str]]:
-    """pass / warn / fail against the thresholds; the reference scheme is "reference"."""
-    if result["mode"] == "reference":
-        return "reference", []
-    reasons, verdict = [], "pass"
-    kl, top1 = result["kl"], result["top1"]
-    if kl > config.fail_kl or top1 < config.fail_top1:
-        verdict = "fail"
-    elif kl > config.max_kl or top1 < config.min_top1 or result.get("needle_lost"):
-        verdict = "warn"
-    if kl > config.max_kl:
-        reasons.append(f"KL {kl:.4g} > {config.fail_kl if kl > config.fail_kl else config.max_kl} nats/token")
-    if top1 < config.min_top1:
-        reasons.append(f"top-1 agreement {top1:.3%} < {config.fail_top1 if top1 < config.fail_top1 else config.min_top1:.0%}")
-    if result.get("needle_lost"):
-        reasons.append(f"the needle found by the reference was lost in {result['needle_lost']} case(s)")
-    return verdict, reasons
-
-
-def compare(a: dict, b: dict) -> tuple[float, float | None, bool]:
-    """KL of scheme a minus scheme b, paired by sequence: (mean, stderr or None, significant at 2 s.e.)."""
-    diff = [x - y for x, y in zip(a["kl_per_sequence"], b["kl_per_sequence"])]
-    mean, se = _mean_stderr(diff)
-    return mean, se, se is not None and abs(mean) > 2 * se
-
-
-def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str) -> tuple[list[str], str]:
-    """What to serve, from the measured numbers only: (sentences, vllm serve line)."""
-    lines = list(n for n in held["notes"] if "no KV scales" in n)
-    ranked = {n: r for n, r in results.items() if r["mode"] != "reference"}
-    if "token" in ranked and any(r["quantizes_query"] for r in ranked.values()):
-        lines.append("The static schemes here quantize Q as well (as FA3 on Hopper does); token leaves Q unquantized, "
-                     "so part of its lead may be Q's: --kv-only compares K and V alone.")
-
-    def versus(a: str, b: str) -> str:
-        mean, se, sig = compare(results[a], results[b])
-        ka, kb = results[a]["kl"], results[b]["kl"]
-        change = f"{a} is {'lower' if ka < kb else 'higher'} by {abs(ka / kb - 1):.0%}" if kb > 0 else ""
-        test = "one sequence: not tested" if se is None else ("significant" if sig else "within noise") + f", paired over {len(results[a]['kl_per_sequence'])} sequences"
-        return f"{a} vs {b}: KL {ka:.4g} vs {kb:.4g} nats/token; {change} ({test})"
-
-    for a, b in (("token", "tensor"), ("tensor", "scale1"), ("head", "tensor")):
-        if a in ranked and b in ranked:
-            lines.append(versus(a, b))
-    usable = {n: r for n, r in ranked.items() if r["verdict"] != "fail"}
-    if not usable:
-        lines.append("Every FP8 scheme measured fails the thresholds: keep this model's KV cache in bf16.")
-        return lines, f"vllm serve {checkpoint} --kv-cache-dtype auto"
-    # The most portable scheme among those with the best verdict; scale 1.0 only as a last resort.
-    rank = {"pass": 0, "warn": 1}
-    top = min(rank[r["verdict"]] for r in usable.values())
-    preference = ["tensor", *[n for n in usable if n not in SCHEMES], "head", "token", "scale1"]
-    choice = next(n for n in preference if n in usable and rank[usable[n]["verdict"]] == top)
-    r = usable[choice]
-    lines.append(f"Recommended: {choice} ({SCHEME_NOTES.get(choice, r['source'])}): KL {r['kl']:.4g} nats/token, "
-                 f"perplexity {r['ppl_change']:+.2%}, top-1 agreement {r['top1']:.2%}, verdict {r['verdict']}.")
-    for name, other in usable.items():
-        if name != choice and compare(other, r)[2] and other["kl"] < r["kl"]:
-            lines.append(f"{name} has significantly lower KL than {choice} ({other['kl']:.4g} vs {r['kl']:.4g}); "
-                         f"prefer it if that matters more than backend support: {SCHEME_NOTES.get(name, other['source'])}.")
-    target = checkpoint
-    if r["mode"] == "static" and choice != "scale1" and r["source"] != "checkpoint":
-        target = "OUT"
-        how = (f"write them with `kvcal export {checkpoint} --out OUT --granularity {choice}`" if choice in SCHEMES
-               else f"write {r['source']} into a copy of the checkpoint")
-        lines.append(f"These {choice} scales are not in the checkpoint: {how} and serve OUT.")
-    if choice == "scale1" and held["granularity"] is not None:
-        lines.append("Scale 1.0 needs a checkpoint without KV scales; this one has scales, which vLLM would use instead.")
-    sliding = [i for i, layer in enumerate(layers) if layer.sliding_window]
-    skip = False
-    if sliding and len(sliding) < len(layers):
-        err = torch.tensor(r["layer_rel_error"])
-        full = [i for i in range(len(layers)) if i not in sliding]
-        skip = err[sliding].mean() > 1.5 * err[full].mean()
-        lines.append(f"Sliding-window layers: mean per-layer error {err[sliding].mean():.3g} vs {err[full].mean():.3g} on full layers; "
-                     + ("keeping them in bf16 (--kv-cache-dtype-skip-layers sliding_window) should help — judged per layer, not measured end to end."
-                        if skip else "skipping them is not indicated."))
-    granularity = {"head": "head", "token": "token"}.get(r["granularity"], "tensor")
-    lines.append(report.SERVE_NOTES[granularity])
-    return lines, report.serve_command(target, granularity, skip_sliding=skip)
-
-
-# ---- FA3 numeric model on sampled rows ----------------------------------------------------------------------------
-
-
-def _fa3_rows(seq_len: int, chunk_len: int, n: int) -> torch.Tensor:
-    """Query positions for the FA3 model: up to n, spread over the second half of the last chunk (longest contexts)."""
-    last = seq_len - 2  # the last position that runs (the final token is only a target)
-    start = max((last // chunk_len) * chunk_len, last // 2)
-    return torch.linspace(start, last, n).round().long().unique()  # [R]
-
-
-def _error(o: torch.Tensor, ref: torch.Tensor) -> dict:
-    """Relative RMS error and magnitude bias (Σ ref·(o − ref) / Σ ref², negative = shrunk) of o against ref."""
-    d = o - ref
-    return {"rel_error": (d.norm() / ref.norm()).item(), "bias": ((ref * d).sum() / ref.square().sum()).item()}
-
-
-@torch.no_grad()
-def fa3_probe(probe: _ReferenceProbe, rows: torch.Tensor, schemes: list[Scheme], layers, sig, config: VerifyConfig) -> dict:
-    """Run the FA3 FP8 model (both P·V modes) on the captured rows for every static scheme; validate it.
-
-    Each output is compared with float64 attention on the unquantized q, k, v. "fp8_inputs" is the
-    same quantization with exact arithmetic, so the rest of the error is P's FP8 cast and the accumulator.
-    """
-    groups = sig.num_heads // sig.num_kv_heads
-    static = [s for s in schemes if s.mode == "static"]
-    results, exact_check = {}, None
-    notes = [f"{s.name}: not an FA3 mode (vLLM runs it on Triton), not emulated" for s in schemes if s.mode == "token"]
-    for row, cap in sorted(probe.capture.items()):
-        idx = layers[row].layer_idx
-        if cap["softcap"]:
-            notes.append(f"layer {idx}: attention logit softcapping is not modelled; skipped")
-            continue
-        q, k, v = cap["q"], cap["k"].repeat_interleave(groups, 0), cap["v"].repeat_interleave(groups, 0)  # [Hq, R|N, D]
-        shape = dict(softmax_scale=cap["scaling"], q_pos=rows, window=cap["window"])
-        ref = fa3.exact_attention(q, k, v, **shape)  # [Hq, R, D]
-        layer = {"model_check": _error(cap["model_out"], ref)["rel_error"], "schemes": {}}
-        for s in static:
-            qs = s.scales["q"][row].double()  # [Hq]
-            ks, vs = (s.scales[kind][row].double().repeat_interleave(groups) for kind in ("k", "v"))  # [Hq]
-            q8, k8, v8 = (quantize(x, sc.view(-1, 1, 1), s.fmt).double() for x, sc in ((q, qs), (k, ks), (v, vs)))
-            fp8_inputs = fa3.exact_attention(q8 * qs.view(-1, 1, 1), k8 * ks.view(-1, 1, 1), v8 * vs.view(-1, 1, 1), **shape)
-            run = dict(descale=qs * ks, v_descale=vs, **shape)
-            layer["schemes"][s.name] = {
-                "fp8_inputs": _error(fp8_inputs, ref),
-                **{m: _error(fa3.fa3_attention(q8, k8, v8, mode=m, accum_bits=config.accum_bits, **run), ref) for m in fa3.MODES},
-            }
-            if exact_check is None:  # the emulator with exact arithmetic must reproduce fp8_inputs
-                exact_check = _error(fa3.fa3_attention(q8, k8, v8, accum_bits=None, quantize_p=False, **run), fp8_inputs)["rel_error"]
-        results[idx] = layer
-    n_keys = int(rows.max()) + 1
-    bits = sorted({config.accum_bits, fa3.B200_ACCUM_BITS})
-    return {
-        "parameters": {
-            "format": "e4m3fn, round to nearest even, saturate ±448 (Q, K, V and P)", "k_step": fa3.K_STEP,
-            "accum_bits": config.accum_bits, "accumulator": "per-term aligned, truncate toward zero (MMA-Sim model)",
-            "p": "exp2(S·scale·log2e − (m − 8)) in [0, 256], e4m3; row sum from fp32 P",
-            "kblock_n": {m: fa3.block_n(sig.head_dim, m) for m in fa3.MODES},
-        },
-        "query_positions": rows.tolist(),
-        "layers": results,
-        "validation": {
-            "exact_arithmetic_vs_float64": exact_check,
-            f"same_sign_bias_{n_keys}_keys": {m: {b: fa3.same_sign_bias(n_keys, mode=m, accum_bits=b) for b in bits} for m in fa3.MODES},
-        },
-        "notes": notes,
-    }
-
-
-# ---- needle probe -------------------------------------------------------------------------------------------------
-
-
-def needle_prompt(tokenizer, hay: list[int], length: int, depth: float, code: str) -> tuple[list[int], int, int]:
-    """Haystack with the needle at ``depth``, then the question and the answer: (ids of ``length`` tokens, needle position, answer tokens)."""
-    def encode(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False).input_ids
-
-    needle, question, answer = encode("\n" + NEEDLE.format(code=code) + "\n"), encode("\n" + NEEDLE_QUESTION), encode(" " + code)
-    body = length - len(needle) - len(question) - len(answer)
-    if body < 16:
-        raise ValueError(f"--needle {length} leaves no room for a haystack (needle and question take {length - body} tokens); use a longer length")
-    hay = hay[:body]
-    pos = min(body, max(1, round(depth * body)))  # never before the first token (BOS, when the tokenizer adds one)
-    return hay[:pos] + needle + hay[pos:] + question + answer, pos, len(answer)
-
-
-def _haystack(config: VerifyConfig, tokenizer, length: int, context: int | None) -> list[int]:
-    """The first ``length`` tokens of the user's data, as one packed sequence."""
-    dc = DataConfig(sources=config.data, seq_len=length, max_tokens=length, text_field=config.text_field, seed=config.seed)
-    seq = next(iter(iter_sequences(dc, tokenizer, max_context=context)), None)
-    if seq is None or seq.numel() < length:
-        got = 0 if seq is None else seq.numel()
-        raise ValueError(f"the data holds only {got} tokens but --needle {length} needs a haystack of {length}; add data or use shorter lengths")
-    return seq.tolist()
-
-
-def _tail_logits(model, ids: torch.Tensor, n: int, hook, chunk_len: int) -> torch.Tensor:
-    """Logits [n, V] that predict the last n tokens of ``ids`` [1, T], run as chunked prefill under ``hook``."""
-    run, first = _Prefill(model), ids.shape[1] - n - 1
-    parts = []
-    with hooked_attention(model, hook):
-        for start in range(0, ids.shape[1], chunk_len):
-            chunk = ids[:, start : start + chunk_len]  # [1, c]
-            end = start + chunk.shape[1]
-            logits = run(chunk, min(max(1, end - first), chunk.shape[1]))  # [keep, V]
-            if end > first:
-                parts.append(logits)
-    return torch.cat(parts)[:n]
-
-
-@torch.no_grad()
-def needle_probe(model, tokenizer, layers, schemes: list[Scheme], config: VerifyConfig, context: int | None) -> dict:
-    """Teacher-forced retrieval of a planted fact at each length and depth, for the reference and every scheme."""
-    device = next(model.parameters()).device
-    row_of = {layer.layer_idx: row for row, layer in enumerate(layers)}
-    runs = schemes if any(s.mode == "reference" for s in schemes) else [Scheme(REFERENCE, "reference", "", schemes[0].fmt), *schemes]
-    cases = []
-    for length in config.needle:
-        hay = _haystack(config, tokenizer, length, context)
-        code = str(random.Random(config.seed * 100_003 + length).randint(1000, 9999))
-        for depth in config.needle_depths:
-            ids, pos, n = needle_prompt(tokenizer, hay, length, depth, code)
-            ids = torch.tensor(ids, device=device)[None]  # [1, length]
-            answer = ids[0, -n:]
-            case = {"length": length, "depth": depth, "needle_token": pos, "code": code, "schemes": {}}
-            for scheme in tqdm(runs, desc=f"needle {length}@{depth:g}", disable=not config.progress, leave=False):
-                logits = _tail_logits(model, ids, n, _Apply(scheme, row_of), config.chunk_len)  # [n, V]
-                logprob = torch.log_softmax(logits, -1).gather(-1, answer[:, None]).sum().item()
-                case["schemes"][scheme.name] = {"logprob": logprob, "greedy": bool((logits.argmax(-1) == answer).all())}
-            cases.append(case)
-    summary = {}
-    for s in runs:
-        if s.mode == "reference":
-            continue
-        lost = sum(c["schemes"][REFERENCE]["greedy"] and not c["schemes"][s.name]["greedy"] for c in cases)
-        delta = [c["schemes"][s.name]["logprob"] - c["schemes"][REFERENCE]["logprob"] for c in cases]
-        summary[s.name] = {"lost": lost, "found": sum(c["schemes"][s.name]["greedy"] for c in cases), "mean_logprob_change": sum(delta) / len(delta)}
-    summary[REFERENCE] = {"found": sum(c["schemes"][REFERENCE]["greedy"] for c in cases)}
-    return {"needle": NEEDLE, "question": NEEDLE_QUESTION, "cases": cases, "summary": summary}
 
 
 # ---- the command --------------------------------------------------------------------------------------------------
@@ -796,14 +539,14 @@ def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> V
     # pass and one pass per scheme.
     stats = _load_stats(Path(config.checkpoint), sig)
     schemes, skipped, held = build_schemes(config, layers, sig, stats, fmt)
-    fa3_rows = _fa3_rows(config.seq_len, config.chunk_len, config.fa3_rows) if config.fa3 else None
+    fa3_rows = fa3.query_rows(config.seq_len, config.chunk_len, config.fa3_rows) if config.fa3 else None
     tallies, probe, ref_nll, ref_seconds = measure(model, layers, schemes, sequences, config, fa3_rows)
     measured = time.perf_counter()
 
     # 5. Optional probes: the FA3 numeric model on sampled rows, and the needle.
-    fa3_result = fa3_probe(probe, fa3_rows, schemes, layers, sig, config) if config.fa3 else None
+    fa3_result = _fa3(probe, fa3_rows, schemes, layers, sig, config) if config.fa3 else None
     probed = time.perf_counter()
-    needle_result = needle_probe(model, tokenizer, layers, schemes, config, context) if config.needle else None
+    needle_result = _needle(model, tokenizer, layers, schemes, config, context) if config.needle else None
 
     # 6. Numbers, verdicts and the recommendation.
     results = {}
@@ -812,7 +555,7 @@ def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> V
         check_measured(s.name, r)
         if needle_result and s.mode != "reference":
             r["needle_lost"] = needle_result["summary"][s.name]["lost"]
-            r["verdict"], r["reasons"] = judge(r, config)
+            r["verdict"], r["reasons"] = judge(r, config.thresholds)
         results[s.name] = r
     recommendation, serve = recommend(results, held, layers, config.checkpoint)
     dtype = str(model.dtype).removeprefix("torch.")

@@ -19,7 +19,8 @@ from calibrate.checkpoint import INDEX_FILE
 from calibrate.export import scales_file, shard_name
 from calibrate.fp8 import FORMATS
 from calibrate.model import load_model
-from calibrate.verify import Scheme, needle_prompt, verify
+from calibrate.needle import needle_prompt
+from calibrate.verify import Scheme, verify
 
 E4M3 = FORMATS["e4m3fn"]
 QUIET = dict(progress=False)
