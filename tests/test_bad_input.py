@@ -150,7 +150,7 @@ EXPORT = [
     (["{root}/llama"], ["llama has no kvcal/stats.safetensors; pass a directory written by kvcal calibrate"]),
     (["{root}/no-provenance"], ["has no kvcal/calibration.json"]),
     (["{root}/provenance-not-json"], ["calibration.json is not valid JSON"]),
-    (["{root}/provenance-list"], ["calibration.json holds no 'layers' list"]),
+    (["{root}/provenance-list"], ["calibration.json holds a list, not a JSON object"]),
     (["{root}/stats-damaged"], ["stats.safetensors is not a readable safetensors file"]),
     (["{root}/out", "--observer", "median"], ["unknown observer 'median'"]),
     (["{root}/out", "--observer", "percentile:0"], ["the percentile must be in (0, 100]"]),
@@ -188,7 +188,7 @@ def test_inspect_refuses(root, capsys, args, fragments):
 
 @pytest.mark.parametrize("args, fragments", [
     (["{root}/llama", "{root}/llama"], ["llama has no kvcal/stats.safetensors"]),
-    (["{root}/provenance-list", "{root}/llama"], ["holds no 'layers' list"]),
+    (["{root}/provenance-list", "{root}/llama"], ["calibration.json holds a list, not a JSON object"]),
     (["{root}/out", "{root}/missing"], ["missing is not a checkpoint"]),
     (["{root}/out", "{root}/qwen3"], ["'qwen3'"]),
     (["{root}/out", "{root}/llama-2-layers"], ["has 2 attention layers", "calibrated on 3"]),
