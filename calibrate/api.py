@@ -67,6 +67,7 @@ class CalibrationResult:
                 f" / per-token {s.token_rel_mse[k].mean():.2e}"
                 for k in ("k", "v")
             ),
+            *self._sink_note(),
             *self._little_data(),
             SERVE_NOTES[s.granularity],
             f"wrote {self.out}",
@@ -78,6 +79,14 @@ class CalibrationResult:
         if self.verification is not None:
             lines += ["", "short verify of the written checkpoint (kvcal verify runs the full one):", self.verification.summary()]
         return "\n".join(lines)
+
+    def _sink_note(self) -> list[str]:
+        """One line when the scales saturate the attention-sink tokens (the sink-aware observer accepts that)."""
+        worst = {k: float(v.max()) for k, v in self.scale_set.sink_saturated.items() if float(v.max()) > 0}
+        if not worst:
+            return []
+        return ["sink tokens (first positions) saturated, worst layer: "
+                + ", ".join(f"{k} {frac:.3%}" for k, frac in worst.items())]
 
     def _little_data(self) -> list[str]:
         """One line when the scales rest on fewer tokens than LITTLE_DATA_TOKENS, else none."""
@@ -148,6 +157,7 @@ def scale_report(scale_set: ScaleSet) -> dict:
         "scales": {k: v.tolist() for k, v in scale_set.scales.items()},
         "checkpoint_scales": {k: v.tolist() for k, v in scale_set.checkpoint_scales().items()},
         "predicted_saturated": {k: p.saturated.tolist() for k, p in scale_set.predictions.items()},
+        "predicted_sink_saturated": {k: v.tolist() for k, v in scale_set.sink_saturated.items()},
         "predicted_underflow": {k: p.underflow.tolist() for k, p in scale_set.predictions.items()},
         "predicted_rel_mse": {k: p.rel_mse.tolist() for k, p in scale_set.predictions.items()},
         "per_token_rel_mse": {k: v.tolist() for k, v in scale_set.token_rel_mse.items()},

@@ -44,7 +44,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
-from unittest import mock
 
 import torch
 
@@ -455,8 +454,12 @@ def _open(part: _Part) -> "datasets.IterableDataset":
     options = {"sample_by": "paragraph"} if part.builder == "text" else {}
     # load_dataset pings the hub to count downloads even of local files; without a network the DNS lookup
     # alone can stall for seconds, once per file.
-    with mock.patch.object(datasets.config, "HF_UPDATE_DOWNLOAD_COUNTS", False):
+    counting = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    try:
         return datasets.load_dataset(part.builder, data_files=[part.path], split="train", streaming=True, **options)
+    finally:
+        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counting
 
 
 def _rows(part: _Part, *, shuffle_seed: int | None = None) -> Iterator[dict]:

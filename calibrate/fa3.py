@@ -1,7 +1,7 @@
 """A numeric model of FlashAttention-3's FP8 forward pass on Hopper, for ``kvcal verify --fa3``.
 
 This is a model of the hardware, not the hardware: nobody has checked it against an H100 yet. It
-follows the facts gathered in ``fa3-numerics.md``:
+follows the facts in docs/fa3-numerics.md:
 
 * Q, K, V and the softmax probabilities P are all e4m3; both matmuls are FP8 tensor-core MMAs.
 * Every MMA k-step adds ``K_STEP`` products into the accumulator with the per-term aligned
@@ -202,7 +202,7 @@ def exact_attention(
 
 @torch.no_grad()
 def same_sign_bias(n_keys: int, *, mode: str, accum_bits: int | None, head_dim: int = 64, seed: int = 0) -> float:
-    """Relative bias of the modelled P·V on the worst case of fa3-numerics.md: same-sign V, near-uniform P.
+    """Relative bias of the modelled P·V on the worst case of docs/fa3-numerics.md: same-sign V, near-uniform P.
 
     One query row attends ``n_keys`` keys with scores within ±0.01 of each other and V uniform in
     [0.5, 1] (e4m3 values); the result is (emulated − exact) / exact of the mean output, with

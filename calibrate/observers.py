@@ -230,6 +230,7 @@ class ScaleSet:
     scales: dict[str, torch.Tensor]  # kind → [L] or [L, H]
     predictions: dict[str, Prediction]
     token_rel_mse: dict[str, torch.Tensor]  # kind → [L] or [L, H], exact, for the per-token-head mode
+    sink_saturated: dict[str, torch.Tensor]  # kind → [L] or [L, H]: fraction of the sink tokens' values saturated
 
     @property
     def per_head(self) -> bool:
@@ -259,8 +260,9 @@ def derive_scales(
     spec = parse_observer(observer)
     per_head = parse_granularity(granularity) == "head"
     kinds = ("k", "v", "q") if query_scale else ("k", "v")
-    scales, predictions, token_err = {}, {}, {}
+    scales, predictions, token_err, sinks = {}, {}, {}, {}
     for kind in kinds:
         scales[kind], predictions[kind] = observe(stats[kind], spec, fmt, per_head=per_head, headroom=headroom)
         token_err[kind] = token_rel_mse(stats[kind], per_head)
-    return ScaleSet(str(spec), granularity, fmt, headroom, scales, predictions, token_err)
+        sinks[kind] = sink_saturation(stats[kind], scales[kind], fmt)
+    return ScaleSet(str(spec), granularity, fmt, headroom, scales, predictions, token_err, sinks)

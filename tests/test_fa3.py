@@ -36,7 +36,7 @@ def truncate_exact(x: Fraction, bits: int) -> Fraction:
 
 
 def fused_sum_exact(acc: float, products: list[float], bits: int) -> Fraction:
-    """The per-term aligned truncation model of fa3-numerics.md, in Fractions (an independent implementation)."""
+    """The per-term aligned truncation model of docs/fa3-numerics.md, in Fractions (an independent implementation)."""
     terms = [Fraction(acc)] + [Fraction(p) for p in products]
     largest = max(abs(t) for t in terms)
     if largest == 0:
@@ -118,7 +118,7 @@ def test_p_cast_to_e4m3_matches_independent_computation():
 
 
 def cheap_chain(p: torch.Tensor, v: torch.Tensor, bits: int) -> torch.Tensor:
-    """The cheap model fa3-numerics.md warns about: exact k-step sums, the accumulator truncated once per step."""
+    """The cheap model docs/fa3-numerics.md warns about: exact k-step sums, the accumulator truncated once per step."""
     acc = torch.zeros(v.shape[1], dtype=torch.float64)
     for k0 in range(0, len(p), fa3.K_STEP):
         acc = fa3.truncate(acc + p[k0 : k0 + fa3.K_STEP] @ v[k0 : k0 + fa3.K_STEP], bits)
@@ -126,7 +126,7 @@ def cheap_chain(p: torch.Tensor, v: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def test_per_term_model_shows_far_more_bias_than_the_cheap_model():
-    """fa3-numerics.md: truncating once per k-step underestimates the single-chain bias 10-25×."""
+    """docs/fa3-numerics.md: truncating once per k-step underestimates the single-chain bias 10-25×."""
     g = torch.Generator().manual_seed(0)
     n, d = 8192, 16
     p = torch.full((n,), 256.0, dtype=torch.float64)  # near-uniform P at its FA3 maximum
@@ -143,7 +143,7 @@ def test_per_term_model_shows_far_more_bias_than_the_cheap_model():
 @pytest.mark.parametrize(
     "mode, bits, low, high",
     [
-        ("single_chain", 13, -0.40, -0.05),  # fa3-numerics.md's CPU simulation: −14.6% at 8K keys (its exact setup unknown)
+        ("single_chain", 13, -0.40, -0.05),  # docs/fa3-numerics.md: a CPU simulation,: −14.6% at 8K keys (its exact setup unknown)
         ("two_level", 13, -0.01, 0.0),  # a fresh accumulator every 128 keys keeps it small
         ("single_chain", 25, -1e-4, 0.0),  # B200: no cliff
     ],
