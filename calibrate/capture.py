@@ -221,6 +221,8 @@ def run_capture(
     *,
     chunk_len: int,
     total_tokens: int | None = None,
+    done_tokens: int = 0,
+    after_sequence: Callable[[int], None] | None = None,
     progress: bool = True,
 ) -> Stats:
     """Stream ``sequences`` (1-D token tensors) through the model, filling ``stats``.
@@ -228,14 +230,21 @@ def run_capture(
     Sequences run one at a time (batch 1, no padding), each as chunked prefill when longer than
     ``chunk_len``. Token ids go to the embedding's device (``input_device``: with a device map, where the
     embedding runs). Raises when any layer saw nothing.
+
+    Args:
+        done_tokens: tokens ``stats`` already holds (a resumed run), where the progress bar starts.
+        after_sequence: called with each sequence's token count once its statistics are folded in: between
+            sequences, the only moments at which ``stats`` holds whole sequences (``resume.Saver`` saves there).
     """
     device = input_device(model)
     observer = Observer(stats, layers)
-    bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="calibrating", disable=not progress)
+    bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True, desc="calibrating", disable=not progress)
     with hooked_attention(model, observer), bar:
         for seq in sequences:
             forward_chunked(model, seq.to(device).unsqueeze(0), chunk_len)  # [1, S]
             observer.flush()
             bar.update(seq.numel())
+            if after_sequence is not None:
+                after_sequence(seq.numel())
     observer.check_complete()
     return stats

@@ -237,16 +237,36 @@ class SequenceStream:
             self.tokens_yielded += len(sequence)
             yield torch.tensor(sequence, dtype=torch.long)
 
-    def shard(self, rank: int, world: int) -> Iterator[torch.Tensor]:
+    def shard(self, rank: int, world: int, *, skip: int = 0, skip_tokens: int | None = None) -> Iterator[torch.Tensor]:
         """This rank's share of the sequences: sequence i goes to rank ``i % world``.
 
         Every rank reads and tokenizes the whole stream and keeps its share, so the shares together are
         exactly the sequences of one process, however many ranks and however unevenly they split (a rank
         may get none), and ``manifest()`` still describes the whole set once the shard is exhausted.
+
+        Args:
+            skip: the first ``skip`` sequences of the share are read but not yielded: a resumed run has their
+                statistics already, and reading them keeps the packing, the mixture and the manifest as they were.
+            skip_tokens: how many tokens those sequences held when they were captured; other data or another
+                tokenizer would cut them differently, which is refused.
         """
+        share = skipped = 0
         for i, sequence in enumerate(self):
-            if i % world == rank:
+            if i % world != rank:
+                continue
+            share += 1
+            if share > skip:
                 yield sequence
+                continue
+            skipped += sequence.numel()
+            if share == skip and skip_tokens is not None and skipped != skip_tokens:
+                raise ValueError(
+                    f"the first {skip} sequences of rank {rank}'s share hold {skipped} tokens now but {skip_tokens} "
+                    "when they were captured: the data or the tokenizer changed; start over without resuming"
+                )
+        if share < skip:
+            raise ValueError(f"rank {rank}'s share holds {share} sequences now but {skip} were captured before: "
+                             "the data changed; start over without resuming")
 
     def manifest(self) -> list[dict]:
         """Per source: what it is, its weight, how much of it was used, and hashes to reproduce the run.
