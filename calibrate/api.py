@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import resume
 from .config import LITTLE_DATA_TOKENS, CalibrationConfig, check_granularity, check_headroom, check_observer
 from .distributed import Group, session
 from .export import KVCAL_DIR, prepare_output, scale_tensors, weight_files, write_checkpoint
@@ -194,6 +195,10 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     statistics are still captured on the original, unquantized model: FP8 weights shift the activations
     slightly, so the scales are those of the bf16 model (the short verify runs on the written, FP8-weight
     checkpoint and measures the combined effect).
+
+    With ``config.checkpoint_every`` each rank saves its statistics and place in the data as it goes; with
+    ``config.resume`` each rank continues from its save (``calibrate.resume``), and the statistics, and so the
+    scales, are exactly those of an uninterrupted run. The saves are removed once OUT is written.
     """
     from .data import DataConfig
     from .weights import PROVENANCE as WEIGHTS_PROVENANCE
@@ -218,10 +223,11 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             )
             data_config.validate()
             fmt = get_format(config.fp8_format)
+            saved = resume.prepare(config, group.rank, group.world)
 
         # 2. and 3. Load the model, stream this rank's share of the data through it (the model is freed after).
         with group.together("loading the model and capturing statistics"):
-            captured = _load_and_capture(config, data_config, group)
+            captured = _load_and_capture(config, data_config, group, saved)
         # The statistics of every rank, merged exactly (on the device: NCCL on GPUs); rank 0 carries on alone.
         group.merge(captured.stats)
         if not group.writes:
@@ -262,6 +268,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     finally:
         if weights_dir is not None:
             shutil.rmtree(weights_dir, ignore_errors=True)
+    shutil.rmtree(resume.resume_dir(config.out), ignore_errors=True)  # OUT holds it all now: the saves have served
     result = CalibrationResult(out, layers, stats, scale_set, provenance)
 
     # 6. A short verify of what was written, unless --no-verify.
@@ -286,11 +293,12 @@ class _Captured:
     dtype: torch.dtype
 
 
-def _load_and_capture(config: CalibrationConfig, data_config, group: Group) -> _Captured:
+def _load_and_capture(config: CalibrationConfig, data_config, group: Group, saved: dict | None) -> _Captured:
     """Steps 2 and 3 of ``run_calibration`` on one rank: load and place the model, capture this rank's share.
 
     A rank other than 0 whose share is empty (fewer sequences than ranks) keeps zero statistics: the capture
     would refuse them, but the merge needs them. Rank 0 always captures, so no data at all fails as in one process.
+    ``saved`` is this rank's save when resuming: its statistics are restored and its sequences skipped.
     """
     from .capture import run_capture
     from .data import iter_sequences
@@ -313,13 +321,21 @@ def _load_and_capture(config: CalibrationConfig, data_config, group: Group) -> _
 
     # 3. Stream this rank's share of the data through the model, collecting statistics of Q, K and V.
     stream = iter_sequences(data_config, tokenizer, max_context=context)
-    share = stream.shard(group.rank, group.world)
+    directory = resume.resume_dir(config.out)
+    # The manifest hashes the data files once per stream: the final manifest reuses the hashes.
+    identity = resume.run_identity(config, group.world) | resume.stream_identity(stream.manifest(), device, model.dtype)
+    if saved is not None:
+        resume.check_same(saved, identity, directory)
+        stats = resume.restore(saved, directory, sig, device)
+    done = saved or {"sequences": 0, "tokens": 0}
+    share = stream.shard(group.rank, group.world, skip=done["sequences"], skip_tokens=done["tokens"])
+    saver = resume.Saver(directory, group.rank, config.checkpoint_every, stats, identity, saved) if config.checkpoint_every else None
     first = next(share, None)
     if first is not None or group.writes:
         run_capture(
             model, layers, share if first is None else itertools.chain([first], share), stats,
-            chunk_len=config.chunk_len, total_tokens=-(-config.max_tokens // group.world),
-            progress=config.progress and group.writes,
+            chunk_len=config.chunk_len, total_tokens=-(-config.max_tokens // group.world), done_tokens=done["tokens"],
+            after_sequence=saver, progress=config.progress and group.writes,
         )
     return _Captured(layers, sig, stats, stream.manifest(), device, model.dtype)
 

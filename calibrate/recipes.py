@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from .config import VERIFY_SCHEMES, CalibrationConfig, check_fp8_format, check_granularity, check_observer
+from .config import CHECKPOINT_EVERY, VERIFY_SCHEMES, CalibrationConfig, check_fp8_format, check_granularity, check_observer
 
 DEFAULT_RECIPE = "default"
 # Where shipped recipes are found: a source checkout first, then the installed package's data.
@@ -289,14 +289,15 @@ def apply_overrides(recipe: dict, overrides: dict) -> dict:
 def calibration_config(
     *, recipe: str | None, model: str, out: str, force: bool = False, overwrite: bool = False,
     device: str = "auto", dtype: str | None = None, progress: bool = True, min_tokens: int | None = None,
-    device_map: str | None = None, max_memory: str | dict | None = None, offload_folder: str | None = None, **overrides,
+    device_map: str | None = None, max_memory: str | dict | None = None, offload_folder: str | None = None,
+    checkpoint_every: int = CHECKPOINT_EVERY, resume: bool = False, **overrides,
 ) -> CalibrationConfig:
     """The validated CalibrationConfig of a run: recipe (default: ``default``) ← flags the user gave.
 
     Args:
         recipe: shipped recipe name or YAML file; None uses the ``default`` recipe.
-        model, out, overwrite, device, dtype, progress, min_tokens, device_map, max_memory, offload_folder: as in
-            CalibrationConfig (the machine's business, not recipe settings).
+        model, out, overwrite, device, dtype, progress, min_tokens, device_map, max_memory, offload_folder,
+            checkpoint_every, resume: as in CalibrationConfig (the machine's business, not recipe settings).
         force: use a recipe written for another model family (with a warning).
         **overrides: CalibrationConfig fields a recipe holds (``data``, ``seq_len``, ``observer``...), only
             those the user set; None values are ignored, so a CLI can pass its parsed flags as they are.
@@ -311,7 +312,8 @@ def calibration_config(
     settings.setdefault("data", [])
     config = CalibrationConfig(
         model=model, out=out, overwrite=overwrite, device=device, dtype=dtype, progress=progress, min_tokens=min_tokens,
-        device_map=device_map, max_memory=max_memory, offload_folder=offload_folder, recipe=resolved, **settings,
+        device_map=device_map, max_memory=max_memory, offload_folder=offload_folder, checkpoint_every=checkpoint_every,
+        resume=resume, recipe=resolved, **settings,
     ).validate()
     # These two read checkpoint formats through modules that import torch: after the cheap checks above.
     model_types = model_family(model)[0]  # refuses a config.json that is not JSON, naming it
