@@ -75,15 +75,19 @@ def save_tiny_checkpoint(directory, family: str, tokenizer, seed: int = 0):
     return directory
 
 
-@pytest.fixture
-def text_file(tmp_path):
-    """A small real-text calibration file (one verse per line of the KJV)."""
+def kjv_jsonl(path, verses: int):
+    """The first ``verses`` verses of the KJV as JSON lines of ``{"text": ...}`` records; returns ``path``."""
     import json
 
     from calibrate.demo import kjv_path
 
-    path = tmp_path / "data.jsonl"
     with open(kjv_path()) as src, open(path, "w") as dst:
-        for _, line in zip(range(200), src):
+        for _, line in zip(range(verses), src):
             dst.write(json.dumps({"text": json.loads(line)["text"]}) + "\n")
     return path
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    """A small real-text calibration file (one verse per line of the KJV)."""
+    return kjv_jsonl(tmp_path / "data.jsonl", 200)

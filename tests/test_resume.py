@@ -12,7 +12,7 @@ from dataclasses import fields
 
 import pytest
 import torch
-from conftest import save_tiny_checkpoint
+from conftest import kjv_jsonl, save_tiny_checkpoint
 from test_distributed import TORCHRUN, free_port
 
 from calibrate import CalibrationConfig, calibrate
@@ -124,13 +124,7 @@ def test_resume_must_be_a_bool(tiny_dir, text_file, tmp_path):
 @pytest.fixture
 def long_text(tmp_path):
     """About 100K tokens of KJV verses: a run long enough to be killed between two saves."""
-    from calibrate.demo import kjv_path
-
-    path = tmp_path / "long.jsonl"
-    with open(kjv_path()) as src, open(path, "w") as dst:
-        for _, line in zip(range(3000), src):
-            dst.write(json.dumps({"text": json.loads(line)["text"]}) + "\n")
-    return path
+    return kjv_jsonl(tmp_path / "long.jsonl", 3000)
 
 
 @pytest.mark.slow
