@@ -32,6 +32,14 @@ LITTLE_DATA_TOKENS = 100_000
 CHECKPOINT_EVERY = 2_000_000
 
 
+def check_model_dir(model_dir: str | Path) -> None:
+    """Refuse a model path that is a file or does not exist."""
+    if Path(model_dir).is_file():
+        raise ValueError(f"{model_dir} is a file; pass the model's directory (the one holding config.json)")
+    if not Path(model_dir).is_dir():
+        raise ValueError(f"model directory {model_dir} does not exist; pass a local Hugging Face model directory")
+
+
 def check_observer(text: str) -> None:
     """Refuse an ``--observer`` value that ``observers.parse_observer`` would refuse, with the same message."""
     name, _, arg = text.strip().partition(":")
@@ -197,10 +205,7 @@ class CalibrationConfig:
 
     def validate(self) -> "CalibrationConfig":
         """Cheap checks of every field; returns self."""
-        if Path(self.model).is_file():
-            raise ValueError(f"{self.model} is a file; pass the model's directory (the one holding config.json)")
-        if not Path(self.model).is_dir():
-            raise ValueError(f"model directory {self.model} does not exist; pass a local Hugging Face model directory")
+        check_model_dir(self.model)
         if not self.data:
             raise ValueError("no calibration data: pass --data FILE (txt, jsonl, json, parquet, csv) or a dataset name")
         for name, value in (("seq-len", self.seq_len), ("max-tokens", self.max_tokens), ("chunk-len", self.chunk_len)):

@@ -34,7 +34,6 @@ is split into several (``long_records="split"``) or refused (``"error"``).
 
 import codecs
 import glob
-import hashlib
 import json
 import os
 import random
@@ -46,6 +45,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from .files import file_sha256
 
 if TYPE_CHECKING:
     import datasets
@@ -298,11 +299,7 @@ class SequenceStream:
     def _hash(self, path: Path) -> str:
         """sha256 of a file's bytes, read in 1 MiB chunks, once per stream."""
         if path not in self._sha256:
-            digest = hashlib.sha256()
-            with path.open("rb") as f:
-                while chunk := f.read(1 << 20):
-                    digest.update(chunk)
-            self._sha256[path] = digest.hexdigest()
+            self._sha256[path] = file_sha256(path)
         return self._sha256[path]
 
     def _sequences(self, source: _Source) -> Iterator[list[int]]:

@@ -1,5 +1,6 @@
 """Files as kvcal writes them: modes that follow the umask, whoever writes the bytes."""
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -42,6 +43,15 @@ def read_json_object(path: Path, fix: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{path} holds a {type(value).__name__}, not a JSON object; {fix}")
     return value
+
+
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks (data files and model files can be large)."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def file_mode() -> int:

@@ -125,7 +125,7 @@ def _loader_checks(directory: Path, files: list[Path], quant: dict | None, sourc
         seen = {name for path in hf for name in tensor_names(path)}
         missed = [name for names in sources.values() for name in names
                   if name.rsplit(".", 1)[-1] in ("k_scale", "v_scale") and name not in seen]
-        declared = (quant or {}).get("quant_method") == "compressed-tensors" and (quant or {}).get("kv_cache_scheme")
+        declared = quant_method(quant) == "compressed-tensors" and quant.get("kv_cache_scheme")
         if missed and declared:
             problems.append(Problem("error", f"transformers reads only {', '.join(p.name for p in hf)} (it ignores the index when "
                                     f"{SINGLE_FILE} exists) and misses {len(missed)} k/v scales that vLLM loads from "
@@ -155,9 +155,7 @@ def checkpoint_prefixes(checkpoint: str | Path) -> dict[int, str]:
 
 def _kv_declaration(quant: dict | None, problems: list[Problem]) -> str:
     """Check the config's FP8 KV declaration; return the scale strategy vLLM expects ("tensor" or "attn_head")."""
-    if quant is None:
-        return "tensor"
-    method = str(quant.get("quant_method", "")).lower()
+    method = quant_method(quant)
     if method == "compressed-tensors":
         scheme = quant.get("kv_cache_scheme")
         if scheme is None:
@@ -172,7 +170,7 @@ def _kv_declaration(quant: dict | None, problems: list[Problem]) -> str:
         if strategy not in ("tensor", "attn_head"):
             problems.append(Problem("error", f"kv_cache_scheme.strategy {strategy!r}: vLLM accepts only 'tensor' or 'attn_head'"))
         return strategy if strategy == "attn_head" else "tensor"
-    if method.startswith("modelopt"):
+    if method == "modelopt":
         nested = quant.get("quantization") if isinstance(quant.get("quantization"), dict) else quant
         declared = str(nested.get("kv_cache_quant_algo") or "").upper() == "FP8" or (
             (quant.get("kv_cache_scheme") or {}).get("num_bits") == 8
@@ -186,10 +184,8 @@ def _kv_declaration(quant: dict | None, problems: list[Problem]) -> str:
 def _producer(directory: Path, quant: dict | None) -> str:
     if (directory / KVCAL_DIR / "calibration.json").is_file():
         return "kvcal"
-    method = str((quant or {}).get("quant_method", "")).lower()
-    return {"compressed-tensors": "llm-compressor", "quark": "Quark", "fp8": "vLLM fp8 config"}.get(
-        method, "ModelOpt" if method.startswith("modelopt") else "unknown tool"
-    )
+    names = {"compressed-tensors": "llm-compressor", "modelopt": "ModelOpt", "quark": "Quark", "fp8": "vLLM fp8 config"}
+    return names.get(quant_method(quant), "unknown tool")
 
 
 def _sliding_layers(config: dict) -> set[int]:

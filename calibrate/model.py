@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .config import check_model_dir
 from .files import read_json_object
 from .stats import ModelSignature
 
@@ -49,11 +50,8 @@ def read_config(model_dir: str | Path) -> dict:
 
 def read_config_file(model_dir: str | Path) -> dict:
     """A model directory's config.json as a dict, with a one-line error for each way it can be wrong."""
+    check_model_dir(model_dir)
     model_dir = Path(model_dir)
-    if model_dir.is_file():
-        raise ValueError(f"{model_dir} is a file; pass the model's directory (the one holding config.json)")
-    if not model_dir.is_dir():
-        raise ValueError(f"model directory {model_dir} does not exist; pass a local Hugging Face model directory")
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")

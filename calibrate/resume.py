@@ -15,7 +15,6 @@ them, the model's files, the data's hashes, the number of ranks, device type and
 any difference with one line naming it. The directory is removed once OUT is written.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .config import CalibrationConfig
-from .files import read_json_object
+from .files import file_sha256, read_json_object
 from .stats import ModelSignature, Stats
 
 FORMAT = 1
@@ -219,13 +218,5 @@ def _model_files(model: Path) -> dict[str, str]:
         if not f.is_file() or f.name.startswith("."):
             continue
         size = f.stat().st_size
-        files[f.name] = f"{size} bytes" if f.suffix in _WEIGHT_SUFFIXES or size > _HASH_LIMIT else _sha256(f)
+        files[f.name] = f"{size} bytes" if f.suffix in _WEIGHT_SUFFIXES or size > _HASH_LIMIT else file_sha256(f)
     return files
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()

@@ -225,11 +225,16 @@ def read_scales(files: list[Path], layers: list[AttentionLayer], sig: ModelSigna
     return {kind: torch.stack(r) for kind, r in rows.items()}, ("head" if per_head else "tensor"), notes  # kind → [L, H]
 
 
-def build_schemes(config: VerifyConfig, layers, sig, stats: Stats | None, fmt: FP8Format) -> tuple[list[Scheme], dict, dict]:
-    """The schemes to run, those that cannot run with the reason, and what the checkpoint holds."""
+def build_schemes(
+    config: VerifyConfig, files: list[Path], layers, sig, stats: Stats | None, fmt: FP8Format
+) -> tuple[list[Scheme], dict, dict]:
+    """The schemes to run, those that cannot run with the reason, and what the checkpoint holds.
+
+    ``files`` are the checkpoint's safetensors files as vLLM reads them (``export.weight_files``).
+    """
     directory = Path(config.checkpoint)
     method = quant_method(quant_config(directory, read_config(directory)))
-    ckpt, granularity, notes = read_scales(weight_files(directory), layers, sig, method)
+    ckpt, granularity, notes = read_scales(files, layers, sig, method)
     ckpt = {k: v * loaded_multiplier(method, fmt.name) for k, v in ckpt.items()}
     if granularity is None:
         notes.append("the checkpoint has no KV scales: vLLM would load it with 1.0 for every layer (scheme scale1)")
@@ -521,7 +526,7 @@ def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> V
                              text_field=config.text_field, seed=config.seed)
     data_config.validate()
     fmt = get_format(config.fp8_format)
-    weight_files(Path(config.checkpoint))  # every file the loaders read has a readable header
+    files = weight_files(Path(config.checkpoint))  # vLLM's files, every header checked
 
     # 2. The sample, before the model is loaded: data too short for one sequence is refused cheaply.
     device = resolve_device(config.device)
@@ -538,7 +543,7 @@ def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> V
     # 4. Schemes (the checkpoint's scales, scales derived from its statistics, named files), then the reference
     # pass and one pass per scheme.
     stats = _load_stats(Path(config.checkpoint), sig)
-    schemes, skipped, held = build_schemes(config, layers, sig, stats, fmt)
+    schemes, skipped, held = build_schemes(config, files, layers, sig, stats, fmt)
     fa3_rows = fa3.query_rows(config.seq_len, config.chunk_len, config.fa3_rows) if config.fa3 else None
     tallies, probe, ref_nll, ref_seconds = measure(model, layers, schemes, sequences, config, fa3_rows)
     measured = time.perf_counter()

@@ -11,12 +11,14 @@ machine does not enter the ratio; model loading and data reading are excluded fr
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
 from calibrate.api import load_calibration
 from calibrate.data import DataConfig, iter_sequences
 from calibrate.demo import kjv_path, smollm2_dir
+from calibrate.export import weight_files
 from calibrate.fp8 import get_format
 from calibrate.model import attention_layers, load_model, signature
 from calibrate.verify import SCHEMES, VerifyConfig, build_schemes, measure
@@ -54,7 +56,8 @@ def main() -> None:
         stats = load_calibration(checkpoint)[0]
     except ValueError:  # a checkpoint without kvcal statistics: tensor/head run only if it holds scales
         stats = None
-    schemes, skipped, _ = build_schemes(config, layers, signature(model, layers), stats, get_format("e4m3fn"))
+    files = weight_files(Path(checkpoint))
+    schemes, skipped, _ = build_schemes(config, files, layers, signature(model, layers), stats, get_format("e4m3fn"))
     stream = iter_sequences(DataConfig([data], seq_len=args.seq_len, max_tokens=config.max_tokens), tokenizer)
     sequences = [s for s in stream if s.numel() == args.seq_len]
 
