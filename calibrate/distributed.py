@@ -14,6 +14,7 @@ most ``timeout_s`` seconds: either way the others raise ``DistributedError`` ins
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -126,6 +127,29 @@ def rank_device(requested: str, local_rank: int) -> str:
 
 
 @contextmanager
+def _native_stderr_kept_on_success() -> Iterator[None]:
+    """Hold back what C++ code writes to stderr (fd 2) inside the block; pass it on only if the block succeeds.
+
+    A join that times out makes c10d log its error with a 40-frame C++ stack trace straight to fd 2, where
+    Python cannot catch it; the caller's one-line error says the same in words.
+    """
+    held = tempfile.TemporaryFile()
+    saved = os.dup(2)
+    os.dup2(held.fileno(), 2)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        if ok:
+            held.seek(0)
+            os.write(2, held.read())
+        held.close()
+
+
+@contextmanager
 def session(device: str, timeout_s: float) -> Iterator[Group]:
     """This process's Group: joined to the others when torchrun launched it (left at the end), else a lone rank 0.
 
@@ -141,7 +165,8 @@ def session(device: str, timeout_s: float) -> Iterator[Group]:
     if backend == "nccl":
         torch.cuda.set_device(device)  # NCCL's object collectives use the current device
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        with _native_stderr_kept_on_success():
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DistributedError(

@@ -122,3 +122,16 @@ def test_a_rank_that_fails_stops_the_others(tiny_dir, text_file, tmp_path):
     assert errors[0].startswith("kvcal: error: ") and "exists" in errors[0]
     assert errors[1].startswith("kvcal: error: rank 0 of 2 failed during the checks of the inputs"), errors[1]
     assert list(out.iterdir()) == []
+
+
+def test_a_rendezvous_nobody_answers_is_one_line(tiny_dir, text_file, tmp_path):
+    """A rank whose master never comes up (wrong --master-addr/port, node not started) gives up within the timeout."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "calibrate", "calibrate", str(tiny_dir), "--data", str(text_file), "--out", str(out),
+           "--seq-len", "64", "--quiet", "--no-verify", "--dist-timeout", "5"]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=rank_env(1, 2, free_port()), timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("kvcal: error: rank 1 could not join the other 1 ranks at 127.0.0.1:") and "reachable" in lines[0]
+    assert time.monotonic() - start < 90 and not out.exists()
