@@ -25,7 +25,9 @@ import math
 
 import torch
 
-from .fp8 import FP8Format, quantize
+from .fp8 import FORMATS, FP8Format, quantize
+
+E4M3 = FORMATS["e4m3fn"]  # the format Hopper's FP8 attention computes in
 
 LOG2E = math.log2(math.e)
 K_STEP = 32  # products per WGMMA k-step (PTX; MMA-Sim)
@@ -105,7 +107,7 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
 
 def _e4m3(x: torch.Tensor) -> torch.Tensor:
     """Round to e4m3fn, nearest even, saturating at ±448; float64 result."""
-    return x.float().clamp(-448.0, 448.0).to(torch.float8_e4m3fn).double()
+    return x.float().clamp(-E4M3.max, E4M3.max).to(E4M3.dtype).double()
 
 
 def _visible(q_pos: torch.Tensor, keys: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -43,15 +43,18 @@ def get_format(name: str) -> FP8Format:
 
 
 @torch.no_grad()
-def amax_to_scale(amax: torch.Tensor, fmt: FP8Format = FORMATS["e4m3fn"]) -> torch.Tensor:
-    """Dequantization scale (float32) that maps ``amax`` onto the format's largest finite value.
+def amax_to_scale(
+    amax: torch.Tensor, fmt: FP8Format = FORMATS["e4m3fn"], *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Dequantization scale that maps ``amax`` onto the format's largest finite value, computed in float64.
 
-    Zero amax gives SCALE_FLOOR rather than zero; NaN/Inf amax raise.
+    Zero amax gives SCALE_FLOOR rather than zero; NaN/Inf amax raise. ``dtype`` is the result's: float32 as
+    checkpoints hold scales, float64 for observers that go on computing with it (headroom, the MSE search).
     """
     amax = amax.to(torch.float64)
     if not torch.isfinite(amax).all():
         raise ValueError("amax contains NaN or Inf; the activations it came from are not finite")
-    return (amax / fmt.max).clamp(min=SCALE_FLOOR).to(torch.float32)
+    return (amax / fmt.max).clamp(min=SCALE_FLOOR).to(dtype)
 
 
 @torch.no_grad()

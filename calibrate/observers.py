@@ -12,7 +12,7 @@ import torch
 
 from .checkpoint import loaded_multiplier
 from .config import GRANULARITIES, OBSERVERS, check_granularity, check_observer
-from .fp8 import SCALE_FLOOR, FP8Format
+from .fp8 import SCALE_FLOOR, FP8Format, amax_to_scale
 from .stats import NUM_BINS, SINK_POSITIONS, TensorStats, bin_edges
 
 __all__ = ["GRANULARITIES", "OBSERVERS"]  # their home is config.py, which imports no torch
@@ -133,7 +133,7 @@ def _mse_scale(hist: torch.Tensor, absmax: torch.Tensor, fmt: FP8Format) -> torc
     (the error is smooth in the scale apart from ripples smaller than a coarse step). Ties go to the
     larger scale. Never below SCALE_FLOOR. Shapes: hist [..., NUM_BINS], absmax [...] → [...].
     """
-    base = (absmax.double() / fmt.max).clamp(min=SCALE_FLOOR)  # [...]
+    base = amax_to_scale(absmax, fmt, dtype=torch.float64)  # [...]
     counts = hist.reshape(-1, NUM_BINS)  # [R, NB], one row per scale
     rows, bins = counts.nonzero(as_tuple=True)  # the non-empty bins: [N] each
     weight = counts[rows, bins].double()  # [N]
@@ -192,7 +192,7 @@ def observe(
     else:
         value = None
     if value is not None:
-        scale = (value / fmt.max).clamp(min=SCALE_FLOOR)
+        scale = amax_to_scale(value, fmt, dtype=torch.float64)
     else:
         scale = _mse_scale(hist, absmax, fmt)
     scale = (scale * headroom).float()

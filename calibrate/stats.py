@@ -33,6 +33,9 @@ import torch
 from safetensors.torch import load_file
 
 from .files import save_tensors
+from .fp8 import FORMATS, SCALE_FLOOR
+
+E4M3 = FORMATS["e4m3fn"]  # vLLM's fp8_per_token_head cache format
 
 FORMAT_VERSION = 1
 KINDS = ("k", "v", "q")
@@ -238,7 +241,7 @@ class TensorStats:
         if token_error:
             # vLLM's fp8_per_token_head: scale = max(amax / 448, 1e-6), x · (1/scale) cast with RNE; no value
             # can exceed 448 there, so no clamp. The error is summed in the scaled domain, times scale².
-            scale = (tok_amax / 448.0).clamp(min=1e-6)  # [Lb, B, H, S]
+            scale = (tok_amax / E4M3.max).clamp(min=SCALE_FLOOR)  # [Lb, B, H, S]
             xs = x * scale.reciprocal().unsqueeze(-1)  # [Lb, B, H, S, D]
             err = xs - round_to_e4m3(xs)
             self.token_sqerr[rows] += (torch.linalg.vector_norm(err, dim=-1) * scale).square().sum((1, 3), dtype=torch.float64)
