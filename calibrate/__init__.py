@@ -19,7 +19,7 @@ _PUBLIC = {
     "CalibrationResult": "api",
     "Stats": "stats",
     "VerifyResult": "verify",
-    "apply": "inspector",
+    "apply": "api",
     "calibrate": "api",
     "export": "api",
     "inspect": "inspector",

@@ -2,6 +2,7 @@
 
     calibrate()  data → model → captured statistics → scales → checkpoint (→ verify)
     export()     saved statistics → scales → checkpoint, no model run
+    apply()      one calibration's scales → another checkpoint of the same architecture
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import resume
-from .config import LITTLE_DATA_TOKENS, CalibrationConfig, check_granularity, check_headroom, check_observer
+from .config import LITTLE_DATA_TOKENS, CalibrationConfig, ScaleConfig
 from .distributed import Group, session
 from .export import KVCAL_DIR, prepare_output, scale_tensors, weight_files, write_checkpoint
 from .files import read_json_object
@@ -118,7 +119,7 @@ def _check_enough_tokens(stats: Stats, config: CalibrationConfig) -> None:
     """
     seen, needed = int(stats.tokens.min()), config.needed_tokens()
     if seen < needed:
-        given = f"--min-tokens {needed}" if config.min_tokens is not None else f"one --seq-len {config.seq_len} sequence"
+        given = f"--min-tokens {needed}" if config.min_tokens is not None else f"one --seq-len {config.data.seq_len} sequence"
         raise ValueError(
             f"the data gave {seen} tokens per layer, fewer than the {needed} needed ({given}); nothing was written: "
             f"add data, or pass --min-tokens {max(seen, 1)} to accept scales from so little"
@@ -134,7 +135,7 @@ def _provenance(config: CalibrationConfig, layers, sig, stats, scale_set, manife
         "signature": asdict(sig),
         "layers": [asdict(layer) for layer in layers],
         "data": manifest,
-        "settings": {k: v for k, v in asdict(config).items() if k not in ("model", "out", "recipe")},
+        "settings": config.settings(),
         "recipe": config.recipe,
         "device": str(device),
         "ranks": ranks,  # processes that shared the data (torchrun), each on its own device
@@ -173,14 +174,27 @@ def _write_extras(stats: Stats, provenance: dict):
     return write
 
 
-def calibrate(model: str, data: str | list[str], out: str, **options) -> CalibrationResult | None:
+def calibrate(
+    model: str, data: str | list[str] | None, out: str, *, recipe: str | None = None, force: bool = False, **options,
+) -> CalibrationResult | None:
     """Calibrate FP8 KV-cache scales for ``model`` on ``data`` and write a vLLM checkpoint to ``out``.
 
-    ``options`` are the fields of ``CalibrationConfig`` (seq_len, max_tokens, observer, granularity, ...).
-    Under torchrun, returns None on every rank but 0 (see ``run_calibration``).
+    Resolved exactly as ``kvcal calibrate`` resolves its flags: the recipe (default: ``default``) with the
+    options given here on top (``recipes.calibration_config``).
+
+    Args:
+        model, data, out: model directory, data sources (None: the recipe's), output directory.
+        recipe: shipped recipe name or YAML file; ``force`` uses one written for another model family.
+        **options: flat settings of the configuration tree, each going to the part that owns it: ``seq_len``,
+            ``max_tokens``, ``chunk_len``, ... (DataConfig), ``observer``, ``granularity``, ``headroom``, ...
+            (ScaleConfig), ``max_kl``, ... (Thresholds) and CalibrationConfig's own fields (``device``, ...).
+
+    Returns:
+        The result; under torchrun, None on every rank but 0 (see ``run_calibration``).
     """
-    data = [data] if isinstance(data, str) else list(data)
-    return run_calibration(CalibrationConfig(model=model, data=data, out=out, **options))
+    from .recipes import calibration_config
+
+    return run_calibration(calibration_config(recipe=recipe, model=model, out=out, data=data, force=force, **options))
 
 
 def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
@@ -200,7 +214,8 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     ``config.resume`` each rank continues from its save (``calibrate.resume``), and the statistics, and so the
     scales, are exactly those of an uninterrupted run. The saves are removed once OUT is written.
     """
-    from .data import DataConfig
+    from .checkpoint import check_export_form, warn_ignored_scales
+    from .model import read_config
     from .weights import PROVENANCE as WEIGHTS_PROVENANCE
     from .weights import check_available, quantize_weights
 
@@ -212,22 +227,20 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             if group.active and config.mapped():
                 raise ValueError("--device-map/--max-memory/--offload-folder spread one model over several devices; under "
                                  "torchrun each rank holds the whole model on its own GPU: use one or the other")
+            # A config.json that is missing, not JSON or not a causal LM's; a family whose vLLM loader drops scales.
+            warn_ignored_scales(read_config(config.model))
             if group.writes:
                 prepare_output(Path(config.out), Path(config.model), config.overwrite)
             weight_files(Path(config.model))
+            check_export_form(Path(config.model), config.form, config.scales.granularity)
             if config.weights:
                 check_available(Path(config.model), config.weights)
-            data_config = DataConfig(
-                sources=config.data, seq_len=config.seq_len, max_tokens=config.max_tokens, text_field=config.text_field,
-                pack=config.pack, seed=config.seed, long_records=config.long_records,
-            )
-            data_config.validate()
-            fmt = get_format(config.fp8_format)
+            fmt = get_format(config.scales.fp8_format)
             saved = resume.prepare(config, group.rank, group.world)
 
         # 2. and 3. Load the model, stream this rank's share of the data through it (the model is freed after).
         with group.together("loading the model and capturing statistics"):
-            captured = _load_and_capture(config, data_config, group, saved)
+            captured = _load_and_capture(config, group, saved)
         # The statistics of every rank, merged exactly (on the device: NCCL on GPUs); rank 0 carries on alone.
         group.merge(captured.stats)
         if not group.writes:
@@ -237,9 +250,10 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     _check_enough_tokens(stats, config)
 
     # 4. Statistics → scales.
+    scales = config.scales
     scale_set = derive_scales(
-        stats.kinds, observer=config.observer, granularity=config.granularity, fmt=fmt,
-        headroom=config.headroom, query_scale=config.query_scale,
+        stats.kinds, observer=scales.observer, granularity=scales.granularity, fmt=fmt,
+        headroom=scales.headroom, query_scale=scales.query_scale,
     )
 
     # 5. Write the checkpoint, statistics and provenance atomically.
@@ -293,7 +307,7 @@ class _Captured:
     dtype: torch.dtype
 
 
-def _load_and_capture(config: CalibrationConfig, data_config, group: Group, saved: dict | None) -> _Captured:
+def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | None) -> _Captured:
     """Steps 2 and 3 of ``run_calibration`` on one rank: load and place the model, capture this rank's share.
 
     A rank other than 0 whose share is empty (fewer sequences than ranks) keeps zero statistics: the capture
@@ -309,9 +323,9 @@ def _load_and_capture(config: CalibrationConfig, data_config, group: Group, save
         group.device, device_map=config.device_map, max_memory=config.max_memory_bytes(), offload_folder=config.offload_folder,
     )
     dtype = getattr(torch, config.dtype) if config.dtype else None
-    context = max_context(read_config(config.model))
-    if context and config.seq_len > context:
-        raise ValueError(f"--seq-len {config.seq_len} is longer than the model's context ({context}); lower it")
+    model_config = read_config(config.model)
+    context = max_context(model_config)
+    config.data.validate(max_context=context)  # before the load: a seq_len the model cannot take fails cheaply
     model, tokenizer = load_model(config.model, device=placement.device, dtype=dtype, placement=placement)
     layers = attention_layers(model)
     sig = signature(model, layers)
@@ -320,7 +334,7 @@ def _load_and_capture(config: CalibrationConfig, data_config, group: Group, save
     stats = Stats.empty(sig, device)
 
     # 3. Stream this rank's share of the data through the model, collecting statistics of Q, K and V.
-    stream = iter_sequences(data_config, tokenizer, max_context=context)
+    stream = iter_sequences(config.data, tokenizer, max_context=context)
     directory = resume.resume_dir(config.out)
     # The manifest hashes the data files once per stream: the final manifest reuses the hashes.
     identity = resume.run_identity(config, group.world) | resume.stream_identity(stream.manifest(), device, model.dtype)
@@ -334,7 +348,7 @@ def _load_and_capture(config: CalibrationConfig, data_config, group: Group, save
     if first is not None or group.writes:
         run_capture(
             model, layers, share if first is None else itertools.chain([first], share), stats,
-            chunk_len=config.chunk_len, total_tokens=-(-config.max_tokens // group.world), done_tokens=done["tokens"],
+            chunk_len=config.data.chunk_len, total_tokens=-(-config.data.max_tokens // group.world), done_tokens=done["tokens"],
             after_sequence=saver, progress=config.progress and group.writes,
         )
     return _Captured(layers, sig, stats, stream.manifest(), device, model.dtype)
@@ -349,18 +363,16 @@ def _short_verify(config: CalibrationConfig) -> VerifyResult | None:
     Its report goes to OUT/kvcal/verify. Data too short for one sequence only warns: the checkpoint is
     already written and the full ``kvcal verify`` takes its own sample.
     """
-    from .verify import verify
+    from .verify import VerifyConfig, run_verify
 
-    seq_len = min(config.seq_len, SHORT_VERIFY_TOKENS)
-    recipe_verify = config.recipe.get("verify", {})
-    written = recipe_verify.get("schemes") or ["head" if config.granularity == "head" else "tensor", "token"]
+    seq_len = min(config.data.seq_len, SHORT_VERIFY_TOKENS)
     try:
-        return verify(
-            config.out, config.data, schemes=["scale1", *dict.fromkeys(written)], seq_len=seq_len, max_tokens=seq_len,
-            **recipe_verify.get("thresholds", {}),
-            text_field=config.text_field, seed=config.seed + 1, device=config.device, dtype=config.dtype,
-            fp8_format=config.fp8_format, report_dir=str(Path(config.out) / KVCAL_DIR / "verify"), progress=config.progress,
-        )
+        return run_verify(VerifyConfig.from_options(
+            config.out, config.data.sources, seq_len=seq_len, max_tokens=seq_len, text_field=config.data.text_field,
+            seed=config.data.seed + 1, schemes=config.written_schemes(), **asdict(config.thresholds), device=config.device,
+            dtype=config.dtype, fp8_format=config.scales.fp8_format, report_dir=str(Path(config.out) / KVCAL_DIR / "verify"),
+            progress=config.progress,
+        ))
     except ValueError as e:
         warnings.warn(f"the short verify did not run: {e}; run kvcal verify {config.out} --data ... yourself", stacklevel=3)
         return None
@@ -424,9 +436,7 @@ def export(
 
     start = time.perf_counter()
     # 1. Saved statistics, and the checkpoint they go into, checked against each other.
-    check_observer(observer)
-    check_granularity(granularity)
-    check_headroom(headroom)
+    ScaleConfig(observer, granularity, headroom, query_scale, fp8_format).validate()
     fmt = get_format(fp8_format)
     stats, old = load_calibration(source)
     target = Path(model or source)
@@ -469,3 +479,35 @@ def export(
         overwrite=overwrite,
     )
     return CalibrationResult(written, layers, stats, scale_set, provenance)
+
+
+def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False) -> CalibrationResult:
+    """Write the scales of one calibration into another checkpoint of the same architecture.
+
+    The scales are re-derived from SOURCE's statistics with SOURCE's own observer, granularity, headroom
+    and format, so they are exactly SOURCE's; ``api.export`` then checks model type, heads and head size
+    against CHECKPOINT's config.json and writes OUT (ModelOpt form when CHECKPOINT is a ModelOpt one).
+
+    Raises:
+        ValueError: SOURCE is not a kvcal output, or CHECKPOINT's attention layers are not SOURCE's.
+    """
+    from .checkpoint import checkpoint_prefixes
+
+    # 1. The calibrated attention layers must be exactly the target's (export checks heads and head size).
+    _, provenance = load_calibration(source)
+    calibrated = {layer["layer_idx"]: layer["prefix"] for layer in provenance["layers"]}
+    if not (Path(checkpoint) / "config.json").is_file():
+        raise ValueError(f"{checkpoint} is not a checkpoint: it has no config.json")
+    target = checkpoint_prefixes(checkpoint)
+    if target != calibrated:
+        differ = sorted(set(target.items()) ^ set(calibrated.items()))[:3]
+        raise ValueError(
+            f"{checkpoint} has {len(target)} attention layers and {source} was calibrated on {len(calibrated)} "
+            f"(first differences: {differ}); apply needs the same architecture: calibrate this checkpoint instead"
+        )
+    # 2. Same settings as the calibration, so the written scales are the calibrated ones.
+    s = provenance["scales"]
+    return export(
+        source, out, model=checkpoint, observer=s["observer"], granularity=s["granularity"], headroom=s["headroom"],
+        query_scale="q" in s["scales"], fp8_format=s["fp8_format"], overwrite=overwrite,
+    )

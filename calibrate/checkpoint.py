@@ -1,13 +1,15 @@
 """What loaders read from a checkpoint directory, in one place.
 
 Which safetensors files vLLM and transformers read, the tensor names under which each checkpoint form
-stores KV-cache scales, what vLLM does where a layer lacks one, and what a loader multiplies loaded
+stores KV-cache scales, where the decoder's attention layers are, what vLLM does where a layer lacks a
+scale, which model families' vLLM loaders drop checkpoint scales, and what a loader multiplies loaded
 scales by on e4m3fnuz platforms. Facts are vLLM 0.32's and transformers 5.17–5.24's, with sources in
 docs/vllm-notes.md. ``export`` writes by these rules; ``inspector``, ``apply`` and ``verify`` read by them.
 No model is loaded: only headers and the scale tensors are read.
 """
 
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +32,7 @@ WRITE_NAMES = {
 # compressed-tensors' kv_cache_scheme strategy of each kvcal granularity.
 STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
 
+LEGACY_KV_SCALE = "kv_scale"  # one scale for K and V, from tools that predate separate ones
 # Every name vLLM maps onto an attention's scales: suffix after the attention prefix → (kind, quantization
 # methods under which it is mapped; None = any). From QuantizationConfig.get_cache_scale_mapper and its
 # fp8/Quark overrides (docs/vllm-notes.md, "Checkpoint names").
@@ -41,14 +44,14 @@ SCALE_SOURCES: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "v_proj.v_scale": ("v", None),  # ModelOpt
     "qkv_proj.k_scale": ("k", None),  # fused projection names
     "qkv_proj.v_scale": ("v", None),
-    "kv_scale": ("k", None),  # legacy: vLLM copies it to v_scale when the cache is FP8
+    LEGACY_KV_SCALE: ("k", None),  # vLLM copies it to v_scale when the cache is FP8
     "k_proj.output_scale": ("k", ("fp8", "quark")),  # old llm-compressor, Quark
     "v_proj.output_scale": ("v", ("fp8", "quark")),
     "q_proj.output_scale": ("q", ("fp8", "quark")),
 }
 # Any tensor some tool stored as a KV-cache (or attention-probability) scale: an output holds exactly one
 # scale per layer and kind, so these are dropped from weight shards before kvcal writes its own.
-OLD_SCALE_PATTERN = re.compile(
+KV_SCALE_PATTERN = re.compile(
     r"\.(" + "|".join(re.escape(s) for s in sorted(SCALE_SOURCES, key=len, reverse=True)) + r"|prob_scale)$"
 )
 
@@ -96,7 +99,7 @@ def vllm_files(directory: Path) -> tuple[list[Path], list[str]]:
     problems = [f"{INDEX_FILE} lists {name}, which does not exist; vLLM fails to load"
                 for name in listed if not (directory / name).is_file()]
     problems += [f"{path.name} holds KV scales but is not listed in {INDEX_FILE}, so vLLM ignores it; add its tensors to the index"
-                 for path in present if path.name not in listed and any(OLD_SCALE_PATTERN.search(n) for n in tensor_names(path))]
+                 for path in present if path.name not in listed and any(KV_SCALE_PATTERN.search(n) for n in tensor_names(path))]
     return [p for p in present if p.name in listed], problems
 
 
@@ -203,3 +206,57 @@ def fill_missing(scales: dict[str, LoadedScale], any_scales: bool) -> list[tuple
             found.append(("warning", "no q_scale: where vLLM quantizes queries (FA3 on Hopper) it uses 1.0, so "
                           "queries beyond ±448 saturate"))
     return found
+
+
+_QWEN3_5 = ("vLLM's Qwen3.5 loaders do not load checkpoint KV scales (vllm#54623, open): an FP8 cache runs at scale 1.0 "
+            "whatever the checkpoint holds")
+# Families whose vLLM loader has dropped checkpoint KV scales: model_type → (severity, what to tell the user).
+IGNORES_CHECKPOINT_SCALES = {
+    "qwen3_moe": ("warning", "vLLM dropped checkpoint KV scales for Qwen3-MoE (vllm#25047) until vllm#35656 (merged "
+                  "2026-03-01); serve with a vLLM release that has the fix, and check its log for 'scaling factor 1.0'"),
+    "qwen3_vl_moe": ("warning", "vLLM dropped checkpoint KV scales for Qwen3-VL-MoE until vllm#35656 (merged 2026-03-01); "
+                     "serve with a vLLM release that has the fix"),
+    "qwen3_5": ("error", _QWEN3_5),
+    "qwen3_5_moe": ("error", _QWEN3_5),
+}
+
+
+def warn_ignored_scales(config: dict) -> None:
+    """Warn when vLLM's loader for this model family drops checkpoint KV scales (``config`` as config.json holds it)."""
+    types = {config.get("model_type"), config.get("text_config", {}).get("model_type")}
+    for model_type in sorted(t for t in types if t in IGNORES_CHECKPOINT_SCALES):
+        warnings.warn(IGNORES_CHECKPOINT_SCALES[model_type][1], stacklevel=3)
+
+
+def check_export_form(directory: Path, wanted: str, granularity: str) -> None:
+    """A named export form must be the one the checkpoint can take (ModelOpt cannot hold KV-only scales), and a
+    ModelOpt checkpoint's KV scales are per tensor."""
+    form = checkpoint_form(directory)
+    if wanted != "auto" and wanted != form:
+        raise ValueError(
+            f"the {wanted} form was asked for, but {directory} is a {form} checkpoint (ModelOpt's form exists only "
+            "inside a ModelOpt-quantized checkpoint); set export.form: auto"
+        )
+    if form == "modelopt" and granularity == "head":
+        raise ValueError(f"{directory} is a ModelOpt checkpoint, whose KV scales are per tensor; use granularity tensor")
+
+
+# Attention modules of the decoder: "...layers.N.self_attn.<anything>"; towers and MTP heads are not.
+_ATTENTION = re.compile(r"^(?P<prefix>(?:[\w.]*\.)?layers\.(?P<idx>\d+)\.self_attn)\.")
+_NOT_DECODER = ("vision", "visual", "audio", "mtp.")
+
+
+def attention_prefixes(names: list[str]) -> dict[int, str]:
+    """Layer index → attention module prefix, found in tensor names (towers and MTP heads left out)."""
+    found: dict[int, str] = {}
+    for name in names:
+        m = _ATTENTION.match(name)
+        if m and not any(word in m["prefix"] for word in _NOT_DECODER):
+            found.setdefault(int(m["idx"]), m["prefix"])
+    return dict(sorted(found.items()))
+
+
+def checkpoint_prefixes(checkpoint: str | Path) -> dict[int, str]:
+    """Layer index → attention prefix of a checkpoint directory, from the headers of the files vLLM loads."""
+    directory = Path(checkpoint)
+    return attention_prefixes([n for path in vllm_files(directory)[0] for n in tensor_names(path)])

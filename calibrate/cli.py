@@ -10,13 +10,17 @@ import signal
 import sys
 from typing import NoReturn
 
-from .config import CHECKPOINT_EVERY, DEVICE_MAPS, DTYPES, FP8_FORMATS, GRANULARITIES, OBSERVERS, VERIFY_SCHEMES
+from dataclasses import asdict
 
+from .config import (
+    CHECKPOINT_EVERY, DEVICE_MAPS, DTYPES, FP8_FORMATS, GRANULARITIES, OBSERVERS, VERIFY_SCHEMES, WEIGHT_SCHEMES, ScaleConfig,
+)
+from .data import LONG_RECORDS
 
-# The scale flags' defaults for ``export``. Under ``calibrate`` every flag a recipe can set defaults to
-# None instead ("not given"), so only flags the user typed override the recipe (recipes/default.yaml
-# holds the values used when neither says).
-_SCALE_DEFAULTS = {"observer": "max", "granularity": "tensor", "headroom": 1.0, "query_scale": True, "fp8_format": "e4m3fn"}
+# The scale flags' defaults for ``export``: ScaleConfig's. Under ``calibrate`` every flag defaults to None
+# instead ("not given"), so only flags the user typed override the recipe, and the configuration's own
+# defaults hold for the rest (recipes/default.yaml states the same values, checked by tests/test_recipes.py).
+_SCALE_DEFAULTS = asdict(ScaleConfig())
 
 
 def _scale_options(p: argparse.ArgumentParser, defaults: dict) -> None:
@@ -36,9 +40,9 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-len", type=int, help="longer sequences run as chunked prefill through a KV cache (default 2048)")
     p.add_argument("--text-field", help="column holding the text (default: text, messages or input_ids, found automatically)")
     p.add_argument("--no-pack", dest="pack", action="store_false", default=None, help="one record per sequence instead of packing")
-    p.add_argument("--long-records", choices=["split", "error"], help="a record longer than one sequence is split (default) or refused")
+    p.add_argument("--long-records", choices=LONG_RECORDS, help="a record longer than one sequence is split (default) or refused")
     p.add_argument("--seed", type=int, help="shuffling seed (default 0)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=DTYPES, help="model dtype (default: checkpoint's on GPU, float32 on CPU)")
     p.add_argument("--device-map", choices=DEVICE_MAPS,
                    help="place a model bigger than one device with accelerate: over every visible GPU, then CPU, then disk")
@@ -48,7 +52,7 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload-folder", metavar="DIR",
                    help="where weights offloaded to disk are re-saved when the checkpoint's own files cannot be read in place")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
-    p.add_argument("--weights", choices=["fp8"],
+    p.add_argument("--weights", choices=WEIGHT_SCHEMES,
                    help="also quantize the weights: fp8 = llm-compressor's data-free FP8_DYNAMIC (needs kvcal[llmcompressor])")
     p.add_argument("--no-verify", dest="verify", action="store_false", default=None,
                    help="skip the short verify of the written checkpoint (kvcal verify runs the full one)")
@@ -56,7 +60,7 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
                    help="refuse to write scales seen on fewer tokens per layer than this (default: one full --seq-len sequence)")
     p.add_argument("--dist-timeout", type=float, metavar="SECONDS",
                    help="under torchrun: how long a rank waits for the others before the run fails (default 600)")
-    p.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, metavar="TOKENS",
+    p.add_argument("--checkpoint-every", type=int, metavar="TOKENS",
                    help=f"save the statistics so far and the place in the data every TOKENS tokens (of each torchrun "
                         f"rank), beside OUT_DIR, so that a killed run can --resume; 0: never (default {CHECKPOINT_EVERY}: "
                         "minutes of GPU work on an 8B model, against one write of its ~76 MB of statistics: a kill "
@@ -75,14 +79,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _VerifyHelp(argparse.HelpFormatter):
-    """Fills ``{field}`` in ``kvcal verify``'s help with VerifyConfig's defaults, importing verify only to show help."""
+    """Fills ``{setting}`` in ``kvcal verify``'s help with VerifyConfig's defaults, importing verify only to show help."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        from dataclasses import fields
-
         from .verify import VerifyConfig
 
-        return action.help.format_map({f.name: f.default for f in fields(VerifyConfig)})
+        return action.help.format_map(VerifyConfig.defaults())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,18 +190,14 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(found.to_json(), indent=2) if args.json else found.text())
             return 0 if found.ok(strict=args.strict) else 1
         if args.command == "calibrate":
-            from dataclasses import replace
-
             from . import api, recipes
 
-            timeout = options.pop("dist_timeout")
-            config = recipes.calibration_config(**options)
-            result = api.run_calibration(config if timeout is None else replace(config, dist_timeout=timeout))
+            result = api.run_calibration(recipes.calibration_config(**options))
             if result is not None:  # None: a torchrun rank other than 0, which writes and prints nothing
                 print(result.summary() + "".join(f"\n{line}" for line in recipes.serve_notes(result.provenance["recipe"])))
             return 0
         if args.command == "apply":
-            from .inspector import apply
+            from .api import apply
 
             result = apply(**options)
         elif args.command == "verify":

@@ -1,22 +1,39 @@
-"""One validated configuration per calibration run, checked before any model is loaded.
+"""The configuration tree of a run, each part defined and validated once, checked before any model is loaded.
 
-This module imports neither torch nor transformers: the command line parses and checks settings, and
-``kvcal recipes`` validates recipes, with the names below, in a fraction of a second. The names are the
-ones ``observers``, ``fp8`` and ``verify`` define (tests/test_cli.py checks they agree).
+    CalibrationConfig                 one ``kvcal calibrate`` run (recipes map onto it section by section)
+      ├── data: DataConfig            what to read and how to cut it (``data.py`` owns it: recipe ``data:``)
+      ├── scales: ScaleConfig         how statistics become scales (recipe ``scales:``; ``kvcal export`` too)
+      ├── thresholds: Thresholds      the verdict's pass/fail limits (recipe ``verify.thresholds``; ``kvcal verify`` too)
+      └── the run's own fields        placement, export form and weights, saves, verify on/off
+
+``kvcal verify``'s ``VerifyConfig`` holds a DataConfig and Thresholds the same way. A flat set of keyword
+options (``calibrate(model, data, out, seq_len=..., observer=...)``, the CLI's flags) goes to the part that
+owns each name (``route_options``).
+
+This module imports neither torch nor transformers (nor does ``data.py`` at import): the command line parses
+and checks settings, and ``kvcal recipes`` validates recipes, with the names below, in a fraction of a second.
+The names are the ones ``observers``, ``fp8`` and ``verify`` define (tests/test_cli.py checks they agree).
 """
 
+import difflib
 import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from .data import DataConfig, check_int
 
 OBSERVERS = ("max", "percentile:P", "mse", "sink-aware")
 GRANULARITIES = ("tensor", "head", "token")
 FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
 DTYPES = ("float32", "bfloat16", "float16")
 VERIFY_SCHEMES = ("bf16", "scale1", "tensor", "head", "token")
+# "auto" writes the form of the source checkpoint (ModelOpt inside a ModelOpt checkpoint, else compressed-tensors);
+# naming a form makes the run refuse a source of the other kind.
+EXPORT_FORMS = ("auto", "compressed-tensors", "modelopt")
+WEIGHT_SCHEMES = ("fp8",)  # --weights: llm-compressor's data-free FP8_DYNAMIC
 DEVICE_MAPS = ("auto",)
 # Size units of --max-memory, as accelerate spells them (all in bytes; case does not matter).
 SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -139,26 +156,137 @@ def check_offload_folder(folder: str) -> None:
         raise ValueError(f"--offload-folder {folder} is on a full disk; free space there or pass another directory")
 
 
+def check_weights(value: str | None) -> None:
+    """Refuse a ``--weights`` scheme kvcal cannot apply (None keeps the weights as they are)."""
+    if value is not None and value not in WEIGHT_SCHEMES:
+        raise ValueError(f"--weights {value!r}: choose fp8 (or leave it out to keep the weights as they are)")
+
+
+def _closest(name: str, choices: tuple[str, ...]) -> str:
+    """``did you mean 'x'? `` for a near miss, else nothing."""
+    close = difflib.get_close_matches(str(name), choices, n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def check_export_form(value: str) -> None:
+    """Refuse an export form that is not one of EXPORT_FORMS."""
+    if value not in EXPORT_FORMS:
+        raise ValueError(f"unknown export form {value!r}; {_closest(value, EXPORT_FORMS)}choose one of: {', '.join(EXPORT_FORMS)}")
+
+
+def check_verify_schemes(names: list[str]) -> None:
+    """Refuse a scheme name ``kvcal verify`` does not know."""
+    for name in names:
+        if name not in VERIFY_SCHEMES:
+            raise ValueError(f"unknown verify scheme {name!r}; {_closest(name, VERIFY_SCHEMES)}choose from: {', '.join(VERIFY_SCHEMES)}")
+
+
+@dataclass
+class ScaleConfig:
+    """How statistics become scales: for ``kvcal calibrate`` and for ``kvcal export`` from saved statistics.
+
+    Attributes:
+        observer: ``max``, ``percentile:P``, ``mse`` or ``sink-aware``.
+        granularity: ``tensor``, ``head`` (FA3 on Hopper only) or ``token`` (dynamic at serve time).
+        headroom: multiplier ≥ 1 on every scale, range kept for unseen data.
+        query_scale: also write q_scale (vLLM's FA3 path quantizes queries and uses 1.0 without it).
+        fp8_format: ``e4m3fn`` (NVIDIA, CPU) or ``e4m3fnuz`` (ROCm MI300).
+    """
+
+    observer: str = "max"
+    granularity: str = "tensor"
+    headroom: float = 1.0
+    query_scale: bool = True
+    fp8_format: str = "e4m3fn"
+
+    def validate(self) -> "ScaleConfig":
+        """Every field checked; returns self."""
+        check_observer(self.observer)
+        check_granularity(self.granularity)
+        check_headroom(self.headroom)
+        if not isinstance(self.query_scale, bool):
+            raise ValueError(f"query_scale must be True or False, got {self.query_scale!r}")
+        check_fp8_format(self.fp8_format)
+        return self
+
+
+@dataclass
+class Thresholds:
+    """Pass and fail limits of a verify verdict: KL in nats/token, top-1 agreement as a fraction.
+
+    Attributes:
+        max_kl: a scheme passes with mean KL to the reference at most this.
+        fail_kl: a scheme fails with mean KL above this.
+        min_top1: a scheme passes with top-1 agreement at least this (0-1).
+        fail_top1: a scheme fails with top-1 agreement below this.
+    """
+
+    max_kl: float = 0.02
+    fail_kl: float = 0.1
+    min_top1: float = 0.95
+    fail_top1: float = 0.90
+
+    def validate(self) -> "Thresholds":
+        """The four limits are numbers in order (pass inside fail); returns self."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"threshold {f.name} must be a number, got {value!r}")
+        if not (0 <= self.max_kl <= self.fail_kl and 0 <= self.fail_top1 <= self.min_top1 <= 1):
+            raise ValueError("thresholds must satisfy 0 ≤ max-kl ≤ fail-kl and 0 ≤ fail-top1 ≤ min-top1 ≤ 1")
+        return self
+
+
+def route_options(options: dict, parts: dict[str, type]) -> tuple[dict[str, dict], dict]:
+    """Flat keyword options → one dict per part (by the part's field names) and the rest, for the owner itself.
+
+    Args:
+        options: e.g. ``{"seq_len": 128, "observer": "mse", "device": "cpu"}``.
+        parts: attribute name → dataclass of a part, e.g. ``{"data": DataConfig, "scales": ScaleConfig}``.
+    """
+    routed: dict[str, dict] = {name: {} for name in parts}
+    rest = dict(options)
+    for name, cls in parts.items():
+        for f in fields(cls):
+            if f.name in rest:
+                routed[name][f.name] = rest.pop(f.name)
+    return routed, rest
+
+
+def flat_settings(config: object, order: list[str]) -> dict:
+    """The settings of a config tree as one flat dict, in ``order`` (part fields by their own names), for JSON.
+
+    calibration.json and verify's report.json keep the flat layout they always had, so runs stay comparable.
+    """
+    values = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, (DataConfig, ScaleConfig, Thresholds)):
+            values.update({g.name: getattr(value, g.name) for g in fields(value)})
+        else:
+            values[f.name] = value
+    return {name: values[name] for name in order}
+
+
 @dataclass
 class CalibrationConfig:
     """Everything a calibration run needs. ``validate()`` raises ValueError with the fix.
 
     Attributes:
         model: local Hugging Face model directory (safetensors weights).
-        data: data sources (files, globs, directories, save_to_disk dirs, hub names; ``SRC::WEIGHT``).
+        data: what to read and how to cut it (a list of sources alone takes DataConfig's defaults).
         out: output checkpoint directory, created atomically.
-        seq_len: tokens per calibration sequence (the context length you serve, when it fits).
-        max_tokens: token budget over all sequences.
-        chunk_len: sequences longer than this run as chunked prefill through a KV cache.
-        observer: ``max``, ``percentile:P``, ``mse`` or ``sink-aware``.
-        granularity: ``tensor``, ``head`` (FA3 on Hopper only) or ``token`` (dynamic at serve time).
-        headroom: multiplier ≥ 1 on every scale, range kept for unseen data.
-        query_scale: also write q_scale (vLLM's FA3 path quantizes queries and uses 1.0 without it).
-        fp8_format: ``e4m3fn`` (NVIDIA, CPU) or ``e4m3fnuz`` (ROCm MI300).
+        scales: how statistics become scales.
+        thresholds: the verdict limits of the short verify after calibration.
+        verify: run that short verify of the written checkpoint.
+        verify_schemes: the schemes it compares besides scale 1.0; None: the written granularity and per-token.
+        form: checkpoint form to write (EXPORT_FORMS); ``auto`` follows the source checkpoint.
         weights: ``None`` (weights untouched) or ``"fp8"``: also quantize the weights with llm-compressor's
             data-free FP8_DYNAMIC scheme (needs the ``llmcompressor`` extra).
         min_tokens: fewer tokens per layer than this is an error, raised before anything is written;
             None = one full ``seq_len`` sequence (``max_tokens`` when that is smaller, as with ``pack=False``).
+        device: ``auto`` (a GPU when there is one), ``cpu``, ``cuda`` or ``cuda:N``.
+        dtype: model dtype; None = the checkpoint's on GPU, float32 on CPU.
         device_map: ``"auto"``: place the model with accelerate's device map over every visible GPU, then CPU,
             then disk, instead of wholly on ``device``. Also implied by ``max_memory`` or ``offload_folder``.
         max_memory: budget per device for that map, ``"0=70GiB,cpu=200GiB"`` or ``{0: "70GiB", "cpu": 200 * 2**30}``;
@@ -171,27 +299,21 @@ class CalibrationConfig:
             torchrun rank's share) into ``.OUT.kvcal-resume`` beside OUT, so that a killed run can resume; 0: never.
         resume: continue from that save instead of starting over; the save's settings, model, data and number
             of ranks must be this run's (see ``calibrate.resume``).
+        recipe: the resolved recipe this config came from, saved with the output.
     """
 
     model: str
-    data: list[str]
+    data: DataConfig | list[str]
     out: str
-    seq_len: int = 2048
-    max_tokens: int = 500_000
-    chunk_len: int = 2048
-    text_field: str | None = None
-    pack: bool = True
-    seed: int = 0
-    long_records: str = "split"
-    device: str = "auto"
-    dtype: str | None = None
-    observer: str = "max"
-    granularity: str = "tensor"
-    headroom: float = 1.0
-    query_scale: bool = True
-    fp8_format: str = "e4m3fn"
+    scales: ScaleConfig = field(default_factory=ScaleConfig)
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    verify: bool = True
+    verify_schemes: list[str] | None = None
+    form: str = "auto"
     weights: str | None = None
     min_tokens: int | None = None
+    device: str = "auto"
+    dtype: str | None = None
     device_map: str | None = None
     max_memory: str | dict | None = None
     offload_folder: str | None = None
@@ -199,33 +321,44 @@ class CalibrationConfig:
     checkpoint_every: int = CHECKPOINT_EVERY
     resume: bool = False
     overwrite: bool = False
-    verify: bool = True
     progress: bool = True
-    recipe: dict = field(default_factory=dict)  # the recipe this config came from, saved with the output
+    recipe: dict = field(default_factory=dict)
+
+    # The parts (recipe sections) of the tree, and calibration.json's "settings" in their order.
+    PARTS = {"data": DataConfig, "scales": ScaleConfig, "thresholds": Thresholds}
+    SETTINGS = ["data", "seq_len", "max_tokens", "chunk_len", "text_field", "pack", "seed", "long_records", "device",
+                "dtype", "observer", "granularity", "headroom", "query_scale", "fp8_format", "weights", "min_tokens",
+                "device_map", "max_memory", "offload_folder", "dist_timeout", "checkpoint_every", "resume", "overwrite",
+                "verify", "progress"]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data, DataConfig):
+            self.data = DataConfig(sources=[self.data] if isinstance(self.data, str) else list(self.data or []))
+
+    def settings(self) -> dict:
+        """The run's settings as calibration.json holds them (flat; ``data`` is the list of sources)."""
+        flat = flat_settings(self, [name if name != "data" else "sources" for name in self.SETTINGS])
+        return {("data" if k == "sources" else k): v for k, v in flat.items()}
 
     def validate(self) -> "CalibrationConfig":
-        """Cheap checks of every field; returns self."""
+        """Cheap checks of every part and field; returns self."""
         check_model_dir(self.model)
-        if not self.data:
-            raise ValueError("no calibration data: pass --data FILE (txt, jsonl, json, parquet, csv) or a dataset name")
-        for name, value in (("seq-len", self.seq_len), ("max-tokens", self.max_tokens), ("chunk-len", self.chunk_len)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"--{name} must be a positive integer, got {value!r}")
-        if self.max_tokens < self.seq_len and self.pack:
-            raise ValueError(f"--max-tokens {self.max_tokens} is less than one sequence (--seq-len {self.seq_len}); raise it")
+        self.data.validate()
+        self.data.check_budget()
+        self.scales.validate()
+        self.thresholds.validate()
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"verify must be True or False, got {self.verify!r}")
+        if self.verify_schemes is not None:
+            check_verify_schemes(self.verify_schemes)
+        check_export_form(self.form)
+        check_weights(self.weights)
         if self.min_tokens is not None:
-            if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or self.min_tokens <= 0:
-                raise ValueError(f"--min-tokens must be a positive integer, got {self.min_tokens!r}")
-            if self.min_tokens > self.max_tokens:
-                raise ValueError(f"--min-tokens {self.min_tokens} is more than --max-tokens {self.max_tokens} allows; lower it or raise --max-tokens")
-        check_observer(self.observer)
-        check_granularity(self.granularity)
-        check_fp8_format(self.fp8_format)
-        check_headroom(self.headroom)
+            check_int("min_tokens", self.min_tokens, 1)
+            if self.min_tokens > self.data.max_tokens:
+                raise ValueError(f"--min-tokens {self.min_tokens} is more than --max-tokens {self.data.max_tokens} allows; lower it or raise --max-tokens")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
-        if self.weights not in (None, "fp8"):
-            raise ValueError(f"--weights {self.weights!r}: choose fp8 (or leave it out to keep the weights as they are)")
         if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, (int, float)) or not 0 < self.dist_timeout < float("inf"):
             raise ValueError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")
         if not isinstance(self.checkpoint_every, int) or isinstance(self.checkpoint_every, bool) or self.checkpoint_every < 0:
@@ -234,6 +367,11 @@ class CalibrationConfig:
             raise ValueError(f"resume must be True or False, got {self.resume!r}")
         self._check_placement()
         return self
+
+    def written_schemes(self) -> list[str]:
+        """What the short verify compares besides scale 1.0: the recipe's schemes, else the written granularity and per-token."""
+        written = self.verify_schemes or ["head" if self.scales.granularity == "head" else "tensor", "token"]
+        return ["scale1", *dict.fromkeys(written)]
 
     def mapped(self) -> bool:
         """Whether the model is placed with a device map (any of device_map, max_memory, offload_folder)."""
@@ -266,4 +404,4 @@ class CalibrationConfig:
 
     def needed_tokens(self) -> int:
         """Tokens per layer a run must see: ``min_tokens``, else one full sequence within the budget."""
-        return self.min_tokens if self.min_tokens is not None else min(self.seq_len, self.max_tokens)
+        return self.min_tokens if self.min_tokens is not None else min(self.data.seq_len, self.data.max_tokens)

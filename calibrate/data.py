@@ -44,11 +44,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from .files import file_sha256
 
 if TYPE_CHECKING:
+    import torch
     import datasets
     from transformers import PreTrainedTokenizerBase
 
@@ -63,14 +62,22 @@ _HUB_NAME = re.compile(r"^(?P<name>[\w.-]+(?:/[\w.-]+)?)(?::(?P<config>[\w.-]+))
 _TRUE = ("1", "ON", "YES", "TRUE")
 
 
+def check_int(name: str, value: object, low: int) -> None:
+    """The one rule for a count setting: a whole number ≥ ``low``; the error names the setting and its flag."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        rule = "a positive integer" if low == 1 else f"an integer ≥ {low}"
+        raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {value!r}")
+
+
 @dataclass
 class DataConfig:
-    """What to read and how to cut it into sequences.
+    """What to read and how to cut it into sequences (a recipe's ``data:`` section).
 
     Attributes:
         sources: files, globs, directories or hub names, each optionally ``::WEIGHT`` (module docstring).
         seq_len: tokens per sequence (the last one of a source, and of the run, may be shorter).
         max_tokens: token budget of the whole run, BOS and EOS included.
+        chunk_len: a sequence longer than this runs through the model as chunked prefill through a KV cache.
         text_field: column holding plain text; None = auto-detect ``input_ids``, ``messages``, ``text``.
         pack: join documents into full ``seq_len`` sequences; False = one record per sequence.
         seed: seed of the record shuffle (and of the order in which a source's files are read).
@@ -80,13 +87,34 @@ class DataConfig:
     sources: list[str]
     seq_len: int = 2048
     max_tokens: int = 500_000
+    chunk_len: int = 2048
     text_field: str | None = None
     pack: bool = True
     seed: int = 0
     long_records: str = "split"
 
-    def validate(self, *, max_context: int | None = None) -> None:
-        """Cheap checks (values, files exist and are non-empty), to run before any model is loaded.
+    def check_values(self) -> "DataConfig":
+        """Every setting but the sources (a recipe's ``data:`` section is checked this way); returns self."""
+        check_int("seq_len", self.seq_len, 2)
+        check_int("max_tokens", self.max_tokens, 1)
+        check_int("chunk_len", self.chunk_len, 1)
+        if self.long_records not in LONG_RECORDS:
+            raise ValueError(f"long_records must be one of {', '.join(LONG_RECORDS)}, got {self.long_records!r}")
+        if self.text_field is not None and (not isinstance(self.text_field, str) or not self.text_field):
+            raise ValueError(f"text_field must be a column name or None, got {self.text_field!r}")
+        if not isinstance(self.pack, bool):
+            raise ValueError(f"pack must be True or False, got {self.pack!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        return self
+
+    def check_budget(self) -> None:
+        """A run's budget holds at least one packed sequence (the data layer itself cuts the last one to it)."""
+        if self.pack and self.max_tokens < self.seq_len:
+            raise ValueError(f"--max-tokens {self.max_tokens} is less than one sequence (--seq-len {self.seq_len}); raise it")
+
+    def validate(self, *, max_context: int | None = None) -> "DataConfig":
+        """Cheap checks (values, sources exist and are non-empty), to run before any model is loaded; returns self.
 
         Args:
             max_context: the model's context length in tokens, when known; ``seq_len`` must fit in it.
@@ -94,22 +122,14 @@ class DataConfig:
         Raises:
             ValueError: saying what is wrong and how to fix it.
         """
-        if not isinstance(self.seq_len, int) or self.seq_len < 2:
-            raise ValueError(f"seq_len must be an integer >= 2 tokens, got {self.seq_len!r}")
+        self.check_values()
         if max_context is not None and self.seq_len > max_context:
             raise ValueError(
-                f"seq_len={self.seq_len} exceeds the model's context of {max_context} tokens; "
-                f"pass a seq_len of at most {max_context}"
+                f"--seq-len {self.seq_len} is longer than the model's context of {max_context} tokens; "
+                f"lower it to at most {max_context}"
             )
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.long_records not in LONG_RECORDS:
-            raise ValueError(f"long_records must be one of {', '.join(LONG_RECORDS)}, got {self.long_records!r}")
-        if self.text_field is not None and (not isinstance(self.text_field, str) or not self.text_field):
-            raise ValueError(f"text_field must be a column name or None, got {self.text_field!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         _resolve_sources(self.sources)
+        return self
 
 
 @dataclass
@@ -200,8 +220,10 @@ class SequenceStream:
         # BOS only for tokenizers that add it themselves: that is how the model saw text in training.
         self._prefix = [bos] if bos is not None and tokenizer("a").input_ids[:1] == [bos] else []
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator["torch.Tensor"]:
         """Sequences until the token budget is spent or every source has run out."""
+        import torch  # here: `kvcal --help` and recipe checks read DataConfig without paying for torch
+
         self.tokens_yielded = 0
         for source in self._sources:
             source.records_read = source.records_empty = source.sequences = source.tokens = 0
@@ -238,7 +260,7 @@ class SequenceStream:
             self.tokens_yielded += len(sequence)
             yield torch.tensor(sequence, dtype=torch.long)
 
-    def shard(self, rank: int, world: int, *, skip: int = 0, skip_tokens: int | None = None) -> Iterator[torch.Tensor]:
+    def shard(self, rank: int, world: int, *, skip: int = 0, skip_tokens: int | None = None) -> Iterator["torch.Tensor"]:
         """This rank's share of the sequences: sequence i goes to rank ``i % world``.
 
         Every rank reads and tokenizes the whole stream and keeps its share, so the shares together are

@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from .checkpoint import (
-    HF_QUANT_CONFIG, INDEX_FILE, OLD_SCALE_PATTERN, STRATEGIES, WRITE_NAMES, checkpoint_form, loaded_multiplier,
+    HF_QUANT_CONFIG, INDEX_FILE, KV_SCALE_PATTERN, STRATEGIES, WRITE_NAMES, checkpoint_form, loaded_multiplier,
     tensor_names, vllm_files,
 )
 from .files import save_tensors
@@ -153,7 +153,7 @@ def shard_name(i: int, n: int) -> str:
 def scales_file(directory: Path) -> Path:
     """The shard of a kvcal output that holds the KV scales (found through the index)."""
     index = json.loads((Path(directory) / INDEX_FILE).read_text())["weight_map"]
-    shards = {file for name, file in index.items() if OLD_SCALE_PATTERN.search(name)}
+    shards = {file for name, file in index.items() if KV_SCALE_PATTERN.search(name)}
     if len(shards) != 1:
         raise ValueError(f"{directory} holds KV scales in {len(shards)} shards, not one; is it a kvcal output?")
     return Path(directory) / shards.pop()
@@ -177,7 +177,7 @@ def _write_weights(tmp: Path, files: list[Path]) -> dict[str, str]:
     kept = []  # (source file, its tensors without KV scales, whether some were dropped)
     for path in files:
         names = tensor_names(path)
-        keep = [n for n in names if not OLD_SCALE_PATTERN.search(n)]
+        keep = [n for n in names if not KV_SCALE_PATTERN.search(n)]
         if keep:
             kept.append((path, keep, len(keep) < len(names)))
     weight_map = {}

@@ -4,9 +4,10 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
+if TYPE_CHECKING:
+    import torch
 
 
 def current_umask() -> int:
@@ -59,8 +60,10 @@ def file_mode() -> int:
     return 0o666 & ~current_umask()
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+def save_tensors(tensors: dict[str, "torch.Tensor"], path: Path, metadata: dict[str, str] | None = None) -> None:
     """``safetensors.torch.save_file``, then the umask's mode: safetensors creates files 0600, which a server
     running as another user (a vLLM container, a shared model store) cannot read."""
+    from safetensors.torch import save_file  # here: data.py hashes files through this module without torch
+
     save_file(tensors, str(path), metadata=metadata)
     os.chmod(path, file_mode())

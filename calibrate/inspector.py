@@ -18,31 +18,18 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .api import CalibrationResult, export, load_calibration
 from .checkpoint import (
-    SINGLE_FILE, LoadedScale, fill_missing, layer_sources, quant_config, quant_method, read_json,
-    read_tensor, tensor_names, transformers_files, vllm_files,
+    IGNORES_CHECKPOINT_SCALES, LEGACY_KV_SCALE, SINGLE_FILE, WRITE_NAMES, LoadedScale, attention_prefixes, fill_missing,
+    layer_sources, quant_config, quant_method, read_json, read_tensor, tensor_names, transformers_files, vllm_files,
 )
 from .export import KVCAL_DIR
 from .stats import KINDS
 from .fp8 import FORMATS
 
-_QWEN3_5 = ("vLLM's Qwen3.5 loaders do not load checkpoint KV scales (vllm#54623, open): an FP8 cache runs at scale 1.0 "
-            "whatever the checkpoint holds")
-# Families whose vLLM loader has dropped checkpoint KV scales: model_type → (severity, what to tell the user).
-IGNORES_CHECKPOINT_SCALES = {
-    "qwen3_moe": ("warning", "vLLM dropped checkpoint KV scales for Qwen3-MoE (vllm#25047) until vllm#35656 (merged "
-                  "2026-03-01); serve with a vLLM release that has the fix, and check its log for 'scaling factor 1.0'"),
-    "qwen3_vl_moe": ("warning", "vLLM dropped checkpoint KV scales for Qwen3-VL-MoE until vllm#35656 (merged 2026-03-01); "
-                     "serve with a vLLM release that has the fix"),
-    "qwen3_5": ("error", _QWEN3_5),
-    "qwen3_5_moe": ("error", _QWEN3_5),
-}
+# The attention's own K/V scale parameters, which transformers creates when it applies a kv_cache_scheme.
+_ATTENTION_KV_NAMES = (WRITE_NAMES["compressed-tensors"]["k"], WRITE_NAMES["compressed-tensors"]["v"])
 # RMSNorm weights stored as an offset from 1 (the norm multiplies by 1 + weight): model_type → offset.
 NORM_OFFSET = {"gemma": 1.0, "gemma2": 1.0, "gemma3": 1.0, "gemma3_text": 1.0}
-# Attention modules of the decoder: "...layers.N.self_attn.<anything>"; towers and MTP heads are not.
-_ATTENTION = re.compile(r"^(?P<prefix>(?:[\w.]*\.)?layers\.(?P<idx>\d+)\.self_attn)\.")
-_NOT_DECODER = ("vision", "visual", "audio", "mtp.")
 # Heuristic range of absmax (= scale × 448) over the weight-based estimate (``_weight_estimates``): measured
 # 2.5–9.1 on every layer of SmolLM2-135M calibrated on KJV text, ~3.7 on tiny random models.
 _HEURISTIC_LOW, _HEURISTIC_HIGH = 1.0, 50.0
@@ -124,7 +111,7 @@ def _loader_checks(directory: Path, files: list[Path], quant: dict | None, sourc
         extra = sorted(p.name for p in set(hf) - set(files))
         seen = {name for path in hf for name in tensor_names(path)}
         missed = [name for names in sources.values() for name in names
-                  if name.rsplit(".", 1)[-1] in ("k_scale", "v_scale") and name not in seen]
+                  if name.rsplit(".", 1)[-1] in _ATTENTION_KV_NAMES and name not in seen]
         declared = quant_method(quant) == "compressed-tensors" and quant.get("kv_cache_scheme")
         if missed and declared:
             problems.append(Problem("error", f"transformers reads only {', '.join(p.name for p in hf)} (it ignores the index when "
@@ -135,22 +122,6 @@ def _loader_checks(directory: Path, files: list[Path], quant: dict | None, sourc
             problems.append(Problem("error", f"transformers reads {', '.join(extra)}, which the index (vLLM's view) does not "
                                     "list: the two loaders load different weights"))
     return {"vllm": [p.name for p in files], "transformers": [p.name for p in hf]}
-
-
-def attention_prefixes(names: list[str]) -> dict[int, str]:
-    """Layer index → attention module prefix, found in tensor names (towers and MTP heads left out)."""
-    found: dict[int, str] = {}
-    for name in names:
-        m = _ATTENTION.match(name)
-        if m and not any(word in m["prefix"] for word in _NOT_DECODER):
-            found.setdefault(int(m["idx"]), m["prefix"])
-    return dict(sorted(found.items()))
-
-
-def checkpoint_prefixes(checkpoint: str | Path) -> dict[int, str]:
-    """Layer index → attention prefix of a checkpoint directory, from the headers of the files vLLM loads."""
-    directory = Path(checkpoint)
-    return attention_prefixes([n for path in vllm_files(directory)[0] for n in tensor_names(path)])
 
 
 def _kv_declaration(quant: dict | None, problems: list[Problem]) -> str:
@@ -288,7 +259,7 @@ def _family_checks(model_type: str, strategy: str, layers: dict[int, LayerScales
     if strategy == "attn_head":
         problems.append(Problem("warning", "per-head scales: only vLLM's FlashAttention-3 backend (Hopper) uses them; Triton "
                                 "and FlashInfer refuse them (serve with --attention-backend FLASH_ATTN)"))
-    if any(l.scales["k"].tensor and l.scales["k"].tensor.endswith(".kv_scale") for l in layers.values()):
+    if any(l.scales["k"].tensor and l.scales["k"].tensor.endswith(f".{LEGACY_KV_SCALE}") for l in layers.values()):
         problems.append(Problem("warning", "legacy kv_scale: vLLM uses it for both K and V; re-calibrate for separate k/v scales"))
 
 
@@ -350,33 +321,3 @@ def _weight_estimates(prefix: str, where: dict[str, Path], text: dict, model_typ
         if w is not None and kind not in estimates:
             estimates[kind] = ((w * gamma).norm(dim=1).max().item(), False)
     return estimates
-
-
-def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False) -> CalibrationResult:
-    """Write the scales of one calibration into another checkpoint of the same architecture.
-
-    The scales are re-derived from SOURCE's statistics with SOURCE's own observer, granularity, headroom
-    and format, so they are exactly SOURCE's; ``api.export`` then checks model type, heads and head size
-    against CHECKPOINT's config.json and writes OUT (ModelOpt form when CHECKPOINT is a ModelOpt one).
-
-    Raises:
-        ValueError: SOURCE is not a kvcal output, or CHECKPOINT's attention layers are not SOURCE's.
-    """
-    # 1. The calibrated attention layers must be exactly the target's (export checks heads and head size).
-    _, provenance = load_calibration(source)
-    calibrated = {layer["layer_idx"]: layer["prefix"] for layer in provenance["layers"]}
-    if not (Path(checkpoint) / "config.json").is_file():
-        raise ValueError(f"{checkpoint} is not a checkpoint: it has no config.json")
-    target = checkpoint_prefixes(checkpoint)
-    if target != calibrated:
-        differ = sorted(set(target.items()) ^ set(calibrated.items()))[:3]
-        raise ValueError(
-            f"{checkpoint} has {len(target)} attention layers and {source} was calibrated on {len(calibrated)} "
-            f"(first differences: {differ}); apply needs the same architecture: calibrate this checkpoint instead"
-        )
-    # 2. Same settings as the calibration, so the written scales are the calibrated ones.
-    s = provenance["scales"]
-    return export(
-        source, out, model=checkpoint, observer=s["observer"], granularity=s["granularity"], headroom=s["headroom"],
-        query_scale="q" in s["scales"], fp8_format=s["fp8_format"], overwrite=overwrite,
-    )

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .checkpoint import KV_SCALE_PATTERN
 from .config import check_model_dir
 from .files import read_json_object
 from .stats import ModelSignature
@@ -278,8 +279,7 @@ def check_loaded(model_dir: str | Path, info: dict) -> None:
 
 def check_no_kv_quantization(model: nn.Module) -> None:
     """Refuse a model that quantizes K/V itself: kvcal's reference and capture must see unquantized K and V."""
-    found = [name for name, _ in [*model.named_parameters(), *model.named_buffers()]
-             if name.rsplit(".", 1)[-1] in ("k_scale", "v_scale", "q_scale", "kv_scale")]
+    found = [name for name, _ in [*model.named_parameters(), *model.named_buffers()] if KV_SCALE_PATTERN.search(name)]
     if found:
         raise ValueError(
             f"the loaded model quantizes its KV cache itself ({found[0]} and {len(found) - 1} more scale parameters), "

@@ -32,9 +32,9 @@ def needle_prompt(tokenizer, hay: list[int], length: int, depth: float, code: st
     return hay[:pos] + needle + hay[pos:] + question + answer, pos, len(answer)
 
 
-def _haystack(data: list[str], text_field: str | None, seed: int, tokenizer, length: int, context: int | None) -> list[int]:
-    """The first ``length`` tokens of the user's data, as one packed sequence."""
-    dc = DataConfig(sources=data, seq_len=length, max_tokens=length, text_field=text_field, seed=seed)
+def _haystack(data: DataConfig, tokenizer, length: int, context: int | None) -> list[int]:
+    """The first ``length`` tokens of the user's data (its sources, text field and seed), as one packed sequence."""
+    dc = DataConfig(sources=data.sources, seq_len=length, max_tokens=length, text_field=data.text_field, seed=data.seed)
     seq = next(iter(iter_sequences(dc, tokenizer, max_context=context)), None)
     if seq is None or seq.numel() < length:
         got = 0 if seq is None else seq.numel()
@@ -45,19 +45,19 @@ def _haystack(data: list[str], text_field: str | None, seed: int, tokenizer, len
 @torch.no_grad()
 def needle_probe(
     model, tokenizer, hooks: dict[str, AttentionHook], *, reference: str, lengths: list[int], depths: tuple[float, ...],
-    data: list[str], text_field: str | None, seed: int, chunk_len: int, context: int | None, progress: bool,
+    data: DataConfig, context: int | None, progress: bool,
 ) -> dict:
     """Teacher-forced retrieval of a planted fact at each length and depth, for every run in ``hooks``.
 
     Args:
         hooks: run name → the attention hook of its pass, ``reference`` (the unquantized run) among them.
-        data, text_field, seed: the haystack's source, as for the sample.
+        data: the sample's data: the haystack's sources, text field and seed, and the prefill's chunk length.
     """
     device = next(model.parameters()).device
     cases = []
     for length in lengths:
-        hay = _haystack(data, text_field, seed, tokenizer, length, context)
-        code = str(random.Random(seed * 100_003 + length).randint(1000, 9999))
+        hay = _haystack(data, tokenizer, length, context)
+        code = str(random.Random(data.seed * 100_003 + length).randint(1000, 9999))
         for depth in depths:
             ids, pos, n = needle_prompt(tokenizer, hay, length, depth, code)
             ids = torch.tensor(ids, device=device)[None]  # [1, length]
@@ -65,7 +65,7 @@ def needle_probe(
             first = ids.shape[1] - n - 1  # the position that predicts the answer's first token
             case = {"length": length, "depth": depth, "needle_token": pos, "code": code, "schemes": {}}
             for name, hook in tqdm(hooks.items(), desc=f"needle {length}@{depth:g}", disable=not progress, leave=False):
-                kept = torch.cat(list(prefill_chunks(model, ids, chunk_len, hook=hook, keep_from=first)))  # [chunks before first + n + 1, V]
+                kept = torch.cat(list(prefill_chunks(model, ids, data.chunk_len, hook=hook, keep_from=first)))  # [chunks before first + n + 1, V]
                 logits = kept[-(n + 1) : -1]  # [n, V]: positions first .. length − 2 predict the answer
                 logprob = torch.log_softmax(logits, -1).gather(-1, answer[:, None]).sum().item()
                 case["schemes"][name] = {"logprob": logprob, "greedy": bool((logits.argmax(-1) == answer).all())}

@@ -15,39 +15,44 @@ import copy
 import difflib
 import json
 import warnings
+from dataclasses import fields
 from pathlib import Path
 
 import yaml
 
-from .config import CHECKPOINT_EVERY, VERIFY_SCHEMES, CalibrationConfig, check_fp8_format, check_granularity, check_observer
+from .config import (
+    CalibrationConfig, DataConfig, ScaleConfig, Thresholds, check_export_form,
+    check_verify_schemes, check_weights,
+)
 
 DEFAULT_RECIPE = "default"
 # Where shipped recipes are found: a source checkout first, then the installed package's data.
 _CHECKOUT_DIR = Path(__file__).resolve().parent.parent / "recipes"
 _PACKAGE_DIR = Path(__file__).resolve().parent / "recipe_files"
 
+# The type names of the schema, by the annotation of the config field a key sets.
+_KINDS = {str: "str", str | None: "str?", int: "int", float: "float", bool: "bool", list[str]: "list[str]"}
+
+
+def _section(part: type) -> dict[str, str]:
+    """A recipe section that fills one config part, key for key: its fields and their types."""
+    return {f.name: _KINDS[f.type] for f in fields(part)}
+
+
 # Every key a recipe may hold and the type of its value; a nested dict is a section of keys.
-# "str?" may also be null; "list[str|int]" holds strings or integers.
+# "str?" may also be null; "list[str|int]" holds strings or integers. The data, scales and
+# verify.thresholds sections are the config parts they fill (config.py), so a setting is declared once.
 SCHEMA: dict = {
     "name": "str",
     "description": "str",
     "extends": "str",
     "notes": "list[str]",  # reasoning and caveats shown to the user when the recipe is used
     "fits": {"model_types": "list[str]", "architectures": "list[str]"},  # empty: any model
-    "data": {
-        "sources": "list[str]",  # as --data; relative paths are relative to the working directory
-        "seq_len": "int",
-        "max_tokens": "int",
-        "chunk_len": "int",
-        "text_field": "str?",
-        "pack": "bool",
-        "seed": "int",
-        "long_records": "str",
-    },
-    "scales": {"observer": "str", "granularity": "str", "headroom": "float", "query_scale": "bool", "fp8_format": "str"},
+    "data": _section(DataConfig),  # sources as --data; relative paths are relative to the working directory
+    "scales": _section(ScaleConfig),
     "skip_layers": "list[str|int]",  # for vLLM's --kv-cache-dtype-skip-layers: "sliding_window" or layer indices
     "export": {"form": "str", "weights": "str?"},  # weights: null (untouched) or fp8 (needs llm-compressor)
-    "verify": {"enabled": "bool", "schemes": "list[str]", "thresholds": "dict[str,float]"},
+    "verify": {"enabled": "bool", "schemes": "list[str]", "thresholds": _section(Thresholds)},
 }
 
 _TYPE_CHECKS = {
@@ -58,38 +63,24 @@ _TYPE_CHECKS = {
     "bool": lambda v: isinstance(v, bool),
     "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "list[str|int]": lambda v: isinstance(v, list) and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v),
-    "dict[str,float]": lambda v: isinstance(v, dict)
-    and all(isinstance(k, str) and isinstance(x, (int, float)) and not isinstance(x, bool) for k, x in v.items()),
 }
 
-# Recipe key → the CalibrationConfig field it sets (the field's --flag overrides it on the command line).
-CONFIG_FIELDS = {
-    ("data", "sources"): "data",
-    ("data", "seq_len"): "seq_len",
-    ("data", "max_tokens"): "max_tokens",
-    ("data", "chunk_len"): "chunk_len",
-    ("data", "text_field"): "text_field",
-    ("data", "pack"): "pack",
-    ("data", "seed"): "seed",
-    ("data", "long_records"): "long_records",
-    ("scales", "observer"): "observer",
-    ("scales", "granularity"): "granularity",
-    ("scales", "headroom"): "headroom",
-    ("scales", "query_scale"): "query_scale",
-    ("scales", "fp8_format"): "fp8_format",
+# Recipe keys outside the part sections → the CalibrationConfig field each sets.
+RUN_FIELDS = {
+    ("export", "form"): "form",
     ("export", "weights"): "weights",
     ("verify", "enabled"): "verify",
+    ("verify", "schemes"): "verify_schemes",
 }
-# export.form: "auto" writes the form of the source checkpoint (ModelOpt when it is a ModelOpt
-# checkpoint, else compressed-tensors); naming a form makes the run refuse a source of the other kind.
-EXPORT_FORMS = ("auto", "compressed-tensors", "modelopt")
-# verify.thresholds: the pass/fail thresholds of ``kvcal verify`` (VerifyConfig fields of the same name).
-VERIFY_THRESHOLDS = {
-    "max_kl": "a scheme passes with mean KL to the reference at most this (nats/token)",
-    "fail_kl": "a scheme fails with mean KL above this",
-    "min_top1": "a scheme passes with top-1 agreement at least this (0-1)",
-    "fail_top1": "a scheme fails with top-1 agreement below this",
-}
+
+
+def recipe_paths() -> dict[str, tuple[str, ...]]:
+    """Flat option name (``calibrate()`` keyword, CLI flag) → where a recipe holds it: every setting a recipe holds."""
+    paths = {f.name: ("data", f.name) for f in fields(DataConfig)}
+    paths["data"] = paths.pop("sources")  # --data: the sources
+    paths |= {f.name: ("scales", f.name) for f in fields(ScaleConfig)}
+    paths |= {f.name: ("verify", "thresholds", f.name) for f in fields(Thresholds)}
+    return paths | {field: path for path, field in RUN_FIELDS.items()}
 
 
 def recipe_dirs() -> list[Path]:
@@ -158,39 +149,31 @@ def _check_shape(where: str, data, schema: dict, prefix: str = "") -> None:
 
 
 def _check_values(where: str, recipe: dict) -> None:
-    """Values the types alone do not catch (observer names, formats, layer names...)."""
-    checks = {
-        ("scales", "observer"): check_observer,
-        ("scales", "granularity"): check_granularity,
-        ("scales", "fp8_format"): check_fp8_format,
-    }
-    for (section, key), check in checks.items():
-        if key in recipe.get(section, {}):
-            try:
-                check(recipe[section][key])
-            except ValueError as e:
-                raise ValueError(f"{where}: {section}.{key}: {e}") from None
+    """Values the types alone do not catch, each checked by the config part or rule that owns it.
+
+    A part's keys are checked one at a time (the part's defaults filling the rest), so that an error names its key;
+    the thresholds are checked together too, since their rule relates them.
+    """
+    parts = {"data": lambda **v: DataConfig(**{"sources": [], **v}).check_values(),
+             "scales": lambda **v: ScaleConfig(**v).validate(),
+             "verify.thresholds": lambda **v: Thresholds(**v).validate()}
+    sections = {"data": recipe.get("data", {}), "scales": recipe.get("scales", {}),
+                "verify.thresholds": recipe.get("verify", {}).get("thresholds", {})}
+    rules = {"export.form": check_export_form, "export.weights": check_weights, "verify.schemes": check_verify_schemes}
+    values = {"export.form": recipe.get("export", {}).get("form", "auto"), "export.weights": recipe.get("export", {}).get("weights"),
+              "verify.schemes": recipe.get("verify", {}).get("schemes", [])}
+    checks = [(f"{name}.{key}", lambda c=check, k=key, v=value: c(**{k: v}))
+              for name, check in parts.items() for key, value in sections[name].items()]
+    checks += [("verify.thresholds", lambda: parts["verify.thresholds"](**sections["verify.thresholds"]))]
+    checks += [(key, lambda c=rule, v=values[key]: c(v)) for key, rule in rules.items()]
+    for key, check in checks:
+        try:
+            check()
+        except ValueError as e:
+            raise ValueError(f"{where}: {key}: {e}") from None
     for item in recipe.get("skip_layers", []):
         if item != "sliding_window" and not (isinstance(item, int) and item >= 0):
             raise ValueError(f"{where}: skip_layers holds {item!r}; use 'sliding_window' or layer indices ≥ 0")
-    form = recipe.get("export", {}).get("form")
-    if form is not None and form not in EXPORT_FORMS:
-        raise ValueError(f"{where}: export.form {form!r}{_suggest(form, list(EXPORT_FORMS))}; choose one of: {', '.join(EXPORT_FORMS)}")
-    weights = recipe.get("export", {}).get("weights")
-    if weights not in (None, "fp8"):
-        raise ValueError(f"{where}: export.weights {weights!r}; choose fp8, or null to keep the weights as they are")
-    for scheme in recipe.get("verify", {}).get("schemes", []):
-        if scheme not in VERIFY_SCHEMES:
-            raise ValueError(f"{where}: verify.schemes holds {scheme!r}{_suggest(scheme, list(VERIFY_SCHEMES))}; choose from: {', '.join(VERIFY_SCHEMES)}")
-    for name, value in recipe.get("verify", {}).get("thresholds", {}).items():
-        if name not in VERIFY_THRESHOLDS:
-            raise ValueError(f"{where}: unknown key 'verify.thresholds.{name}'{_suggest(name, list(VERIFY_THRESHOLDS))}")
-        if not value >= 0:
-            raise ValueError(f"{where}: verify.thresholds.{name} must be ≥ 0, got {value}")
-    for section, key in (("data", "seq_len"), ("data", "max_tokens"), ("data", "chunk_len")):
-        value = recipe.get(section, {}).get(key)
-        if value is not None and value <= 0:
-            raise ValueError(f"{where}: {section}.{key} must be a positive integer, got {value}")
 
 
 def _merge(base: dict, override: dict) -> dict:
@@ -270,74 +253,64 @@ def check_fits(recipe: dict, model_dir: str | Path, *, force: bool = False) -> N
 
 
 def apply_overrides(recipe: dict, overrides: dict) -> dict:
-    """The recipe with CalibrationConfig field values given on the command line written into it.
+    """The recipe with settings given as flat options (``recipe_paths``) written into it.
 
     Args:
         recipe: a resolved recipe.
-        overrides: CalibrationConfig field → value, only for flags the user actually gave.
+        overrides: option name → value, only for flags the user actually gave.
     """
-    by_field = {field: path for path, field in CONFIG_FIELDS.items()}
+    paths = recipe_paths()
     resolved = copy.deepcopy(recipe)
-    for field, value in overrides.items():
-        if field not in by_field:
-            raise ValueError(f"{field!r} is not a setting a recipe holds; recipe settings: {', '.join(sorted(by_field))}")
-        section, key = by_field[field]
-        resolved.setdefault(section, {})[key] = value
+    for name, value in overrides.items():
+        if name not in paths:
+            raise ValueError(f"{name!r} is not a setting a recipe holds; recipe settings: {', '.join(sorted(paths))}")
+        *sections, key = paths[name]
+        node = resolved
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[key] = value
     return resolved
 
 
-def calibration_config(
-    *, recipe: str | None, model: str, out: str, force: bool = False, overwrite: bool = False,
-    device: str = "auto", dtype: str | None = None, progress: bool = True, min_tokens: int | None = None,
-    device_map: str | None = None, max_memory: str | dict | None = None, offload_folder: str | None = None,
-    checkpoint_every: int = CHECKPOINT_EVERY, resume: bool = False, **overrides,
-) -> CalibrationConfig:
-    """The validated CalibrationConfig of a run: recipe (default: ``default``) ← flags the user gave.
+def config_parts(recipe: dict) -> dict:
+    """A resolved recipe, section by section, as CalibrationConfig's parts and fields."""
+    verify = recipe.get("verify", {})
+    return {
+        "data": DataConfig(**{"sources": [], **recipe.get("data", {})}),
+        "scales": ScaleConfig(**recipe.get("scales", {})),
+        "thresholds": Thresholds(**verify.get("thresholds", {})),
+        **{field: recipe[section][key] for (section, key), field in RUN_FIELDS.items() if key in recipe.get(section, {})},
+    }
+
+
+def calibration_config(*, recipe: str | None, model: str, out: str, force: bool = False, **options) -> CalibrationConfig:
+    """The validated CalibrationConfig of a run: recipe (default: ``default``) ← the options given.
+
+    The one way a run is configured: ``kvcal calibrate`` passes its parsed flags, ``calibrate()`` its keywords.
 
     Args:
         recipe: shipped recipe name or YAML file; None uses the ``default`` recipe.
-        model, out, overwrite, device, dtype, progress, min_tokens, device_map, max_memory, offload_folder,
-            checkpoint_every, resume: as in CalibrationConfig (the machine's business, not recipe settings).
+        model, out: as in CalibrationConfig.
         force: use a recipe written for another model family (with a warning).
-        **overrides: CalibrationConfig fields a recipe holds (``data``, ``seq_len``, ``observer``...), only
-            those the user set; None values are ignored, so a CLI can pass its parsed flags as they are.
+        **options: flat settings; those a recipe holds (``recipe_paths``: ``data``, ``seq_len``, ``observer``...)
+            override it, the others (``device``, ``max_memory``, ``resume``...: the machine's business) go to
+            CalibrationConfig as they are. None values are ignored, so a CLI can pass its parsed flags as they are.
 
     Raises:
-        ValueError: bad recipe, a recipe for another family without ``force``, an export form the model's
-            checkpoint cannot take, or any CalibrationConfig check.
+        ValueError: bad recipe, a recipe for another family without ``force``, an unknown option, or any check
+            of the configuration tree.
     """
-    resolved = apply_overrides(load_recipe(recipe or DEFAULT_RECIPE), {k: v for k, v in overrides.items() if v is not None})
+    given = {k: v for k, v in options.items() if v is not None}
+    paths = recipe_paths()
+    held = {k: v for k, v in given.items() if k in paths}
+    machine = {k: v for k, v in given.items() if k not in paths}
+    own = {f.name for f in fields(CalibrationConfig)} - {"model", "out", "recipe"} - set(CalibrationConfig.PARTS)
+    unknown = sorted(set(machine) - own)
+    if unknown:
+        raise ValueError(f"unknown calibration option {unknown[0]!r}; options: {', '.join(sorted(own | set(paths)))}")
+    resolved = apply_overrides(load_recipe(recipe or DEFAULT_RECIPE), held)
     check_fits(resolved, model, force=force)
-    settings = {field: resolved[section][key] for (section, key), field in CONFIG_FIELDS.items() if key in resolved.get(section, {})}
-    settings.setdefault("data", [])
-    config = CalibrationConfig(
-        model=model, out=out, overwrite=overwrite, device=device, dtype=dtype, progress=progress, min_tokens=min_tokens,
-        device_map=device_map, max_memory=max_memory, offload_folder=offload_folder, checkpoint_every=checkpoint_every,
-        resume=resume, recipe=resolved, **settings,
-    ).validate()
-    # These two read checkpoint formats through modules that import torch: after the cheap checks above.
-    model_types = model_family(model)[0]  # refuses a config.json that is not JSON, naming it
-    from .inspector import IGNORES_CHECKPOINT_SCALES
-
-    _check_export_form(resolved, model)
-    for model_type in set(model_types) & set(IGNORES_CHECKPOINT_SCALES):
-        warnings.warn(IGNORES_CHECKPOINT_SCALES[model_type][1], stacklevel=2)
-    return config
-
-
-def _check_export_form(recipe: dict, model: str) -> None:
-    """A named export form must be the one the model's checkpoint can take (ModelOpt cannot hold KV-only scales)."""
-    from .checkpoint import checkpoint_form
-
-    wanted = recipe.get("export", {}).get("form", "auto")
-    form = checkpoint_form(Path(model))
-    if wanted != "auto" and wanted != form:
-        raise ValueError(
-            f"recipe {recipe['name']!r} asks for the {wanted} form, but {model} is a {form} checkpoint "
-            f"(ModelOpt's form exists only inside a ModelOpt-quantized checkpoint); set export.form: auto"
-        )
-    if form == "modelopt" and recipe.get("scales", {}).get("granularity") == "head":
-        raise ValueError(f"{model} is a ModelOpt checkpoint, whose KV scales are per tensor; use granularity tensor")
+    return CalibrationConfig(model=model, out=out, recipe=resolved, **config_parts(resolved), **machine).validate()
 
 
 def serve_notes(recipe: dict) -> list[str]:

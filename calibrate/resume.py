@@ -88,7 +88,7 @@ def run_identity(config: CalibrationConfig, world: int) -> dict:
     """What a save must share with the run resuming it, as far as is known before the model loads."""
     model = Path(config.model).resolve()
     return {
-        "settings": json.loads(json.dumps({name: getattr(config, name) for name in STATS_SETTINGS})),
+        "settings": json.loads(json.dumps({name: value for name, value in config.settings().items() if name in STATS_SETTINGS})),
         "model": {"path": str(model), "files": _model_files(model)},
         "world": world,
     }

@@ -5,12 +5,12 @@ on its own. The numbers come from ``verify.scheme_result``; thresholds from ``Ve
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 from . import report
 from .config import VERIFY_SCHEMES as SCHEMES
+from .config import Thresholds
 from .model import AttentionLayer
 
 SCHEME_NOTES = {
@@ -20,16 +20,6 @@ SCHEME_NOTES = {
     "head": "one static scale per layer and head (FA3 on Hopper only)",
     "token": "dynamic scale per token and KV head (--kv-cache-dtype fp8_per_token_head, Triton; queries stay unquantized)",
 }
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Pass and fail limits of a verdict: KL in nats/token, top-1 agreement as a fraction."""
-
-    max_kl: float
-    fail_kl: float
-    min_top1: float
-    fail_top1: float
 
 
 def mean_stderr(values: list[float]) -> tuple[float, float | None]:

@@ -13,7 +13,8 @@ are extra. What the numbers mean, verdicts and the recommendation, is ``verdict.
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from tqdm.auto import tqdm
 
 from . import fa3, report
 from .capture import prefill_chunks
-from .config import VERIFY_SCHEMES
+from .config import VERIFY_SCHEMES, Thresholds, check_fp8_format, flat_settings, route_options
 from .data import DataConfig, iter_sequences
 from .checkpoint import LoadedScale, fill_missing, layer_sources, loaded_multiplier, quant_config, quant_method, read_tensor, tensor_names
 from .export import KVCAL_DIR, weight_files
@@ -31,7 +32,7 @@ from .model import AttentionLayer, attention_layers, load_model, load_tokenizer,
 from .needle import NEEDLE_DEPTHS, needle_probe
 from .observers import derive_scales
 from .stats import KINDS, ModelSignature, Stats, position_bucket_starts
-from .verdict import SCHEME_NOTES, Thresholds, check_measured, judge, mean_stderr, recommend
+from .verdict import SCHEME_NOTES, check_measured, judge, mean_stderr, recommend
 
 REFERENCE = "bf16"  # the name users know; the reference runs in the dtype the report states
 SCHEMES = VERIFY_SCHEMES
@@ -44,27 +45,22 @@ class VerifyConfig:
 
     Attributes:
         checkpoint: model directory, with or without kvcal scales and statistics.
-        data: data sources, as for calibration (sequences come from ``data.iter_sequences``).
+        data: the sample: ``max_tokens // seq_len`` whole sequences of ``seq_len`` tokens; longer than ``chunk_len``
+            they run as chunked prefill (a list of sources alone takes ``SAMPLE``'s sizes).
         schemes: names from SCHEMES or paths to safetensors scale files, list or comma-separated.
-        seq_len, max_tokens: the sample: max_tokens // seq_len sequences of exactly seq_len tokens.
-        chunk_len: longer sequences run as chunked prefill through a KV cache (bounds logits memory).
+        thresholds: the verdict's pass and fail limits.
         kv_only: quantize only K and V in the static schemes (Triton/FlashInfer); default also Q (FA3).
         fa3: run the FA3 FP8 numeric model on ``fa3_rows`` query rows of ``fa3_layers`` (default first, middle, last).
         accum_bits: accumulator fractional bits of the FA3 model (13 Hopper, 25 B200).
         needle: context lengths of the needle probe, at ``needle_depths`` (fractions of the haystack).
-        max_kl, min_top1: pass thresholds (KL nats/token, top-1 agreement); fail_kl, fail_top1: fail thresholds.
         dtype: reference dtype; None = float32 on CPU, the checkpoint's dtype on GPU.
         report_dir: write report.json, report.md and PNG plots there.
     """
 
     checkpoint: str
-    data: list[str]
+    data: DataConfig | list[str]
     schemes: str | list[str] = ",".join(SCHEMES)
-    seq_len: int = 1024
-    max_tokens: int = 4096
-    chunk_len: int = 1024
-    text_field: str | None = None
-    seed: int = 0
+    thresholds: Thresholds = field(default_factory=Thresholds)
     kv_only: bool = False
     fa3: bool = False
     accum_bits: int = HOPPER_ACCUM_BITS
@@ -72,32 +68,60 @@ class VerifyConfig:
     fa3_layers: str | list[int] | None = None
     needle: str | list[int] | None = None
     needle_depths: tuple[float, ...] = NEEDLE_DEPTHS
-    max_kl: float = 0.02
-    fail_kl: float = 0.1
-    min_top1: float = 0.95
-    fail_top1: float = 0.90
     device: str = "auto"
     dtype: str | None = None
     fp8_format: str = "e4m3fn"
     report_dir: str | None = None
     progress: bool = True
 
+    # The sample's sizes unless given: a few sequences, enough for a verdict in minutes on a CPU.
+    SAMPLE = {"seq_len": 1024, "max_tokens": 4096, "chunk_len": 1024}
+    PARTS = {"data": DataConfig, "thresholds": Thresholds}
+    # report.json's "settings", in their order.
+    SETTINGS = ["schemes", "seq_len", "max_tokens", "chunk_len", "text_field", "seed", "kv_only", "fa3", "accum_bits",
+                "fa3_rows", "fa3_layers", "needle", "needle_depths", "max_kl", "fail_kl", "min_top1", "fail_top1",
+                "device", "dtype", "fp8_format", "report_dir"]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data, DataConfig):
+            sources = [self.data] if isinstance(self.data, (str, Path)) else list(self.data or [])
+            self.data = DataConfig([str(s) for s in sources], **self.SAMPLE)
+
+    @classmethod
+    def from_options(cls, checkpoint: str | Path, data: str | Path | list[str], **options) -> "VerifyConfig":
+        """A config from flat keyword options (``seq_len=``, ``max_kl=``, ``fa3=``...), each to the part that owns it."""
+        parts, rest = route_options(options, cls.PARTS)
+        own = {f.name for f in fields(cls)} - {"checkpoint", "data", *cls.PARTS}
+        unknown = sorted(set(rest) - own)
+        if unknown:
+            raise ValueError(f"unknown verify option {unknown[0]!r}; options: {', '.join(sorted(cls.SETTINGS + ['progress']))}")
+        sources = [data] if isinstance(data, (str, Path)) else list(data or [])
+        sample = DataConfig([str(s) for s in sources], **{**cls.SAMPLE, **parts["data"]})
+        return cls(str(checkpoint), sample, thresholds=Thresholds(**parts["thresholds"]), **rest)
+
+    @classmethod
+    def defaults(cls) -> dict:
+        """Every flat option's default, as ``kvcal verify --help`` shows them."""
+        return flat_settings(cls("", []), cls.SETTINGS)
+
+    def settings(self) -> dict:
+        """The run's settings as report.json holds them (flat, as they always were)."""
+        return flat_settings(self, self.SETTINGS)
+
     def validate(self) -> "VerifyConfig":
         """Cheap checks of every field, before any model is loaded; returns self with lists parsed."""
         read_config(self.checkpoint)
-        if not self.data:
-            raise ValueError("no data: pass --data FILE (txt, jsonl, json, parquet, csv) or a dataset name")
+        self.data.validate()
+        self.data.check_budget()
+        if not self.data.pack:
+            raise ValueError("verify measures whole packed sequences of --seq-len tokens; leave pack on")
+        self.thresholds.validate()
         self.schemes = _split(self.schemes)
         if not self.schemes:
             raise ValueError(f"--schemes names no scheme; choose from {', '.join(SCHEMES)} or name a .safetensors scales file")
         for name in self.schemes:
             if name not in SCHEMES and not (name.endswith(".safetensors") and Path(name).is_file()):
                 raise ValueError(f"unknown scheme {name!r}: choose from {', '.join(SCHEMES)} or name an existing .safetensors scales file")
-        for name, value, low in (("seq-len", self.seq_len, 2), ("max-tokens", self.max_tokens, 1), ("chunk-len", self.chunk_len, 64)):
-            if not isinstance(value, int) or value < low:
-                raise ValueError(f"--{name} must be an integer ≥ {low}, got {value!r}")
-        if self.max_tokens < self.seq_len:
-            raise ValueError(f"--max-tokens {self.max_tokens} is less than one sequence (--seq-len {self.seq_len}); raise it")
         if not 1 <= self.accum_bits <= 40:
             raise ValueError(f"--accum-bits must be between 1 and 40 (13 models Hopper, 25 B200), got {self.accum_bits}")
         if self.fa3_rows < 1:
@@ -108,17 +132,12 @@ class VerifyConfig:
             raise ValueError(f"--needle lengths must be ≥ 64 tokens, got {self.needle}")
         if not all(0 <= d <= 1 for d in self.needle_depths):
             raise ValueError(f"needle depths are fractions of the haystack in [0, 1], got {self.needle_depths}")
-        if not (0 <= self.max_kl <= self.fail_kl and 0 <= self.fail_top1 <= self.min_top1 <= 1):
-            raise ValueError("thresholds must satisfy 0 ≤ max-kl ≤ fail-kl and 0 ≤ fail-top1 ≤ min-top1 ≤ 1")
-        get_format(self.fp8_format)
+        check_fp8_format(self.fp8_format)
+        if self.fa3 and self.fp8_format != "e4m3fn":
+            raise ValueError("--fa3 models NVIDIA Hopper's e4m3fn path; drop --fa3 or use --fp8-format e4m3fn")
         if self.report_dir is not None and Path(self.report_dir).exists() and not Path(self.report_dir).is_dir():
             raise ValueError(f"--report {self.report_dir} is a file; name a directory for the report")
         return self
-
-    @property
-    def thresholds(self) -> Thresholds:
-        """The verdict's limits, as ``verdict.judge`` takes them."""
-        return Thresholds(self.max_kl, self.fail_kl, self.min_top1, self.fail_top1)
 
 
 def _integers(flag: str, value: str | list | None) -> list[int]:
@@ -136,16 +155,24 @@ def _split(value: str | list | None) -> list[str]:
     return [item.strip() for item in items if item.strip()]
 
 
+class Mode(StrEnum):
+    """How a scheme scales attention's inputs (its value is what report.json says)."""
+
+    REFERENCE = "reference"  # not at all: the unquantized model
+    STATIC = "static"  # one scale per layer (or per layer and head) read at serve time
+    TOKEN = "token"  # a scale per token and KV head computed at cache write
+
+
 @dataclass
 class Scheme:
     """One way of quantizing attention's inputs, applied identically in every pass.
 
     ``scales`` are dequantization multipliers in the format's own units (x ≈ fp8 × scale), kind →
-    [L, H] (a per-tensor scale repeated over heads); ``mode`` is "reference", "static" or "token".
+    [L, H] (a per-tensor scale repeated over heads), for ``Mode.STATIC``.
     """
 
     name: str
-    mode: str
+    mode: Mode
     source: str
     fmt: FP8Format
     granularity: str | None = None
@@ -154,12 +181,12 @@ class Scheme:
 
     def scale(self, kind: str, row: int, x: torch.Tensor) -> torch.Tensor:
         """Scale broadcastable to x [B, H, S, D]: per (token, head) for ``token``, else [1, H, 1, 1]."""
-        if self.mode == "token":
+        if self.mode == Mode.TOKEN:
             return per_token_scale(x, self.fmt)  # [B, H, S, 1]
         return self.scales[kind][row].to(x.device).view(1, -1, 1, 1)
 
     def kinds(self) -> tuple[str, ...]:
-        if self.mode == "reference":
+        if self.mode == Mode.REFERENCE:
             return ()
         return ("k", "v", "q") if self.quantize_query else ("k", "v")
 
@@ -244,20 +271,20 @@ def build_schemes(
     schemes, skipped = [], {}
     for name in config.schemes:
         if name == REFERENCE:
-            schemes.append(Scheme(name, "reference", "none: the unquantized reference", fmt))
+            schemes.append(Scheme(name, Mode.REFERENCE, "none: the unquantized reference", fmt))
         elif name == "scale1":
             ones = {k: torch.ones(len(layers), h) for k, h in heads.items()}
-            schemes.append(Scheme(name, "static", "1.0", fmt, "tensor", ones, q))
+            schemes.append(Scheme(name, Mode.STATIC, "1.0", fmt, "tensor", ones, q))
         elif name == "token":
-            schemes.append(Scheme(name, "token", "computed per token at cache write", fmt, "token"))
+            schemes.append(Scheme(name, Mode.TOKEN, "computed per token at cache write", fmt, "token"))
         elif name in ("tensor", "head"):
             if granularity == name:
-                schemes.append(Scheme(name, "static", "checkpoint", fmt, name, ckpt, q))
+                schemes.append(Scheme(name, Mode.STATIC, "checkpoint", fmt, name, ckpt, q))
             elif stats is not None:
                 derived = derive_scales(stats.kinds, observer="max", granularity=name, fmt=fmt).scales
                 derived = {k: (v if v.dim() == 2 else v[:, None].expand(-1, heads[k])).clone() for k, v in derived.items()}
                 source = "derived from the checkpoint's kvcal statistics (max observer; not in the checkpoint: export them)"
-                schemes.append(Scheme(name, "static", source, fmt, name, derived, q))
+                schemes.append(Scheme(name, Mode.STATIC, source, fmt, name, derived, q))
             else:
                 has = f"holds {granularity} scales" if granularity else "has no KV scales"
                 skipped[name] = f"the checkpoint {has} and no kvcal statistics to derive {name} scales from"
@@ -267,7 +294,7 @@ def build_schemes(
                 raise ValueError(f"{name} holds no k/v scales under this model's attention prefixes (e.g. {layers[0].prefix}.k_scale)")
             notes += [f"{Path(name).name}: {n}" for n in file_notes]
             scaled = {k: v * loaded_multiplier(method, fmt.name) for k, v in scales.items()}
-            schemes.append(Scheme(Path(name).stem, "static", str(Path(name).resolve()), fmt, file_granularity, scaled, q))
+            schemes.append(Scheme(Path(name).stem, Mode.STATIC, str(Path(name).resolve()), fmt, file_granularity, scaled, q))
     return schemes, skipped, held
 
 
@@ -315,7 +342,7 @@ class _ReferenceProbe:
         self.ref_sq[row] += ref.square().sum(dtype=torch.float64)
         new = {"q": query, "k": key[:, :, -S:], "v": value[:, :, -S:]}  # count each position once
         for scheme in self.schemes:
-            if scheme.mode == "reference":
+            if scheme.mode == Mode.REFERENCE:
                 continue
             tally = self.tallies[scheme.name]
             o = base_attention(module, *scheme.apply(row, query, key, value), attention_mask, **kwargs)[0]
@@ -389,12 +416,13 @@ def measure(
         ids = seq.to(device)[None]  # [1, S]
         probe.fa3_rows = fa3_rows if i == 0 else None
         # One chunked prefill per run, each with its own cache and hook, advanced chunk by chunk in turn.
-        ref_run = prefill_chunks(model, ids, config.chunk_len, hook=probe, keep_from=0)
-        runs = {s.name: prefill_chunks(model, ids, config.chunk_len, hook=_Apply(s, row_of), keep_from=0) for s in schemes}
+        chunk_len = config.data.chunk_len
+        ref_run = prefill_chunks(model, ids, chunk_len, hook=probe, keep_from=0)
+        runs = {s.name: prefill_chunks(model, ids, chunk_len, hook=_Apply(s, row_of), keep_from=0) for s in schemes}
         sums = {name: [0.0, 0.0, 0.0] for name in tallies}
         nll = 0.0
-        for start in range(0, ids.shape[1] - 1, config.chunk_len):  # a last chunk of only the final token never runs
-            targets = ids[0, start + 1 : start + 1 + config.chunk_len]  # [n] next tokens; the last position has none
+        for start in range(0, ids.shape[1] - 1, chunk_len):  # a last chunk of only the final token never runs
+            targets = ids[0, start + 1 : start + 1 + chunk_len]  # [n] next tokens; the last position has none
             t0 = time.perf_counter()
             ref_logits = next(ref_run)[: len(targets)]  # [n, V]
             ref_lp = torch.log_softmax(ref_logits, -1)  # [n, V]
@@ -419,20 +447,19 @@ def measure(
 def _fa3(probe: _ReferenceProbe, rows: torch.Tensor, schemes: list[Scheme], layers, sig: ModelSignature, config: VerifyConfig) -> dict:
     """``fa3.probe`` on the rows the reference pass captured, for every static scheme."""
     return fa3.probe(
-        probe.capture, rows, {s.name: s.scales for s in schemes if s.mode == "static"}, get_format(config.fp8_format),
+        probe.capture, rows, {s.name: s.scales for s in schemes if s.mode == Mode.STATIC}, get_format(config.fp8_format),
         layer_idx=[layer.layer_idx for layer in layers], groups=sig.num_heads // sig.num_kv_heads, head_dim=sig.head_dim,
-        accum_bits=config.accum_bits, unmodelled=[s.name for s in schemes if s.mode == "token"],
+        accum_bits=config.accum_bits, unmodelled=[s.name for s in schemes if s.mode == Mode.TOKEN],
     )
 
 
 def _needle(model, tokenizer, layers, schemes: list[Scheme], config: VerifyConfig, context: int | None) -> dict:
     """``needle.needle_probe`` under each scheme's end-to-end hook, the reference first when not among the schemes."""
     row_of = {layer.layer_idx: row for row, layer in enumerate(layers)}
-    runs = schemes if any(s.mode == "reference" for s in schemes) else [Scheme(REFERENCE, "reference", "", schemes[0].fmt), *schemes]
+    runs = schemes if any(s.mode == Mode.REFERENCE for s in schemes) else [Scheme(REFERENCE, Mode.REFERENCE, "", schemes[0].fmt), *schemes]
     return needle_probe(
         model, tokenizer, {s.name: _Apply(s, row_of) for s in runs}, reference=REFERENCE, lengths=config.needle,
-        depths=config.needle_depths, data=config.data, text_field=config.text_field, seed=config.seed,
-        chunk_len=config.chunk_len, context=context, progress=config.progress,
+        depths=config.needle_depths, data=config.data, context=context, progress=config.progress,
     )
 
 
@@ -448,7 +475,7 @@ def scheme_result(scheme: Scheme, tally: _Tally, ref_sq: torch.Tensor, ref_nll: 
     result = {
         "mode": scheme.mode, "granularity": scheme.granularity, "source": scheme.source, "quantizes_query": scheme.quantize_query,
         "note": SCHEME_NOTES.get(scheme.name, "static scales from a file"),
-        "layer_rel_error": (tally.err_sq / ref_sq.clamp(min=1e-300)).sqrt().tolist() if scheme.mode != "reference" else [0.0] * len(ref_sq),
+        "layer_rel_error": (tally.err_sq / ref_sq.clamp(min=1e-300)).sqrt().tolist() if scheme.mode != Mode.REFERENCE else [0.0] * len(ref_sq),
         "fractions": frac,
         "kl": kl, "kl_stderr": kl_se, "kl_per_sequence": tally.seq_kl,
         "nll": nll, "ppl": math.exp(nll), "ppl_reference": math.exp(ref_mean_nll), "ppl_change": math.exp(nll - ref_mean_nll) - 1,
@@ -513,25 +540,25 @@ def _position_profile(stats: Stats | None) -> dict | None:
 def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> VerifyResult:
     """Measure what an FP8 KV cache costs ``checkpoint`` on ``data``, per scheme, and recommend how to serve it.
 
-    ``options`` are the fields of ``VerifyConfig`` (schemes, seq_len, max_tokens, fa3, accum_bits,
-    needle, report_dir, thresholds, ...).
+    ``options`` are flat settings, each going to the part of ``VerifyConfig`` that owns it: ``seq_len``,
+    ``max_tokens``, ``chunk_len``, ``text_field``, ``seed`` (the sample), ``max_kl``, ``fail_kl``, ``min_top1``,
+    ``fail_top1`` (the thresholds) and VerifyConfig's own fields (schemes, fa3, accum_bits, needle, report_dir...).
     """
+    return run_verify(VerifyConfig.from_options(checkpoint, data, **options))
+
+
+def run_verify(config: VerifyConfig) -> VerifyResult:
+    """Run a verify; see ``verify``."""
     start = time.perf_counter()
     # 1. Cheap checks of every option and data source before the model is loaded.
-    data = [data] if isinstance(data, (str, Path)) else data
-    config = VerifyConfig(checkpoint=str(checkpoint), data=[str(d) for d in data], **options).validate()
-    if config.fa3 and config.fp8_format != "e4m3fn":
-        raise ValueError("--fa3 models NVIDIA Hopper's e4m3fn path; drop --fa3 or use --fp8-format e4m3fn")
-    data_config = DataConfig(sources=config.data, seq_len=config.seq_len, max_tokens=config.max_tokens,
-                             text_field=config.text_field, seed=config.seed)
-    data_config.validate()
+    config.validate()
     fmt = get_format(config.fp8_format)
     files = weight_files(Path(config.checkpoint))  # vLLM's files, every header checked
 
     # 2. The sample, before the model is loaded: data too short for one sequence is refused cheaply.
     device = resolve_device(config.device)
     context = max_context(read_config(config.checkpoint))
-    sequences, manifest = _sample(data_config, load_tokenizer(config.checkpoint), context)
+    sequences, manifest = _sample(config.data, load_tokenizer(config.checkpoint), context)
     sampled = time.perf_counter()
 
     # 3. The reference model (float32 on CPU by default, K and V unquantized) and its attention layers.
@@ -544,7 +571,7 @@ def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> V
     # pass and one pass per scheme.
     stats = _load_stats(Path(config.checkpoint), sig)
     schemes, skipped, held = build_schemes(config, files, layers, sig, stats, fmt)
-    fa3_rows = fa3.query_rows(config.seq_len, config.chunk_len, config.fa3_rows) if config.fa3 else None
+    fa3_rows = fa3.query_rows(config.data.seq_len, config.data.chunk_len, config.fa3_rows) if config.fa3 else None
     tallies, probe, ref_nll, ref_seconds = measure(model, layers, schemes, sequences, config, fa3_rows)
     measured = time.perf_counter()
 
@@ -558,7 +585,7 @@ def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> V
     for s in schemes:
         r = scheme_result(s, tallies[s.name], probe.ref_sq, ref_nll, config)
         check_measured(s.name, r)
-        if needle_result and s.mode != "reference":
+        if needle_result and s.mode != Mode.REFERENCE:
             r["needle_lost"] = needle_result["summary"][s.name]["lost"]
             r["verdict"], r["reasons"] = judge(r, config.thresholds)
         results[s.name] = r
@@ -570,9 +597,9 @@ def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> V
         "reference": {"name": REFERENCE, "dtype": dtype, "device": str(device),
                       "note": f"the reference is the unquantized model in {dtype}, called {REFERENCE} as vLLM would serve it"},
         "fp8_format": fmt.name,
-        "settings": {k: v for k, v in vars(config).items() if k not in ("checkpoint", "data", "progress")},
+        "settings": config.settings(),
         "data": manifest,
-        "sample": {"sequences": len(sequences), "seq_len": config.seq_len, "tokens": len(sequences) * config.seq_len},
+        "sample": {"sequences": len(sequences), "seq_len": config.data.seq_len, "tokens": len(sequences) * config.data.seq_len},
         "layers": [vars(layer) for layer in layers],
         "checkpoint_scales": held,
         "schemes": results,

@@ -9,7 +9,7 @@ import torch
 from test_apply import modelopt_fp8, save_llama
 
 from calibrate import apply, calibrate, inspect
-from calibrate.checkpoint import OLD_SCALE_PATTERN, SCALE_SOURCES, WRITE_NAMES, loaded_multiplier
+from calibrate.checkpoint import KV_SCALE_PATTERN, SCALE_SOURCES, WRITE_NAMES, loaded_multiplier
 
 # vLLM 0.32 (docs/vllm-notes.md, "ROCm fnuz"): the base KV loader (fp8, ModelOpt, Quark, legacy) doubles loaded
 # scales on e4m3fnuz; the compressed-tensors loader never does; nothing is doubled on e4m3fn.
@@ -29,9 +29,9 @@ def test_every_written_name_is_one_vllm_maps_and_kvcal_replaces():
     for form, names in WRITE_NAMES.items():
         for kind, suffix in names.items():
             assert SCALE_SOURCES[suffix] == (kind, None), (form, kind)  # mapped whatever the quantization method
-            assert OLD_SCALE_PATTERN.search(f"model.layers.0.self_attn.{suffix}")
+            assert KV_SCALE_PATTERN.search(f"model.layers.0.self_attn.{suffix}")
     for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_norm.weight", "model.norm.weight"):
-        assert not OLD_SCALE_PATTERN.search(name)
+        assert not KV_SCALE_PATTERN.search(name)
 
 
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import fields
 
 import pytest
 from conftest import save_tiny_checkpoint
@@ -45,7 +44,7 @@ def test_calibrate_then_export_from_the_command_line(tiny_dir, text_file, tmp_pa
     [
         (["--observer", "median"], "unknown observer 'median'; choose one of: max, percentile:P, mse, sink-aware"),
         (["--observer", "percentile:101"], "the percentile must be in (0, 100]"),
-        (["--seq-len", "0"], "--seq-len must be a positive integer"),
+        (["--seq-len", "0"], "--seq-len must be an integer ≥ 2"),
         (["--headroom", "0.5"], "--headroom must be a number ≥ 1.0"),
         (["--data", "/nonexistent/data.jsonl"], "/nonexistent/data.jsonl"),
     ],
@@ -184,6 +183,6 @@ def test_verify_help_shows_verify_config_defaults(capsys):
         main(["verify", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert exc.value.code == 0 and not re.search(r"\{[a-z0-9_]+\}", text)  # every placeholder filled
-    defaults = {f.name: f.default for f in fields(verify.VerifyConfig)}
+    defaults = verify.VerifyConfig.defaults()
     for name in ("seq_len", "max_tokens", "chunk_len", "accum_bits", "fa3_rows", "max_kl", "fail_kl", "min_top1"):
         assert f"(default {defaults[name]})" in text, name

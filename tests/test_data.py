@@ -326,8 +326,8 @@ def test_manifest_names_hashes_and_counts(tmp_path, smol_tokenizer):
     "options, message",
     [
         ({"sources": []}, "no calibration data: pass at least one --data"),
-        ({"seq_len": 1}, "seq_len must be an integer >= 2"),
-        ({"max_tokens": 0}, "max_tokens must be a positive integer"),
+        ({"seq_len": 1}, "--seq-len must be an integer ≥ 2"),
+        ({"max_tokens": 0}, "--max-tokens must be a positive integer"),
         ({"long_records": "drop"}, "long_records must be one of split, error"),
         ({"text_field": ""}, "text_field must be a column name or None"),
         ({"sources": ["{tmp}/a.jsonl::-1"]}, r"weight in .* must be a positive number, as in data.jsonl::0.3"),
@@ -369,7 +369,7 @@ def test_validate_refuses_bad_config(tmp_path, options, message):
 
 def test_seq_len_must_fit_the_model_context(tmp_path, smol_tokenizer):
     config = DataConfig(sources=[write_jsonl(tmp_path)], seq_len=4096)
-    with pytest.raises(ValueError, match="seq_len=4096 exceeds the model's context of 2048 tokens"):
+    with pytest.raises(ValueError, match="--seq-len 4096 is longer than the model's context of 2048 tokens"):
         iter_sequences(config, smol_tokenizer, max_context=2048)
 
 

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from calibrate import api, recipes
 from calibrate.cli import main
+from calibrate.config import CalibrationConfig, ScaleConfig, Thresholds
 from calibrate.data import DataConfig, iter_sequences
 from calibrate.export import scales_file
 
@@ -134,17 +135,17 @@ def test_no_recipe_uses_default_and_flags_equal_to_defaults_still_override(tmp_p
     user.write_text(f"extends: llama3\nscales:\n  observer: mse\ndata:\n  sources: [{text_file}]\n  seed: 3\n")
 
     plain = recipes.calibration_config(recipe=None, model=str(model_dir), out=str(tmp_path / "a"), data=[str(text_file)])
-    assert plain.recipe["name"] == "default" and plain.seq_len == 2048 and plain.observer == "max"
+    assert plain.recipe["name"] == "default" and plain.data.seq_len == 2048 and plain.scales.observer == "max"
 
     # Not given: the recipe's values (mse from mine.yaml, chunk_len from llama3, max_tokens from default).
     config = recipes.calibration_config(recipe=str(user), model=str(model_dir), out=str(tmp_path / "b"), seq_len=128, observer=None)
-    assert (config.observer, config.seq_len, config.chunk_len, config.max_tokens, config.seed) == ("mse", 128, 4096, 500_000, 3)
-    assert config.data == [str(text_file)] and config.recipe["extends"] == "llama3" and config.recipe["name"] == "mine"
+    assert (config.scales.observer, config.data.seq_len, config.data.chunk_len, config.data.max_tokens, config.data.seed) == ("mse", 128, 4096, 500_000, 3)
+    assert config.data.sources == [str(text_file)] and config.recipe["extends"] == "llama3" and config.recipe["name"] == "mine"
 
     # Given, even with the default's value: the flag wins, and the saved recipe says so.
     config = recipes.calibration_config(recipe=str(user), model=str(model_dir), out=str(tmp_path / "c"), observer="max", pack=False)
-    assert config.observer == "max" and config.recipe["scales"]["observer"] == "max"
-    assert config.pack is False and config.recipe["data"]["pack"] is False
+    assert config.scales.observer == "max" and config.recipe["scales"]["observer"] == "max"
+    assert config.data.pack is False and config.recipe["data"]["pack"] is False
 
     # The saved recipe is itself a recipe that resolves to the same thing.
     again = tmp_path / "again.json"
@@ -165,7 +166,7 @@ def test_cli_flag_parsing_keeps_untyped_flags_out(tmp_path, smol_tokenizer, text
     user.write_text("extends: default\nscales:\n  observer: mse\n  headroom: 1.5\n")
     assert main(["calibrate", str(model_dir), "--recipe", str(user), "--data", str(text_file), "--out", str(tmp_path / "o"), "--headroom", "1.0"]) == 2
     config = seen["config"]
-    assert config.observer == "mse" and config.headroom == 1.0 and config.seq_len == 2048 and config.query_scale is True
+    assert config.scales.observer == "mse" and config.scales.headroom == 1.0 and config.data.seq_len == 2048 and config.scales.query_scale is True
 
 
 def test_recipe_for_another_family_is_refused_unless_forced(tmp_path, smol_tokenizer, text_file, capsys):
@@ -192,10 +193,10 @@ def test_recipe_for_another_family_is_refused_unless_forced(tmp_path, smol_token
         ("scales: max\n", "scales must be a mapping"),
         ("scales:\n  observer: maximum\n", "scales.observer: unknown observer 'maximum'"),
         ("skip_layers: [sliding]\n", "skip_layers holds 'sliding'"),
-        ("export:\n  form: modelop\n", "did you mean 'modelopt'?"),
+        ("export:\n  form: modelop\n", "export.form: unknown export form 'modelop'; did you mean 'modelopt'?"),
         ("verify:\n  thresholds:\n    max_kld: 0.1\n", "unknown key 'verify.thresholds.max_kld'; did you mean 'max_kl'?"),
-        ("verify:\n  schemes: [tensr]\n", "verify.schemes holds 'tensr'; did you mean 'tensor'?"),
-        ("data:\n  seq_len: 0\n", "data.seq_len must be a positive integer"),
+        ("verify:\n  schemes: [tensr]\n", "verify.schemes: unknown verify scheme 'tensr'; did you mean 'tensor'?"),
+        ("data:\n  seq_len: 0\n", "data.seq_len: --seq-len must be an integer ≥ 2"),
         ("extends: lama3\n", "no recipe named 'lama3'; did you mean 'llama3'?"),
         ("scales: [\n", "is not valid YAML"),
     ],
@@ -262,6 +263,29 @@ def test_shipped_recipes_are_found_without_the_checkout(tmp_path, monkeypatch):
 def test_families_whose_vllm_drops_scales_warn_before_calibrating(tmp_path, text_file, model_type):
     model_dir = tmp_path / model_type
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["X"]}))
-    with pytest.warns(UserWarning, match=r"vllm#(54623|25047)"):
-        recipes.calibration_config(recipe=None, model=str(model_dir), out=str(tmp_path / "o"), data=[str(text_file)])
+    (model_dir / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["XForCausalLM"]}))
+    # Warned in the run's first step, before anything is loaded (the directory has no weights: the run then stops).
+    with pytest.warns(UserWarning, match=r"vllm#(54623|25047)"), pytest.raises(ValueError, match="no .safetensors weight files"):
+        api.calibrate(str(model_dir), [str(text_file)], str(tmp_path / "o"))
+
+
+def test_default_recipe_states_the_configuration_defaults():
+    """recipes/default.yaml writes out the configuration tree's defaults: the same values, not a second set."""
+    parts = recipes.config_parts(recipes.load_recipe("default"))
+    assert parts["data"] == DataConfig(sources=[]) and parts["scales"] == ScaleConfig() and parts["thresholds"] == Thresholds()
+    own = {f.name: f.default for f in dataclasses.fields(CalibrationConfig)}
+    assert {k: parts[k] for k in ("form", "weights", "verify")} == {k: own[k] for k in ("form", "weights", "verify")}
+
+
+def test_python_api_resolves_like_the_cli(tmp_path, smol_tokenizer, text_file, monkeypatch):
+    model_dir = save_tiny_checkpoint(tmp_path / "llama", "llama", smol_tokenizer)
+    seen = []
+    monkeypatch.setattr(api, "run_calibration", seen.append)
+    out = str(tmp_path / "o")
+    api.calibrate(str(model_dir), [str(text_file)], out, seq_len=128, observer="mse", recipe="llama3", force=True)
+    assert main(["calibrate", str(model_dir), "--data", str(text_file), "--out", out, "--seq-len", "128",
+                 "--observer", "mse", "--recipe", "llama3", "--force"]) == 0
+    assert len(seen) == 2 and seen[0] == seen[1]
+    assert seen[0].recipe["name"] == "llama3" and seen[0].data.chunk_len == 4096  # the recipe's, under both
+    with pytest.raises(ValueError, match="unknown calibration option 'seqlen'"):
+        api.calibrate(str(model_dir), [str(text_file)], out, seqlen=128)

@@ -1,0 +1,131 @@
+"""Tests for ``calibrate/config.py``: the configuration tree, one definition and one rule per setting."""
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict, fields
+
+import pytest
+
+from calibrate import recipes
+from calibrate.config import (
+    CalibrationConfig, DataConfig, ScaleConfig, Thresholds, check_export_form, check_verify_schemes, flat_settings,
+    parse_max_memory, route_options,
+)
+from calibrate.verify import VerifyConfig
+
+
+def test_route_options_sends_each_name_to_its_owner():
+    parts, rest = route_options({"seq_len": 64, "observer": "mse", "max_kl": 0.5, "device": "cpu"},
+                                {"data": DataConfig, "scales": ScaleConfig, "thresholds": Thresholds})
+    assert parts == {"data": {"seq_len": 64}, "scales": {"observer": "mse"}, "thresholds": {"max_kl": 0.5}}
+    assert rest == {"device": "cpu"}
+
+
+def test_part_field_names_are_unique_across_the_tree():
+    """A flat option must have one owner: no field name appears in two parts or in a part and its config."""
+    for owner in (CalibrationConfig, VerifyConfig):
+        names = [f.name for part in owner.PARTS.values() for f in fields(part)]
+        own = [f.name for f in fields(owner) if f.name not in owner.PARTS]
+        assert len(names) == len(set(names)) and not set(names) & set(own), owner.__name__
+
+
+def test_calibration_settings_are_the_flat_layout_calibration_json_always_had(tmp_path):
+    config = CalibrationConfig(model=str(tmp_path), data=["a.txt"], out="o", scales=ScaleConfig(observer="mse"))
+    settings = config.settings()
+    assert list(settings) == CalibrationConfig.SETTINGS
+    # Every value is the one in the tree (the sources under "data", as before the tree).
+    assert settings["data"] == ["a.txt"] and settings["observer"] == "mse" and settings["seq_len"] == config.data.seq_len
+    assert json.loads(json.dumps(settings)) == settings
+
+
+def test_verify_settings_and_defaults():
+    config = VerifyConfig.from_options("ckpt", "d.txt", seq_len=128, max_kl=0.5, fa3=True)
+    assert (config.data.seq_len, config.data.max_tokens, config.thresholds.max_kl, config.fa3) == (128, 4096, 0.5, True)
+    assert list(config.settings()) == VerifyConfig.SETTINGS
+    defaults = VerifyConfig.defaults()
+    assert {k: defaults[k] for k in VerifyConfig.SAMPLE} == VerifyConfig.SAMPLE
+    assert {k: defaults[k] for k in ("max_kl", "fail_kl", "min_top1", "fail_top1")} == asdict(Thresholds())
+    with pytest.raises(ValueError, match="unknown verify option 'seqlen'"):
+        VerifyConfig.from_options("ckpt", "d.txt", seqlen=128)
+
+
+def test_flat_settings_inlines_parts_in_the_order_asked():
+    config = VerifyConfig("ckpt", ["d.txt"])
+    assert flat_settings(config, ["fail_top1", "seed", "kv_only"]) == {"fail_top1": 0.9, "seed": 0, "kv_only": False}
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"seq_len": 1}, "--seq-len must be an integer ≥ 2, got 1"),
+        ({"seq_len": 2.5}, "--seq-len must be an integer ≥ 2"),
+        ({"max_tokens": True}, "--max-tokens must be a positive integer"),
+        ({"chunk_len": 0}, "--chunk-len must be a positive integer"),
+        ({"pack": "yes"}, "pack must be True or False"),
+        ({"seed": 1.0}, "seed must be an integer"),
+    ],
+    ids=["seq-len-1", "seq-len-float", "max-tokens-bool", "chunk-len-0", "pack-str", "seed-float"],
+)
+def test_data_rules_are_the_same_for_calibrate_verify_and_recipes(tmp_path, options, message):
+    """One rule per setting: the same value is refused with the same words by every way in."""
+    with pytest.raises(ValueError, match=message):
+        DataConfig(sources=[], **options).check_values()
+    with pytest.raises(ValueError, match=message):
+        CalibrationConfig(model=str(tmp_path), data=DataConfig([str(tmp_path / "x.txt")], **options), out="o").validate()
+    with pytest.raises(ValueError, match=message):
+        VerifyConfig.from_options(str(tmp_path), [str(tmp_path / "x.txt")], **options).data.check_values()
+    if all(type(v) is int for v in options.values()):  # a recipe's types are checked first: ints reach the rule
+        (tmp_path / "r.yaml").write_text("data:\n" + "".join(f"  {k}: {v}\n" for k, v in options.items()))
+        with pytest.raises(ValueError, match=message):
+            recipes.load_recipe(str(tmp_path / "r.yaml"))
+
+
+@pytest.mark.parametrize(
+    "scales, message",
+    [
+        ({"observer": "maximum"}, "unknown observer 'maximum'"),
+        ({"observer": "percentile:101"}, r"the percentile must be in \(0, 100\]"),
+        ({"granularity": "channel"}, "unknown granularity 'channel'"),
+        ({"headroom": 0.9}, "--headroom must be a number ≥ 1.0"),
+        ({"headroom": float("inf")}, "--headroom must be a number ≥ 1.0"),
+        ({"query_scale": 1}, "query_scale must be True or False"),
+        ({"fp8_format": "e5m2"}, "unknown FP8 format 'e5m2'"),
+    ],
+)
+def test_scale_rules(scales, message):
+    with pytest.raises(ValueError, match=message):
+        ScaleConfig(**scales).validate()
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [{"max_kl": -1.0}, {"max_kl": 0.5, "fail_kl": 0.1}, {"min_top1": 0.8, "fail_top1": 0.9}, {"min_top1": 1.5}],
+)
+def test_thresholds_must_be_ordered(limits):
+    with pytest.raises(ValueError, match="thresholds must satisfy"):
+        Thresholds(**limits).validate()
+    with pytest.raises(ValueError, match="threshold max_kl must be a number"):
+        Thresholds(max_kl="low").validate()
+
+
+def test_names_outside_the_tables_are_refused_with_the_nearest():
+    with pytest.raises(ValueError, match="did you mean 'modelopt'"):
+        check_export_form("modelop")
+    with pytest.raises(ValueError, match="did you mean 'tensor'"):
+        check_verify_schemes(["tensr"])
+
+
+def test_max_memory_parses_devices_and_units():
+    assert parse_max_memory("0=70GiB, cpu=1.5GB,disk=10MB") == {0: 70 * 2**30, "cpu": 1_500_000_000, "disk": 10_000_000}
+    assert parse_max_memory({"cuda:1": 1024}) == {1: 1024}
+    for bad, message in [("0=70", "not a size"), ("gpu=1GB", "not a device"), ("0=1GB,cuda:0=2GB", "twice")]:
+        with pytest.raises(ValueError, match=message):
+            parse_max_memory(bad)
+
+
+def test_config_imports_neither_torch_nor_transformers():
+    """The CLI checks settings with this module before any heavy import (data.py too, which it holds a part of)."""
+    code = "import sys, calibrate.config; print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
