@@ -88,7 +88,7 @@ class CalibrationResult:
         if not worst:
             return []
         return ["sink tokens (first positions) saturated, worst layer: "
-                + ", ".join(f"{k} {100 * frac:.2g}%" for k, frac in worst.items())]
+                + ", ".join(f"{k} {100 * frac:.3g}%" for k, frac in worst.items())]
 
     def _little_data(self) -> list[str]:
         """One line when the scales rest on fewer tokens than LITTLE_DATA_TOKENS, else none."""

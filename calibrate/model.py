@@ -151,7 +151,8 @@ def default_dtype(device: torch.device, config: dict) -> torch.dtype:
     if device.type == "cpu":
         return torch.float32
     name = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
-    return getattr(torch, name) if isinstance(name, str) and hasattr(torch, name) else torch.bfloat16
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16
 
 
 def without_kv_quantization(config) -> None:
@@ -282,7 +283,7 @@ def check_no_kv_quantization(model: nn.Module) -> None:
     found = [name for name, _ in [*model.named_parameters(), *model.named_buffers()] if KV_SCALE_PATTERN.search(name)]
     if found:
         raise ValueError(
-            f"the loaded model quantizes its KV cache itself ({found[0]} and {len(found) - 1} more scale parameters), "
+            f"the loaded model quantizes its KV cache itself ({found[0]}{f' and {len(found) - 1} more' if len(found) > 1 else ''}), "
             "so its outputs are not an unquantized reference; remove kv_cache_scheme from the checkpoint's "
             "quantization_config, or report this to kvcal"
         )

@@ -1,6 +1,7 @@
 """What kvcal tells a person: the per-layer scale table, the serve command, and verify's report (text, Markdown, plots)."""
 
 import json
+import shlex
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -28,7 +29,7 @@ def kvcal_version() -> str:
 def serve_command(out: str, granularity: str, skip_sliding: bool = False) -> str:
     """The exact ``vllm serve`` line for the written checkpoint."""
     dtype = "fp8_per_token_head" if granularity == "token" else "fp8"
-    line = f"vllm serve {out} --kv-cache-dtype {dtype}"
+    line = f"vllm serve {shlex.quote(out)} --kv-cache-dtype {dtype}"
     if granularity == "head":
         line += " --attention-backend FLASH_ATTN"
     if skip_sliding:
@@ -123,8 +124,8 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
         "",
         _table(VERIFY_HEADER, verify_rows(rep)),
         "",
-        f"Thresholds: pass when KL ≤ {th['max_kl']} nats/token and top-1 agreement ≥ {th['min_top1']:.0%}; "
-        f"fail when KL > {th['fail_kl']} or top-1 < {th['fail_top1']:.0%}; warn in between"
+        f"Thresholds: pass when KL ≤ {th['max_kl']} nats/token and top-1 agreement ≥ {100 * th['min_top1']:g}%; "
+        f"fail when KL > {th['fail_kl']} or top-1 < {100 * th['fail_top1']:g}%; warn in between"
         + (" or when a needle the reference found is lost" if rep["needle"] else "")
         + ". KL is KL(reference ‖ scheme) of next-token distributions with every layer quantized at once, mean over "
         "positions; ± is the standard error over sequences.",

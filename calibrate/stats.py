@@ -372,6 +372,10 @@ class Stats:
         tensors = load_file(str(path))
         sig = ModelSignature(**header["signature"])
         stats = cls.empty(sig)
+        missing = [name for name in ("tokens", "pos_tokens", *(f"{k}.{f.name}" for k, s in stats.kinds.items() for f in fields(s)))
+                   if name not in tensors]
+        if missing:
+            raise ValueError(f"{path} lacks {missing[0]} ({len(missing)} tensors missing); it is damaged: recalibrate to rebuild it")
         stats.tokens, stats.pos_tokens, stats.meta = tensors["tokens"], tensors["pos_tokens"], header.get("meta", {})
         for kind, s in stats.kinds.items():
             for f in fields(s):
