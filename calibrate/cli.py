@@ -13,18 +13,20 @@ from typing import NoReturn
 from dataclasses import asdict
 
 from .config import (
-    CHECKPOINT_EVERY, DEVICE_MAPS, DTYPES, FP8_FORMATS, GRANULARITIES, OBSERVERS, VERIFY_SCHEMES, WEIGHT_SCHEMES, ScaleConfig,
+    DEVICE_MAPS, DTYPES, FP8_FORMATS, GRANULARITIES, OBSERVERS, VERIFY_SCHEMES, WEIGHT_SCHEMES, CalibrationConfig, ScaleConfig,
 )
 from .data import LONG_RECORDS
+from .demo import DEMO_SEQ_LEN, DEMO_TOKENS
 
 # The scale flags' defaults for ``export``: ScaleConfig's. Under ``calibrate`` every flag defaults to None
 # instead ("not given"), so only flags the user typed override the recipe, and the configuration's own
 # defaults hold for the rest (recipes/default.yaml states the same values, checked by tests/test_recipes.py).
 _SCALE_DEFAULTS = asdict(ScaleConfig())
+_DEFAULTS = CalibrationConfig.defaults()  # for help texts
 
 
 def _scale_options(p: argparse.ArgumentParser, defaults: dict) -> None:
-    p.add_argument("--observer", default=defaults["observer"], help=f"how statistics become scales: {', '.join(OBSERVERS)} (default max)")
+    p.add_argument("--observer", default=defaults["observer"], help=f"how statistics become scales: {', '.join(OBSERVERS)} (default {_DEFAULTS['observer']})")
     p.add_argument("--granularity", default=defaults["granularity"], choices=GRANULARITIES, help="one scale per layer, per KV head, or per token at serve time")
     p.add_argument("--headroom", type=float, default=defaults["headroom"], help="multiply every scale by this (≥ 1) to leave range for unseen data")
     p.add_argument("--no-query-scale", dest="query_scale", action="store_false", default=defaults["query_scale"], help="do not write q_scale (vLLM then uses 1.0 for queries)")
@@ -35,14 +37,14 @@ def _scale_options(p: argparse.ArgumentParser, defaults: dict) -> None:
 def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", help="recipe name (kvcal recipes list) or YAML file; flags given here override it (default: default)")
     p.add_argument("--force", action="store_true", help="use a recipe written for another model family")
-    p.add_argument("--seq-len", type=int, help="tokens per calibration sequence (default 2048)")
-    p.add_argument("--max-tokens", type=int, help="token budget (default 500000)")
-    p.add_argument("--chunk-len", type=int, help="longer sequences run as chunked prefill through a KV cache (default 2048)")
+    p.add_argument("--seq-len", type=int, help=f"tokens per calibration sequence (default {_DEFAULTS['seq_len']})")
+    p.add_argument("--max-tokens", type=int, help=f"token budget (default {_DEFAULTS['max_tokens']})")
+    p.add_argument("--chunk-len", type=int, help=f"longer sequences run as chunked prefill through a KV cache (default {_DEFAULTS['chunk_len']})")
     p.add_argument("--text-field", help="column holding the text (default: text, messages or input_ids, found automatically)")
     p.add_argument("--no-pack", dest="pack", action="store_false", default=None, help="one record per sequence instead of packing")
     p.add_argument("--long-records", choices=LONG_RECORDS, help="a record longer than one sequence is split (default) or refused")
-    p.add_argument("--seed", type=int, help="shuffling seed (default 0)")
-    p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
+    p.add_argument("--seed", type=int, help=f"shuffling seed (default {_DEFAULTS['seed']})")
+    p.add_argument("--device", help=f"auto, cpu, cuda or cuda:N (default {_DEFAULTS['device']})")
     p.add_argument("--dtype", choices=DTYPES, help="model dtype (default: checkpoint's on GPU, float32 on CPU)")
     p.add_argument("--device-map", choices=DEVICE_MAPS,
                    help="place a model bigger than one device with accelerate: over every visible GPU, then CPU, then disk")
@@ -59,10 +61,10 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-tokens", type=int,
                    help="refuse to write scales seen on fewer tokens per layer than this (default: one full --seq-len sequence)")
     p.add_argument("--dist-timeout", type=float, metavar="SECONDS",
-                   help="under torchrun: how long a rank waits for the others before the run fails (default 600)")
+                   help=f"under torchrun: how long a rank waits for the others before the run fails (default {_DEFAULTS['dist_timeout']:g})")
     p.add_argument("--checkpoint-every", type=int, metavar="TOKENS",
                    help=f"save the statistics so far and the place in the data every TOKENS tokens (of each torchrun "
-                        f"rank), beside OUT_DIR, so that a killed run can --resume; 0: never (default {CHECKPOINT_EVERY}: "
+                        f"rank), beside OUT_DIR, so that a killed run can --resume; 0: never (default {_DEFAULTS['checkpoint_every']}: "
                         "minutes of GPU work on an 8B model, against one write of its ~76 MB of statistics: a kill "
                         "loses minutes, and the saves cost little)")
     p.add_argument("--resume", action="store_true",
@@ -105,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="calibrate SmolLM2-135M-Instruct on packaged text, fully offline")
     p.add_argument("--out", default="demo-out", help="output directory (default demo-out)")
-    p.add_argument("--max-tokens", type=int, default=16_384, help="token budget (default 16384)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default 512)")
+    p.add_argument("--max-tokens", type=int, default=DEMO_TOKENS, help=f"token budget (default {DEMO_TOKENS})")
+    p.add_argument("--seq-len", type=int, default=DEMO_SEQ_LEN, help=f"tokens per sequence (default {DEMO_SEQ_LEN})")
 
     p = sub.add_parser("recipes", help="list the shipped recipes, or show one with its reasoning")
     p.add_argument("action", choices=["list", "show"])

@@ -335,6 +335,11 @@ class CalibrationConfig:
         if not isinstance(self.data, DataConfig):
             self.data = DataConfig(sources=[self.data] if isinstance(self.data, str) else list(self.data or []))
 
+    @classmethod
+    def defaults(cls) -> dict:
+        """Every flat setting's default, as ``kvcal calibrate --help`` shows them."""
+        return cls(model="", data=[], out="").settings()
+
     def settings(self) -> dict:
         """The run's settings as calibration.json holds them (flat; ``data`` is the list of sources)."""
         flat = flat_settings(self, [name if name != "data" else "sources" for name in self.SETTINGS])

