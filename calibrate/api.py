@@ -325,7 +325,7 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
     dtype = getattr(torch, config.dtype) if config.dtype else None
     model_config = read_config(config.model)
     context = max_context(model_config)
-    config.data.validate(max_context=context)  # before the load: a seq_len the model cannot take fails cheaply
+    config.data.check_context(context)  # before the load: a seq_len the model cannot take fails cheaply
     model, tokenizer = load_model(config.model, device=placement.device, dtype=dtype, placement=placement)
     layers = attention_layers(model)
     sig = signature(model, layers)

@@ -221,11 +221,17 @@ IGNORES_CHECKPOINT_SCALES = {
 }
 
 
+def model_types(config: dict) -> list[str]:
+    """The model types of a config.json: the text model's, then (multimodal checkpoints) the top-level one."""
+    types = [config.get("text_config", {}).get("model_type"), config.get("model_type")]
+    return list(dict.fromkeys(t for t in types if t))
+
+
 def warn_ignored_scales(config: dict) -> None:
     """Warn when vLLM's loader for this model family drops checkpoint KV scales (``config`` as config.json holds it)."""
-    types = {config.get("model_type"), config.get("text_config", {}).get("model_type")}
-    for model_type in sorted(t for t in types if t in IGNORES_CHECKPOINT_SCALES):
-        warnings.warn(IGNORES_CHECKPOINT_SCALES[model_type][1], stacklevel=3)
+    for model_type in model_types(config):
+        if model_type in IGNORES_CHECKPOINT_SCALES:
+            warnings.warn(IGNORES_CHECKPOINT_SCALES[model_type][1], stacklevel=3)
 
 
 def check_export_form(directory: Path, wanted: str, granularity: str) -> None:

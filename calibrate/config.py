@@ -8,7 +8,8 @@
 
 ``kvcal verify``'s ``VerifyConfig`` holds a DataConfig and Thresholds the same way. A flat set of keyword
 options (``calibrate(model, data, out, seq_len=..., observer=...)``, the CLI's flags) goes to the part that
-owns each name (``route_options``).
+owns each name: for a calibration through the recipe section of that part (``recipes.recipe_paths``), for
+verify directly (``route_options``).
 
 This module imports neither torch nor transformers (nor does ``data.py`` at import): the command line parses
 and checks settings, and ``kvcal recipes`` validates recipes, with the names below, in a fraction of a second.
@@ -20,10 +21,10 @@ import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 
-from .data import DataConfig, check_int
+from .data import DataConfig, as_sources, check_int
 
 OBSERVERS = ("max", "percentile:P", "mse", "sink-aware")
 GRANULARITIES = ("tensor", "head", "token")
@@ -261,7 +262,7 @@ def flat_settings(config: object, order: list[str]) -> dict:
     values = {}
     for f in fields(config):
         value = getattr(config, f.name)
-        if isinstance(value, (DataConfig, ScaleConfig, Thresholds)):
+        if is_dataclass(value):  # a part: its fields under their own names
             values.update({g.name: getattr(value, g.name) for g in fields(value)})
         else:
             values[f.name] = value
@@ -324,16 +325,17 @@ class CalibrationConfig:
     progress: bool = True
     recipe: dict = field(default_factory=dict)
 
-    # The parts (recipe sections) of the tree, and calibration.json's "settings" in their order.
+    # The parts (recipe sections) of the tree, and calibration.json's "settings" in their order ("sources" is
+    # written as "data", the flag's name).
     PARTS = {"data": DataConfig, "scales": ScaleConfig, "thresholds": Thresholds}
-    SETTINGS = ["data", "seq_len", "max_tokens", "chunk_len", "text_field", "pack", "seed", "long_records", "device",
+    SETTINGS = ["sources", "seq_len", "max_tokens", "chunk_len", "text_field", "pack", "seed", "long_records", "device",
                 "dtype", "observer", "granularity", "headroom", "query_scale", "fp8_format", "weights", "min_tokens",
                 "device_map", "max_memory", "offload_folder", "dist_timeout", "checkpoint_every", "resume", "overwrite",
                 "verify", "progress"]
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, DataConfig):
-            self.data = DataConfig(sources=[self.data] if isinstance(self.data, str) else list(self.data or []))
+            self.data = DataConfig(sources=as_sources(self.data))
 
     @classmethod
     def defaults(cls) -> dict:
@@ -342,8 +344,7 @@ class CalibrationConfig:
 
     def settings(self) -> dict:
         """The run's settings as calibration.json holds them (flat; ``data`` is the list of sources)."""
-        flat = flat_settings(self, [name if name != "data" else "sources" for name in self.SETTINGS])
-        return {("data" if k == "sources" else k): v for k, v in flat.items()}
+        return {("data" if k == "sources" else k): v for k, v in flat_settings(self, self.SETTINGS).items()}
 
     def validate(self) -> "CalibrationConfig":
         """Cheap checks of every part and field; returns self."""

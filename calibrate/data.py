@@ -62,6 +62,11 @@ _HUB_NAME = re.compile(r"^(?P<name>[\w.-]+(?:/[\w.-]+)?)(?::(?P<config>[\w.-]+))
 _TRUE = ("1", "ON", "YES", "TRUE")
 
 
+def as_sources(data: str | Path | list | None) -> list[str]:
+    """``--data`` as given (one source, a list of them, or none) → a list of source strings."""
+    return [str(data)] if isinstance(data, (str, Path)) else [str(s) for s in data or []]
+
+
 def check_int(name: str, value: object, low: int) -> None:
     """The one rule for a count setting: a whole number ≥ ``low``; the error names the setting and its flag."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -123,13 +128,17 @@ class DataConfig:
             ValueError: saying what is wrong and how to fix it.
         """
         self.check_values()
+        self.check_context(max_context)
+        _resolve_sources(self.sources)
+        return self
+
+    def check_context(self, max_context: int | None) -> None:
+        """``seq_len`` fits in the model's context (in tokens; None: unknown, anything fits)."""
         if max_context is not None and self.seq_len > max_context:
             raise ValueError(
                 f"--seq-len {self.seq_len} is longer than the model's context of {max_context} tokens; "
                 f"lower it to at most {max_context}"
             )
-        _resolve_sources(self.sources)
-        return self
 
 
 @dataclass

@@ -15,6 +15,7 @@ import copy
 import difflib
 import json
 import warnings
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
@@ -151,26 +152,25 @@ def _check_shape(where: str, data, schema: dict, prefix: str = "") -> None:
 def _check_values(where: str, recipe: dict) -> None:
     """Values the types alone do not catch, each checked by the config part or rule that owns it.
 
-    A part's keys are checked one at a time (the part's defaults filling the rest), so that an error names its key;
-    the thresholds are checked together too, since their rule relates them.
+    Data and scale keys are checked one at a time (the part's defaults filling the rest), so that an error names its
+    key; the thresholds only together, since their rule relates them.
     """
-    parts = {"data": lambda **v: DataConfig(**{"sources": [], **v}).check_values(),
-             "scales": lambda **v: ScaleConfig(**v).validate(),
-             "verify.thresholds": lambda **v: Thresholds(**v).validate()}
-    sections = {"data": recipe.get("data", {}), "scales": recipe.get("scales", {}),
-                "verify.thresholds": recipe.get("verify", {}).get("thresholds", {})}
-    rules = {"export.form": check_export_form, "export.weights": check_weights, "verify.schemes": check_verify_schemes}
-    values = {"export.form": recipe.get("export", {}).get("form", "auto"), "export.weights": recipe.get("export", {}).get("weights"),
-              "verify.schemes": recipe.get("verify", {}).get("schemes", [])}
-    checks = [(f"{name}.{key}", lambda c=check, k=key, v=value: c(**{k: v}))
-              for name, check in parts.items() for key, value in sections[name].items()]
-    checks += [("verify.thresholds", lambda: parts["verify.thresholds"](**sections["verify.thresholds"]))]
-    checks += [(key, lambda c=rule, v=values[key]: c(v)) for key, rule in rules.items()]
-    for key, check in checks:
+
+    def check(key: str, run: Callable[[], object]) -> None:
         try:
-            check()
+            run()
         except ValueError as e:
             raise ValueError(f"{where}: {key}: {e}") from None
+
+    verify, export = recipe.get("verify", {}), recipe.get("export", {})
+    for key, value in recipe.get("data", {}).items():
+        check(f"data.{key}", DataConfig(**{"sources": [], key: value}).check_values)
+    for key, value in recipe.get("scales", {}).items():
+        check(f"scales.{key}", ScaleConfig(**{key: value}).validate)
+    check("verify.thresholds", Thresholds(**verify.get("thresholds", {})).validate)
+    check("export.form", lambda: check_export_form(export.get("form", "auto")))
+    check("export.weights", lambda: check_weights(export.get("weights")))
+    check("verify.schemes", lambda: check_verify_schemes(verify.get("schemes", [])))
     for item in recipe.get("skip_layers", []):
         if item != "sliding_window" and not (isinstance(item, int) and item >= 0):
             raise ValueError(f"{where}: skip_layers holds {item!r}; use 'sliding_window' or layer indices ≥ 0")
@@ -223,11 +223,11 @@ def load_recipe(ref: str, _seen: tuple[Path, ...] = ()) -> dict:
 def model_family(model_dir: str | Path) -> tuple[list[str], list[str]]:
     """(model types, architectures) from a checkpoint's config.json: the text model's type and, for a
     multimodal checkpoint, the top-level one too."""
+    from .checkpoint import model_types
     from .model import read_config_file
 
     config = read_config_file(model_dir)
-    types = [config.get("text_config", {}).get("model_type"), config.get("model_type")]
-    return list(dict.fromkeys(t for t in types if t)), config.get("architectures") or []
+    return model_types(config), config.get("architectures") or []
 
 
 def check_fits(recipe: dict, model_dir: str | Path, *, force: bool = False) -> None:

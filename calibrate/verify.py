@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from . import fa3, report
 from .capture import prefill_chunks
 from .config import VERIFY_SCHEMES, Thresholds, check_fp8_format, flat_settings, route_options
-from .data import DataConfig, iter_sequences
+from .data import DataConfig, as_sources, iter_sequences
 from .checkpoint import LoadedScale, fill_missing, layer_sources, loaded_multiplier, quant_config, quant_method, read_tensor, tensor_names
 from .export import KVCAL_DIR, weight_files
 from .fa3 import HOPPER_ACCUM_BITS
@@ -84,8 +84,7 @@ class VerifyConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, DataConfig):
-            sources = [self.data] if isinstance(self.data, (str, Path)) else list(self.data or [])
-            self.data = DataConfig([str(s) for s in sources], **self.SAMPLE)
+            self.data = DataConfig(as_sources(self.data), **self.SAMPLE)
 
     @classmethod
     def from_options(cls, checkpoint: str | Path, data: str | Path | list[str], **options) -> "VerifyConfig":
@@ -95,8 +94,7 @@ class VerifyConfig:
         unknown = sorted(set(rest) - own)
         if unknown:
             raise ValueError(f"unknown verify option {unknown[0]!r}; options: {', '.join(sorted(cls.SETTINGS + ['progress']))}")
-        sources = [data] if isinstance(data, (str, Path)) else list(data or [])
-        sample = DataConfig([str(s) for s in sources], **{**cls.SAMPLE, **parts["data"]})
+        sample = DataConfig(as_sources(data), **{**cls.SAMPLE, **parts["data"]})
         return cls(str(checkpoint), sample, thresholds=Thresholds(**parts["thresholds"]), **rest)
 
     @classmethod

@@ -11,6 +11,7 @@ llm-compressor pins transformers<=5.17, so install it in a virtual environment o
 import json
 from pathlib import Path
 
+from .config import check_weights
 from .export import copy_other_files
 from .files import apply_umask
 
@@ -27,8 +28,7 @@ _SKIP = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index
 
 def check_available(model_dir: Path, scheme: str) -> None:
     """Cheap checks before any model is loaded: llm-compressor imports and the source is not quantized already."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"--weights {scheme!r}: choose {', '.join(SCHEMES)}")
+    check_weights(scheme)
     config = json.loads((Path(model_dir) / "config.json").read_text())
     quant = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
     if quant is not None:

@@ -10,7 +10,7 @@ import pytest
 from calibrate import recipes
 from calibrate.config import (
     CalibrationConfig, DataConfig, ScaleConfig, Thresholds, check_export_form, check_verify_schemes, flat_settings,
-    parse_max_memory, route_options,
+    WEIGHT_SCHEMES, parse_max_memory, route_options,
 )
 from calibrate.verify import VerifyConfig
 
@@ -33,7 +33,7 @@ def test_part_field_names_are_unique_across_the_tree():
 def test_calibration_settings_are_the_flat_layout_calibration_json_always_had(tmp_path):
     config = CalibrationConfig(model=str(tmp_path), data=["a.txt"], out="o", scales=ScaleConfig(observer="mse"))
     settings = config.settings()
-    assert list(settings) == CalibrationConfig.SETTINGS
+    assert list(settings) == ["data", *CalibrationConfig.SETTINGS[1:]]
     # Every value is the one in the tree (the sources under "data", as before the tree).
     assert settings["data"] == ["a.txt"] and settings["observer"] == "mse" and settings["seq_len"] == config.data.seq_len
     assert json.loads(json.dumps(settings)) == settings
@@ -122,6 +122,21 @@ def test_max_memory_parses_devices_and_units():
     for bad, message in [("0=70", "not a size"), ("gpu=1GB", "not a device"), ("0=1GB,cuda:0=2GB", "twice")]:
         with pytest.raises(ValueError, match=message):
             parse_max_memory(bad)
+
+
+def test_weight_scheme_names_are_the_ones_weights_py_applies():
+    from calibrate import weights
+
+    assert set(WEIGHT_SCHEMES) == set(weights.SCHEMES) == set(weights.PROVENANCE)
+
+
+def test_recipe_thresholds_are_checked_together(tmp_path):
+    """A recipe may raise max_kl above the default fail_kl when it raises fail_kl too: the rule relates the four."""
+    (tmp_path / "r.yaml").write_text("verify:\n  thresholds:\n    max_kl: 0.2\n    fail_kl: 0.5\n")
+    assert recipes.load_recipe(str(tmp_path / "r.yaml"))["verify"]["thresholds"] == {"max_kl": 0.2, "fail_kl": 0.5}
+    (tmp_path / "r.yaml").write_text("verify:\n  thresholds:\n    max_kl: 0.2\n")
+    with pytest.raises(ValueError, match="verify.thresholds: thresholds must satisfy"):
+        recipes.load_recipe(str(tmp_path / "r.yaml"))
 
 
 def test_config_imports_neither_torch_nor_transformers():
