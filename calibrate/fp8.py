@@ -31,6 +31,9 @@ FORMATS: dict[str, FP8Format] = {
     "e4m3fnuz": FP8Format("e4m3fnuz", torch.float8_e4m3fnuz, 240.0, 2.0**-7, 2.0**-10, 3),
 }
 
+# vLLM's ``--kv-cache-dtype fp8_e5m2`` (emulated in kvdtypes.py). Not in FORMATS: kvcal writes e4m3 scales only.
+E5M2 = FP8Format("e5m2", torch.float8_e5m2, 57344.0, 2.0**-14, 2.0**-16, 2)
+
 # Smallest scale kvcal ever writes: an all-zero layer gets this floor (with a warning), so no
 # scale is zero, and any real value up to 448 * SCALE_FLOOR is still representable.
 SCALE_FLOOR = 1e-6
