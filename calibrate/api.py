@@ -354,11 +354,13 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
     return _Captured(layers, sig, stats, stream.manifest(), device, model.dtype)
 
 
-SHORT_VERIFY_TOKENS = 512  # one sequence: about (1 + 3) forwards of 512 tokens
+# Three sequences of at most 512 tokens: enough for error bars and paired tests, about (2 + 3) forwards of each, plus
+# one per probed layer.
+SHORT_VERIFY_TOKENS, SHORT_VERIFY_SEQUENCES = 512, 3
 
 
 def _short_verify(config: CalibrationConfig) -> VerifyResult | None:
-    """One sequence through the written checkpoint: scale 1.0, the written scales and per-token, against the reference.
+    """A few sequences through the written checkpoint: scale 1.0, the written scales and per-token, against the reference.
 
     Its report goes to OUT/kvcal/verify. Data too short for one sequence only warns: the checkpoint is
     already written and the full ``kvcal verify`` takes its own sample.
@@ -368,7 +370,7 @@ def _short_verify(config: CalibrationConfig) -> VerifyResult | None:
     seq_len = min(config.data.seq_len, SHORT_VERIFY_TOKENS)
     try:
         return run_verify(VerifyConfig.from_options(
-            config.out, config.data.sources, seq_len=seq_len, max_tokens=seq_len, text_field=config.data.text_field,
+            config.out, config.data.sources, seq_len=seq_len, max_tokens=SHORT_VERIFY_SEQUENCES * seq_len, text_field=config.data.text_field,
             seed=config.data.seed + 1, schemes=config.written_schemes(), **asdict(config.thresholds), device=config.device,
             dtype=config.dtype, fp8_format=config.scales.fp8_format, report_dir=str(Path(config.out) / KVCAL_DIR / "verify"),
             progress=config.progress,

@@ -12,8 +12,9 @@ from typing import NoReturn
 
 from dataclasses import asdict
 
+from .capacity import GPUS
 from .config import (
-    DEVICE_MAPS, DTYPES, FP8_FORMATS, GRANULARITIES, OBSERVERS, VERIFY_SCHEMES, WEIGHT_SCHEMES, CalibrationConfig, ScaleConfig,
+    DEFAULT_VERIFY_SCHEMES, DEVICE_MAPS, DTYPES, FP8_FORMATS, GRANULARITIES, OBSERVERS, VERIFY_SCHEMES, WEIGHT_SCHEMES, CalibrationConfig, ScaleConfig,
 )
 from .data import LONG_RECORDS
 from .demo import DEMO_SEQ_LEN, DEMO_TOKENS
@@ -131,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                        argument_default=argparse.SUPPRESS, formatter_class=_VerifyHelp)
     p.add_argument("checkpoint", help="model directory: a kvcal output, or any checkpoint (scales are read from it when present)")
     p.add_argument("--data", action="append", required=True, help="data source (repeatable), as for calibrate")
-    p.add_argument("--schemes", help=f"comma-separated: {', '.join(VERIFY_SCHEMES)} or a .safetensors scales file (default all)")
+    p.add_argument("--schemes", help=f"comma-separated: {', '.join(VERIFY_SCHEMES)} or a .safetensors scales file "
+                   f"(default {','.join(DEFAULT_VERIFY_SCHEMES)})")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default {seq_len})")
     p.add_argument("--max-tokens", type=int, help="sample size in tokens: max-tokens // seq-len sequences (default {max_tokens})")
     p.add_argument("--chunk-len", type=int, help="longer sequences run as chunked prefill (default {chunk_len})")
@@ -143,10 +145,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fa3-rows", type=int, help="query rows of the first sequence for the FA3 model (default {fa3_rows})")
     p.add_argument("--fa3-layers", help="comma-separated layer indices for the FA3 model (default first, middle, last)")
     p.add_argument("--needle", help="needle-probe context lengths, comma-separated, e.g. 4096,8192")
-    p.add_argument("--max-kl", type=float, help="pass: KL ≤ this, nats/token (default {max_kl})")
-    p.add_argument("--fail-kl", type=float, help="fail: KL > this (default {fail_kl})")
-    p.add_argument("--min-top1", type=float, help="pass: top-1 agreement ≥ this (default {min_top1})")
-    p.add_argument("--fail-top1", type=float, help="fail: top-1 agreement < this (default {fail_top1})")
+    p.add_argument("--max-kl", type=float, help="pass: KL ≤ this, nats/token (default: --floor-pass times the floor's KL)")
+    p.add_argument("--fail-kl", type=float, help="fail: KL > this (default: --floor-fail times the floor's KL)")
+    p.add_argument("--min-top1", type=float, help="pass: top-1 agreement ≥ this (default: from the floor's disagreement)")
+    p.add_argument("--fail-top1", type=float, help="fail: top-1 agreement < this (default: from the floor's disagreement)")
+    p.add_argument("--floor-pass", type=float, help="pass within this many times the floor's KL and top-1 disagreement (default {floor_pass})")
+    p.add_argument("--floor-fail", type=float, help="fail beyond this many times the floor (default {floor_fail})")
+    p.add_argument("--fixed-limits", dest="floor", action="store_false",
+                   help="judge unset limits by fixed numbers (KL 0.02/0.1, top-1 95%%/90%%) instead of measuring the floor")
+    p.add_argument("--probe-layers", type=int, help="layers whose unquantized gain is measured end to end for the recommended "
+                   "scheme, one pass each, 0 for none (default {probe_layers})")
+    p.add_argument("--max-model-len", type=int, help="context per sequence for the memory arithmetic (default: the model's maximum)")
+    p.add_argument("--gpu", help=f"one GPU's memory for the memory arithmetic: {', '.join(GPUS)} or a size such as 80GB (default {{gpu}})")
+    p.add_argument("--tp", type=int, help="tensor-parallel GPUs for the memory arithmetic (default {tp})")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=DTYPES, help="reference dtype (default: float32 on CPU, checkpoint's on GPU)")
     p.add_argument("--fp8-format", choices=FP8_FORMATS, help="e4m3fn (NVIDIA, CPU) or e4m3fnuz (ROCm)")

@@ -22,6 +22,7 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field, fields, is_dataclass
+from typing import ClassVar
 from pathlib import Path
 
 from .data import DataConfig, as_sources, check_int
@@ -30,7 +31,11 @@ OBSERVERS = ("max", "percentile:P", "mse", "sink-aware")
 GRANULARITIES = ("tensor", "head", "token")
 FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
 DTYPES = ("float32", "bfloat16", "float16")
-VERIFY_SCHEMES = ("bf16", "scale1", "tensor", "head", "token")
+# kvcal verify's schemes: the reference, FP8 with scale 1.0, per-tensor, per-head and per-token-head scales, then
+# vLLM's other cache dtypes by their --kv-cache-dtype names (kvdtypes.py); the first five run by default.
+VERIFY_SCHEMES = ("bf16", "scale1", "tensor", "head", "token",
+                  "fp8_e5m2", "int8_per_token_head", "int4_per_token_head", "nvfp4", "nvfp4_4over6")
+DEFAULT_VERIFY_SCHEMES = VERIFY_SCHEMES[:5]
 # "auto" writes the form of the source checkpoint (ModelOpt inside a ModelOpt checkpoint, else compressed-tensors);
 # naming a form makes the run refuse a source of the other kind.
 EXPORT_FORMS = ("auto", "compressed-tensors", "modelopt")
@@ -215,27 +220,72 @@ class ScaleConfig:
 class Thresholds:
     """Pass and fail limits of a verify verdict: KL in nats/token, top-1 agreement as a fraction.
 
+    By default the limits are relative to a measured *floor*: what computing the unquantized model in another
+    precision costs on the same sample (bf16 against a float32 reference; ``verify`` measures it). A scheme
+    passes within ``floor_pass`` times the floor's KL and top-1 disagreement, and fails beyond ``floor_fail``
+    times, so a verdict means the same on a 135M model and a 70B one. An absolute limit that is set (a recipe's
+    or ``--max-kl``...) replaces its relative one; without a floor, ``ABSOLUTE`` stands in for the unset ones.
+
     Attributes:
-        max_kl: a scheme passes with mean KL to the reference at most this.
-        fail_kl: a scheme fails with mean KL above this.
-        min_top1: a scheme passes with top-1 agreement at least this (0-1).
-        fail_top1: a scheme fails with top-1 agreement below this.
+        max_kl: pass with mean KL to the reference at most this (None: floor_pass × the floor's KL).
+        fail_kl: fail with mean KL above this (None: floor_fail × the floor's KL).
+        min_top1: pass with top-1 agreement at least this, 0-1 (None: from the floor's disagreement).
+        fail_top1: fail with top-1 agreement below this (None: from the floor's disagreement).
+        floor_pass: pass within this many times the floor (≥ 1).
+        floor_fail: fail beyond this many times the floor (≥ floor_pass).
     """
 
-    max_kl: float = 0.02
-    fail_kl: float = 0.1
-    min_top1: float = 0.95
-    fail_top1: float = 0.90
+    max_kl: float | None = None
+    fail_kl: float | None = None
+    min_top1: float | None = None
+    fail_top1: float | None = None
+    floor_pass: float = 10.0
+    floor_fail: float = 100.0
+
+    # Limits used where none is set and no floor was measured (verify --no-floor).
+    ABSOLUTE: ClassVar[dict[str, float]] = {"max_kl": 0.02, "fail_kl": 0.1, "min_top1": 0.95, "fail_top1": 0.90}
+    LIMITS: ClassVar[tuple[str, ...]] = ("max_kl", "fail_kl", "min_top1", "fail_top1")
 
     def validate(self) -> "Thresholds":
-        """The four limits are numbers in order (pass inside fail); returns self."""
+        """Every value a number, the ratios ordered, the set limits in order (pass inside fail); returns self."""
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if value is None and f.name in self.LIMITS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
                 raise ValueError(f"threshold {f.name} must be a number, got {value!r}")
-        if not (0 <= self.max_kl <= self.fail_kl and 0 <= self.fail_top1 <= self.min_top1 <= 1):
-            raise ValueError("thresholds must satisfy 0 ≤ max-kl ≤ fail-kl and 0 ≤ fail-top1 ≤ min-top1 ≤ 1")
+        if not 1 <= self.floor_pass <= self.floor_fail:
+            raise ValueError(f"thresholds must satisfy 1 ≤ floor-pass ≤ floor-fail, got {self.floor_pass} and {self.floor_fail}")
+        self._check_order(self.resolve(None) if None in (self.max_kl, self.fail_kl, self.min_top1, self.fail_top1) else self)
         return self
+
+    @staticmethod
+    def _check_order(limits: "Thresholds") -> None:
+        if not (0 <= limits.max_kl <= limits.fail_kl and 0 <= limits.fail_top1 <= limits.min_top1 <= 1):
+            raise ValueError("thresholds must satisfy 0 ≤ max-kl ≤ fail-kl and 0 ≤ fail-top1 ≤ min-top1 ≤ 1")
+
+    def resolve(self, floor: dict | None) -> "Thresholds":
+        """Absolute limits for a verdict: the set ones as they are, the others from ``floor`` (its "kl" and
+        "top1") times floor_pass/floor_fail, or ``ABSOLUTE``'s when there is no floor or it measured no KL at all."""
+        if floor is None or floor["kl"] <= 0:
+            derived = dict(self.ABSOLUTE)
+        else:
+            miss = 1 - floor["top1"]
+            derived = {"max_kl": self.floor_pass * floor["kl"], "fail_kl": self.floor_fail * floor["kl"],
+                       "min_top1": max(0.0, 1 - self.floor_pass * miss), "fail_top1": max(0.0, 1 - self.floor_fail * miss)}
+        limits = {name: derived[name] if getattr(self, name) is None else getattr(self, name) for name in self.LIMITS}
+        resolved = Thresholds(**limits, floor_pass=self.floor_pass, floor_fail=self.floor_fail)
+        # A set limit can cross a derived one (max_kl 0.5 above a floor's fail_kl): the set one wins, the other follows.
+        resolved.fail_kl = max(resolved.fail_kl, resolved.max_kl) if self.fail_kl is None else resolved.fail_kl
+        resolved.max_kl = min(resolved.max_kl, resolved.fail_kl) if self.max_kl is None else resolved.max_kl
+        resolved.fail_top1 = min(resolved.fail_top1, resolved.min_top1) if self.fail_top1 is None else resolved.fail_top1
+        resolved.min_top1 = max(resolved.min_top1, resolved.fail_top1) if self.min_top1 is None else resolved.min_top1
+        self._check_order(resolved)
+        return resolved
+
+    def origin(self) -> dict[str, str]:
+        """Where each limit comes from: "set" or "floor" (report.json shows it beside the limits)."""
+        return {name: "set" if getattr(self, name) is not None else "floor" for name in self.LIMITS}
 
 
 def route_options(options: dict, parts: dict[str, type]) -> tuple[dict[str, dict], dict]:

@@ -207,7 +207,7 @@ def check_index(directory: Path) -> None:
         raise RuntimeError(f"{INDEX_FILE} does not match the files written: {missing}")
 
 
-def _tensor_bytes(path: Path) -> int:
+def tensor_bytes(path: Path) -> int:
     """Bytes of tensor data in a safetensors file, from its header's data offsets."""
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
@@ -289,7 +289,7 @@ def write_checkpoint(
         n = len(set(weight_map.values())) + 1
         save_tensors(scales, tmp / shard_name(n, n), metadata={"format": "pt", "producer": SCALES_PRODUCER})
         weight_map.update(dict.fromkeys(scales, shard_name(n, n)))
-        total = sum(_tensor_bytes(tmp / f) for f in set(weight_map.values()))
+        total = sum(tensor_bytes(tmp / f) for f in set(weight_map.values()))
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

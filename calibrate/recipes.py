@@ -32,7 +32,7 @@ _CHECKOUT_DIR = Path(__file__).resolve().parent.parent / "recipes"
 _PACKAGE_DIR = Path(__file__).resolve().parent / "recipe_files"
 
 # The type names of the schema, by the annotation of the config field a key sets.
-_KINDS = {str: "str", str | None: "str?", int: "int", float: "float", bool: "bool", list[str]: "list[str]"}
+_KINDS = {str: "str", str | None: "str?", int: "int", float: "float", float | None: "float?", bool: "bool", list[str]: "list[str]"}
 
 
 def _section(part: type) -> dict[str, str]:
@@ -41,7 +41,7 @@ def _section(part: type) -> dict[str, str]:
 
 
 # Every key a recipe may hold and the type of its value; a nested dict is a section of keys.
-# "str?" may also be null; "list[str|int]" holds strings or integers. The data, scales and
+# "str?" and "float?" may also be null; "list[str|int]" holds strings or integers. The data, scales and
 # verify.thresholds sections are the config parts they fill (config.py), so a setting is declared once.
 SCHEMA: dict = {
     "name": "str",
@@ -61,6 +61,7 @@ _TYPE_CHECKS = {
     "str?": lambda v: v is None or isinstance(v, str),
     "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "float?": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)),
     "bool": lambda v: isinstance(v, bool),
     "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
     "list[str|int]": lambda v: isinstance(v, list) and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v),

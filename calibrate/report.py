@@ -2,11 +2,13 @@
 
 import json
 import shlex
+from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 
+from .capacity import plan_text
 from .stats import KINDS
 
 # What each granularity needs from vLLM at serve time.
@@ -26,14 +28,19 @@ def kvcal_version() -> str:
         return "unknown (not installed)"
 
 
-def serve_command(out: str, granularity: str, skip_sliding: bool = False) -> str:
-    """The exact ``vllm serve`` line for the written checkpoint."""
-    dtype = "fp8_per_token_head" if granularity == "token" else "fp8"
+def serve_command(out: str, granularity: str, skip_sliding: bool = False, skip_layers: Sequence[int] = (),
+                  dtype: str | None = None) -> str:
+    """The exact ``vllm serve`` line for the written checkpoint (skip-layer entries space-separated, as vLLM parses them).
+
+    ``dtype``: the ``--kv-cache-dtype``; None: fp8, or fp8_per_token_head for the ``token`` granularity.
+    """
+    dtype = dtype or ("fp8_per_token_head" if granularity == "token" else "fp8")
     line = f"vllm serve {shlex.quote(out)} --kv-cache-dtype {dtype}"
     if granularity == "head":
         line += " --attention-backend FLASH_ATTN"
-    if skip_sliding:
-        line += " --kv-cache-dtype-skip-layers sliding_window"
+    skip = (["sliding_window"] if skip_sliding else []) + [str(i) for i in skip_layers]
+    if skip:
+        line += " --kv-cache-dtype-skip-layers " + " ".join(skip)
     return line
 
 
@@ -72,15 +79,37 @@ def _worst(r: dict, kind: str, what: str) -> float | None:
 
 
 def verify_rows(rep: dict) -> list[list[str]]:
-    """One row per scheme: name, KL ± s.e., perplexity change, top-1, worst-layer saturation of K/V/Q, verdict."""
+    """One row per scheme: name, KL ± s.e., KL over the floor's, KV bytes per token (× bf16), perplexity change,
+    top-1, worst-layer saturation of K/V/Q, verdict."""
     rows = []
+    floor = rep["floor"]["kl"] if rep["floor"] and rep["floor"]["kl"] > 0 else None
     for name, r in rep["schemes"].items():
         sat = " / ".join(_pct(_worst(r, k, "saturated"), 3) for k in ("k", "v", "q"))
-        rows.append([name, _kl(r), f"{100 * r['ppl_change']:+.3f}%", _pct(r["top1"]), sat, r["verdict"], "; ".join(r["reasons"])])
+        times = "—" if floor is None or r["mode"] == "reference" else f"{r['kl'] / floor:.3g}×"
+        size = f"{r['bytes_per_token']:,.0f} ({r['bytes_vs_bf16']:.2f}×)"
+        rows.append([name, _kl(r), times, size, f"{100 * r['ppl_change']:+.3f}%", _pct(r["top1"]), sat, r["verdict"],
+                     "; ".join(r["reasons"])])
     return rows
 
 
-VERIFY_HEADER = ["scheme", "KL nats/token", "ppl change", "top-1 agree", "saturated K / V / Q (worst layer)", "verdict", "why"]
+def thresholds_text(rep: dict) -> str:
+    """The limits the verdicts used and where they came from (the floor, or set)."""
+    th, floor = rep["thresholds"], rep["floor"]
+    fixed = not th["relative_to_floor"] and "floor" in th["origin"].values()
+    text = (f"Thresholds{' (fixed: no floor measured)' if fixed else ''}: pass when KL ≤ {th['max_kl']:.3g} nats/token and top-1 agreement ≥ {100 * th['min_top1']:.3g}%; "
+            f"fail when KL > {th['fail_kl']:.3g} or top-1 < {100 * th['fail_top1']:.3g}%; warn in between")
+    if floor is None:
+        return text
+    if fixed:
+        return text + f". The floor ({floor['source']}) measured no KL on this sample"
+    relative = [name for name, origin in th["origin"].items() if origin == "floor"]
+    return (text + f". Floor ({floor['source']}): KL {floor['kl']:.3g} nats/token, top-1 {100 * floor['top1']:.2f}%"
+            + (f"; {', '.join(relative)} are {th['floor_pass']:g}× (pass) and {th['floor_fail']:g}× (fail) the floor" if relative else "")
+            + (f"; set: {', '.join(n for n in th['origin'] if n not in relative)}" if len(relative) < 4 else ""))
+
+
+VERIFY_HEADER = ["scheme", "KL nats/token", "KL / floor", "KV bytes/token", "ppl change", "top-1 agree",
+                 "saturated K / V / Q (worst layer)", "verdict", "why"]
 
 
 def verify_text(rep: dict) -> str:
@@ -94,8 +123,11 @@ def verify_text(rep: dict) -> str:
         "",
         f"reference: unquantized model in {rep['reference']['dtype']} on {rep['reference']['device']}; "
         f"{sample['sequences']} sequences of {sample['seq_len']} tokens; FP8 {rep['fp8_format']}",
+        thresholds_text(rep),
         *[f"skipped {name}: {why}" for name, why in rep["skipped"].items()],
         *rep["recommendation"],
+        *(["", "does it pay (KV memory and bytes per decoded token, per GPU):", plan_text(rep["does_it_pay"]), ""]
+          if rep["does_it_pay"] else []),
         "serve it with:",
         f"  {rep['serve_command']}",
     ]
@@ -124,8 +156,7 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
         "",
         _table(VERIFY_HEADER, verify_rows(rep)),
         "",
-        f"Thresholds: pass when KL ≤ {th['max_kl']} nats/token and top-1 agreement ≥ {100 * th['min_top1']:g}%; "
-        f"fail when KL > {th['fail_kl']} or top-1 < {100 * th['fail_top1']:g}%; warn in between"
+        thresholds_text(rep)
         + (" or when a needle the reference found is lost" if rep["needle"] else "")
         + ". KL is KL(reference ‖ scheme) of next-token distributions with every layer quantized at once, mean over "
         "positions; ± is the standard error over sequences.",
@@ -141,6 +172,9 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
         rep["serve_command"],
         "```",
         "",
+        *_skip_markdown(rep["skip_layers"]),
+        *(["## Does it pay", "", "Memory and bytes read per decoded token, per GPU, from vLLM's cache layouts; arithmetic, "
+            "not a measured speed (`capacity.py`).", "", "```", plan_text(rep["does_it_pay"]), "```", ""] if rep["does_it_pay"] else []),
         "## Per-layer attention error",
         "",
         "Relative RMS error of each layer's attention output with that scheme's quantization, on the layer's own "
@@ -185,6 +219,22 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
             f"Time: {rep['timings']['total_s']:.1f} s in all; reference pass {rep['timings']['reference_pass_s']:.1f} s; "
             + ", ".join(f"{n} {t:.1f} s" for n, t in rep["timings"]["scheme_pass_s"].items()) + ". Every number is in report.json.", ""]
     return "\n".join(out)
+
+
+def _skip_markdown(probe: dict | None) -> list[str]:
+    """Which layers to keep in bf16: the estimate for every layer and the measured gain for the probed ones."""
+    if probe is None:
+        return []
+    measured = {m["layer"]: m for m in probe["measured"]}
+    rows = [[str(layer), f"{probe['estimate'][row]:.3e}",
+             *((f"{measured[layer]['kl_without']:.4g}", f"{measured[layer]['gain']:+.3g}" + (f" ± {measured[layer]['gain_stderr']:.2g}" if measured[layer]["gain_stderr"] is not None else ""))
+               if layer in measured else ("—", "—")), "yes" if layer in probe["skip"] else ""]
+            for row, layer in enumerate(probe["layers"])]
+    return ["## Layers to keep in bf16", "",
+            f"Scheme {probe['scheme']} (KL {probe['kl']:.4g} nats/token with every layer quantized). Estimate: the layer's own "
+            "attention-output error; measured: KL with that one layer left unquantized, and the gain paired by sequence. "
+            f"Kept: a significant gain above {probe['share_limit']:.3g} (twice an average layer's share).", "",
+            _table(["layer", "estimate", "KL without it", "gain", "keep"], rows), ""]
 
 
 def _fa3_markdown(f: dict) -> list[str]:

@@ -1,19 +1,23 @@
-"""``kvcal verify``: what an FP8 KV cache costs a checkpoint, measured against the unquantized model.
+"""``kvcal verify``: what a quantized KV cache costs a checkpoint, measured against the unquantized model.
 
-A *scheme* is one way vLLM could quantize attention's inputs (``SCHEMES``, or a scales file the user
-names). Every scheme is emulated exactly as vLLM's cache write does it: x / scale, saturated to the
-format's finite max, rounded to nearest even in FP8, times scale — K and V always, Q too where the
-backend quantizes queries (FA3 on Hopper; ``kv_only`` models the Triton/FlashInfer backends).
+A *scheme* is one way vLLM could store attention's inputs (``SCHEMES``, or a scales file the user names).
+Every scheme is emulated as vLLM's cache write does it: FP8 schemes as x / scale, saturated to the format's
+finite max, rounded to nearest even, times scale — K and V always, Q too where the backend quantizes queries
+(FA3 on Hopper; ``kv_only`` models the Triton/FlashInfer backends); vLLM's other cache dtypes (int8 and int4 per
+token-head, nvfp4) by ``kvdtypes``, K and V only.
 
-Cost: one reference forward of the sample (which also runs each scheme's attention on every layer's
-own inputs, for the per-layer errors) plus one forward per scheme with every layer quantized at once,
-so about (1 + S) forwards. The FA3 accumulator model (``fa3.probe``) and the needle probe (``needle.py``)
-are extra. What the numbers mean, verdicts and the recommendation, is ``verdict.py``'s.
+Cost: one reference forward of the sample (which also runs each scheme's attention on every layer's own inputs,
+for the per-layer errors), one forward per scheme with every layer quantized at once, one for the *floor* (the
+unquantized model in another precision, what the verdicts are relative to), and for the recommended scheme one
+per probed layer left unquantized (plus a reference): about 3 + S + P forwards. The FA3 accumulator model
+(``fa3.probe``) and the needle probe (``needle.py``) are extra. What the numbers mean, verdicts and the
+recommendation, is ``verdict.py``'s; the memory arithmetic ``capacity.py``'s.
 """
 
 import math
 import time
-from dataclasses import dataclass, field, fields
+from contextlib import nullcontext
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
 
@@ -22,19 +26,22 @@ from tqdm.auto import tqdm
 
 from . import fa3, report
 from .capture import prefill_chunks
-from .config import VERIFY_SCHEMES, Thresholds, check_fp8_format, flat_settings, route_options
-from .data import DataConfig, as_sources, iter_sequences
+from .config import DEFAULT_VERIFY_SCHEMES, VERIFY_SCHEMES, Thresholds, check_fp8_format, flat_settings, route_options
+from .capacity import LayerKV, parse_memory, per_token, plan
+from .data import DataConfig, as_sources, check_int, iter_sequences
 from .checkpoint import LoadedScale, fill_missing, layer_sources, loaded_multiplier, quant_config, quant_method, read_tensor, tensor_names
-from .export import KVCAL_DIR, weight_files
+from .export import KVCAL_DIR, tensor_bytes, weight_files
 from .fa3 import HOPPER_ACCUM_BITS
-from .fp8 import FP8Format, get_format, per_token_scale, quantize_dequantize
+from .fp8 import E5M2, FP8Format, get_format, per_token_scale, quantize_dequantize
+from .kvdtypes import DTYPES, CacheDtype
 from .model import AttentionLayer, attention_layers, load_model, load_tokenizer, max_context, read_config, resolve_device, signature
 from .needle import NEEDLE_DEPTHS, needle_probe
 from .observers import derive_scales
 from .stats import KINDS, ModelSignature, Stats, position_bucket_starts
-from .verdict import SCHEME_NOTES, check_measured, judge, mean_stderr, recommend
+from .verdict import SCHEME_NOTES, check_measured, choose, judge, mean_stderr, recommend, skip_choice
 
 REFERENCE = "bf16"  # the name users know; the reference runs in the dtype the report states
+FLOOR = "floor"
 SCHEMES = VERIFY_SCHEMES
 STATS_PATH = Path(KVCAL_DIR) / "stats.safetensors"  # written by api.run_calibration
 
@@ -47,7 +54,8 @@ class VerifyConfig:
         checkpoint: model directory, with or without kvcal scales and statistics.
         data: the sample: ``max_tokens // seq_len`` whole sequences of ``seq_len`` tokens; longer than ``chunk_len``
             they run as chunked prefill (a list of sources alone takes ``SAMPLE``'s sizes).
-        schemes: names from SCHEMES or paths to safetensors scale files, list or comma-separated.
+        schemes: names from SCHEMES (default the first five, the FP8 ones) or paths to safetensors scale files,
+            list or comma-separated.
         thresholds: the verdict's pass and fail limits.
         kv_only: quantize only K and V in the static schemes (Triton/FlashInfer); default also Q (FA3).
         fa3: run the FA3 FP8 numeric model on ``fa3_rows`` query rows of ``fa3_layers`` (default first, middle, last).
@@ -55,11 +63,18 @@ class VerifyConfig:
         needle: context lengths of the needle probe, at ``needle_depths`` (fractions of the haystack).
         dtype: reference dtype; None = float32 on CPU, the checkpoint's dtype on GPU.
         report_dir: write report.json, report.md and PNG plots there.
+        floor: measure the floor (the unquantized model in another precision, ``FLOOR_DTYPES``) that verdicts are
+            relative to; off, unset thresholds take ``Thresholds.ABSOLUTE``.
+        probe_layers: layers whose unquantized end-to-end gain is measured for the recommended scheme (0: none);
+            one extra pass each.
+        max_model_len, gpu, tp: the serving setup the memory arithmetic (``capacity.plan``) sizes: context per
+            sequence (None: the model's maximum), one GPU's memory (a name in ``capacity.GPUS`` or a size), and the
+            tensor-parallel GPUs.
     """
 
     checkpoint: str
     data: DataConfig | list[str]
-    schemes: str | list[str] = ",".join(SCHEMES)
+    schemes: str | list[str] = ",".join(DEFAULT_VERIFY_SCHEMES)
     thresholds: Thresholds = field(default_factory=Thresholds)
     kv_only: bool = False
     fa3: bool = False
@@ -72,6 +87,11 @@ class VerifyConfig:
     dtype: str | None = None
     fp8_format: str = "e4m3fn"
     report_dir: str | None = None
+    floor: bool = True
+    probe_layers: int = 4
+    max_model_len: int | None = None
+    gpu: str = "H100"
+    tp: int = 1
     progress: bool = True
 
     # The sample's sizes unless given: a few sequences, enough for a verdict in minutes on a CPU.
@@ -80,7 +100,8 @@ class VerifyConfig:
     # report.json's "settings", in their order.
     SETTINGS = ["schemes", "seq_len", "max_tokens", "chunk_len", "text_field", "seed", "kv_only", "fa3", "accum_bits",
                 "fa3_rows", "fa3_layers", "needle", "needle_depths", "max_kl", "fail_kl", "min_top1", "fail_top1",
-                "device", "dtype", "fp8_format", "report_dir"]
+                "floor_pass", "floor_fail", "floor", "probe_layers", "max_model_len", "gpu", "tp", "device", "dtype",
+                "fp8_format", "report_dir"]
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, DataConfig):
@@ -122,6 +143,12 @@ class VerifyConfig:
                 raise ValueError(f"unknown scheme {name!r}: choose from {', '.join(SCHEMES)} or name an existing .safetensors scales file")
         if not 1 <= self.accum_bits <= 40:
             raise ValueError(f"--accum-bits must be between 1 and 40 (13 models Hopper, 25 B200), got {self.accum_bits}")
+        if isinstance(self.probe_layers, bool) or not isinstance(self.probe_layers, int) or self.probe_layers < 0:
+            raise ValueError(f"--probe-layers must be a whole number ≥ 0 (0 measures no layer), got {self.probe_layers!r}")
+        parse_memory(self.gpu)
+        check_int("tp", self.tp, 1)
+        if self.max_model_len is not None:
+            check_int("max-model-len", self.max_model_len, 1)
         if self.fa3_rows < 1:
             raise ValueError(f"--fa3-rows must be ≥ 1, got {self.fa3_rows}")
         self.fa3_layers = _integers("fa3-layers", self.fa3_layers) if self.fa3_layers is not None else None
@@ -131,6 +158,9 @@ class VerifyConfig:
         if not all(0 <= d <= 1 for d in self.needle_depths):
             raise ValueError(f"needle depths are fractions of the haystack in [0, 1], got {self.needle_depths}")
         check_fp8_format(self.fp8_format)
+        other = [name for name in self.schemes if name in DTYPES and name != "fp8_e5m2"]
+        if other and self.fp8_format != "e4m3fn":
+            raise ValueError(f"--schemes {other[0]} is NVIDIA's or Triton's cache, emulated with e4m3fn scales; drop it or use --fp8-format e4m3fn")
         if self.fa3 and self.fp8_format != "e4m3fn":
             raise ValueError("--fa3 models NVIDIA Hopper's e4m3fn path; drop --fa3 or use --fp8-format e4m3fn")
         if self.report_dir is not None and Path(self.report_dir).exists() and not Path(self.report_dir).is_dir():
@@ -157,8 +187,10 @@ class Mode(StrEnum):
     """How a scheme scales attention's inputs (its value is what report.json says)."""
 
     REFERENCE = "reference"  # not at all: the unquantized model
+    FLOOR = "floor"  # not at all, but computed in another precision: what the verdicts are measured against
     STATIC = "static"  # one scale per layer (or per layer and head) read at serve time
     TOKEN = "token"  # a scale per token and KV head computed at cache write
+    CACHE = "cache"  # another of vLLM's cache dtypes (``kvdtypes``): int8/int4 per token-head, nvfp4; K and V only
 
 
 @dataclass
@@ -176,6 +208,9 @@ class Scheme:
     granularity: str | None = None
     scales: dict[str, torch.Tensor] = field(default_factory=dict)
     quantize_query: bool = False
+    cache: CacheDtype | None = None  # Mode.CACHE: the dtype whose write and read are emulated
+    autocast: torch.dtype | None = None  # the floor: the whole model computed in this dtype
+    skip: frozenset[int] = frozenset()  # layer rows left unquantized (--kv-cache-dtype-skip-layers)
 
     def scale(self, kind: str, row: int, x: torch.Tensor) -> torch.Tensor:
         """Scale broadcastable to x [B, H, S, D]: per (token, head) for ``token``, else [1, H, 1, 1]."""
@@ -184,15 +219,29 @@ class Scheme:
         return self.scales[kind][row].to(x.device).view(1, -1, 1, 1)
 
     def kinds(self) -> tuple[str, ...]:
-        if self.mode == Mode.REFERENCE:
+        if self.mode in (Mode.REFERENCE, Mode.FLOOR):
             return ()
         return ("k", "v", "q") if self.quantize_query else ("k", "v")
+
+    def counted(self) -> tuple[str, ...]:
+        """The kinds whose saturation and underflow are counted: those stored in an FP8 format."""
+        return () if self.mode == Mode.CACHE else self.kinds()
+
+    def precision(self, device: torch.device):
+        """The context a pass of this scheme runs in: autocast to another dtype for the floor, else none."""
+        return torch.autocast(device.type, dtype=self.autocast) if self.autocast is not None else nullcontext()
 
     def apply(self, row: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """(q, k, v) as attention reads them back after this scheme's FP8 round trip."""
         out = {"q": q, "k": k, "v": v}
+        if row in self.skip:
+            return q, k, v
         for kind in self.kinds():
-            out[kind] = quantize_dequantize(out[kind], self.scale(kind, row, out[kind]), self.fmt)
+            if self.mode == Mode.CACHE:
+                scale = self.scale(kind, row, out[kind]) if self.cache.scale == "tensor" else None
+                out[kind] = self.cache.round_trip(out[kind], scale)
+            else:
+                out[kind] = quantize_dequantize(out[kind], self.scale(kind, row, out[kind]), self.fmt)
         return out["q"], out["k"], out["v"]
 
 
@@ -267,25 +316,48 @@ def build_schemes(
     q = not config.kv_only
     heads = {"k": sig.num_kv_heads, "v": sig.num_kv_heads, "q": sig.num_heads}
     schemes, skipped = [], {}
+    ones = {k: torch.ones(len(layers), h) for k, h in heads.items()}
+
+    def static_scales(name: str, wanted: str) -> tuple[dict | None, str]:
+        """(kind → [L, H] scales, source) of ``wanted`` granularity, or (None, why not)."""
+        if granularity == wanted:
+            return ckpt, "checkpoint"
+        if stats is not None:
+            derived = derive_scales(stats.kinds, observer="max", granularity=wanted, fmt=fmt).scales
+            derived = {k: (v if v.dim() == 2 else v[:, None].expand(-1, heads[k])).clone() for k, v in derived.items()}
+            return derived, "derived from the checkpoint's kvcal statistics (max observer; not in the checkpoint: export them)"
+        if granularity is None and name != wanted:  # a cache dtype that reads checkpoint scales gets vLLM's 1.0
+            return ones, "1.0: the checkpoint has no KV scales"
+        has = f"holds {granularity} scales" if granularity else "has no KV scales"
+        return None, f"the checkpoint {has} and no kvcal statistics to derive {wanted} scales from"
+
     for name in config.schemes:
+        if name in DTYPES:
+            try:  # a cache layout this model's head size does not fit (nvfp4: multiples of 16; int4: even)
+                DTYPES[name].bytes_per_token(1, sig.head_dim)
+            except ValueError as e:
+                skipped[name] = str(e)
+                continue
         if name == REFERENCE:
             schemes.append(Scheme(name, Mode.REFERENCE, "none: the unquantized reference", fmt))
         elif name == "scale1":
-            ones = {k: torch.ones(len(layers), h) for k, h in heads.items()}
             schemes.append(Scheme(name, Mode.STATIC, "1.0", fmt, "tensor", ones, q))
         elif name == "token":
             schemes.append(Scheme(name, Mode.TOKEN, "computed per token at cache write", fmt, "token"))
-        elif name in ("tensor", "head"):
-            if granularity == name:
-                schemes.append(Scheme(name, Mode.STATIC, "checkpoint", fmt, name, ckpt, q))
-            elif stats is not None:
-                derived = derive_scales(stats.kinds, observer="max", granularity=name, fmt=fmt).scales
-                derived = {k: (v if v.dim() == 2 else v[:, None].expand(-1, heads[k])).clone() for k, v in derived.items()}
-                source = "derived from the checkpoint's kvcal statistics (max observer; not in the checkpoint: export them)"
-                schemes.append(Scheme(name, Mode.STATIC, source, fmt, name, derived, q))
+        elif name in ("tensor", "head", "fp8_e5m2") or name in DTYPES and DTYPES[name].scale == "tensor":
+            # fp8_e5m2 and nvfp4 read the per-tensor k/v scales vLLM loads for fp8; neither quantizes queries.
+            wanted = "head" if name == "head" else "tensor"
+            scales, source = static_scales(name, wanted)
+            if scales is None:
+                skipped[name] = source
+            elif name in ("tensor", "head"):
+                schemes.append(Scheme(name, Mode.STATIC, source, fmt, name, scales, q))
+            elif name == "fp8_e5m2":
+                schemes.append(Scheme(name, Mode.STATIC, source, E5M2, "tensor", scales))
             else:
-                has = f"holds {granularity} scales" if granularity else "has no KV scales"
-                skipped[name] = f"the checkpoint {has} and no kvcal statistics to derive {name} scales from"
+                schemes.append(Scheme(name, Mode.CACHE, source, fmt, "tensor", scales, cache=DTYPES[name]))
+        elif name in DTYPES:
+            schemes.append(Scheme(name, Mode.CACHE, "computed per token at cache write", fmt, "token", cache=DTYPES[name]))
         else:
             scales, file_granularity, file_notes = read_scales([Path(name)], layers, sig, method)
             if file_granularity is None:
@@ -340,12 +412,12 @@ class _ReferenceProbe:
         self.ref_sq[row] += ref.square().sum(dtype=torch.float64)
         new = {"q": query, "k": key[:, :, -S:], "v": value[:, :, -S:]}  # count each position once
         for scheme in self.schemes:
-            if scheme.mode == Mode.REFERENCE:
+            if not scheme.kinds():
                 continue
             tally = self.tallies[scheme.name]
             o = base_attention(module, *scheme.apply(row, query, key, value), attention_mask, **kwargs)[0]
             tally.err_sq[row] += (o.float() - ref).square().sum(dtype=torch.float64)
-            for kind in scheme.kinds():
+            for kind in scheme.counted():
                 tally.counts[kind][row] += range_counts(new[kind], scheme.scale(kind, row, new[kind]), scheme.fmt)
         if self.fa3_rows is not None and row in self.fa3_layers:
             start = key.shape[2] - S
@@ -379,12 +451,17 @@ def range_counts(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.
 def _positions_metrics(ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor], logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
     """Sums over positions of KL(ref ‖ scheme), NLL of ``targets`` and top-1 agreement.
 
-    ``ref`` is the reference's (log-probabilities [n, V], probabilities [n, V], argmax [n]), computed
-    once per chunk; ``logits`` [n, V] are the scheme's.
+    ``ref`` is the reference's (logits [n, V], probabilities [n, V], argmax [n]), computed once per chunk;
+    ``logits`` [n, V] are the scheme's.
     """
-    ref_lp, ref_p, ref_top = ref
+    ref_logits, ref_p, ref_top = ref
     lp = torch.log_softmax(logits, -1)  # [n, V]
-    kl = (ref_p * (ref_lp - lp)).sum(-1)  # [n]
+    # KL = Σ p·(lp_ref − lp) = log Σ p·exp(−d) with d = ref_logits − logits centred under p (KL ignores a constant
+    # shift). Two logits of one position differ little, so d keeps float32's precision, and KL its own relative
+    # precision even at 1e-8 nats, where Σ p·(lp_ref − lp) is all rounding (numbers near ln V subtracted).
+    d = ref_logits - logits  # [n, V]
+    d = d - (ref_p * d).sum(-1, keepdim=True)
+    kl = torch.log1p((ref_p * torch.expm1(-d)).sum(-1)).clamp(min=0)  # [n]
     nll = -lp.gather(-1, targets[:, None]).squeeze(-1)  # [n]
     agree = ref_top == lp.argmax(-1)  # [n]
     return kl.sum(dtype=torch.float64).item(), nll.sum(dtype=torch.float64).item(), agree.sum().item()
@@ -406,7 +483,7 @@ def measure(
     device = next(model.parameters()).device
     row_of = {layer.layer_idx: row for row, layer in enumerate(layers)}
     L = len(layers)
-    tallies = {s.name: _Tally(torch.zeros(L, dtype=torch.float64), {k: torch.zeros(L, 3, dtype=torch.int64) for k in s.kinds()}) for s in schemes}
+    tallies = {s.name: _Tally(torch.zeros(L, dtype=torch.float64), {k: torch.zeros(L, 3, dtype=torch.int64) for k in s.counted()}) for s in schemes}
     probe = _ReferenceProbe(schemes, tallies, row_of, L)
     probe.fa3_layers = set(fa3.layer_rows(config.fa3_layers, [layer.layer_idx for layer in layers])) if fa3_rows is not None else set()
     ref_nll, ref_seconds = [], 0.0
@@ -424,12 +501,13 @@ def measure(
             t0 = time.perf_counter()
             ref_logits = next(ref_run)[: len(targets)]  # [n, V]
             ref_lp = torch.log_softmax(ref_logits, -1)  # [n, V]
-            ref = (ref_lp, ref_lp.exp(), ref_lp.argmax(-1))
+            ref = (ref_logits, ref_lp.exp(), ref_lp.argmax(-1))
             nll -= ref_lp.gather(-1, targets[:, None]).sum(dtype=torch.float64).item()
             ref_seconds += time.perf_counter() - t0
             for scheme in schemes:
                 t0 = time.perf_counter()
-                logits = next(runs[scheme.name])[: len(targets)]  # [n, V]
+                with scheme.precision(device):
+                    logits = next(runs[scheme.name])[: len(targets)]  # [n, V]
                 tallies[scheme.name].seconds += time.perf_counter() - t0
                 for j, value in enumerate(_positions_metrics(ref, logits, targets)):
                     sums[scheme.name][j] += value
@@ -464,8 +542,8 @@ def _needle(model, tokenizer, layers, schemes: list[Scheme], config: VerifyConfi
 # ---- derived results ----------------------------------------------------------------------------------------------
 
 
-def scheme_result(scheme: Scheme, tally: _Tally, ref_sq: torch.Tensor, ref_nll: list[float], config: VerifyConfig) -> dict:
-    """Every number of one scheme, as plain JSON-able values, with its verdict."""
+def scheme_result(scheme: Scheme, tally: _Tally, ref_sq: torch.Tensor, ref_nll: list[float]) -> dict:
+    """Every number of one scheme, as plain JSON-able values (the verdict comes once the floor is known)."""
     kl, kl_se = mean_stderr(tally.seq_kl)
     nll, ref_mean_nll = sum(tally.seq_nll) / len(tally.seq_nll), sum(ref_nll) / len(ref_nll)
     top1 = sum(tally.seq_top1) / len(tally.seq_top1)
@@ -473,15 +551,91 @@ def scheme_result(scheme: Scheme, tally: _Tally, ref_sq: torch.Tensor, ref_nll: 
     result = {
         "mode": scheme.mode, "granularity": scheme.granularity, "source": scheme.source, "quantizes_query": scheme.quantize_query,
         "note": SCHEME_NOTES.get(scheme.name, "static scales from a file"),
-        "layer_rel_error": (tally.err_sq / ref_sq.clamp(min=1e-300)).sqrt().tolist() if scheme.mode != Mode.REFERENCE else [0.0] * len(ref_sq),
+        "layer_rel_error": (tally.err_sq / ref_sq.clamp(min=1e-300)).sqrt().tolist() if scheme.kinds() else [0.0] * len(ref_sq),
         "fractions": frac,
         "kl": kl, "kl_stderr": kl_se, "kl_per_sequence": tally.seq_kl,
         "nll": nll, "ppl": math.exp(nll), "ppl_reference": math.exp(ref_mean_nll), "ppl_change": math.exp(nll - ref_mean_nll) - 1,
         "top1": top1, "seconds": tally.seconds,
         "scales": {k: v.tolist() for k, v in scheme.scales.items()},
     }
-    result["verdict"], result["reasons"] = judge(result, config.thresholds)
     return result
+
+
+# What the floor computes in, by the reference's dtype: bf16 against float32, and for a half-precision reference
+# the other half precision (float16 rounds finer than bf16, so bf16 vs float16 is about bf16's own rounding).
+FLOOR_DTYPES = {torch.float32: torch.bfloat16, torch.bfloat16: torch.float16, torch.float16: torch.bfloat16}
+
+
+def floor_scheme(reference_dtype: torch.dtype, fmt: FP8Format) -> Scheme:
+    """The floor: the unquantized model computed in ``FLOOR_DTYPES[reference_dtype]`` (autocast), KV cache included."""
+    other = FLOOR_DTYPES[reference_dtype]
+    name = str(other).removeprefix("torch.")
+    return Scheme(FLOOR, Mode.FLOOR, f"{name} compute against the {str(reference_dtype).removeprefix('torch.')} reference", fmt,
+                  autocast=other)
+
+
+@torch.no_grad()
+def probe_skip_layers(model, layers, scheme: Scheme, result: dict, sequences: list[torch.Tensor], config: VerifyConfig) -> dict:
+    """What keeping each layer unquantized gains end to end, for ``scheme``: estimated for every layer, measured for some.
+
+    The estimate is each layer's own attention-output error (``layer_rel_error``: the layer quantized alone on
+    the reference's inputs). The ``probe_layers`` layers measured are the ones the estimate ranks highest, plus
+    the median-ranked one as a control: one pass each with every other layer quantized, paired with the
+    scheme's own pass over the same sequences. ``verdict.skip_choice`` then picks the layers worth keeping.
+    """
+    start = time.perf_counter()
+    estimate = result["layer_rel_error"]
+    ranked = sorted(range(len(layers)), key=lambda row: -estimate[row])
+    rows = ranked[: config.probe_layers]
+    if 2 <= config.probe_layers < len(ranked):  # the last one measured is the control
+        rows = ranked[: config.probe_layers - 1] + [ranked[(config.probe_layers - 1 + len(ranked)) // 2]]
+    variants = [replace(scheme, name=f"{scheme.name} skip {layers[row].layer_idx}", skip=frozenset({row})) for row in rows]
+    tallies = measure(model, layers, variants, sequences, config, None)[0]
+    measured = []
+    for row, variant in zip(rows, variants):
+        gain = [a - b for a, b in zip(result["kl_per_sequence"], tallies[variant.name].seq_kl)]
+        mean, se = mean_stderr(gain)
+        measured.append({"layer": layers[row].layer_idx, "row": row, "estimate": estimate[row], "kl_without": sum(tallies[variant.name].seq_kl) / len(sequences),
+                         "gain": mean, "gain_stderr": se})
+    return {"scheme": scheme.name, "kl": result["kl"], "estimate": estimate, "layers": [layer.layer_idx for layer in layers],
+            "measured": measured, "seconds": time.perf_counter() - start, **skip_choice(result["kl"], measured, len(layers))}
+
+
+def scheme_dtype(scheme: Scheme) -> str:
+    """The ``--kv-cache-dtype`` a scheme stands for (``kvdtypes.DTYPES``'s name)."""
+    if scheme.mode == Mode.CACHE:
+        return scheme.cache.name
+    if scheme.mode == Mode.TOKEN:
+        return "fp8_per_token_head"
+    if scheme.mode == Mode.STATIC:
+        return "fp8_e5m2" if scheme.fmt == E5M2 else "fp8"
+    return "auto"
+
+
+def _kv_layers(model_config, layers: list[AttentionLayer], sig: ModelSignature) -> list[LayerKV]:
+    """The attention layers as ``capacity`` sizes them: vLLM's index, KV heads, head size, sliding window."""
+    window = getattr(model_config.get_text_config(), "sliding_window", None)
+    return [LayerKV(layer.layer_idx, sig.num_kv_heads, sig.head_dim, sig.head_dim, window if layer.sliding_window else None)
+            for layer in layers]
+
+
+def _bytes_of(name: str):
+    """``capacity``'s bytes per token of a layer in cache dtype ``name``."""
+    return lambda layer: DTYPES[name].bytes_per_token(layer.heads, layer.head_dim, layer.head_dim_v)
+
+
+def does_it_pay(config: VerifyConfig, kv_layers: list[LayerKV], files: list[Path], results: dict, context: int) -> dict:
+    """``capacity.plan`` for bf16 and every measured scheme's cache dtype at ``--max-model-len`` on ``--gpu``."""
+    names = dict.fromkeys(["auto", *(r["kv_dtype"] for r in results.values())])
+    result = plan(kv_layers, sum(tensor_bytes(f) for f in files), config.max_model_len or context, config.gpu,
+                  {name: _bytes_of(name) for name in names}, tp=config.tp)
+    return {**result, "gpu": config.gpu}
+
+
+def skip_cost(kv_layers: list[LayerKV], dtype: str, skip: list[int], context: int) -> dict:
+    """KV bytes per token at ``context`` with every layer in ``dtype``, and with the ``skip`` layers in bf16."""
+    return {"all_quantized": per_token(kv_layers, _bytes_of(dtype), context),
+            "with_skip": per_token(kv_layers, _bytes_of(dtype), context, skip=set(skip), bf16_bytes_of=_bytes_of("auto"))}
 
 
 # ---- the command --------------------------------------------------------------------------------------------------
@@ -569,8 +723,9 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     # pass and one pass per scheme.
     stats = _load_stats(Path(config.checkpoint), sig)
     schemes, skipped, held = build_schemes(config, files, layers, sig, stats, fmt)
+    floor = [floor_scheme(model.dtype, fmt)] if config.floor else []
     fa3_rows = fa3.query_rows(config.data.seq_len, config.data.chunk_len, config.fa3_rows) if config.fa3 else None
-    tallies, probe, ref_nll, ref_seconds = measure(model, layers, schemes, sequences, config, fa3_rows)
+    tallies, probe, ref_nll, ref_seconds = measure(model, layers, schemes + floor, sequences, config, fa3_rows)
     measured = time.perf_counter()
 
     # 5. Optional probes: the FA3 numeric model on sampled rows, and the needle.
@@ -578,16 +733,29 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     probed = time.perf_counter()
     needle_result = _needle(model, tokenizer, layers, schemes, config, context) if config.needle else None
 
-    # 6. Numbers, verdicts and the recommendation.
-    results = {}
-    for s in schemes:
-        r = scheme_result(s, tallies[s.name], probe.ref_sq, ref_nll, config)
-        check_measured(s.name, r)
-        if needle_result and s.mode != Mode.REFERENCE:
-            r["needle_lost"] = needle_result["summary"][s.name]["lost"]
-            r["verdict"], r["reasons"] = judge(r, config.thresholds)
-        results[s.name] = r
-    recommendation, serve = recommend(results, held, layers, config.checkpoint)
+    # 6. Numbers; the limits, from the floor unless set; verdicts; which layers to keep unquantized; the recommendation.
+    results = {s.name: scheme_result(s, tallies[s.name], probe.ref_sq, ref_nll) for s in schemes + floor}
+    for name, r in results.items():
+        check_measured(name, r)
+    floor_result = results.pop(FLOOR, None)
+    limits = config.thresholds.resolve(floor_result)
+    for name, r in results.items():
+        if needle_result and r["mode"] != Mode.REFERENCE:
+            r["needle_lost"] = needle_result["summary"][name]["lost"]
+        r["verdict"], r["reasons"] = judge(r, limits)
+    choice = choose(results)
+    skip_probe = None
+    if choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
+        skip_probe = probe_skip_layers(model, layers, next(s for s in schemes if s.name == choice), results[choice], sequences, config)
+    for name, r in results.items():
+        r["kv_dtype"] = scheme_dtype(next(s for s in schemes if s.name == name))
+        r["bytes_per_token"] = len(layers) * DTYPES[r["kv_dtype"]].bytes_per_token(sig.num_kv_heads, sig.head_dim)
+        r["bytes_vs_bf16"] = DTYPES[r["kv_dtype"]].bytes_per_token(1, sig.head_dim) / DTYPES["auto"].bytes_per_token(1, sig.head_dim)
+    kv_layers = _kv_layers(model.config, layers, sig)
+    pays = does_it_pay(config, kv_layers, files, results, context or config.data.seq_len)
+    if skip_probe is not None:
+        skip_probe["bytes_per_token"] = skip_cost(kv_layers, results[skip_probe["scheme"]]["kv_dtype"], skip_probe["skip"], pays["context"])
+    recommendation, serve = recommend(results, held, layers, config.checkpoint, skip_probe, pays)
     dtype = str(model.dtype).removeprefix("torch.")
     rep = {
         "kvcal_version": report.kvcal_version(),
@@ -600,7 +768,13 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "sample": {"sequences": len(sequences), "seq_len": config.data.seq_len, "tokens": len(sequences) * config.data.seq_len},
         "layers": [vars(layer) for layer in layers],
         "checkpoint_scales": held,
+        "floor": floor_result,
+        "thresholds": {**{name: getattr(limits, name) for name in Thresholds.LIMITS}, "origin": config.thresholds.origin(),
+                       "floor_pass": limits.floor_pass, "floor_fail": limits.floor_fail,
+                       "relative_to_floor": floor_result is not None and floor_result["kl"] > 0},
         "schemes": results,
+        "skip_layers": skip_probe,
+        "does_it_pay": pays,
         "skipped": skipped,
         "fa3": fa3_result,
         "needle": needle_result,
@@ -610,7 +784,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "timings": {
             "sample_s": sampled - start, "load_s": loaded - sampled, "passes_s": measured - loaded,
             "reference_pass_s": ref_seconds, "scheme_pass_s": {n: t.seconds for n, t in tallies.items()},
-            "fa3_s": probed - measured, "needle_s": time.perf_counter() - probed, "total_s": time.perf_counter() - start,
+            "skip_probe_s": skip_probe["seconds"] if skip_probe else 0.0, "fa3_s": probed - measured, "needle_s": time.perf_counter() - probed, "total_s": time.perf_counter() - start,
         },
     }
     # 7. Report files.

@@ -184,5 +184,6 @@ def test_verify_help_shows_verify_config_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert exc.value.code == 0 and not re.search(r"\{[a-z0-9_]+\}", text)  # every placeholder filled
     defaults = verify.VerifyConfig.defaults()
-    for name in ("seq_len", "max_tokens", "chunk_len", "accum_bits", "fa3_rows", "max_kl", "fail_kl", "min_top1"):
+    for name in ("seq_len", "max_tokens", "chunk_len", "accum_bits", "fa3_rows", "floor_pass", "floor_fail", "probe_layers"):
         assert f"(default {defaults[name]})" in text, name
+    assert "(default: --floor-pass times the floor's KL)" in text  # max_kl: unset by default, relative to the floor

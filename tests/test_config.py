@@ -45,14 +45,14 @@ def test_verify_settings_and_defaults():
     assert list(config.settings()) == VerifyConfig.SETTINGS
     defaults = VerifyConfig.defaults()
     assert {k: defaults[k] for k in VerifyConfig.SAMPLE} == VerifyConfig.SAMPLE
-    assert {k: defaults[k] for k in ("max_kl", "fail_kl", "min_top1", "fail_top1")} == asdict(Thresholds())
+    assert {k: defaults[k] for k in ("max_kl", "fail_kl", "min_top1", "fail_top1", "floor_pass", "floor_fail")} == asdict(Thresholds())
     with pytest.raises(ValueError, match="unknown verify option 'seqlen'"):
         VerifyConfig.from_options("ckpt", "d.txt", seqlen=128)
 
 
 def test_flat_settings_inlines_parts_in_the_order_asked():
     config = VerifyConfig("ckpt", ["d.txt"])
-    assert flat_settings(config, ["fail_top1", "seed", "kv_only"]) == {"fail_top1": 0.9, "seed": 0, "kv_only": False}
+    assert flat_settings(config, ["floor_fail", "seed", "kv_only"]) == {"floor_fail": 100.0, "seed": 0, "kv_only": False}
 
 
 @pytest.mark.parametrize(
@@ -131,12 +131,30 @@ def test_weight_scheme_names_are_the_ones_weights_py_applies():
 
 
 def test_recipe_thresholds_are_checked_together(tmp_path):
-    """A recipe may raise max_kl above the default fail_kl when it raises fail_kl too: the rule relates the four."""
+    """A recipe may raise max_kl above the default fail_kl: an unset limit follows a set one, two set ones must agree."""
     (tmp_path / "r.yaml").write_text("verify:\n  thresholds:\n    max_kl: 0.2\n    fail_kl: 0.5\n")
     assert recipes.load_recipe(str(tmp_path / "r.yaml"))["verify"]["thresholds"] == {"max_kl": 0.2, "fail_kl": 0.5}
     (tmp_path / "r.yaml").write_text("verify:\n  thresholds:\n    max_kl: 0.2\n")
+    assert Thresholds(max_kl=0.2).validate().resolve(None).fail_kl == 0.2
+    (tmp_path / "r.yaml").write_text("verify:\n  thresholds:\n    max_kl: 0.2\n    fail_kl: 0.1\n")
     with pytest.raises(ValueError, match="verify.thresholds: thresholds must satisfy"):
         recipes.load_recipe(str(tmp_path / "r.yaml"))
+
+
+def test_limits_follow_the_floor_unless_set():
+    floor = {"kl": 0.002, "top1": 0.99}  # 1% of top-1 choices already differ in the floor
+    limits = Thresholds(floor_pass=5, floor_fail=50).resolve(floor)
+    assert (limits.max_kl, limits.fail_kl) == pytest.approx((0.01, 0.1))
+    assert (limits.min_top1, limits.fail_top1) == pytest.approx((0.95, 0.5))
+    # 100 times a 1% disagreement is more than everything: the fail limit stops at 0, never below.
+    assert Thresholds().resolve(floor).fail_top1 == 0.0
+    limits = Thresholds(max_kl=0.5, min_top1=0.999).resolve(floor)
+    assert (limits.max_kl, limits.fail_kl, limits.min_top1) == (0.5, 0.5, 0.999)  # the derived fail_kl (0.2) follows the set max_kl
+    assert Thresholds(max_kl=0.5).origin() == {"max_kl": "set", "fail_kl": "floor", "min_top1": "floor", "fail_top1": "floor"}
+    assert vars(Thresholds().resolve(None)) == {**Thresholds.ABSOLUTE, "floor_pass": 10.0, "floor_fail": 100.0}
+    for ratios in ({"floor_pass": 0.5}, {"floor_pass": 20, "floor_fail": 10}):
+        with pytest.raises(ValueError, match="1 ≤ floor-pass ≤ floor-fail"):
+            Thresholds(**ratios).validate()
 
 
 def test_config_imports_neither_torch_nor_transformers():

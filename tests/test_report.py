@@ -20,6 +20,7 @@ from calibrate.report import (
     kvcal_version,
     scale_table,
     serve_command,
+    thresholds_text,
     verify_markdown,
     verify_text,
     write_verify_report,
@@ -124,7 +125,10 @@ def scheme(mode: str, kl: float, se: float | None, ppl_change: float, top1: floa
            reasons: list[str], errors: list[float], scales: dict | None = None) -> dict:
     return {"mode": mode, "granularity": None, "source": f"{mode} source", "note": f"{mode} note", "kl": kl, "kl_stderr": se,
             "ppl_change": ppl_change, "top1": top1, "fractions": fractions, "verdict": verdict, "reasons": reasons,
-            "layer_rel_error": errors, "scales": scales or {}}
+            "layer_rel_error": errors, "scales": scales or {},
+            # SmolLM2's shape (30 layers, 3 KV heads of 64): bf16 for the reference, else fp8 or per-token-head
+            "bytes_per_token": 30 * 3 * {"reference": 256, "token": 136}.get(mode, 128),
+            "bytes_vs_bf16": {"reference": 1.0, "token": 136 / 256}.get(mode, 0.5)}
 
 
 def fractions(kinds: str, saturated: list[float], underflow: list[float]) -> dict:
@@ -154,7 +158,12 @@ def report_dict(*, static: bool = True, profile: bool = True, needle: bool = Fal
         "sample": {"sequences": 2, "seq_len": 64, "tokens": 128},
         "layers": [{"layer_idx": i, "prefix": f"model.layers.{i}.self_attn", "sliding_window": False} for i in LAYERS],
         "checkpoint_scales": {"granularity": "tensor", "notes": ["checkpoint note"], "statistics": profile},
+        "floor": None,
+        "thresholds": {**THRESHOLDS, "origin": {name: "set" for name in THRESHOLDS}, "floor_pass": 10.0, "floor_fail": 100.0,
+                       "relative_to_floor": False},
         "schemes": schemes,
+        "skip_layers": None,
+        "does_it_pay": None,
         "skipped": {"head": "no per-head scales"},
         "fa3": None,
         "needle": None,
@@ -186,20 +195,23 @@ def percent(cell: str) -> float | None:
     return None if cell == "—" else float(cell.rstrip("%")) / 100
 
 
-def check_verdict_row(cells: list[str], name: str, r: dict) -> None:
+def check_verdict_row(cells: list[str], name: str, r: dict, floor: float | None = None) -> None:
     """One row of the verdict table against the scheme's own numbers."""
     assert cells[0] == name
     kl, _, se = cells[1].partition(" ± ")
     assert float(kl) == pytest.approx(r["kl"], rel=1e-3)
     assert (float(se) == pytest.approx(r["kl_stderr"], rel=0.05)) if r["kl_stderr"] is not None else se == ""
-    assert cells[2][0] in "+-" and percent(cells[2]) == pytest.approx(r["ppl_change"], abs=1e-5)
-    assert percent(cells[3]) == pytest.approx(r["top1"], abs=1e-4)
-    worst = [percent(c) for c in cells[4].split(" / ")]
+    assert cells[2] == ("—" if floor is None or r["mode"] == "reference" else f"{r['kl'] / floor:.3g}×")
+    size, ratio = cells[3].split(" (")
+    assert float(size.replace(",", "")) == r["bytes_per_token"] and ratio == f"{r['bytes_vs_bf16']:.2f}×)"
+    assert cells[4][0] in "+-" and percent(cells[4]) == pytest.approx(r["ppl_change"], abs=1e-5)
+    assert percent(cells[5]) == pytest.approx(r["top1"], abs=1e-4)
+    worst = [percent(c) for c in cells[6].split(" / ")]
     for kind, got in zip("kvq", worst):
         f = r["fractions"].get(kind)
         assert got is None if not f else got == pytest.approx(max(f["saturated"]), abs=1e-5), (name, kind)
-    assert cells[5] == r["verdict"]
-    assert (cells[6] if len(cells) > 6 else "") == "; ".join(r["reasons"])
+    assert cells[7] == r["verdict"]
+    assert (cells[8] if len(cells) > 8 else "") == "; ".join(r["reasons"])
 
 
 def test_verify_text_has_a_row_per_scheme_with_its_numbers_and_verdict():
@@ -213,8 +225,36 @@ def test_verify_text_has_a_row_per_scheme_with_its_numbers_and_verdict():
     rest = lines[2 + len(rep["schemes"]):]
     assert rest[0] == ""
     assert rest[1] == "reference: unquantized model in float32 on cpu; 2 sequences of 64 tokens; FP8 e4m3fn"
-    assert rest[2:] == ["skipped head: no per-head scales", "serve with tensor scales", "second line", "serve it with:",
+    assert rest[2] == "Thresholds: pass when KL ≤ 0.02 nats/token and top-1 agreement ≥ 95%; fail when KL > 0.1 or top-1 < 90%; warn in between"
+    assert rest[3:] == ["skipped head: no per-head scales", "serve with tensor scales", "second line", "serve it with:",
                         "  vllm serve /models/out --kv-cache-dtype fp8"]
+
+
+def test_thresholds_text_shows_the_floor_and_which_limits_follow_it():
+    rep = report_dict()
+    rep["floor"] = {"source": "bfloat16 compute against the float32 reference", "kl": 7.4e-4, "top1": 0.99}
+    origin = {"max_kl": "floor", "fail_kl": "floor", "min_top1": "set", "fail_top1": "floor"}
+    rep["thresholds"] = {"max_kl": 7.4e-3, "fail_kl": 7.4e-2, "min_top1": 0.95, "fail_top1": 0.0, "origin": origin,
+                         "floor_pass": 10.0, "floor_fail": 100.0, "relative_to_floor": True}
+    text = thresholds_text(rep)
+    assert "pass when KL ≤ 0.0074 nats/token and top-1 agreement ≥ 95%; fail when KL > 0.074 or top-1 < 0%" in text
+    assert "Floor (bfloat16 compute against the float32 reference): KL 0.00074 nats/token, top-1 99.00%" in text
+    assert "max_kl, fail_kl, fail_top1 are 10× (pass) and 100× (fail) the floor; set: min_top1" in text
+    rep["floor"], rep["thresholds"]["origin"], rep["thresholds"]["relative_to_floor"] = None, dict.fromkeys(origin, "floor"), False
+    assert thresholds_text(rep).startswith("Thresholds (fixed: no floor measured): pass when")
+
+
+def test_skip_layers_section_lists_estimates_and_measured_gains():
+    rep = report_dict()
+    rep["skip_layers"] = {"scheme": "tensor", "kl": 0.01, "layers": LAYERS, "estimate": [0.1, 0.5, 0.2], "skip": [LAYERS[1]],
+                          "share_limit": 2 * 0.01 / 3, "rank_correlation": None, "top_agrees": True,
+                          "measured": [{"layer": LAYERS[1], "row": 1, "estimate": 0.5, "kl_without": 0.004, "gain": 0.006, "gain_stderr": 0.001}]}
+    md = verify_markdown(rep, {})
+    header, *rows = markdown_table(md, "layer")
+    assert header == ["layer", "estimate", "KL without it", "gain", "keep"]
+    assert rows == [[str(LAYERS[0]), "1.000e-01", "—", "—", ""], [str(LAYERS[1]), "5.000e-01", "0.004", "+0.006 ± 0.001", "yes"],
+                    [str(LAYERS[2]), "2.000e-01", "—", "—", ""]]
+    assert "significant gain above 0.00667" in md
 
 
 def markdown_table(md: str, first: str) -> list[list[str]]:

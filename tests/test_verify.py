@@ -16,6 +16,7 @@ from calibrate import api, cli
 from calibrate.capture import hooked_attention
 from calibrate.data import DataConfig, iter_sequences
 from calibrate.checkpoint import INDEX_FILE
+from calibrate.config import Thresholds
 from calibrate.export import scales_file, shard_name
 from calibrate.fp8 import FORMATS
 from calibrate.model import load_model
@@ -178,8 +179,8 @@ def test_reference_scheme_has_zero_kl_and_full_agreement(plain_ckpt, data_file):
 
 
 def test_end_to_end_metrics_equal_an_independent_computation(plain_ckpt, data_file):
-    """KL, perplexity and top-1 from whole-sequence forwards, our own float64-rounding quantizer and torch's kl_div,
-    against verify's chunked (64-token) passes."""
+    """KL, perplexity and top-1 from whole-sequence forwards, our own float64-rounding quantizer and torch's kl_div
+    in float64, against verify's chunked (64-token) passes."""
     result = verify(plain_ckpt, str(data_file), schemes="scale1", seq_len=128, max_tokens=384, chunk_len=64, **QUIET)
     model, _ = load_model(plain_ckpt, device=torch.device("cpu"))
 
@@ -190,9 +191,9 @@ def test_end_to_end_metrics_equal_an_independent_computation(plain_ckpt, data_fi
     with torch.no_grad():
         for seq in sample(plain_ckpt, data_file, 128, 384):
             ids = seq[None]
-            ref = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1)  # [S-1, V]
+            ref = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)  # [S-1, V]
             with hooked_attention(model, quantize_all):
-                got = torch.log_softmax(model(input_ids=ids).logits[0, :-1], -1)
+                got = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
             kl += torch.nn.functional.kl_div(got, ref, log_target=True, reduction="sum").item()
             nll -= got.gather(-1, seq[1:, None]).sum().item()
             ref_nll -= ref.gather(-1, seq[1:, None]).sum().item()
@@ -248,7 +249,123 @@ def test_per_token_beating_per_tensor_is_reported(token_outlier_ckpt, data_file)
     assert any(line.startswith(("Recommended: token", "token has significantly lower KL than tensor")) for line in result.report["recommendation"])
 
 
+def outlier_head(model, tokenizer):
+    """Layer 1's first KV head has |K| 5000× the other's (its query heads scaled 1/5000, so its attention is unchanged):
+    one per-tensor scale then stores the other head's keys thousands of times below the range, many as subnormals
+    (e4m3's relative precision is the same over its normal range: a few hundred times alone would cost little).
+    The other head's queries are sharpened 200× (a random model's attention is nearly uniform), so its attention
+    feels its keys' error."""
+    attn = model.model.layers[1].self_attn
+    attn.k_proj.weight[:16] *= 5000.0  # KV head 0 (head_dim 16)
+    attn.q_proj.weight[:32] /= 5000.0  # query heads 0 and 1 read KV head 0
+    attn.q_proj.weight[32:] *= 200.0  # query heads 2 and 3 read KV head 1
+
+
+def kl_per_token(model, sequences, hook) -> float:
+    """Mean KL(reference ‖ hooked model) over every next-token position: whole-sequence forwards, float64 log-softmax,
+    torch's kl_div."""
+    kl, n = 0.0, 0
+    with torch.no_grad():
+        for seq in sequences:
+            ref = torch.log_softmax(model(input_ids=seq[None]).logits[0, :-1].double(), -1)
+            with hook():
+                got = torch.log_softmax(model(input_ids=seq[None]).logits[0, :-1].double(), -1)
+            kl += torch.nn.functional.kl_div(got, ref, log_target=True, reduction="sum").item()
+            n += len(seq) - 1
+    return kl / n
+
+
+def test_floor_equals_an_independent_bf16_computation(plain_ckpt, data_file):
+    result = verify(plain_ckpt, str(data_file), schemes="scale1", seq_len=128, max_tokens=384, **QUIET)
+    model, _ = load_model(plain_ckpt, device=torch.device("cpu"))
+    floor = kl_per_token(model, sample(plain_ckpt, data_file, 128, 384), lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    rep = result.report
+    assert rep["floor"]["kl"] == pytest.approx(floor, rel=2e-2) and floor > 0
+    assert rep["thresholds"]["max_kl"] == pytest.approx(10 * rep["floor"]["kl"]) and rep["thresholds"]["relative_to_floor"]
+    assert rep["thresholds"]["fail_kl"] == pytest.approx(100 * rep["floor"]["kl"])
+    assert rep["thresholds"]["min_top1"] == pytest.approx(max(0, 1 - 10 * (1 - rep["floor"]["top1"])))
+    assert "floor" not in result.schemes
+    fixed = verify(plain_ckpt, str(data_file), schemes="scale1", seq_len=128, max_tokens=128, floor=False, **QUIET).report
+    assert fixed["floor"] is None and fixed["thresholds"]["max_kl"] == Thresholds.ABSOLUTE["max_kl"]
+
+
+def test_planted_outlier_head_is_the_first_layer_to_keep(tmp_path_factory, tokenizer, data_file):
+    ckpt = calibrated(tmp_path_factory, tokenizer, data_file, "outlier_head", outlier_head)
+    result = verify(ckpt, str(data_file), schemes="tensor", seq_len=128, max_tokens=384, kv_only=True, probe_layers=3, **QUIET)
+    probe = result.report["skip_layers"]
+    assert probe["scheme"] == "tensor" and max(range(3), key=lambda row: probe["estimate"][row]) == 1
+    gains = {m["layer"]: m for m in probe["measured"]}
+    assert set(gains) == {0, 1, 2} and max(gains, key=lambda layer: gains[layer]["gain"]) == 1
+    assert probe["skip"] == [1] and probe["top_agrees"]
+    assert result.report["serve_command"].endswith("--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 1")
+    # Independent: layers 0 and 2 quantized with the same scales by the float64 rounding, layer 1 left alone.
+    model, _ = load_model(ckpt, device=torch.device("cpu"))
+    scales = {k: torch.tensor(v) for k, v in result.schemes["tensor"]["scales"].items()}  # kind → [L, H]
+
+    def all_but_layer_1(module, q, k, v, mask, base, **kw):
+        if module.layer_idx != 1:
+            k, v = (ref_qdq(t, scales[kind][module.layer_idx].view(1, -1, 1, 1)) for kind, t in (("k", k), ("v", v)))
+        return base(module, q, k, v, mask, **kw)
+
+    expected = kl_per_token(model, sample(ckpt, data_file, 128, 384), lambda: hooked_attention(model, all_but_layer_1))
+    assert gains[1]["kl_without"] == pytest.approx(expected, rel=2e-2)
+
+
+def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """int8 per (token, head) in float64: s = max(amax/127, 1e-6) as float32, round half away from zero, q·s."""
+    s = (x.double().abs().amax(-1, keepdim=True) / 127).clamp(min=1e-6).float().double()
+    t = x.double() * (1 / s.float()).double()  # the kernel multiplies by the float32 reciprocal
+    return (torch.sign(t) * torch.floor(t.abs() + 0.5) * s).to(x.dtype)
+
+
+def test_every_cache_dtype_in_one_table_against_independent_round_trips(plain_ckpt, data_file):
+    schemes = "tensor,fp8_e5m2,int8_per_token_head,int4_per_token_head,nvfp4"
+    result = verify(plain_ckpt, str(data_file), schemes=schemes, seq_len=128, max_tokens=384, kv_only=True, probe_layers=0, **QUIET)
+    s = result.schemes
+    assert list(s) == schemes.split(",")
+    assert {n: r["kv_dtype"] for n, r in s.items()} == {"tensor": "fp8", **{n: n for n in schemes.split(",")[1:]}}
+    # Bytes per token from vLLM's layouts (3 layers, 2 KV heads of 16), per head: fp8 16 + 16, per-token-head + 8 (two
+    # float32 scales), int4 8 + 8 + 8, nvfp4 (8 bytes of e2m1 + 1 e4m3 scale) for K and for V.
+    assert {n: r["bytes_per_token"] for n, r in s.items()} == {
+        "tensor": 3 * 2 * 32, "fp8_e5m2": 3 * 2 * 32, "int8_per_token_head": 3 * 2 * 40, "int4_per_token_head": 3 * 2 * 24,
+        "nvfp4": 3 * 2 * 18}
+    assert all(s[n]["scales"][k] == s["tensor"]["scales"][k] for n in ("fp8_e5m2", "nvfp4") for k in ("k", "v"))
+    assert all(not r["quantizes_query"] for r in s.values())
+    # Independent: whole-sequence forwards with K and V of every layer rounded by the test's own int8, and by
+    # e5m2 through torch's float8_e5m2 cast with the checkpoint's scales.
+    model, _ = load_model(plain_ckpt, device=torch.device("cpu"))
+    scales = {k: torch.tensor(v) for k, v in s["tensor"]["scales"].items()}  # kind → [L, H]
+    seqs = sample(plain_ckpt, data_file, 128, 384)
+
+    def int8(module, q, k, v, mask, base, **kw):
+        return base(module, q, int8_round_trip(k), int8_round_trip(v), mask, **kw)
+
+    def e5m2(module, q, k, v, mask, base, **kw):
+        sc = {kind: scales[kind][module.layer_idx].view(1, -1, 1, 1) for kind in ("k", "v")}
+        k, v = ((t / sc[kind]).clamp(-57344, 57344).to(torch.float8_e5m2).float() * sc[kind] for kind, t in (("k", k), ("v", v)))
+        return base(module, q, k, v, mask, **kw)
+
+    assert s["int8_per_token_head"]["kl"] == pytest.approx(kl_per_token(model, seqs, lambda: hooked_attention(model, int8)), rel=2e-2)
+    assert s["fp8_e5m2"]["kl"] == pytest.approx(kl_per_token(model, seqs, lambda: hooked_attention(model, e5m2)), rel=2e-2)
+    # Fewer bits cost more: int4 and nvfp4 (4-bit) above int8 and e4m3, e5m2 (2 mantissa bits) above e4m3 (3).
+    assert s["int8_per_token_head"]["kl"] < s["tensor"]["kl"] < s["fp8_e5m2"]["kl"] < min(s["int4_per_token_head"]["kl"], s["nvfp4"]["kl"])
+    pays = result.report["does_it_pay"]
+    assert set(pays["dtypes"]) == {"auto", *(r["kv_dtype"] for r in s.values())} and pays["context"] == 4096
+    assert pays["dtypes"]["nvfp4"]["bytes_per_token"] == 3 * 2 * 18
+
+
 # ---- bad input ----------------------------------------------------------------------------------------------------
+
+
+def test_a_cache_layout_the_head_size_does_not_fit_is_skipped_with_the_reason(tmp_path, tokenizer, data_file):
+    torch.manual_seed(0)
+    config = tiny_config("llama")
+    config.vocab_size, config.head_dim = len(tokenizer), 8
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    result = verify(tmp_path / "model", str(data_file), schemes="nvfp4,int8_per_token_head", seq_len=64, max_tokens=64, **QUIET)
+    assert list(result.schemes) == ["int8_per_token_head"]
+    assert result.report["skipped"] == {"nvfp4": "nvfp4 needs head_dim == head_dim_v, a multiple of 16; got 8 and 8"}
 
 
 def test_checkpoint_without_scales_runs_what_needs_none(tmp_path, tokenizer, data_file):
