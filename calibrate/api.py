@@ -14,7 +14,7 @@ import platform
 import shutil
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -71,6 +71,7 @@ class CalibrationResult:
             ),
             *self._sink_note(),
             *self._little_data(),
+            *self._search_note(),
             SERVE_NOTES[s.granularity],
             f"wrote {self.out}",
             "serve it with:",
@@ -81,6 +82,16 @@ class CalibrationResult:
         if self.verification is not None:
             lines += ["", "short verify of the written checkpoint (kvcal verify runs the full one):", self.verification.summary()]
         return "\n".join(lines)
+
+    def _search_note(self) -> list[str]:
+        """What the output observer chose, counted over layers, when it ran."""
+        search = self.provenance.get("output_observer")
+        if search is None:
+            return []
+        counts = {kind: ", ".join(f"{name} {search[kind]['chosen'].count(name)}" for name in search["candidates"]
+                                  if name in search[kind]["chosen"]) for kind in ("k", "v")}
+        return [f"output observer ({search['sequences']} held-back sequences), layers per candidate: "
+                f"k: {counts['k']}; v: {counts['v']}"]
 
     def _sink_note(self) -> list[str]:
         """One line when the scales saturate the attention-sink tokens (the sink-aware observer accepts that)."""
@@ -227,6 +238,9 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             if group.active and config.mapped():
                 raise ValueError("--device-map/--max-memory/--offload-folder spread one model over several devices; under "
                                  "torchrun each rank holds the whole model on its own GPU: use one or the other")
+            if group.active and config.scales.observer == "output":
+                raise ValueError("the output observer searches on one process: run it without torchrun, or use "
+                                 "--observer max or mse under torchrun")
             # A config.json that is missing, not JSON or not a causal LM's; a family whose vLLM loader drops scales.
             warn_ignored_scales(read_config(config.model))
             if group.writes:
@@ -249,9 +263,9 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     _check_finite(stats, layers)
     _check_enough_tokens(stats, config)
 
-    # 4. Statistics → scales.
+    # 4. Statistics → scales (the output observer's were searched while the model was loaded).
     scales = config.scales
-    scale_set = derive_scales(
+    scale_set = captured.searched[0] if captured.searched else derive_scales(
         stats.kinds, observer=scales.observer, granularity=scales.granularity, fmt=fmt,
         headroom=scales.headroom, query_scale=scales.query_scale,
     )
@@ -261,6 +275,8 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
         config, layers, sig, stats, scale_set, captured.manifest, time.perf_counter() - start, captured.device,
         captured.dtype, group.world,
     )
+    if captured.searched:
+        provenance["output_observer"] = captured.searched[1]
     if config.weights:
         provenance["weights"] = WEIGHTS_PROVENANCE[config.weights]
         provenance["versions"]["llmcompressor"] = version("llmcompressor")
@@ -305,6 +321,26 @@ class _Captured:
     manifest: list[dict]
     device: torch.device
     dtype: torch.dtype
+    searched: tuple[ScaleSet, dict] | None = None  # the output observer's scales and search, when it ran
+
+
+# Sequences the output observer searches on: those that follow the calibration budget in the same stream.
+HELD_BACK_SEQUENCES = 4
+
+
+def _held_back(config: CalibrationConfig, tokenizer, context: int | None) -> list[torch.Tensor]:
+    """Up to HELD_BACK_SEQUENCES sequences of the data stream past ``max_tokens``, none of which the statistics saw."""
+    from .data import iter_sequences
+
+    budget = config.data.max_tokens
+    stream = iter_sequences(replace(config.data, max_tokens=budget + HELD_BACK_SEQUENCES * config.data.seq_len),
+                            tokenizer, max_context=context)
+    held, start = [], 0
+    for sequence in stream:
+        if start >= budget and sequence.numel() >= 2:
+            held.append(sequence)
+        start += sequence.numel()
+    return held
 
 
 def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | None) -> _Captured:
@@ -351,7 +387,15 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
             chunk_len=config.data.chunk_len, total_tokens=-(-config.data.max_tokens // group.world), done_tokens=done["tokens"],
             after_sequence=saver, progress=config.progress and group.writes,
         )
-    return _Captured(layers, sig, stats, stream.manifest(), device, model.dtype)
+    searched = None
+    if config.scales.observer == "output":
+        from .output_observer import output_observer
+
+        s = config.scales
+        searched = output_observer(model, layers, stats, _held_back(config, tokenizer, context), config.data.chunk_len,
+                                   granularity=s.granularity, fmt=get_format(s.fp8_format), headroom=s.headroom,
+                                   query_scale=s.query_scale)
+    return _Captured(layers, sig, stats, stream.manifest(), device, model.dtype, searched)
 
 
 # Three sequences of at most 512 tokens: enough for error bars and paired tests, about (2 + 3) forwards of each, plus

@@ -27,13 +27,14 @@ from pathlib import Path
 
 from .data import DataConfig, as_sources, check_int
 
-OBSERVERS = ("max", "percentile:P", "mse", "sink-aware")
+OBSERVERS = ("max", "percentile:P", "mse", "sink-aware", "output")
 GRANULARITIES = ("tensor", "head", "token")
 FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
 DTYPES = ("float32", "bfloat16", "float16")
-# kvcal verify's schemes: the reference, FP8 with scale 1.0, per-tensor, per-head and per-token-head scales, then
-# vLLM's other cache dtypes by their --kv-cache-dtype names (kvdtypes.py); the first five run by default.
-VERIFY_SCHEMES = ("bf16", "scale1", "tensor", "head", "token",
+# kvcal verify's schemes: the reference, FP8 with scale 1.0, per-tensor, per-head and per-token-head scales; per-tensor
+# scales of the max and mse observers from the checkpoint's statistics (beside the output observer's, written as
+# tensor); then vLLM's other cache dtypes by their --kv-cache-dtype names (kvdtypes.py). The first five run by default.
+VERIFY_SCHEMES = ("bf16", "scale1", "tensor", "head", "token", "max", "mse",
                   "fp8_e5m2", "int8_per_token_head", "int4_per_token_head", "nvfp4", "nvfp4_4over6")
 DEFAULT_VERIFY_SCHEMES = VERIFY_SCHEMES[:5]
 # "auto" writes the form of the source checkpoint (ModelOpt inside a ModelOpt checkpoint, else compressed-tensors);
@@ -73,7 +74,7 @@ def check_observer(text: str) -> None:
             raise ValueError(f"observer {text!r}: write the percentile as a number, e.g. percentile:99.99") from None
         if not 0 < p <= 100:
             raise ValueError(f"observer {text!r}: the percentile must be in (0, 100], e.g. percentile:99.99")
-    elif name not in ("max", "mse", "sink-aware") or arg:
+    elif name not in OBSERVERS or arg:
         raise ValueError(f"unknown observer {text!r}; choose one of: {', '.join(OBSERVERS)}")
 
 

@@ -258,6 +258,9 @@ def derive_scales(
     mode) and reports the exact per-token error measured during capture beside them.
     """
     spec = parse_observer(observer)
+    if spec.name == "output":
+        raise ValueError("the output observer runs the model on held-back data (kvcal calibrate --observer output); "
+                         "from saved statistics alone choose max, mse, percentile:P or sink-aware")
     per_head = parse_granularity(granularity) == "head"
     kinds = ("k", "v", "q") if query_scale else ("k", "v")
     scales, predictions, token_err, sinks = {}, {}, {}, {}

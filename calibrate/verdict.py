@@ -21,6 +21,8 @@ SCHEME_NOTES = {
     "tensor": "one static scale per layer (--kv-cache-dtype fp8, every backend)",
     "head": "one static scale per layer and head (FA3 on Hopper only)",
     "token": "dynamic scale per token and KV head (--kv-cache-dtype fp8_per_token_head, Triton; queries stay unquantized)",
+    "max": "per-tensor scales of the max observer (absmax / 448), from the checkpoint's statistics",
+    "mse": "per-tensor scales of the mse observer (least expected FP8 error of K or V), from the checkpoint's statistics",
 }
 SCHEME_NOTES |= {name: f"--kv-cache-dtype {name}: {DTYPES[name].note}" for name in SCHEMES if name in DTYPES}
 
@@ -77,7 +79,7 @@ def compare(a: dict, b: dict) -> tuple[float, float | None, bool]:
 
 # The most portable scheme first, among those with the best verdict, then the other cache dtypes from the most to
 # the least precise; scale 1.0 only as a last resort. (A scales file goes after tensor.)
-PREFERENCE = ["tensor", "head", "token", "fp8_e5m2", "int8_per_token_head", "nvfp4_4over6", "nvfp4", "int4_per_token_head", "scale1"]
+PREFERENCE = ["tensor", "max", "mse", "head", "token", "fp8_e5m2", "int8_per_token_head", "nvfp4_4over6", "nvfp4", "int4_per_token_head", "scale1"]
 
 
 def choose(results: dict[str, dict]) -> str | None:
@@ -167,7 +169,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
         test = "one sequence: not tested" if se is None else ("significant" if sig else "within noise") + f", paired over {len(results[a]['kl_per_sequence'])} sequences"
         return f"{a} vs {b}: KL {ka:.4g} vs {kb:.4g} nats/token; {change} ({test})"
 
-    for a, b in (("token", "tensor"), ("tensor", "scale1"), ("head", "tensor")):
+    for a, b in (("token", "tensor"), ("tensor", "scale1"), ("head", "tensor"), ("tensor", "max"), ("tensor", "mse")):
         if a in ranked and b in ranked:
             lines.append(versus(a, b))
     usable = {n: r for n, r in ranked.items() if r["verdict"] != "fail"}
@@ -189,7 +191,8 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     target = checkpoint
     if r["mode"] != "token" and r["granularity"] in ("tensor", "head") and r["source"] not in ("checkpoint", "1.0"):
         target = "OUT"
-        how = (f"write them with `kvcal export {checkpoint} --out OUT --granularity {r['granularity']}`" if choice in SCHEMES
+        observer = f" --observer {choice}" if choice in ("max", "mse") else ""
+        how = (f"write them with `kvcal export {checkpoint} --out OUT --granularity {r['granularity']}{observer}`" if choice in SCHEMES
                else f"write {r['source']} into a copy of the checkpoint")
         lines.append(f"These {choice} scales are not in the checkpoint: {how} and serve OUT.")
     if choice == "scale1" and held["granularity"] is not None:

@@ -344,6 +344,13 @@ def build_schemes(
             schemes.append(Scheme(name, Mode.STATIC, "1.0", fmt, "tensor", ones, q))
         elif name == "token":
             schemes.append(Scheme(name, Mode.TOKEN, "computed per token at cache write", fmt, "token"))
+        elif name in ("max", "mse"):  # another observer's per-tensor scales, to set beside the checkpoint's
+            if stats is None:
+                skipped[name] = f"the checkpoint has no kvcal statistics to derive {name} scales from"
+                continue
+            derived = derive_scales(stats.kinds, observer=name, granularity="tensor", fmt=fmt).scales
+            derived = {k: v[:, None].expand(-1, heads[k]).clone() for k, v in derived.items()}  # [L] → [L, H]
+            schemes.append(Scheme(name, Mode.STATIC, f"the {name} observer on the checkpoint's kvcal statistics", fmt, "tensor", derived, q))
         elif name in ("tensor", "head", "fp8_e5m2") or name in DTYPES and DTYPES[name].scale == "tensor":
             # fp8_e5m2 and nvfp4 read the per-tensor k/v scales vLLM loads for fp8; neither quantizes queries.
             wanted = "head" if name == "head" else "tensor"
