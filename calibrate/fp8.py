@@ -34,6 +34,11 @@ FORMATS: dict[str, FP8Format] = {
 # vLLM's ``--kv-cache-dtype fp8_e5m2`` (emulated in kvdtypes.py). Not in FORMATS: kvcal writes e4m3 scales only.
 E5M2 = FP8Format("e5m2", torch.float8_e5m2, 57344.0, 2.0**-14, 2.0**-16, 2)
 
+# "Saturated" means beyond the largest finite value by more than this (relative): a float32 scale is within 2^-24
+# of amax / fmt.max, so the largest value it was made for lands a hair above fmt.max and is stored as fmt.max,
+# rounded like any other value, not clipped.
+SATURATION_SLACK = 2.0**-20
+
 # Smallest scale kvcal ever writes: an all-zero layer gets this floor (with a warning), so no
 # scale is zero, and any real value up to 448 * SCALE_FLOOR is still representable.
 SCALE_FLOOR = 1e-6

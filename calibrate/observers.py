@@ -12,7 +12,7 @@ import torch
 
 from .checkpoint import loaded_multiplier
 from .config import GRANULARITIES, OBSERVERS, check_granularity, check_observer
-from .fp8 import SCALE_FLOOR, FP8Format, amax_to_scale
+from .fp8 import SATURATION_SLACK, SCALE_FLOOR, FP8Format, amax_to_scale
 from .stats import NUM_BINS, SINK_POSITIONS, TensorStats, bin_edges
 
 __all__ = ["GRANULARITIES", "OBSERVERS"]  # their home is config.py, which imports no torch
@@ -53,7 +53,7 @@ def parse_granularity(text: str) -> str:
 class Prediction:
     """What a scale is predicted to do to the values it was fitted on (fractions of all elements)."""
 
-    saturated: torch.Tensor  # |x| > fmt.max × scale
+    saturated: torch.Tensor  # |x| > fmt.max × scale (beyond the float32 rounding of the scale: SATURATION_SLACK)
     underflow: torch.Tensor  # 0 < |x| < fmt.min_normal × scale: stored as subnormal or zero
     rel_mse: torch.Tensor  # E[(x − q(x))²] / E[x²]
 
@@ -110,7 +110,7 @@ def predict(hist: torch.Tensor, absmax: torch.Tensor, sumsq: torch.Tensor, scale
     s = scale.double()
     sq = (counts * _sq_error(_bin_samples(bins, top), s[..., None], fmt)).sum(-1)
     return Prediction(
-        saturated=fraction_above(fmt.max * s).float(),
+        saturated=fraction_above(fmt.max * (1 + SATURATION_SLACK) * s).float(),
         underflow=fraction_between_zero_and(fmt.min_normal * s).float(),
         rel_mse=(sq / sumsq.double().clamp(min=1e-300)).float(),
     )

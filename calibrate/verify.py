@@ -32,7 +32,7 @@ from .data import DataConfig, as_sources, check_int, iter_sequences
 from .checkpoint import LoadedScale, fill_missing, layer_sources, loaded_multiplier, quant_config, quant_method, read_tensor, tensor_names
 from .export import KVCAL_DIR, tensor_bytes, weight_files
 from .fa3 import HOPPER_ACCUM_BITS
-from .fp8 import E5M2, FP8Format, get_format, per_token_scale, quantize_dequantize
+from .fp8 import E5M2, SATURATION_SLACK, FP8Format, get_format, per_token_scale, quantize_dequantize
 from .kvdtypes import DTYPES, CacheDtype
 from .model import AttentionLayer, attention_layers, load_model, load_tokenizer, max_context, read_config, resolve_device, signature
 from .needle import NEEDLE_DEPTHS, needle_probe
@@ -450,7 +450,7 @@ def range_counts(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.
     non-zero but below the smallest normal, so stored as a subnormal or zero.
     """
     a = (x.float() / scale).abs()
-    saturated = (a > fmt.max * (1 + 2**-20)).sum()
+    saturated = (a > fmt.max * (1 + SATURATION_SLACK)).sum()
     underflow = ((a > 0) & (a < fmt.min_normal)).sum()
     return torch.stack([saturated, underflow, torch.tensor(a.numel(), device=a.device)]).cpu()
 
