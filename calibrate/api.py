@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import resume
+from . import hub, resume
 from .config import LITTLE_DATA_TOKENS, CalibrationConfig, ScaleConfig
 from .distributed import Group, session
 from .export import KVCAL_DIR, prepare_output, scale_tensors, weight_files, write_checkpoint
@@ -226,7 +226,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     scales, are exactly those of an uninterrupted run. The saves are removed once OUT is written.
     """
     from .checkpoint import check_export_form, warn_ignored_scales
-    from .model import read_config
+    from .model import check_remote_code, read_config
     from .weights import PROVENANCE as WEIGHTS_PROVENANCE
     from .weights import check_available, quantize_weights
 
@@ -241,10 +241,14 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             if group.active and config.scales.observer == "output":
                 raise ValueError("the output observer searches on one process: run it without torchrun, or use "
                                  "--observer max or mse under torchrun")
-            # A config.json that is missing, not JSON or not a causal LM's; a family whose vLLM loader drops scales.
-            warn_ignored_scales(read_config(config.model))
+            # A config.json that is missing, not JSON or not a causal LM's; a family whose vLLM loader drops scales;
+            # modeling code shipped with the model and not trusted.
+            model_config = read_config(config.model)
+            warn_ignored_scales(model_config)
+            check_remote_code(config.model, model_config, config.trust_remote_code)
             if group.writes:
                 prepare_output(Path(config.out), Path(config.model), config.overwrite)
+            hub.fetch(config.model, trust_remote_code=config.trust_remote_code)  # a Hub model's weights and tokenizer
             weight_files(Path(config.model))
             check_export_form(Path(config.model), config.form, config.scales.granularity)
             if config.weights:
@@ -362,7 +366,8 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
     model_config = read_config(config.model)
     context = max_context(model_config)
     config.data.check_context(context)  # before the load: a seq_len the model cannot take fails cheaply
-    model, tokenizer = load_model(config.model, device=placement.device, dtype=dtype, placement=placement)
+    model, tokenizer = load_model(config.model, device=placement.device, dtype=dtype, placement=placement,
+                                  trust_remote_code=config.trust_remote_code)
     layers = attention_layers(model)
     sig = signature(model, layers)
     # Statistics live where the token ids go (the main device of a device map); other GPUs' layers hand theirs over.

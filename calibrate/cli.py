@@ -95,9 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("calibrate", help="run data through a model and write a checkpoint with FP8 KV scales")
-    p.add_argument("model", help="local Hugging Face model directory")
+    p.add_argument("model", help="local Hugging Face model directory, or a Hub model id (org/name), fetched into the Hub cache")
     p.add_argument("--data", action="append", help="data source (repeatable; default: the recipe's); SRC::WEIGHT for a mixture")
     p.add_argument("--out", required=True, help="output checkpoint directory (created atomically)")
+    p.add_argument("--revision", help="branch, tag or commit of a Hub model (default: main)")
+    p.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="run the modeling code a model ships with (off, as in transformers and vLLM)")
     _calibrate_options(p)
 
     p = sub.add_parser("export", help="re-derive scales from a kvcal output's statistics, without running the model")

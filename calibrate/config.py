@@ -325,7 +325,10 @@ class CalibrationConfig:
     """Everything a calibration run needs. ``validate()`` raises ValueError with the fix.
 
     Attributes:
-        model: local Hugging Face model directory (safetensors weights).
+        model: local Hugging Face model directory (safetensors weights); ``recipes.calibration_config`` turns a
+            Hub id (``org/name``) into its snapshot directory in the Hub cache (``hub.resolve``).
+        revision: the Hub model's branch, tag or commit (the model must be a Hub id).
+        trust_remote_code: run modeling code a Hub model ships (off, as in transformers and vLLM).
         data: what to read and how to cut it (a list of sources alone takes DataConfig's defaults).
         out: output checkpoint directory, created atomically.
         scales: how statistics become scales.
@@ -375,6 +378,8 @@ class CalibrationConfig:
     overwrite: bool = False
     progress: bool = True
     recipe: dict = field(default_factory=dict)
+    revision: str | None = None
+    trust_remote_code: bool = False
 
     # The parts (recipe sections) of the tree, and calibration.json's "settings" in their order ("sources" is
     # written as "data", the flag's name).
@@ -382,7 +387,7 @@ class CalibrationConfig:
     SETTINGS = ["sources", "seq_len", "max_tokens", "chunk_len", "text_field", "pack", "seed", "long_records", "device",
                 "dtype", "observer", "granularity", "headroom", "query_scale", "fp8_format", "weights", "min_tokens",
                 "device_map", "max_memory", "offload_folder", "dist_timeout", "checkpoint_every", "resume", "overwrite",
-                "verify", "progress"]
+                "verify", "progress", "revision", "trust_remote_code"]
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, DataConfig):

@@ -49,6 +49,17 @@ def read_config(model_dir: str | Path) -> dict:
     return config
 
 
+def check_remote_code(model_dir: str | Path, config: dict, trust: bool) -> None:
+    """Refuse a model whose modeling code ships with it (config.json's auto_map, a model type transformers does
+    not know) unless trusted, as transformers and vLLM do."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if "auto_map" in config and model_type not in CONFIG_MAPPING and not trust:
+        raise ValueError(f"{model_dir} ({model_type}) ships its own modeling code (auto_map in config.json), which "
+                         "transformers runs only when asked: pass --trust-remote-code if you trust it")
+
+
 def read_config_file(model_dir: str | Path) -> dict:
     """A model directory's config.json as a dict, with a one-line error for each way it can be wrong."""
     check_model_dir(model_dir)
@@ -176,6 +187,7 @@ def without_kv_quantization(config) -> None:
 
 def load_model(
     model_dir: str | Path, *, device: torch.device, dtype: torch.dtype | None = None, placement: Placement | None = None,
+    trust_remote_code: bool = False,
 ):
     """Load model and tokenizer from a local directory, in eval mode, on ``device``, without KV quantization.
 
@@ -193,9 +205,9 @@ def load_model(
     mapped = placement is not None and placement.device_map is not None
     config = read_config(model_dir)
     dtype = dtype or default_dtype(placement.device if mapped else device, config)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     try:
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"could not load {model_dir} as a causal language model: {e}") from e
     without_kv_quantization(hf_config)
@@ -207,7 +219,7 @@ def load_model(
     try:
         with _quiet_transformers(), _quiet_accelerate():
             model, info = AutoModelForCausalLM.from_pretrained(
-                model_dir, config=hf_config, dtype=dtype, output_loading_info=True, **place
+                model_dir, config=hf_config, dtype=dtype, output_loading_info=True, trust_remote_code=trust_remote_code, **place
             )
     except (SafetensorError, OSError, ValueError, KeyError) as e:
         if mapped and "offload_folder" in str(e):
@@ -238,12 +250,12 @@ def _quiet_accelerate() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def load_tokenizer(model_dir: str | Path):
+def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
     """The checkpoint's tokenizer, with an error naming the directory."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load a tokenizer from {model_dir}: {e}") from e
 
@@ -312,8 +324,8 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
             layers.append(AttentionLayer(idx, name, sliding))
     if not layers:
         raise ValueError(
-            f"found no attention modules with a layer_idx in {type(model).__name__}; kvcal needs a model "
-            "built on transformers' attention interface"
+            f"found no attention modules with a layer_idx in {type(model).__name__} (model type "
+            f"{text_config(model).model_type}); kvcal needs a model built on transformers' attention interface"
         )
     return sorted(layers, key=lambda layer: layer.layer_idx)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 
+from . import hub
 from .config import (
     CalibrationConfig, DataConfig, ScaleConfig, Thresholds, check_export_form,
     check_verify_schemes, check_weights,
@@ -310,6 +311,7 @@ def calibration_config(*, recipe: str | None, model: str, out: str, force: bool 
     if unknown:
         raise ValueError(f"unknown calibration option {unknown[0]!r}; options: {', '.join(sorted(own | set(paths)))}")
     resolved = apply_overrides(load_recipe(recipe or DEFAULT_RECIPE), held)
+    model = hub.resolve(model, machine.get("revision"))  # a Hub id: its config.json, fetched into the Hub cache
     check_fits(resolved, model, force=force)
     return CalibrationConfig(model=model, out=out, recipe=resolved, **config_parts(resolved), **machine).validate()
 

@@ -1,0 +1,101 @@
+"""Models named as on the Hugging Face Hub (``org/name``), fetched with huggingface_hub into its usual cache.
+
+Two steps, so that a bad flag costs seconds, not a download: ``resolve`` fetches config.json alone (enough for a
+recipe's fit and every cheap check) and pins the commit; ``fetch`` then brings the files a run reads, at that
+commit, into the same snapshot directory. A local directory is used as it is. The snapshot path is
+huggingface_hub's cache layout, ``.../models--ORG--NAME/snapshots/COMMIT``: ``fetch`` reads the model and commit
+back from it, so the configuration carries one path, as for a local model.
+"""
+
+import re
+from pathlib import Path
+
+from .data import HUB_TIMEOUT_S
+
+# What a run reads: configs, safetensors weights and their index, the tokenizer (and chat template); not .bin,
+# .pth, GGUF, ONNX or "original/" copies of the weights. Modeling code only with --trust-remote-code.
+NEEDED = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+REMOTE_CODE = ["*.py"]
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})")
+
+
+def is_repo_id(name: str) -> bool:
+    """Whether ``name`` reads as a Hub model id and is not a local path."""
+    return not Path(name).exists() and _REPO_ID.fullmatch(name) is not None
+
+
+def resolve(name: str, revision: str | None = None) -> str:
+    """A local model directory for ``name``: itself when local, else the Hub snapshot holding its config.json.
+
+    One short request asks the Hub which commit ``revision`` is (no retries: without a network it fails at
+    once); unreachable, a copy already in the cache is used.
+
+    Raises:
+        ValueError: one line for a model or revision that does not exist, a gated model, no network and no
+            cached copy, or ``revision`` given for a local directory.
+    """
+    if not is_repo_id(name):
+        if revision is not None:
+            raise ValueError(f"--revision picks a commit of a Hub model; {name} is a local path: drop --revision")
+        return name
+    from huggingface_hub import HfApi, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError
+
+    try:
+        commit = HfApi().model_info(name, revision=revision, timeout=HUB_TIMEOUT_S).sha
+    except HfHubHTTPError as e:  # the Hub answered: no such model or revision, gated...
+        raise ValueError(_explain(e, name, revision)) from None
+    except Exception:  # noqa: BLE001 — DNS, proxy, timeout, offline mode: the cache may still hold it
+        cached = try_to_load_from_cache(name, "config.json", revision=revision)
+        if not isinstance(cached, str):
+            raise ValueError(f"cannot reach the Hugging Face Hub for {name} and it is not in the local cache: connect "
+                             "once, or pass a local model directory") from None
+        return str(Path(cached).parent)
+    try:
+        return str(Path(hf_hub_download(name, "config.json", revision=commit)).parent)
+    except Exception as e:  # noqa: BLE001 — every failure becomes one line that says what to do
+        raise ValueError(_explain(e, name, revision)) from None
+
+
+def fetch(model_dir: str, *, trust_remote_code: bool = False) -> None:
+    """Bring the files a run reads into a Hub snapshot directory that ``resolve`` returned; a local model: nothing.
+
+    Without a network (one short request tells), only the cache is read: a model cached whole still runs.
+    """
+    match = _SNAPSHOT.search(Path(model_dir).as_posix())
+    if match is None:
+        return
+    from huggingface_hub import HfApi, snapshot_download
+
+    repo, commit = f"{match['org']}/{match['name']}", match["commit"]
+    try:
+        HfApi().model_info(repo, revision=commit, timeout=HUB_TIMEOUT_S)
+        offline = False
+    except Exception:  # noqa: BLE001 — unreachable (or gone): what the cache holds is all there is
+        offline = True
+    try:
+        snapshot_download(repo, revision=commit, local_files_only=offline,
+                          allow_patterns=NEEDED + (REMOTE_CODE if trust_remote_code else []))
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(_explain(e, repo, commit)) from None
+
+
+def _explain(error: Exception, name: str, revision: str | None) -> str:
+    """What went wrong with a Hub request, and what to do, in one line."""
+    from huggingface_hub.errors import (
+        EntryNotFoundError, GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
+    )
+
+    if isinstance(error, GatedRepoError):
+        return f"{name} is gated on the Hugging Face Hub: accept its license there and log in (hf auth login)"
+    if isinstance(error, RepositoryNotFoundError):
+        return f"{name}: no such local directory, and no such model on the Hugging Face Hub (private? log in with hf auth login)"
+    if isinstance(error, RevisionNotFoundError):
+        return f"{name} has no revision {revision!r} on the Hugging Face Hub; name a branch, tag or commit it has"
+    if isinstance(error, LocalEntryNotFoundError):
+        return (f"cannot reach the Hugging Face Hub for {name} and it is not in the local cache: connect once, or pass "
+                "a local model directory")
+    if isinstance(error, EntryNotFoundError):
+        return f"{name} on the Hugging Face Hub has no config.json: it is not a transformers model"
+    return f"cannot fetch {name} from the Hugging Face Hub ({type(error).__name__}: {error}); retry, or pass a local directory"

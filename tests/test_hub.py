@@ -1,0 +1,123 @@
+"""hub.py: models named as on the Hub, from a Hub cache built in the test (no network), and remote code."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import kjv_jsonl, save_tiny_checkpoint
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+from calibrate.export import scales_file
+from calibrate.hub import NEEDED, _SNAPSHOT, is_repo_id, resolve
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def kvcal(*args: str, env: dict) -> subprocess.CompletedProcess:
+    """The CLI in a fresh process (huggingface_hub reads HF_HOME and HF_HUB_OFFLINE when imported)."""
+    return subprocess.run([sys.executable, "-m", "calibrate", *args], capture_output=True, text=True, env={**os.environ, **env})
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from calibrate.demo import smollm2_dir
+
+    return AutoTokenizer.from_pretrained(smollm2_dir())
+
+
+@pytest.fixture
+def hub_cache(tmp_path, tokenizer):
+    """HF_HOME holding kvcal-test/tiny at COMMIT as huggingface_hub lays out its cache, with refs/main → COMMIT."""
+    repo = tmp_path / "hf" / "hub" / "models--kvcal-test--tiny"
+    save_tiny_checkpoint(repo / "snapshots" / COMMIT, "llama", tokenizer)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    return tmp_path / "hf"
+
+
+def test_names_are_hub_ids_only_when_not_local(tmp_path, monkeypatch):
+    assert is_repo_id("meta-llama/Llama-3.1-8B") and is_repo_id("org/name.v2")
+    (tmp_path / "org").mkdir()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "name").mkdir()
+    assert not is_repo_id("org/name")  # a local directory wins
+    assert not any(is_repo_id(n) for n in ("/abs/path", "./rel/x", "one", "a/b/c"))
+    assert resolve(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(ValueError, match="--revision picks a commit of a Hub model; .* is a local path: drop --revision"):
+        resolve(str(tmp_path), "main")
+    m = _SNAPSHOT.search(f"/x/hub/models--kvcal-test--tiny/snapshots/{COMMIT}")
+    assert (m["org"], m["name"], m["commit"]) == ("kvcal-test", "tiny", COMMIT)
+    assert "*.safetensors" in NEEDED and "*.bin" not in NEEDED
+
+
+def test_a_cached_hub_model_calibrates_offline_by_its_name(hub_cache, tmp_path):
+    data = kjv_jsonl(tmp_path / "d.jsonl", 100)
+    env = {"HF_HOME": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    for extra in ([], ["--revision", COMMIT]):
+        out = tmp_path / f"out{len(extra)}"
+        run = kvcal("calibrate", "kvcal-test/tiny", *extra, "--data", str(data), "--out", str(out), "--seq-len", "64",
+                    "--max-tokens", "256", "--no-verify", "--quiet", env=env)
+        assert run.returncode == 0, run.stderr
+        provenance = json.loads((out / "kvcal" / "calibration.json").read_text())
+        assert provenance["model"].endswith(f"models--kvcal-test--tiny/snapshots/{COMMIT}")
+        assert "model.layers.2.self_attn.k_scale" in load_file(scales_file(out))
+
+
+@pytest.mark.parametrize(
+    "name, extra, message",
+    [
+        ("kvcal-test/absent", [], "kvcal: error: cannot reach the Hugging Face Hub for kvcal-test/absent and it is not in "
+                                  "the local cache: connect once, or pass a local model directory"),
+        ("kvcal-test/tiny", ["--revision", "v9"], "kvcal: error: cannot reach the Hugging Face Hub for kvcal-test/tiny and it "
+                                                  "is not in the local cache: connect once, or pass a local model directory"),
+    ],
+)
+def test_an_unreachable_uncached_model_is_one_line_and_nothing_written(hub_cache, tmp_path, name, extra, message):
+    data = kjv_jsonl(tmp_path / "d.jsonl", 20)
+    run = kvcal("calibrate", name, *extra, "--data", str(data), "--out", str(tmp_path / "out"),
+                env={"HF_HOME": str(hub_cache), "HF_HUB_OFFLINE": "1"})
+    assert (run.returncode, run.stderr.strip()) == (2, message)
+    assert not (tmp_path / "out").exists()
+
+
+CONFIGURATION = """from transformers import LlamaConfig
+
+
+class KvTestConfig(LlamaConfig):
+    model_type = "kvcal_remote_test"
+"""
+MODELING = """from transformers import LlamaForCausalLM
+
+from .configuration_kvtest import KvTestConfig
+
+
+class KvTestForCausalLM(LlamaForCausalLM):
+    config_class = KvTestConfig
+"""
+
+
+def test_a_model_with_its_own_code_runs_only_when_trusted(tmp_path, tokenizer):
+    model = save_tiny_checkpoint(tmp_path / "remote", "llama", tokenizer)
+    config = json.loads((model / "config.json").read_text())
+    config |= {"model_type": "kvcal_remote_test", "architectures": ["KvTestForCausalLM"],
+               "auto_map": {"AutoConfig": "configuration_kvtest.KvTestConfig", "AutoModelForCausalLM": "modeling_kvtest.KvTestForCausalLM"}}
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "configuration_kvtest.py").write_text(CONFIGURATION)
+    (model / "modeling_kvtest.py").write_text(MODELING)
+    data = kjv_jsonl(tmp_path / "d.jsonl", 100)
+    args = ["calibrate", str(model), "--data", str(data), "--seq-len", "64", "--max-tokens", "256", "--no-verify", "--quiet"]
+    env = {"HF_HOME": str(tmp_path / "hf")}  # where transformers copies the model's code
+    refused = kvcal(*args, "--out", str(tmp_path / "refused"), env=env)
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        f"kvcal: error: {model} (kvcal_remote_test) ships its own modeling code (auto_map in config.json), which "
+        "transformers runs only when asked: pass --trust-remote-code if you trust it")
+    assert not (tmp_path / "refused").exists()
+    trusted = kvcal(*args, "--out", str(tmp_path / "trusted"), "--trust-remote-code", env=env)
+    assert trusted.returncode == 0, trusted.stderr
+    written = load_file(scales_file(tmp_path / "trusted"))
+    assert {f"model.layers.{i}.self_attn.{k}_scale" for i in range(3) for k in "kvq"} <= set(written)
+    assert all(torch.isfinite(t).all() and (t > 0).all() for t in written.values())
