@@ -65,39 +65,27 @@ def bin_edges(dtype: torch.dtype = torch.float64) -> torch.Tensor:
     return torch.cat([zero, under, regular, over]).to(dtype)
 
 
-# Every non-negative float32 has ``bits >> 18`` in [0, RAW_BINS): 8 exponent bits, then 5 mantissa bits.
-RAW_BINS = 1 << 13
-
-
-def _raw_to_bin() -> torch.Tensor:
-    """Histogram bin of each raw ``bits >> 18`` value, int64 [RAW_BINS]."""
-    idx = (torch.arange(RAW_BINS) - _RAW_OFFSET + 2).clamp(1, NUM_BINS - 1)
-    idx[0] = 0  # exact zero (and float32 subnormals, below 1.2e-38)
-    return idx
-
-
-_RAW_TO_BIN = _raw_to_bin()
-
-
-def _fold_raw_counts(counts: torch.Tensor) -> torch.Tensor:
-    """Counts per raw value [H, RAW_BINS] → counts per histogram bin [H, NUM_BINS] (same as via _RAW_TO_BIN).
-
-    Raw values map onto bins in order, so this is slicing: zero, underflow, the regular range, overflow.
-    """
-    lo, hi = _RAW_OFFSET, _RAW_OFFSET + NUM_REGULAR_BINS
-    return torch.cat(
-        [counts[:, :1], counts[:, 1:lo].sum(1, keepdim=True), counts[:, lo:hi], counts[:, hi:].sum(1, keepdim=True)], dim=1
-    )
-
-
 def _raw(ax: torch.Tensor) -> torch.Tensor:
-    """``bits >> 18`` of float32 ``ax`` = |x| (sign bit clear), as int32, same shape."""
+    """``bits >> 18`` of float32 ``ax`` = |x| (sign bit clear), as int32, same shape: 8 exponent bits, then the
+    top 5 mantissa bits, so one raw value per 1/32 of an octave, in order."""
     return ax.view(torch.int32) >> 18
+
+
+def _bins_of_raw(raw: torch.Tensor) -> torch.Tensor:
+    """Histogram bin of each raw value (``_raw``), int32, computed in place of ``raw``.
+
+    Raw values map onto bins in order: 0 (exact zero, and float32 subnormals below 1.2e-38) → the zero bin,
+    everything under 2**HIST_MIN_EXP → the underflow bin 1, the regular range one to one from bin 2, the rest →
+    the overflow bin. Three integer passes, no table lookup: min(clamp(raw − offset + 2, 1, last), raw) keeps 0 at
+    0 and changes nothing else, since raw − offset + 2 ≤ raw and the clamp's floor 1 ≤ any raw ≥ 1.
+    """
+    bins = (raw - (_RAW_OFFSET - 2)).clamp_(1, NUM_BINS - 1)
+    return torch.minimum(bins, raw, out=bins)
 
 
 def bin_index(ax: torch.Tensor) -> torch.Tensor:
     """Histogram bin of each element of ``ax`` (|x|), int64, same shape."""
-    return _RAW_TO_BIN.to(ax.device)[_raw(ax.float().abs()).long()]
+    return _bins_of_raw(_raw(ax.float().abs())).long()
 
 
 def round_to_e4m3(xs: torch.Tensor) -> torch.Tensor:
@@ -143,13 +131,12 @@ def _head_histograms(ax: torch.Tensor, token_group: torch.Tensor | None = None, 
     over the data, which matters on CPU.
     """
     Lb, H, T, _ = ax.shape
-    raw = _raw(ax)  # [Lb, H, T, E] int32
-    offset = (torch.arange(Lb * H, device=ax.device, dtype=torch.int32) * RAW_BINS).view(Lb, H, 1, 1)
+    bins = _bins_of_raw(_raw(ax))  # [Lb, H, T, E] int32
+    offset = (torch.arange(Lb * H, device=ax.device, dtype=torch.int32) * NUM_BINS).view(Lb, H, 1, 1)
     if token_group is not None:
-        offset = offset + (token_group.to(torch.int32) * (Lb * H * RAW_BINS)).view(1, 1, T, 1)  # [Lb, H, T, 1]
-    raw += offset
-    counts = _count(raw, groups * Lb * H * RAW_BINS).view(groups * Lb * H, RAW_BINS)
-    return _fold_raw_counts(counts).view(groups, Lb, H, NUM_BINS)
+        offset = offset + (token_group.to(torch.int32) * (Lb * H * NUM_BINS)).view(1, 1, T, 1)  # [Lb, H, T, 1]
+    bins += offset
+    return _count(bins, groups * Lb * H * NUM_BINS).view(groups, Lb, H, NUM_BINS)
 
 
 @dataclass
