@@ -12,8 +12,9 @@ from calibrate.stats import Stats
 
 
 def reference_qkv(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
-    """Q, K, V per layer computed independently: the attention module's own projections, q/k norms and
-    RoPE function, applied to the inputs a forward pre-hook sees (no attention interface involved)."""
+    """Q, K, V per layer computed independently: the attention module's own projections, q/k norms, multipliers and
+    RoPE function, applied to the inputs a forward pre-hook sees (no attention interface involved). Covers the
+    families of conftest and of test_families.py (hybrid and MoE)."""
     out: dict[int, dict[str, torch.Tensor]] = {}
 
     def pre_hook(module, args, kwargs):
@@ -25,18 +26,23 @@ def reference_qkv(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[int, 
             nq = module.config.num_attention_heads * D
             nkv = module.config.num_key_value_heads * D
             q, k, v = qkv[..., :nq], qkv[..., nq : nq + nkv], qkv[..., nq + nkv :]
+        elif model.config.model_type == "qwen3_next":  # the query projection carries an output gate beside the query
+            q, k, v = module.q_proj(h).view(B, S, -1, 2 * D)[..., :D], module.k_proj(h), module.v_proj(h)
         else:
             q, k, v = module.q_proj(h), module.k_proj(h), module.v_proj(h)
-        q, k, v = (t.view(B, S, -1, D) for t in (q, k, v))  # [B, S, heads, D]
+        q, k, v = (t.reshape(B, S, -1, D) for t in (q, k, v))  # [B, S, heads, D]
         if hasattr(module, "q_norm"):
             q, k = module.q_norm(q), module.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
-        cos, sin = kwargs["position_embeddings"]
-        apply_rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
-        q, k = apply_rope(q, k, cos, sin)
+        k = k * getattr(module, "key_multiplier", 1.0)  # Falcon-H1 scales K before the cache
+        if "position_embeddings" in kwargs:  # Jamba's attention has no RoPE
+            cos, sin = kwargs["position_embeddings"]
+            apply_rope = sys.modules[type(module).__module__].apply_rotary_pos_emb
+            q, k = apply_rope(q, k, cos, sin)
         out[module.layer_idx] = {"q": q.detach(), "k": k.detach(), "v": v.detach()}
 
-    handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for _, m in model.named_modules() if hasattr(m, "layer_idx") and type(m).__name__.endswith("Attention")]
+    handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for _, m in model.named_modules()
+               if isinstance(getattr(m, "layer_idx", None), int) and type(m).__name__.endswith("Attention")]
     try:
         with torch.no_grad():
             model(input_ids=input_ids, use_cache=False)

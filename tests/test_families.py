@@ -4,11 +4,10 @@ Each family is a tiny random model built here; the Q, K and V kvcal sees are com
 attention module's own projections, norms, multipliers and RoPE (no attention interface involved).
 """
 
-import sys
-
 import pytest
 import torch
 import transformers as T
+from test_capture import reference_qkv
 
 from calibrate.capture import run_capture
 from calibrate.model import attention_layers, signature
@@ -45,38 +44,6 @@ FAMILIES = {
 def model_of(family: str) -> torch.nn.Module:
     torch.manual_seed(0)
     return T.AutoModelForCausalLM.from_config(FAMILIES[family][0]()).eval()
-
-
-def reference_qkv(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
-    """Q, K, V per attention layer from the module's own projections, as each family's forward computes them."""
-    out = {}
-
-    def pre_hook(module, args, kwargs):
-        h = kwargs.get("hidden_states", args[0] if args else None)  # [B, S, hidden]
-        B, S, _ = h.shape
-        D = module.head_dim
-        q = module.q_proj(h).view(B, S, -1, D)  # [B, S, Hq, D]
-        if model.config.model_type == "qwen3_next":  # the query projection carries an output gate beside the query
-            q = module.q_proj(h).view(B, S, -1, 2 * D)[..., :D]
-        k, v = module.k_proj(h).view(B, S, -1, D), module.v_proj(h).view(B, S, -1, D)
-        if hasattr(module, "q_norm"):
-            q, k = module.q_norm(q), module.k_norm(k)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
-        k = k * getattr(module, "key_multiplier", 1.0)
-        if "position_embeddings" in kwargs:  # Jamba's attention has no RoPE
-            cos, sin = kwargs["position_embeddings"]
-            q, k = sys.modules[type(module).__module__].apply_rotary_pos_emb(q, k, cos, sin)
-        out[module.layer_idx] = {"q": q.detach(), "k": k.detach(), "v": v.detach()}
-
-    handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for _, m in model.named_modules()
-               if isinstance(getattr(m, "layer_idx", None), int) and type(m).__name__.endswith("Attention")]
-    try:
-        with torch.no_grad():
-            model(input_ids=input_ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
