@@ -318,14 +318,17 @@ def build_schemes(
     schemes, skipped = [], {}
     ones = {k: torch.ones(len(layers), h) for k, h in heads.items()}
 
+    def derived(observer: str, wanted: str) -> dict[str, torch.Tensor]:
+        """kind → [L, H] scales of ``observer`` at ``wanted`` granularity, from the checkpoint's statistics."""
+        scales = derive_scales(stats.kinds, observer=observer, granularity=wanted, fmt=fmt).scales
+        return {k: (v if v.dim() == 2 else v[:, None].expand(-1, heads[k])).clone() for k, v in scales.items()}
+
     def static_scales(name: str, wanted: str) -> tuple[dict | None, str]:
         """(kind → [L, H] scales, source) of ``wanted`` granularity, or (None, why not)."""
         if granularity == wanted:
             return ckpt, "checkpoint"
         if stats is not None:
-            derived = derive_scales(stats.kinds, observer="max", granularity=wanted, fmt=fmt).scales
-            derived = {k: (v if v.dim() == 2 else v[:, None].expand(-1, heads[k])).clone() for k, v in derived.items()}
-            return derived, "derived from the checkpoint's kvcal statistics (max observer; not in the checkpoint: export them)"
+            return derived("max", wanted), "derived from the checkpoint's kvcal statistics (max observer; not in the checkpoint: export them)"
         if granularity is None and name != wanted:  # a cache dtype that reads checkpoint scales gets vLLM's 1.0
             return ones, "1.0: the checkpoint has no KV scales"
         has = f"holds {granularity} scales" if granularity else "has no KV scales"
@@ -348,10 +351,9 @@ def build_schemes(
             if stats is None:
                 skipped[name] = f"the checkpoint has no kvcal statistics to derive {name} scales from"
                 continue
-            derived = derive_scales(stats.kinds, observer=name, granularity="tensor", fmt=fmt).scales
-            derived = {k: v[:, None].expand(-1, heads[k]).clone() for k, v in derived.items()}  # [L] → [L, H]
-            schemes.append(Scheme(name, Mode.STATIC, f"the {name} observer on the checkpoint's kvcal statistics", fmt, "tensor", derived, q))
-        elif name in ("tensor", "head", "fp8_e5m2") or name in DTYPES and DTYPES[name].scale == "tensor":
+            source = f"the {name} observer on the checkpoint's kvcal statistics"
+            schemes.append(Scheme(name, Mode.STATIC, source, fmt, "tensor", derived(name, "tensor"), q))
+        elif name in ("tensor", "head") or name in DTYPES and DTYPES[name].scale == "tensor":
             # fp8_e5m2 and nvfp4 read the per-tensor k/v scales vLLM loads for fp8; neither quantizes queries.
             wanted = "head" if name == "head" else "tensor"
             scales, source = static_scales(name, wanted)
