@@ -223,7 +223,11 @@ def main(argv: list[str] | None = None) -> int:
 
             result = api.run_calibration(recipes.calibration_config(**options))
             if result is None:  # a torchrun rank other than 0: it has left its process group, and writes nothing
-                _leave_now()
+                from .distributed import launched
+
+                if launched():  # never a process that merely called main(), e.g. a test
+                    _leave_now()
+                return 0
             print(result.summary() + "".join(f"\n{line}" for line in recipes.serve_notes(result.provenance["recipe"])))
             return 0
         if args.command == "apply":
