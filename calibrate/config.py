@@ -243,7 +243,7 @@ class Thresholds:
     floor_pass: float = 10.0
     floor_fail: float = 100.0
 
-    # Limits used where none is set and no floor was measured (verify --no-floor).
+    # Limits used where none is set and no floor was measured (verify --fixed-limits).
     ABSOLUTE: ClassVar[dict[str, float]] = {"max_kl": 0.02, "fail_kl": 0.1, "min_top1": 0.95, "fail_top1": 0.90}
     LIMITS: ClassVar[tuple[str, ...]] = ("max_kl", "fail_kl", "min_top1", "fail_top1")
 
