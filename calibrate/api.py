@@ -27,7 +27,8 @@ from .distributed import Group, session
 from .export import KVCAL_DIR, prepare_output, scale_tensors, weight_files, write_checkpoint
 from .files import read_json_object
 from .fp8 import get_format
-from .observers import ScaleSet, derive_scales
+from .model import mla_dims, signature_of
+from .observers import ScaleSet, derive_scales, latent_report
 from .report import SERVE_NOTES, kvcal_version, scale_table, serve_command
 from .stats import ModelSignature, Stats
 
@@ -70,6 +71,7 @@ class CalibrationResult:
                 for k in ("k", "v")
             ),
             *self._sink_note(),
+            *self._latent_note(),
             *self._little_data(),
             *self._search_note(),
             SERVE_NOTES[s.granularity],
@@ -100,6 +102,19 @@ class CalibrationResult:
             return []
         return ["sink tokens (first positions) saturated, worst layer: "
                 + ", ".join(f"{k} {100 * frac:.3g}%" for k, frac in worst.items())]
+
+    def _latent_note(self) -> list[str]:
+        """For MLA: the latent and k_pe under the one k scale, and what vLLM 0.32's scale of 1.0 does to them."""
+        mla = self.provenance.get("mla")
+        if mla is None:
+            return []
+        latent, pe = max(mla["latent_absmax"]), max(mla["k_pe_absmax"])
+        clipped = sum(p > l for l, p in zip(mla["latent_absmax"], mla["k_pe_absmax"]))
+        at_one = mla["saturated_at_scale_1"]
+        return [f"MLA latent cache (kv_c_normed | k_pe under one k scale): absmax latent {latent:.4g}, k_pe {pe:.4g}; a "
+                f"latent-only scale would saturate k_pe in {clipped} of {len(mla['k_pe_absmax'])} layers",
+                f"vLLM 0.32 loads no MLA scales and runs at 1.0: there k saturates {100 * max(at_one['k']):.3g}%, q "
+                f"{100 * max(at_one['q']):.3g}% (worst layer; docs/vllm-notes.md, MLA)"]
 
     def _little_data(self) -> list[str]:
         """One line when the scales rest on fewer tokens than LITTLE_DATA_TOKENS, else none."""
@@ -157,6 +172,8 @@ def _provenance(config: CalibrationConfig, layers, sig, stats, scale_set, manife
         "little_data_threshold": LITTLE_DATA_TOKENS,
         "wall_time_s": round(wall_s, 2),
         "scales": scale_report(scale_set),
+        # MLA: the latent and k_pe apart, and what vLLM 0.32's k_scale of 1.0 saturates (CalibrationResult._latent_note).
+        **({"mla": latent_report(stats.kinds, sig.latent_dim, scale_set.fmt)} if sig.latent_dim else {}),
     }
 
 
@@ -245,6 +262,9 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             # modeling code shipped with the model and not trusted.
             model_config = read_config(config.model)
             warn_ignored_scales(model_config)
+            if config.scales.granularity == "head" and mla_dims(model_config.get("text_config", model_config)):
+                raise ValueError(f"{config.model} uses latent attention (MLA), whose cache holds one latent row per token "
+                                 "under one k scale: use --granularity tensor")
             check_remote_code(config.model, model_config, config.trust_remote_code)
             if group.writes:
                 prepare_output(Path(config.out), Path(config.model), config.overwrite)
@@ -450,15 +470,7 @@ def load_calibration(source: str | Path) -> tuple[Stats, dict]:
 
 def signature_from_config(config: dict, layers: list[int]) -> ModelSignature:
     """The signature a checkpoint's config.json implies, for checking statistics against it."""
-    cfg = config.get("text_config", config)
-    heads = cfg["num_attention_heads"]
-    return ModelSignature(
-        model_type=cfg["model_type"],
-        layers=layers,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        num_heads=heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-    )
+    return signature_of(config.get("text_config", config), layers)
 
 
 def _layer_count(config: dict) -> int | None:

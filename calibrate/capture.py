@@ -20,7 +20,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .model import AttentionLayer, input_device
+from .model import AttentionLayer, input_device, is_latent
 from .stats import Stats
 
 # hook(module, query, key, value, attention_mask, base_attention, **kwargs) -> attention output tuple
@@ -78,6 +78,53 @@ def hooked_attention(model: nn.Module, hook: AttentionHook) -> Iterator[None]:
         _active_hook.reset(token)
 
 
+# Latent attention (MLA): per module, kv_c_normed [B, 1, N, L] and k_pe [B, 1, N, R] of the last expand_kv call.
+Latents = dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]
+LatentTransform = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@contextmanager
+def latent_inputs(model: nn.Module, transform: LatentTransform | None = None) -> Iterator[Latents]:
+    """Stand in for every MLA module's ``expand_kv`` for the duration of the block; yield what each call received.
+
+    transformers' MLA caches what vLLM caches, the normalised latent and the RoPE'd k_pe, and hands the cache's
+    contents (past + new positions) to ``expand_kv`` just before the attention function, which only sees the
+    decompressed K and V. ``transform``, when given, replaces the latent first (verify's quantization: the model
+    then decompresses what a quantized cache holds). A model without MLA is left as it is.
+    """
+    seen: Latents = {}
+    modules = [m for m in model.modules() if is_latent(m)]
+    for m in modules:
+        def expand(kv_c: torch.Tensor, k_pe: torch.Tensor, m: nn.Module = m) -> tuple[torch.Tensor, torch.Tensor]:
+            if transform is not None:
+                kv_c, k_pe = transform(m, kv_c, k_pe)
+            seen[m] = (kv_c, k_pe)
+            return type(m).expand_kv(m, kv_c, k_pe)
+
+        m.expand_kv = expand
+    try:
+        yield seen
+    finally:
+        for m in modules:
+            del m.expand_kv
+
+
+def latent_view(module: nn.Module, query: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, cached row) of an MLA layer as vLLM's latent attention sees them.
+
+    The row is [kv_c_normed | k_pe], [B, 1, N, L + R], what the cache holds under one k scale. The query is vLLM's
+    absorbed decode query, the one its q scale applies to: [q_nope · W_UK | q_pe], [B, H, S, L + R], with W_UK the
+    key half of kv_b_proj per head (docs/vllm-notes.md, "MLA").
+    """
+    from accelerate.utils import align_module_device
+
+    nope, rank, H = module.qk_nope_head_dim, module.kv_lora_rank, query.shape[1]
+    with align_module_device(module.kv_b_proj, query.device):  # an offloaded weight is brought in, as for its forward
+        w_uk = module.kv_b_proj.weight.view(H, -1, rank)[:, :nope].to(query.dtype)  # [H, nope, L]
+    q_latent = torch.einsum("bhsn,hnl->bhsl", query[..., :nope], w_uk)  # [B, H, S, L]
+    return torch.cat([q_latent, query[..., nope:]], dim=-1), torch.cat([kv_c, k_pe], dim=-1)
+
+
 def new_positions(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """Absolute position of each new token, [batch, q_len] int64.
 
@@ -111,8 +158,9 @@ class Observer:
     that), and is moved to the statistics' device as one copy per flush.
     """
 
-    def __init__(self, stats: Stats, layers: list[AttentionLayer]):
+    def __init__(self, stats: Stats, layers: list[AttentionLayer], latents: Latents | None = None):
         self.stats = stats
+        self.latents = latents if latents is not None else {}
         self.row_of = {layer.layer_idx: row for row, layer in enumerate(layers)}
         self.layers = layers
         self._start = 0
@@ -122,8 +170,12 @@ class Observer:
     def __call__(self, module, query, key, value, attention_mask, base_attention, **kwargs):
         S = query.shape[2]
         row = self.row_of[module.layer_idx]
+        q, k, v = query, key, value
+        if module in self.latents:  # MLA: what the latent cache holds instead of the decompressed K and V
+            q, k = latent_view(module, query, *self.latents.pop(module))
+            v = k
         # Only the new positions: a cached prefix was observed by an earlier call.
-        new = (query, key[:, :, -S:], value[:, :, -S:])
+        new = (q, k[:, :, -S:], v[:, :, -S:])
         # All layers of one forward share the positions; a new forward starts again at the first row.
         same_shapes = self._buffer and all(a.shape == b.shape for a, b in zip(new, self._buffer[0]))
         same_device = self._buffer and query.device == self._buffer[0][0].device
@@ -237,9 +289,8 @@ def run_capture(
             sequences, the only moments at which ``stats`` holds whole sequences (``resume.Saver`` saves there).
     """
     device = input_device(model)
-    observer = Observer(stats, layers)
     bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True, desc="calibrating", disable=not progress)
-    with hooked_attention(model, observer), bar:
+    with latent_inputs(model) as latents, hooked_attention(model, observer := Observer(stats, layers, latents)), bar:
         for seq in sequences:
             forward_chunked(model, seq.to(device).unsqueeze(0), chunk_len)  # [1, S]
             observer.flush()

@@ -221,6 +221,21 @@ IGNORES_CHECKPOINT_SCALES = {
 }
 
 
+# Latent attention (MLA): in vLLM 0.32 no loader gives the MLA layer a place for a checkpoint k_scale, whatever
+# the names (docs/vllm-notes.md, "MLA"). Keyed on the latent (kv_lora_rank), not on a model type: every MLA family.
+MLA_SCALES_IGNORED = ("warning", "vLLM 0.32 loads no checkpoint KV scales into MLA layers (DeepSeek, Kimi): compressed-"
+                      "tensors and fp8 checkpoints give them no KV method, ModelOpt's names are remapped past them; an FP8 "
+                      "cache runs at k_scale 1.0 there, so check the calibration's saturation at 1.0 before serving")
+
+
+def ignored_scales(config: dict) -> tuple[str, str] | None:
+    """(severity, message) when vLLM's loader for this model (``config`` as config.json holds it) drops KV scales."""
+    for model_type in model_types(config):
+        if model_type in IGNORES_CHECKPOINT_SCALES:
+            return IGNORES_CHECKPOINT_SCALES[model_type]
+    return MLA_SCALES_IGNORED if config.get("text_config", config).get("kv_lora_rank") is not None else None
+
+
 def model_types(config: dict) -> list[str]:
     """The model types of a config.json: the text model's, then (multimodal checkpoints) the top-level one."""
     types = [config.get("text_config", {}).get("model_type"), config.get("model_type")]
@@ -229,9 +244,8 @@ def model_types(config: dict) -> list[str]:
 
 def warn_ignored_scales(config: dict) -> None:
     """Warn when vLLM's loader for this model family drops checkpoint KV scales (``config`` as config.json holds it)."""
-    for model_type in model_types(config):
-        if model_type in IGNORES_CHECKPOINT_SCALES:
-            warnings.warn(IGNORES_CHECKPOINT_SCALES[model_type][1], stacklevel=3)
+    if (ignored := ignored_scales(config)) is not None:
+        warnings.warn(ignored[1], stacklevel=3)
 
 
 def check_export_form(directory: Path, wanted: str, granularity: str) -> None:

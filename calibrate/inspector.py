@@ -19,10 +19,11 @@ import torch
 from safetensors import safe_open
 
 from .checkpoint import (
-    IGNORES_CHECKPOINT_SCALES, LEGACY_KV_SCALE, SINGLE_FILE, WRITE_NAMES, LoadedScale, attention_prefixes, fill_missing,
+    LEGACY_KV_SCALE, SINGLE_FILE, WRITE_NAMES, LoadedScale, attention_prefixes, fill_missing, ignored_scales,
     layer_sources, quant_config, quant_method, read_json, read_tensor, tensor_names, transformers_files, vllm_files,
 )
 from .export import KVCAL_DIR
+from .model import mla_dims
 from .stats import KINDS
 from .fp8 import FORMATS
 
@@ -216,7 +217,7 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
 
     # 4. Per layer: the value vLLM ends up with, and what is wrong with it.
     num_heads = text.get("num_attention_heads")
-    num_kv_heads = text.get("num_key_value_heads") or num_heads
+    num_kv_heads = 1 if mla_dims(text) else text.get("num_key_value_heads") or num_heads  # MLA caches one latent head
     for (index, kind), names in sources.items():
         if len(names) > 1:
             problems.append(Problem("error", f"{kind}_scale comes from {len(names)} tensors ({', '.join(names)}); vLLM keeps one silently", index))
@@ -225,7 +226,7 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
         _check_values(kind, tensor, names[-1], index, strategy, {"k": num_kv_heads, "v": num_kv_heads, "q": num_heads}[kind], problems)
     for layer in layers.values():
         _fill_missing(layer, bool(sources), problems)
-    _family_checks(model_type, strategy, layers, bool(sources), problems)
+    _family_checks(config, strategy, layers, bool(sources), problems)
     if check_weights and sources:
         _weight_checks(layers, where, text, model_type, problems)
     loaders = _loader_checks(directory, files, quant, sources, problems)
@@ -251,11 +252,10 @@ def _fill_missing(layer: LayerScales, any_scales: bool, problems: list[Problem])
     layer.scales = {kind: layer.scales[kind] for kind in KINDS}
 
 
-def _family_checks(model_type: str, strategy: str, layers: dict[int, LayerScales], any_scales: bool, problems: list[Problem]) -> None:
+def _family_checks(config: dict, strategy: str, layers: dict[int, LayerScales], any_scales: bool, problems: list[Problem]) -> None:
     """Checkpoint-wide notes: families whose loaders drop scales, per-head scales, legacy kv_scale."""
-    if model_type in IGNORES_CHECKPOINT_SCALES and any_scales:
-        severity, message = IGNORES_CHECKPOINT_SCALES[model_type]
-        problems.append(Problem(severity, message))
+    if any_scales and (ignored := ignored_scales(config)) is not None:
+        problems.append(Problem(*ignored))
     if strategy == "attn_head":
         problems.append(Problem("warning", "per-head scales: only vLLM's FlashAttention-3 backend (Hopper) uses them; Triton "
                                 "and FlashInfer refuse them (serve with --attention-backend FLASH_ATTN)"))

@@ -314,11 +314,18 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
     which is also the name its parameters have in the checkpoint.
     """
     layer_types = getattr(text_config(model), "layer_types", None) or []
+    mla = mla_dims(text_config(model).to_dict()) is not None
     layers = []
     for name, module in model.named_modules():
         if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int):
             if "vision" in name or "audio" in name:
                 continue
+            if mla and not is_latent(module):
+                raise ValueError(
+                    f"{name} ({type(module).__name__}, model type {text_config(model).model_type}) has an MLA latent "
+                    "(kv_lora_rank) but not transformers' expand_kv, so kvcal cannot see the latent vLLM caches; load "
+                    "the model with transformers' own deepseek_v3 code (without --trust-remote-code)"
+                )
             idx = module.layer_idx
             sliding = idx < len(layer_types) and layer_types[idx] == "sliding_attention"
             layers.append(AttentionLayer(idx, name, sliding))
@@ -330,17 +337,50 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
     return sorted(layers, key=lambda layer: layer.layer_idx)
 
 
-def signature(model: nn.Module, layers: list[AttentionLayer]) -> ModelSignature:
-    """The shape facts that statistics and scales must agree with."""
-    cfg = text_config(model)
-    num_heads = cfg.num_attention_heads
+def mla_dims(cfg: dict) -> tuple[int, int] | None:
+    """(kv_lora_rank, qk_rope_head_dim) of a multi-head latent attention model (DeepSeek-V2/V3, Kimi-K2), else None.
+
+    ``cfg`` is the text model's config as a dict. vLLM caches one "head" per token for these: the normalised latent
+    kv_c_normed (kv_lora_rank wide) followed by the RoPE'd key part k_pe (qk_rope_head_dim wide), both under the one
+    k scale (docs/vllm-notes.md, "MLA").
+    """
+    rank, rope = cfg.get("kv_lora_rank"), cfg.get("qk_rope_head_dim")
+    if rank is None:
+        return None
+    if not (isinstance(rank, int) and isinstance(rope, int) and rank > 0 and rope >= 0):
+        raise ValueError(f"the {cfg.get('model_type')} config has kv_lora_rank {rank!r} and qk_rope_head_dim {rope!r}; "
+                         "an MLA latent needs a positive kv_lora_rank and a qk_rope_head_dim of 0 or more")
+    return rank, rope
+
+
+def signature_of(cfg: dict, layers: list[int]) -> ModelSignature:
+    """The shape facts that statistics and scales must agree with, from the text model's config as a dict.
+
+    For MLA the cached "KV head" is the latent row (one head, kv_lora_rank + qk_rope_head_dim wide) and the query is
+    compared with it in the latent space (vLLM's absorbed decode query, as wide): every kind has that width.
+    """
+    num_heads = cfg["num_attention_heads"]
+    mla = mla_dims(cfg)
+    if mla is not None:
+        return ModelSignature(cfg["model_type"], layers, num_kv_heads=1, num_heads=num_heads, head_dim=sum(mla), latent_dim=mla[0])
     return ModelSignature(
-        model_type=cfg.model_type,
-        layers=[layer.layer_idx for layer in layers],
-        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+        model_type=cfg["model_type"],
+        layers=layers,
+        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
         num_heads=num_heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
     )
+
+
+def is_latent(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' multi-head latent attention (DeepSeek-V2/V3): its cache holds the latent,
+    which it expands into K and V (``expand_kv``) just before the attention function."""
+    return isinstance(getattr(module, "kv_lora_rank", None), int) and callable(getattr(type(module), "expand_kv", None))
+
+
+def signature(model: nn.Module, layers: list[AttentionLayer]) -> ModelSignature:
+    """The shape facts that statistics and scales must agree with (``signature_of``)."""
+    return signature_of(text_config(model).to_dict(), [layer.layer_idx for layer in layers])
 
 
 def max_context(config: dict) -> int | None:

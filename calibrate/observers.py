@@ -269,3 +269,22 @@ def derive_scales(
         token_err[kind] = token_rel_mse(stats[kind], per_head)
         sinks[kind] = sink_saturation(stats[kind], scales[kind], fmt)
     return ScaleSet(str(spec), granularity, fmt, headroom, scales, predictions, token_err, sinks)
+
+
+@torch.no_grad()
+def latent_report(stats: dict[str, TensorStats], latent_dim: int, fmt: FP8Format) -> dict:
+    """What an MLA layer's one k scale covers, per layer, as plain lists for JSON.
+
+    The latent (the first ``latent_dim`` channels of k) and k_pe (the rest) are reported apart, with the fraction of
+    k and q values that saturate at scale 1.0: what vLLM 0.32 uses for MLA layers whatever the checkpoint holds.
+    """
+    channels = stats["k"].channel_absmax[:, 0]  # [L, latent_dim + rope_dim]
+    ones = torch.ones(channels.shape[0])
+    at_one = {kind: predict(stats[kind].hist.sum(1), stats[kind].absmax.amax(1), stats[kind].sumsq.sum(1), ones, fmt)
+              for kind in ("k", "q")}
+    return {
+        "latent_absmax": channels[:, :latent_dim].amax(1).tolist(),
+        "k_pe_absmax": channels[:, latent_dim:].amax(1).tolist() if channels.shape[1] > latent_dim else [0.0] * len(ones),
+        "saturated_at_scale_1": {kind: p.saturated.tolist() for kind, p in at_one.items()},
+    }
+

@@ -251,11 +251,12 @@ class ModelSignature:
     layers: list[int]  # layer_idx of each observed attention layer, in row order
     num_kv_heads: int
     num_heads: int
-    head_dim: int
+    head_dim: int  # of every kind; for MLA the cached latent row's width, kv_lora_rank + qk_rope_head_dim
+    latent_dim: int = 0  # MLA: kv_lora_rank, the first latent_dim channels of k (the rest are k_pe); 0 otherwise
 
     def check_matches(self, other: "ModelSignature", what: str = "these statistics") -> None:
         """Raise ValueError naming the first difference."""
-        for name in ("model_type", "layers", "num_kv_heads", "num_heads", "head_dim"):
+        for name in ("model_type", "layers", "num_kv_heads", "num_heads", "head_dim", "latent_dim"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 raise ValueError(

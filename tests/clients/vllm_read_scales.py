@@ -40,10 +40,11 @@ def _flat(t) -> list[float]:
 def read_attention_scales(model) -> dict:
     """Run inside vLLM's worker: the scales of every Attention module of `model`."""
     from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
     layers, quant_config = [], None
     for name, module in model.named_modules():
-        if not isinstance(module, Attention):
+        if not isinstance(module, (Attention, MLAAttention)):
             continue
         method = getattr(module, "quant_method", None)
         if method is not None and quant_config is None:
