@@ -261,10 +261,10 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             # A config.json that is missing, not JSON or not a causal LM's; a family whose vLLM loader drops scales;
             # modeling code shipped with the model and not trusted.
             model_config = read_config(config.model)
-            warn_ignored_scales(model_config)
-            if config.scales.granularity == "head" and mla_dims(model_config.get("text_config", model_config)):
+            if mla_dims(model_config.get("text_config", model_config)) and (config.scales.granularity == "head" or config.scales.observer == "output"):
                 raise ValueError(f"{config.model} uses latent attention (MLA), whose cache holds one latent row per token "
-                                 "under one k scale: use --granularity tensor")
+                                 "under one k scale: use --granularity tensor or token, and --observer max or mse")
+            warn_ignored_scales(model_config)
             check_remote_code(config.model, model_config, config.trust_remote_code)
             if group.writes:
                 prepare_output(Path(config.out), Path(config.model), config.overwrite)
@@ -376,7 +376,9 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
     """
     from .capture import run_capture
     from .data import iter_sequences
-    from .model import attention_layers, input_device, load_model, max_context, read_config, resolve_placement, signature
+    from .model import (
+        attention_layers, checkpoint_named, input_device, load_model, max_context, read_config, resolve_placement, signature,
+    )
 
     # 2. Load and place the model (on this rank's device, or by accelerate's device map); find its attention layers.
     placement = resolve_placement(
@@ -388,7 +390,7 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
     config.data.check_context(context)  # before the load: a seq_len the model cannot take fails cheaply
     model, tokenizer = load_model(config.model, device=placement.device, dtype=dtype, placement=placement,
                                   trust_remote_code=config.trust_remote_code)
-    layers = attention_layers(model)
+    layers = checkpoint_named(attention_layers(model), config.model)
     sig = signature(model, layers)
     # Statistics live where the token ids go (the main device of a device map); other GPUs' layers hand theirs over.
     device = input_device(model)

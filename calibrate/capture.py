@@ -36,6 +36,8 @@ def _base_attention(module: nn.Module, implementation: str) -> Callable:
 
 # The hook in force inside ``hooked_attention``; None outside it.
 _active_hook: ContextVar[AttentionHook | None] = ContextVar("kvcal_active_hook", default=None)
+# What MLA modules' expand_kv received inside ``hooked_attention`` (``cached_latent``).
+_latents: ContextVar[dict] = ContextVar("kvcal_latents")
 
 
 def _register(base: str) -> str:
@@ -64,7 +66,9 @@ def hooked_attention(model: nn.Module, hook: AttentionHook) -> Iterator[None]:
     """Route every attention call of ``model`` through ``hook`` for the duration of the block.
 
     The hook receives the model's own attention function as ``base_attention`` and decides what to
-    run. The model's own implementation is restored on exit, whatever happens inside.
+    run. The model's own implementation is restored on exit, whatever happens inside. For MLA modules
+    the hook reads the latent with ``cached_latent``; a hook with a ``latent_transform(module, kv_c, k_pe)``
+    method replaces the latent before the model decompresses it (``latent_inputs``).
     """
     base = model.config._attn_implementation or "eager"
     if base.startswith("kvcal_"):
@@ -72,10 +76,21 @@ def hooked_attention(model: nn.Module, hook: AttentionHook) -> Iterator[None]:
     token = _active_hook.set(hook)
     try:
         model.set_attn_implementation(_register(base))
-        yield
+        with latent_inputs(model, getattr(hook, "latent_transform", None)) as seen:
+            latent_token = _latents.set(seen)
+            try:
+                yield
+            finally:
+                _latents.reset(latent_token)
     finally:
         model.set_attn_implementation(base)
         _active_hook.reset(token)
+
+
+def cached_latent(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inside ``hooked_attention``, for an MLA module: the (kv_c_normed, k_pe) of the call being hooked, past + new
+    positions, [B, 1, N, L] and [B, 1, N, R], after the hook's ``latent_transform`` when it has one."""
+    return _latents.get()[module]
 
 
 # Latent attention (MLA): per module, kv_c_normed [B, 1, N, L] and k_pe [B, 1, N, R] of the last expand_kv call.
@@ -158,9 +173,8 @@ class Observer:
     that), and is moved to the statistics' device as one copy per flush.
     """
 
-    def __init__(self, stats: Stats, layers: list[AttentionLayer], latents: Latents | None = None):
+    def __init__(self, stats: Stats, layers: list[AttentionLayer]):
         self.stats = stats
-        self.latents = latents if latents is not None else {}
         self.row_of = {layer.layer_idx: row for row, layer in enumerate(layers)}
         self.layers = layers
         self._start = 0
@@ -171,8 +185,8 @@ class Observer:
         S = query.shape[2]
         row = self.row_of[module.layer_idx]
         q, k, v = query, key, value
-        if module in self.latents:  # MLA: what the latent cache holds instead of the decompressed K and V
-            q, k = latent_view(module, query, *self.latents.pop(module))
+        if is_latent(module):  # MLA: what the latent cache holds instead of the decompressed K and V
+            q, k = latent_view(module, query, *cached_latent(module))
             v = k
         # Only the new positions: a cached prefix was observed by an earlier call.
         new = (q, k[:, :, -S:], v[:, :, -S:])
@@ -290,7 +304,8 @@ def run_capture(
     """
     device = input_device(model)
     bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True, desc="calibrating", disable=not progress)
-    with latent_inputs(model) as latents, hooked_attention(model, observer := Observer(stats, layers, latents)), bar:
+    observer = Observer(stats, layers)
+    with hooked_attention(model, observer), bar:
         for seq in sequences:
             forward_chunked(model, seq.to(device).unsqueeze(0), chunk_len)  # [1, S]
             observer.flush()

@@ -125,10 +125,8 @@ def decoder_layer_bytes(hf_config, dtype: torch.dtype) -> int:
     Measured on a weightless (meta) copy of the model, so any architecture, MoE included, is counted as
     transformers builds it. Quantized weights count at ``dtype`` (an overestimate for FP8 weights).
     """
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"), _quiet_transformers():
-        meta = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        meta = auto_class(hf_config).from_config(hf_config, dtype=dtype)
     no_split = set(meta._no_split_modules or ())
     blocks = [m for m in meta.modules() if type(m).__name__ in no_split] or [meta]
     return max(sum(t.numel() * t.element_size() for t in (*b.parameters(), *b.buffers())) for b in blocks)
@@ -200,7 +198,7 @@ def load_model(
         parameter uninitialised (transformers' "missing" or "mismatched" keys) is refused.
     """
     from safetensors import SafetensorError
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     mapped = placement is not None and placement.device_map is not None
     config = read_config(model_dir)
@@ -218,7 +216,7 @@ def load_model(
         place = {"device_map": placement.device_map, "max_memory": placement.max_memory, "offload_folder": placement.offload_folder}
     try:
         with _quiet_transformers(), _quiet_accelerate():
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = auto_class(hf_config).from_pretrained(
                 model_dir, config=hf_config, dtype=dtype, output_loading_info=True, trust_remote_code=trust_remote_code, **place
             )
     except (SafetensorError, OSError, ValueError, KeyError) as e:
@@ -376,6 +374,31 @@ def is_latent(module: nn.Module) -> bool:
     """Whether ``module`` is transformers' multi-head latent attention (DeepSeek-V2/V3): its cache holds the latent,
     which it expands into K and V (``expand_kv``) just before the attention function."""
     return isinstance(getattr(module, "kv_lora_rank", None), int) and callable(getattr(type(module), "expand_kv", None))
+
+
+def checkpoint_named(layers: list[AttentionLayer], model_dir: str | Path) -> list[AttentionLayer]:
+    """``layers`` with the prefix their tensors have in the checkpoint's own files, where that differs.
+
+    transformers 5 renames some families' modules on load and back on save (Gemma 3's checkpoint holds
+    ``language_model.model.layers.N.self_attn``, its module is ``model.language_model.layers.N.self_attn``); vLLM
+    maps the checkpoint's names, so scales are written and read under those.
+    """
+    from dataclasses import replace
+
+    from .checkpoint import checkpoint_prefixes
+
+    names = checkpoint_prefixes(model_dir)
+    return [replace(layer, prefix=names.get(layer.layer_idx, layer.prefix)) for layer in layers]
+
+
+def auto_class(hf_config):
+    """The transformers auto class that builds this config's generating model: a causal LM, or (Qwen2.5-VL and
+    other multimodal models with no causal-LM mapping) an image-text-to-text model around the language model."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if type(hf_config) not in AutoModelForCausalLM._model_mapping and type(hf_config) in AutoModelForImageTextToText._model_mapping:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def signature(model: nn.Module, layers: list[AttentionLayer]) -> ModelSignature:

@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import fa3, report
-from .capture import prefill_chunks
+from .capture import cached_latent, prefill_chunks
 from .config import DEFAULT_VERIFY_SCHEMES, VERIFY_SCHEMES, Thresholds, check_fp8_format, flat_settings, route_options
 from .capacity import LayerKV, parse_memory, per_token, plan
 from .data import DataConfig, as_sources, check_int, iter_sequences
@@ -34,7 +34,7 @@ from .export import KVCAL_DIR, tensor_bytes, weight_files
 from .fa3 import HOPPER_ACCUM_BITS
 from .fp8 import E5M2, SATURATION_SLACK, FP8Format, get_format, per_token_scale, quantize_dequantize
 from .kvdtypes import DTYPES, CacheDtype
-from .model import AttentionLayer, attention_layers, load_model, load_tokenizer, max_context, read_config, resolve_device, signature
+from .model import AttentionLayer, attention_layers, checkpoint_named, is_latent, load_model, load_tokenizer, max_context, read_config, resolve_device, signature
 from .needle import NEEDLE_DEPTHS, needle_probe
 from .observers import derive_scales
 from .stats import KINDS, ModelSignature, Stats, position_bucket_starts
@@ -231,6 +231,12 @@ class Scheme:
         """The context a pass of this scheme runs in: autocast to another dtype for the floor, else none."""
         return torch.autocast(device.type, dtype=self.autocast) if self.autocast is not None else nullcontext()
 
+    def latent(self, row: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MLA layer's cached (kv_c_normed, k_pe) as read back: both parts under the layer's one k scale."""
+        if row in self.skip or not self.kinds():
+            return kv_c, k_pe
+        return tuple(quantize_dequantize(x, self.scale("k", row, x), self.fmt) for x in (kv_c, k_pe))
+
     def apply(self, row: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """(q, k, v) as attention reads them back after this scheme's FP8 round trip."""
         out = {"q": q, "k": k, "v": v}
@@ -374,6 +380,15 @@ def build_schemes(
             notes += [f"{Path(name).name}: {n}" for n in file_notes]
             scaled = {k: v * loaded_multiplier(method, fmt.name) for k, v in scales.items()}
             schemes.append(Scheme(Path(name).stem, Mode.STATIC, str(Path(name).resolve()), fmt, file_granularity, scaled, q))
+    if sig.latent_dim:  # MLA: the latent cache in an fp8 format under one per-tensor k scale (docs/vllm-notes.md, MLA)
+        other = [s for s in schemes if s.mode in (Mode.TOKEN, Mode.CACHE) or s.granularity == "head"]
+        for scheme in other:
+            skipped[scheme.name] = "not a cache vLLM's MLA layers take: kvcal emulates the latent cache in fp8 with per-tensor scales"
+        schemes = [replace(s, quantize_query=False) for s in schemes if s not in other]
+        if "scale1" not in config.schemes:
+            schemes.append(Scheme("scale1", Mode.STATIC, "1.0: what vLLM 0.32 uses for MLA layers, whatever the checkpoint holds", fmt, "tensor", ones))
+        notes.append("MLA: K and V are decompressed from the quantized latent; queries are left unquantized (vLLM quantizes "
+                     "the absorbed query on some backends)")
     return schemes, skipped, held
 
 
@@ -386,7 +401,13 @@ class _Apply:
     def __init__(self, scheme: Scheme, row_of: dict[int, int]):
         self.scheme, self.row_of = scheme, row_of
 
+    def latent_transform(self, module, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA: the model decompresses K and V from the latent as the quantized cache would hold it."""
+        return self.scheme.latent(self.row_of[module.layer_idx], kv_c, k_pe)
+
     def __call__(self, module, query, key, value, attention_mask, base_attention, **kwargs):
+        if is_latent(module):  # K and V come from the quantized latent already (latent_transform)
+            return base_attention(module, query, key, value, attention_mask, **kwargs)
         # The cache holds unquantized K/V, so quantizing past + new here equals quantizing each position once on write.
         q, k, v = self.scheme.apply(self.row_of[module.layer_idx], query, key, value)
         return base_attention(module, q, k, v, attention_mask, **kwargs)
@@ -419,16 +440,24 @@ class _ReferenceProbe:
         row, S = self.row_of[module.layer_idx], query.shape[2]
         ref = out[0].float()  # [B, S, Hq, D]
         self.ref_sq[row] += ref.square().sum(dtype=torch.float64)
-        new = {"q": query, "k": key[:, :, -S:], "v": value[:, :, -S:]}  # count each position once
+        latent = cached_latent(module) if is_latent(module) else None
+        if latent is not None:  # MLA: the latent row is what is cached (capture.latent_view), K and V alike
+            cached = torch.cat(latent, dim=-1)[:, :, -S:]
+            new = {"k": cached, "v": cached}
+        else:
+            new = {"q": query, "k": key[:, :, -S:], "v": value[:, :, -S:]}  # count each position once
         for scheme in self.schemes:
             if not scheme.kinds():
                 continue
             tally = self.tallies[scheme.name]
-            o = base_attention(module, *scheme.apply(row, query, key, value), attention_mask, **kwargs)[0]
+            if latent is not None:
+                o = base_attention(module, query, *type(module).expand_kv(module, *scheme.latent(row, *latent)), attention_mask, **kwargs)[0]
+            else:
+                o = base_attention(module, *scheme.apply(row, query, key, value), attention_mask, **kwargs)[0]
             tally.err_sq[row] += (o.float() - ref).square().sum(dtype=torch.float64)
             for kind in scheme.counted():
                 tally.counts[kind][row] += range_counts(new[kind], scheme.scale(kind, row, new[kind]), scheme.fmt)
-        if self.fa3_rows is not None and row in self.fa3_layers:
+        if self.fa3_rows is not None and row in self.fa3_layers and latent is None:
             start = key.shape[2] - S
             local = self.fa3_rows - start  # [R] row index inside this chunk
             if (local >= 0).all() and (local < S).all():
@@ -624,8 +653,13 @@ def scheme_dtype(scheme: Scheme) -> str:
 def _kv_layers(model_config, layers: list[AttentionLayer], sig: ModelSignature) -> list[LayerKV]:
     """The attention layers as ``capacity`` sizes them: vLLM's index, KV heads, head size, sliding window."""
     window = getattr(model_config.get_text_config(), "sliding_window", None)
-    return [LayerKV(layer.layer_idx, sig.num_kv_heads, sig.head_dim, sig.head_dim, window if layer.sliding_window else None)
+    return [LayerKV(layer.layer_idx, sig.num_kv_heads, sig.head_dim, _value_dim(sig), window if layer.sliding_window else None)
             for layer in layers]
+
+
+def _value_dim(sig: ModelSignature) -> int:
+    """Width of a cached V head: MLA caches no V (the latent row serves both), other models one as wide as K."""
+    return 0 if sig.latent_dim else sig.head_dim
 
 
 def _bytes_of(name: str):
@@ -724,8 +758,10 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
 
     # 3. The reference model (float32 on CPU by default, K and V unquantized) and its attention layers.
     model, tokenizer = load_model(config.checkpoint, device=device, dtype=getattr(torch, config.dtype) if config.dtype else None)
-    layers = attention_layers(model)
+    layers = checkpoint_named(attention_layers(model), config.checkpoint)
     sig = signature(model, layers)
+    if sig.latent_dim and config.fa3:
+        raise ValueError("--fa3 models FlashAttention-3, which vLLM does not run for latent attention (MLA): drop --fa3")
     loaded = time.perf_counter()
 
     # 4. Schemes (the checkpoint's scales, scales derived from its statistics, named files), then the reference
@@ -758,8 +794,8 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         skip_probe = probe_skip_layers(model, layers, next(s for s in schemes if s.name == choice), results[choice], sequences, config)
     for name, r in results.items():
         r["kv_dtype"] = scheme_dtype(next(s for s in schemes if s.name == name))
-        r["bytes_per_token"] = len(layers) * DTYPES[r["kv_dtype"]].bytes_per_token(sig.num_kv_heads, sig.head_dim)
-        r["bytes_vs_bf16"] = DTYPES[r["kv_dtype"]].bytes_per_token(1, sig.head_dim) / DTYPES["auto"].bytes_per_token(1, sig.head_dim)
+        r["bytes_per_token"] = len(layers) * DTYPES[r["kv_dtype"]].bytes_per_token(sig.num_kv_heads, sig.head_dim, _value_dim(sig))
+        r["bytes_vs_bf16"] = DTYPES[r["kv_dtype"]].bytes_per_token(1, sig.head_dim, _value_dim(sig)) / DTYPES["auto"].bytes_per_token(1, sig.head_dim, _value_dim(sig))
     kv_layers = _kv_layers(model.config, layers, sig)
     pays = does_it_pay(config, kv_layers, files, results, context or config.data.seq_len)
     if skip_probe is not None:

@@ -126,3 +126,58 @@ def test_mla_model_without_expand_kv_is_refused(monkeypatch):
     monkeypatch.delattr(T.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention, "expand_kv")
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn .*deepseek_v3.*MLA latent.*expand_kv"):
         attention_layers(model)
+
+
+class QuantizingCache(T.DynamicCache):
+    """A KV cache that stores what an FP8 e4m3 cache would hold: transformers' MLA writes (kv_c_normed, k_pe) here."""
+
+    def __init__(self, scales: list[float], **kwargs):
+        super().__init__(**kwargs)
+        self.scales = scales
+
+    def update(self, kv_c, k_pe, layer_idx, *args, **kwargs):
+        s = self.scales[layer_idx]
+        q = [(x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float().mul(s).to(x.dtype) for x in (kv_c, k_pe)]
+        return super().update(*q, layer_idx, *args, **kwargs)
+
+
+def test_verify_quantizes_the_latent_as_a_cache_holding_fp8_would():
+    from calibrate.capture import prefill_chunks
+    from calibrate.verify import Mode, Scheme, _Apply
+
+    model = model_of("deepseek_v3")
+    layers = attention_layers(model)
+    scales = [0.004, 0.006, 0.005]  # small enough that a few latent values saturate, as well as rounding
+    scheme = Scheme("t", Mode.STATIC, "test", get_format("e4m3fn"), "tensor", {k: torch.tensor(scales)[:, None] for k in "kv"})
+    ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(3))
+    hooked = torch.cat(list(prefill_chunks(model, ids, 64, hook=_Apply(scheme, {l.layer_idx: r for r, l in enumerate(layers)}), keep_from=0)))
+    with torch.no_grad():
+        expected = model(input_ids=ids, cache=QuantizingCache(scales, config=model.config), use_cache=True).logits[0]
+        plain = model(input_ids=ids).logits[0]
+    torch.testing.assert_close(hooked, expected, rtol=1e-5, atol=1e-5)
+    assert (plain - expected).abs().max() > 1e-3  # the quantization is visible: the comparison can fail
+
+
+def test_verify_runs_on_an_mla_checkpoint(smol_tokenizer, kjv_path, tmp_path):
+    from calibrate import calibrate, verify
+
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(T.DeepseekV3Config(**COMMON | {"vocab_size": len(smol_tokenizer)}, **MOE, num_attention_heads=4, num_key_value_heads=4,
+                                                                  kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+                                                                  qk_nope_head_dim=16, v_head_dim=16))
+    model.save_pretrained(tmp_path / "model")
+    smol_tokenizer.save_pretrained(tmp_path / "model")
+    with pytest.warns(UserWarning, match="MLA layers"):
+        out = calibrate(str(tmp_path / "model"), [str(kjv_path)], str(tmp_path / "out"), seq_len=64, max_tokens=512,
+                        progress=False, verify=False).out
+    with pytest.raises(ValueError, match="latent attention.*--granularity tensor"):
+        calibrate(str(tmp_path / "model"), [str(kjv_path)], str(tmp_path / "out2"), seq_len=64, max_tokens=512,
+                  granularity="head", progress=False, verify=False)
+    report = verify(out, [str(kjv_path)], seq_len=128, max_tokens=256, chunk_len=64, device="cpu",
+                    schemes="tensor,token,int8_per_token_head,head", progress=False).report
+    assert set(report["schemes"]) == {"tensor", "scale1"}  # scale1: what vLLM 0.32 serves for MLA
+    assert set(report["skipped"]) == {"token", "int8_per_token_head", "head"}
+    for name in ("tensor", "scale1"):
+        r = report["schemes"][name]
+        assert 0 < r["kl"] < 1 and r["bytes_per_token"] == 3 * (32 + 16)  # fp8: one byte per latent element, no V
+        assert r["bytes_vs_bf16"] == 0.5

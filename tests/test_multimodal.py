@@ -1,0 +1,70 @@
+"""Multimodal checkpoints (Gemma 3, Qwen2.5-VL): text-only calibration of the language model, scales under the
+checkpoint's own tensor names, the vision tower left alone.
+
+transformers 5 renames these families' modules on load (``model.language_model.layers.N``) and back on save
+(Gemma 3: ``language_model.model.layers.N``; Qwen2.5-VL: ``model.layers.N``). vLLM 0.32 reads both spellings
+(``hf_to_vllm_mapper`` of gemma3_mm.py and qwen2_5_vl.py); kvcal writes the checkpoint's own, beside its weights.
+"""
+
+import pytest
+import torch
+import transformers as T
+from safetensors import safe_open
+from test_capture import reference_qkv
+
+from calibrate import calibrate, verify
+from calibrate.capture import run_capture
+from calibrate.checkpoint import checkpoint_prefixes, tensor_names, vllm_files
+from calibrate.model import attention_layers, signature
+from calibrate.stats import Stats
+
+TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+FAMILIES = {
+    "gemma3": (lambda V: T.Gemma3Config(
+        text_config=dict(TEXT, vocab_size=V, head_dim=16, sliding_window=8),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                           patch_size=14), mm_tokens_per_image=4), "language_model.model.layers.{}.self_attn"),
+    "qwen2_5_vl": (lambda V: T.Qwen2_5_VLConfig(
+        text_config=dict(TEXT, vocab_size=V, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)), "model.layers.{}.self_attn"),
+}
+
+
+def tensors(directory) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in vllm_files(directory)[0]:
+        with safe_open(str(path), "pt") as f:
+            out |= {name: f.get_tensor(name) for name in tensor_names(path)}
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_multimodal_scales_go_under_the_checkpoint_names_and_the_vision_tower_is_untouched(family, smol_tokenizer, kjv_path, tmp_path):
+    config, names = FAMILIES[family]
+    torch.manual_seed(0)
+    model = T.AutoModelForImageTextToText.from_config(config(len(smol_tokenizer))).eval()
+    model.save_pretrained(tmp_path / "model")
+    smol_tokenizer.save_pretrained(tmp_path / "model")
+    assert checkpoint_prefixes(tmp_path / "model") == {i: names.format(i) for i in range(2)}
+    result = calibrate(str(tmp_path / "model"), [str(kjv_path)], str(tmp_path / "out"), seq_len=64, max_tokens=256,
+                       progress=False, verify=False)
+    assert [layer.prefix for layer in result.layers] == [names.format(i) for i in range(2)]
+    source, written = tensors(tmp_path / "model"), tensors(result.out)
+    scales = {name for name in written if name.endswith(("k_scale", "v_scale", "q_scale"))}
+    assert scales == {f"{names.format(i)}.{k}_scale" for i in range(2) for k in "kvq"}
+    assert set(written) - scales == set(source)  # nothing renamed, nothing added but the scales
+    for name, tensor in source.items():  # the vision tower and every other weight as they were
+        assert torch.equal(written[name], tensor), name
+    # verify finds the scales where they were written
+    report = verify(result.out, [str(kjv_path)], seq_len=64, max_tokens=128, schemes="tensor", progress=False, probe_layers=0).report
+    assert report["schemes"]["tensor"]["source"] == "checkpoint"
+
+    if family == "gemma3":  # text-only data runs through the language model: K per layer as the module computes it
+        ids = torch.randint(0, len(smol_tokenizer), (1, 40), generator=torch.Generator().manual_seed(1))
+        ref = reference_qkv(model, ids)
+        assert sorted(ref) == [0, 1]  # the vision tower's attention has no layer index: not a KV-cache layer
+        layers = attention_layers(model)
+        stats = run_capture(model, layers, [ids[0]], Stats.empty(signature(model, layers)), chunk_len=4096, progress=False)
+        for row in range(2):
+            for kind in "qkv":
+                torch.testing.assert_close(stats.kinds[kind].absmax[row], ref[row][kind].abs().amax((0, 2, 3)), rtol=0, atol=0)
