@@ -217,8 +217,9 @@ class Observer:
         missing = [layer.prefix for layer, n in zip(self.layers, self.stats.tokens.tolist()) if n == 0]
         if len(missing) == len(self.layers):
             raise RuntimeError(
-                "no attention call reached kvcal's hook: this model does not use transformers' attention "
-                "interface, so kvcal cannot see its K and V"
+                f"no attention call reached kvcal's hook: this model ({self.stats.signature.model_type}) does not use "
+                "transformers' attention interface (modeling code shipped with a model often does not), so kvcal cannot "
+                "see its K and V; use transformers' own implementation of the family if it has one"
             )
         if missing:
             raise RuntimeError(f"these attention layers saw no tokens, so no scale can be derived for them: {', '.join(missing)}")

@@ -41,7 +41,13 @@ def reference_qkv(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[int, 
             q, k = apply_rope(q, k, cos, sin)
         out[module.layer_idx] = {"q": q.detach(), "k": k.detach(), "v": v.detach()}
 
-    handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for _, m in model.named_modules()
+    forward_with_attention_pre_hook(model, input_ids, pre_hook)
+    return out
+
+
+def forward_with_attention_pre_hook(model: torch.nn.Module, input_ids: torch.Tensor, pre_hook) -> None:
+    """One plain forward of input_ids with ``pre_hook(module, args, kwargs)`` on every decoder attention module."""
+    handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in model.modules()
                if isinstance(getattr(m, "layer_idx", None), int) and type(m).__name__.endswith("Attention")]
     try:
         with torch.no_grad():
@@ -49,7 +55,6 @@ def reference_qkv(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[int, 
     finally:
         for handle in handles:
             handle.remove()
-    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)

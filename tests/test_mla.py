@@ -9,6 +9,7 @@ its config's RoPE frequencies, rotating pairs of channels as vLLM does (GPT-J st
 import pytest
 import torch
 import transformers as T
+from test_capture import forward_with_attention_pre_hook
 
 from calibrate.capture import run_capture
 from calibrate.fp8 import get_format
@@ -79,14 +80,7 @@ def reference_latent(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[in
         absorbed = torch.cat([q[..., :nope] @ w_uk, rope_gptj(q[..., nope:], positions, inv_freq)], dim=-1)
         out[module.layer_idx] = {"latent": latent, "k_pe": k_pe, "q": absorbed}
 
-    handles = [m.register_forward_pre_hook(pre_hook, with_kwargs=True) for m in model.modules()
-               if type(m).__name__.endswith("Attention") and isinstance(getattr(m, "layer_idx", None), int)]
-    try:
-        with torch.no_grad():
-            model(input_ids=input_ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    forward_with_attention_pre_hook(model, input_ids, pre_hook)
     return out
 
 
