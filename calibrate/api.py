@@ -242,7 +242,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     ``config.resume`` each rank continues from its save (``calibrate.resume``), and the statistics, and so the
     scales, are exactly those of an uninterrupted run. The saves are removed once OUT is written.
     """
-    from .checkpoint import check_export_form, warn_ignored_scales
+    from .checkpoint import check_export_form, check_loads_scales, warn_ignored_scales
     from .model import check_remote_code, read_config
     from .weights import PROVENANCE as WEIGHTS_PROVENANCE
     from .weights import check_available, quantize_weights
@@ -264,6 +264,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             if mla_dims(model_config.get("text_config", model_config)) and (config.scales.granularity == "head" or config.scales.observer == "output"):
                 raise ValueError(f"{config.model} uses latent attention (MLA), whose cache holds one latent row per token "
                                  "under one k scale: use --granularity tensor or token, and --observer max or mse")
+            check_loads_scales(model_config)
             warn_ignored_scales(model_config)
             check_remote_code(config.model, model_config, config.trust_remote_code)
             if group.writes:
@@ -497,6 +498,7 @@ def export(
     No model is loaded: the statistics are checked against the target's config.json and the weight
     files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself).
     """
+    from .checkpoint import check_loads_scales
     from .model import AttentionLayer, read_config
 
     start = time.perf_counter()
@@ -507,6 +509,7 @@ def export(
     target = Path(model or source)
     prepare_output(Path(out), target, overwrite)
     target_config = read_config(target)
+    check_loads_scales(target_config)
     try:
         sig = signature_from_config(target_config, stats.signature.layers)
     except KeyError as e:

