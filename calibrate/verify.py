@@ -16,6 +16,7 @@ recommendation, is ``verdict.py``'s; the memory arithmetic ``capacity.py``'s.
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
@@ -25,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from . import fa3, report
-from .capture import cached_latent, prefill_chunks
+from .capture import cached_latent, latent_view, prefill_chunks
 from .config import DEFAULT_VERIFY_SCHEMES, VERIFY_SCHEMES, Thresholds, check_fp8_format, flat_settings, route_options
 from .capacity import LayerKV, parse_memory, per_token, plan
 from .data import DataConfig, as_sources, check_int, iter_sequences
@@ -237,6 +238,27 @@ class Scheme:
             return kv_c, k_pe
         return tuple(quantize_dequantize(x, self.scale("k", row, x), self.fmt) for x in (kv_c, k_pe))
 
+    def latent_attention(self, row: int, module, query: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                         attention_mask, base_attention, **kwargs) -> tuple:
+        """An MLA layer's attention under this scheme, from the unquantized latent (past + new positions).
+
+        Without a quantized query, the model's own: K and V decompressed from the quantized latent. With one, as vLLM
+        decodes: the absorbed query, quantized with the q scale, against the quantized latent row, and the output
+        brought out of the latent space with each head's W_UV (``absorbed_attention``).
+        """
+        kv_c, k_pe = self.latent(row, kv_c, k_pe)
+        if not self.latent_query(row):
+            return base_attention(module, query, *type(module).expand_kv(module, kv_c, k_pe), attention_mask, **kwargs)
+        return absorbed_attention(module, query, kv_c, k_pe, self.query_quantizer(row), attention_mask, base_attention, **kwargs)
+
+    def latent_query(self, row: int) -> bool:
+        """Whether an MLA layer's absorbed query is quantized (and its attention run in vLLM's decode form)."""
+        return "q" in self.kinds() and row not in self.skip
+
+    def query_quantizer(self, row: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The FP8 round trip of a query of layer ``row`` under this scheme's static q scale."""
+        return lambda q: quantize_dequantize(q, self.scale("q", row, q), self.fmt)
+
     def apply(self, row: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """(q, k, v) as attention reads them back after this scheme's FP8 round trip."""
         out = {"q": q, "k": k, "v": v}
@@ -249,6 +271,22 @@ class Scheme:
             else:
                 out[kind] = quantize_dequantize(out[kind], self.scale(kind, row, out[kind]), self.fmt)
         return out["q"], out["k"], out["v"]
+
+
+def absorbed_attention(module, query: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, quantize_query: Callable,
+                       attention_mask, base_attention, **kwargs) -> tuple:
+    """MLA attention in vLLM's decode form: [q_nope·W_UK | q_pe] (after ``quantize_query``) against the cached row
+    [kv_c | k_pe], softmax, the weights applied to kv_c, then W_UV per head. Algebraically the model's own attention;
+    the query is quantized where vLLM quantizes it (docs/vllm-notes.md, "MLA"). Returns the model's (output, weights)."""
+    from accelerate.utils import align_module_device
+
+    q, row = latent_view(module, query, kv_c, k_pe)  # [B, H, S, L + R], [B, 1, N, L + R]
+    H, L, nope = q.shape[1], module.kv_lora_rank, module.qk_nope_head_dim
+    out, weights = base_attention(module, quantize_query(q), row.expand(-1, H, -1, -1), kv_c.expand(-1, H, -1, -1),
+                                  attention_mask, **kwargs)  # out [B, S, H, L]
+    with align_module_device(module.kv_b_proj, q.device):
+        w_uv = module.kv_b_proj.weight.view(H, -1, L)[:, nope:].to(out.dtype)  # [H, v, L]
+    return torch.einsum("bshl,hvl->bshv", out, w_uv), weights
 
 
 # ---- scales: from the checkpoint, its statistics, or a file --------------------------------------------------------
@@ -384,11 +422,12 @@ def build_schemes(
         other = [s for s in schemes if s.mode in (Mode.TOKEN, Mode.CACHE) or s.granularity == "head"]
         for scheme in other:
             skipped[scheme.name] = "not a cache vLLM's MLA layers take: kvcal emulates the latent cache in fp8 with per-tensor scales"
-        schemes = [replace(s, quantize_query=False) for s in schemes if s not in other]
+        schemes = [s for s in schemes if s not in other]
         if "scale1" not in config.schemes:
-            schemes.append(Scheme("scale1", Mode.STATIC, "1.0: what vLLM 0.32 uses for MLA layers, whatever the checkpoint holds", fmt, "tensor", ones))
-        notes.append("MLA: K and V are decompressed from the quantized latent; queries are left unquantized (vLLM quantizes "
-                     "the absorbed query on some backends)")
+            schemes.append(Scheme("scale1", Mode.STATIC, "1.0: what vLLM 0.32 uses for MLA layers, whatever the checkpoint holds", fmt, "tensor", ones, q))
+        notes.append("MLA: K and V are decompressed from the quantized latent; unless --kv-only, the absorbed query is "
+                     "quantized too and attention runs in vLLM's decode form, as on FlashMLA and the other backends that "
+                     "take an FP8 query")
     return schemes, skipped, held
 
 
@@ -406,6 +445,10 @@ class _Apply:
         return self.scheme.latent(self.row_of[module.layer_idx], kv_c, k_pe)
 
     def __call__(self, module, query, key, value, attention_mask, base_attention, **kwargs):
+        row = self.row_of[module.layer_idx]
+        if is_latent(module) and self.scheme.latent_query(row):
+            kv_c, k_pe = cached_latent(module)  # quantized already (latent_transform)
+            return absorbed_attention(module, query, kv_c, k_pe, self.scheme.query_quantizer(row), attention_mask, base_attention, **kwargs)
         if is_latent(module):  # K and V come from the quantized latent already (latent_transform)
             return base_attention(module, query, key, value, attention_mask, **kwargs)
         # The cache holds unquantized K/V, so quantizing past + new here equals quantizing each position once on write.
@@ -441,9 +484,9 @@ class _ReferenceProbe:
         ref = out[0].float()  # [B, S, Hq, D]
         self.ref_sq[row] += ref.square().sum(dtype=torch.float64)
         latent = cached_latent(module) if is_latent(module) else None
-        if latent is not None:  # MLA: the latent row is what is cached (capture.latent_view), K and V alike
-            cached = torch.cat(latent, dim=-1)[:, :, -S:]
-            new = {"k": cached, "v": cached}
+        if latent is not None:  # MLA: the latent row is what is cached, K and V alike, and the absorbed query
+            q_abs, cached = latent_view(module, query, *latent)
+            new = {"q": q_abs, "k": cached[:, :, -S:], "v": cached[:, :, -S:]}
         else:
             new = {"q": query, "k": key[:, :, -S:], "v": value[:, :, -S:]}  # count each position once
         for scheme in self.schemes:
@@ -451,7 +494,7 @@ class _ReferenceProbe:
                 continue
             tally = self.tallies[scheme.name]
             if latent is not None:
-                o = base_attention(module, query, *type(module).expand_kv(module, *scheme.latent(row, *latent)), attention_mask, **kwargs)[0]
+                o = scheme.latent_attention(row, module, query, *latent, attention_mask, base_attention, **kwargs)[0]
             else:
                 o = base_attention(module, *scheme.apply(row, query, key, value), attention_mask, **kwargs)[0]
             tally.err_sq[row] += (o.float() - ref).square().sum(dtype=torch.float64)

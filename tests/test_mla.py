@@ -175,3 +175,31 @@ def test_verify_runs_on_an_mla_checkpoint(smol_tokenizer, kjv_path, tmp_path):
         r = report["schemes"][name]
         assert 0 < r["kl"] < 1 and r["bytes_per_token"] == 3 * (32 + 16)  # fp8: one byte per latent element, no V
         assert r["bytes_vs_bf16"] == 0.5
+        assert r["quantizes_query"] and set(r["fractions"]) == {"k", "v", "q"}  # the absorbed query, counted
+        assert all(0 < e < 1 for e in r["layer_rel_error"])
+    kv_only = verify(out, [str(kjv_path)], seq_len=128, max_tokens=256, chunk_len=64, device="cpu", schemes="tensor",
+                     kv_only=True, progress=False).report["schemes"]["tensor"]
+    assert set(kv_only["fractions"]) == {"k", "v"} and kv_only["kl"] != report["schemes"]["tensor"]["kl"]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k2"])
+def test_absorbed_attention_is_the_models_own_attention(family):
+    """vLLM's decode form (absorbed query against the latent row, then W_UV) computes the model's attention: with the
+    query left as it is, the logits are the model's own; quantizing the absorbed query changes them."""
+    from calibrate.capture import cached_latent, prefill_chunks
+    from calibrate.verify import absorbed_attention
+
+    model = model_of(family)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(5))
+
+    def hook(quantize):
+        def call(module, query, key, value, attention_mask, base_attention, **kwargs):
+            return absorbed_attention(module, query, *cached_latent(module), quantize, attention_mask, base_attention, **kwargs)
+        return call
+
+    for chunk_len in (64, 16):
+        own = torch.cat(list(prefill_chunks(model, ids, chunk_len, keep_from=0)))
+        absorbed = torch.cat(list(prefill_chunks(model, ids, chunk_len, hook=hook(lambda q: q), keep_from=0)))
+        torch.testing.assert_close(absorbed, own, rtol=1e-4, atol=1e-4)
+    coarse = torch.cat(list(prefill_chunks(model, ids, 64, hook=hook(lambda q: (q * 4).round() / 4), keep_from=0)))
+    assert (coarse - own).abs().max() > 1e-3
