@@ -1,9 +1,10 @@
-"""Multimodal checkpoints (Gemma 3, Qwen2.5-VL): text-only calibration of the language model, scales under the
+"""Multimodal checkpoints (Gemma 3, Qwen2.5-VL, Llama 4, Mistral 3): text-only calibration of the language model, scales under the
 checkpoint's own tensor names, the vision tower left alone.
 
 transformers 5 renames these families' modules on load (``model.language_model.layers.N``) and back on save
-(Gemma 3: ``language_model.model.layers.N``; Qwen2.5-VL: ``model.layers.N``). vLLM 0.32 reads both spellings
-(``hf_to_vllm_mapper`` of gemma3_mm.py and qwen2_5_vl.py); kvcal writes the checkpoint's own, beside its weights.
+(Gemma 3, Llama 4, Mistral 3: ``language_model.model.layers.N``; Qwen2.5-VL: ``model.layers.N``). vLLM 0.32 reads the
+saved spelling (its Llama 4 builds its language model as ``language_model.model``; gemma3_mm.py, qwen2_5_vl.py and
+mistral3.py also map the new one in ``hf_to_vllm_mapper``); kvcal writes the checkpoint's own, beside its weights.
 """
 
 import pytest
@@ -27,6 +28,18 @@ FAMILIES = {
     "qwen2_5_vl": (lambda V: T.Qwen2_5_VLConfig(
         text_config=dict(TEXT, vocab_size=V, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)), "model.layers.{}.self_attn"),
+    # Llama 4: MoE text model with chunked attention and RoPE-free layers; its vision encoder's layers are named
+    # vision_model.model.layers.N.self_attn, which must not be taken for the decoder's
+    "llama4": (lambda V: T.Llama4Config(
+        text_config=dict(TEXT, vocab_size=V, head_dim=16, intermediate_size_mlp=128, num_local_experts=2, num_experts_per_tok=1,
+                         interleave_moe_layer_step=1, no_rope_layers=[1, 0], attention_chunk_size=16),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                           patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)),
+        "language_model.model.layers.{}.self_attn"),
+    "mistral3": (lambda V: T.Mistral3Config(
+        text_config=dict(TEXT, model_type="mistral", vocab_size=V, head_dim=16),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                           patch_size=14, head_dim=16)), "language_model.model.layers.{}.self_attn"),
 }
 
 
