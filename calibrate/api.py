@@ -375,7 +375,7 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
     would refuse them, but the merge needs them. Rank 0 always captures, so no data at all fails as in one process.
     ``saved`` is this rank's save when resuming: its statistics are restored and its sequences skipped.
     """
-    from .capture import run_capture
+    from .capture import check_visible, run_capture
     from .data import iter_sequences
     from .model import (
         attention_layers, checkpoint_named, input_device, load_model, max_context, read_config, resolve_placement, signature,
@@ -393,6 +393,8 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
                                   trust_remote_code=config.trust_remote_code)
     layers = checkpoint_named(attention_layers(model), config.model)
     sig = signature(model, layers)
+    if "auto_map" in model_config:  # modeling code of its own: can kvcal see its K and V at all?
+        check_visible(model, layers, sig.model_type)
     # Statistics live where the token ids go (the main device of a device map); other GPUs' layers hand theirs over.
     device = input_device(model)
     stats = Stats.empty(sig, device)

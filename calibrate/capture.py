@@ -225,6 +225,31 @@ class Observer:
             raise RuntimeError(f"these attention layers saw no tokens, so no scale can be derived for them: {', '.join(missing)}")
 
 
+@torch.no_grad()
+def check_visible(model: nn.Module, layers: list[AttentionLayer], model_type: str) -> None:
+    """Refuse, before any data runs, a model some of whose attention layers never reach kvcal's hook.
+
+    One forward of a few tokens under a hook that only notes which layers called it. Modeling code that ships with
+    a model may compute attention itself instead of through transformers' attention interface; kvcal would then see
+    nothing of those layers' K and V.
+    """
+    seen: set[int] = set()
+
+    def note(module, query, key, value, attention_mask, base_attention, **kwargs):
+        seen.add(module.layer_idx)
+        return base_attention(module, query, key, value, attention_mask, **kwargs)
+
+    with hooked_attention(model, note):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long, device=input_device(model)), use_cache=False, logits_to_keep=1)
+    missing = [layer.prefix for layer in layers if layer.layer_idx not in seen]
+    if missing:
+        raise ValueError(
+            f"kvcal cannot see K and V in {len(missing)} of {len(layers)} attention layers of this {model_type} model (e.g. "
+            f"{missing[0]}): its modeling code computes attention without transformers' attention interface; calibrate "
+            "the family with transformers' own implementation, if it has one"
+        )
+
+
 def cache_kwarg(model: nn.Module) -> str:
     """Name of the forward argument that takes a KV cache (``cache`` in newer transformers)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -121,3 +121,39 @@ def test_a_model_with_its_own_code_runs_only_when_trusted(tmp_path, tokenizer):
     written = load_file(scales_file(tmp_path / "trusted"))
     assert {f"model.layers.{i}.self_attn.{k}_scale" for i in range(3) for k in "kvq"} <= set(written)
     assert all(torch.isfinite(t).all() and (t > 0).all() for t in written.values())
+
+
+OPAQUE = MODELING + '''
+
+class KvOpaqueForCausalLM(LlamaForCausalLM):
+    """Attention computed with a configuration of its own, never through kvcal's attention implementation."""
+
+    config_class = KvTestConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        import copy
+
+        own = copy.deepcopy(config)
+        own._attn_implementation = "eager"
+        for layer in self.model.layers[1:]:
+            layer.self_attn.config = own
+'''
+
+
+def test_remote_code_that_hides_k_and_v_is_refused_before_any_data_runs(tmp_path, tokenizer):
+    model = save_tiny_checkpoint(tmp_path / "opaque", "llama", tokenizer)
+    config = json.loads((model / "config.json").read_text())
+    config |= {"model_type": "kvcal_remote_test", "architectures": ["KvOpaqueForCausalLM"],
+               "auto_map": {"AutoConfig": "configuration_kvtest.KvTestConfig", "AutoModelForCausalLM": "modeling_kvtest.KvOpaqueForCausalLM"}}
+    (model / "config.json").write_text(json.dumps(config))
+    (model / "configuration_kvtest.py").write_text(CONFIGURATION)
+    (model / "modeling_kvtest.py").write_text(OPAQUE)
+    data = kjv_jsonl(tmp_path / "d.jsonl", 100)
+    run = kvcal("calibrate", str(model), "--data", str(data), "--seq-len", "64", "--max-tokens", "256", "--no-verify", "--quiet",
+                "--trust-remote-code", "--out", str(tmp_path / "out"), env={"HF_HOME": str(tmp_path / "hf")})
+    assert run.returncode == 2 and run.stderr.strip() == (
+        "kvcal: error: kvcal cannot see K and V in 2 of 3 attention layers of this kvcal_remote_test model (e.g. "
+        "model.layers.1.self_attn): its modeling code computes attention without transformers' attention interface; "
+        "calibrate the family with transformers' own implementation, if it has one")
+    assert not (tmp_path / "out").exists()
