@@ -81,3 +81,19 @@ def test_multimodal_scales_go_under_the_checkpoint_names_and_the_vision_tower_is
         for row in range(2):
             for kind in "qkv":
                 torch.testing.assert_close(stats.kinds[kind].absmax[row], ref[row][kind].abs().amax((0, 2, 3)), rtol=0, atol=0)
+
+
+def test_a_multimodal_checkpoint_without_its_language_model_is_refused(smol_tokenizer, kjv_path, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+    from test_bad_input import assert_refused, kvcal
+
+    torch.manual_seed(0)
+    T.AutoModelForImageTextToText.from_config(FAMILIES["gemma3"][0](len(smol_tokenizer))).save_pretrained(tmp_path / "model")
+    smol_tokenizer.save_pretrained(tmp_path / "model")
+    weights = tmp_path / "model" / "model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if not k.startswith("language_model.")}, weights, metadata={"format": "pt"})
+    capsys.readouterr()  # the save's own progress output
+    code, err = kvcal(capsys, "calibrate", str(tmp_path / "model"), "--data", str(kjv_path), "--seq-len", "64",
+                      "--max-tokens", "256", "--out", str(tmp_path / "out"), "--no-verify", "--quiet")
+    assert_refused(code, err, "parameters missing", "language_model", "kvcal inspect")
+    assert not (tmp_path / "out").exists()
