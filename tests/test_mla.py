@@ -203,3 +203,17 @@ def test_absorbed_attention_is_the_models_own_attention(family):
         torch.testing.assert_close(absorbed, own, rtol=1e-4, atol=1e-4)
     coarse = torch.cat(list(prefill_chunks(model, ids, 64, hook=hook(lambda q: (q * 4).round() / 4), keep_from=0)))
     assert (coarse - own).abs().max() > 1e-3
+
+
+def test_an_mla_config_with_an_unexpected_latent_layout_is_refused(kjv_path, tmp_path, capsys):
+    import json
+
+    from test_bad_input import assert_refused, kvcal
+
+    model_of("deepseek_v3").save_pretrained(tmp_path / "model")
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config | {"kv_lora_rank": 0}))
+    capsys.readouterr()
+    code, err = kvcal(capsys, "calibrate", str(tmp_path / "model"), "--data", str(kjv_path), "--out", str(tmp_path / "out"))
+    assert_refused(code, err, "kv_lora_rank 0", "positive kv_lora_rank")
+    assert not (tmp_path / "out").exists()
