@@ -100,14 +100,20 @@ class KvTestForCausalLM(LlamaForCausalLM):
 """
 
 
-def test_a_model_with_its_own_code_runs_only_when_trusted(tmp_path, tokenizer):
-    model = save_tiny_checkpoint(tmp_path / "remote", "llama", tokenizer)
+def remote_code_model(directory, tokenizer, architecture: str, modeling: str):
+    """A tiny Llama saved as a model with its own code: model type kvcal_remote_test, ``architecture`` in ``modeling``."""
+    model = save_tiny_checkpoint(directory, "llama", tokenizer)
     config = json.loads((model / "config.json").read_text())
-    config |= {"model_type": "kvcal_remote_test", "architectures": ["KvTestForCausalLM"],
-               "auto_map": {"AutoConfig": "configuration_kvtest.KvTestConfig", "AutoModelForCausalLM": "modeling_kvtest.KvTestForCausalLM"}}
+    config |= {"model_type": "kvcal_remote_test", "architectures": [architecture],
+               "auto_map": {"AutoConfig": "configuration_kvtest.KvTestConfig", "AutoModelForCausalLM": f"modeling_kvtest.{architecture}"}}
     (model / "config.json").write_text(json.dumps(config))
     (model / "configuration_kvtest.py").write_text(CONFIGURATION)
-    (model / "modeling_kvtest.py").write_text(MODELING)
+    (model / "modeling_kvtest.py").write_text(modeling)
+    return model
+
+
+def test_a_model_with_its_own_code_runs_only_when_trusted(tmp_path, tokenizer):
+    model = remote_code_model(tmp_path / "remote", tokenizer, "KvTestForCausalLM", MODELING)
     data = kjv_jsonl(tmp_path / "d.jsonl", 100)
     args = ["calibrate", str(model), "--data", str(data), "--seq-len", "64", "--max-tokens", "256", "--no-verify", "--quiet"]
     env = {"HF_HOME": str(tmp_path / "hf")}  # where transformers copies the model's code
@@ -142,13 +148,7 @@ class KvOpaqueForCausalLM(LlamaForCausalLM):
 
 
 def test_remote_code_that_hides_k_and_v_is_refused_before_any_data_runs(tmp_path, tokenizer):
-    model = save_tiny_checkpoint(tmp_path / "opaque", "llama", tokenizer)
-    config = json.loads((model / "config.json").read_text())
-    config |= {"model_type": "kvcal_remote_test", "architectures": ["KvOpaqueForCausalLM"],
-               "auto_map": {"AutoConfig": "configuration_kvtest.KvTestConfig", "AutoModelForCausalLM": "modeling_kvtest.KvOpaqueForCausalLM"}}
-    (model / "config.json").write_text(json.dumps(config))
-    (model / "configuration_kvtest.py").write_text(CONFIGURATION)
-    (model / "modeling_kvtest.py").write_text(OPAQUE)
+    model = remote_code_model(tmp_path / "opaque", tokenizer, "KvOpaqueForCausalLM", OPAQUE)
     data = kjv_jsonl(tmp_path / "d.jsonl", 100)
     run = kvcal("calibrate", str(model), "--data", str(data), "--seq-len", "64", "--max-tokens", "256", "--no-verify", "--quiet",
                 "--trust-remote-code", "--out", str(tmp_path / "out"), env={"HF_HOME": str(tmp_path / "hf")})
