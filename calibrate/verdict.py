@@ -156,7 +156,7 @@ def pays_lines(pays: dict, dtype: str, verdict: str) -> list[str]:
 def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
               skip_probe: dict | None = None, pays: dict | None = None) -> tuple[list[str], str]:
     """What to serve, from the measured numbers only: (sentences, vllm serve line)."""
-    lines = list(n for n in held["notes"] if "no KV scales" in n)
+    lines = [*held.get("serving", []), *(n for n in held["notes"] if "no KV scales" in n)]
     ranked = {n: r for n, r in results.items() if r["mode"] != "reference"}
     if "token" in ranked and any(r["quantizes_query"] for r in ranked.values()):
         lines.append("The static schemes here quantize Q as well (as FA3 on Hopper does); token leaves Q unquantized, "

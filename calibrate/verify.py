@@ -30,7 +30,7 @@ from .capture import cached_latent, latent_view, prefill_chunks
 from .config import DEFAULT_VERIFY_SCHEMES, VERIFY_SCHEMES, Thresholds, check_fp8_format, flat_settings, route_options
 from .capacity import LayerKV, parse_memory, per_token, plan
 from .data import DataConfig, as_sources, check_int, iter_sequences
-from .checkpoint import LoadedScale, fill_missing, layer_sources, loaded_multiplier, quant_config, quant_method, read_tensor, tensor_names
+from .checkpoint import MLA_SCALES_IGNORED, LoadedScale, fill_missing, layer_sources, loaded_multiplier, quant_config, quant_method, read_tensor, tensor_names
 from .export import KVCAL_DIR, tensor_bytes, weight_files
 from .fa3 import HOPPER_ACCUM_BITS
 from .fp8 import E5M2, SATURATION_SLACK, FP8Format, get_format, per_token_scale, quantize_dequantize
@@ -356,7 +356,7 @@ def build_schemes(
     ckpt = {k: v * loaded_multiplier(method, fmt.name) for k, v in ckpt.items()}
     if granularity is None:
         notes.append("the checkpoint has no KV scales: vLLM would load it with 1.0 for every layer (scheme scale1)")
-    held = {"granularity": granularity, "notes": notes, "statistics": stats is not None}
+    held = {"granularity": granularity, "notes": notes, "statistics": stats is not None, "serving": []}
     q = not config.kv_only
     heads = {"k": sig.num_kv_heads, "v": sig.num_kv_heads, "q": sig.num_heads}
     schemes, skipped = [], {}
@@ -425,6 +425,7 @@ def build_schemes(
         schemes = [s for s in schemes if s not in other]
         if "scale1" not in config.schemes:
             schemes.append(Scheme("scale1", Mode.STATIC, "1.0: what vLLM 0.32 uses for MLA layers, whatever the checkpoint holds", fmt, "tensor", ones, q))
+        held["serving"].append(f"{MLA_SCALES_IGNORED[1]}: the scale1 row is what serving gives today.")
         notes.append("MLA: K and V are decompressed from the quantized latent; unless --kv-only, the absorbed query is "
                      "quantized too and attention runs in vLLM's decode form, as on FlashMLA and the other backends that "
                      "take an FP8 query")
