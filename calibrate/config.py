@@ -433,7 +433,7 @@ class CalibrationConfig:
     def written_schemes(self) -> list[str]:
         """What the short verify compares besides scale 1.0: the recipe's schemes, else the written granularity and per-token."""
         written = self.verify_schemes or ["head" if self.scales.granularity == "head" else "tensor", "token"]
-        return ["scale1", *dict.fromkeys(written)]
+        return list(dict.fromkeys(["scale1", *written]))
 
     def mapped(self) -> bool:
         """Whether the model is placed with a device map (any of device_map, max_memory, offload_folder)."""

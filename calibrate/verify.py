@@ -378,7 +378,7 @@ def build_schemes(
         has = f"holds {granularity} scales" if granularity else "has no KV scales"
         return None, f"the checkpoint {has} and no kvcal statistics to derive {wanted} scales from"
 
-    for name in config.schemes:
+    for name in dict.fromkeys(config.schemes):  # a name given twice runs once
         if name in DTYPES:
             try:  # a cache layout this model's head size does not fit (nvfp4: multiples of 16; int4: even)
                 DTYPES[name].bytes_per_token(1, sig.head_dim)

@@ -218,3 +218,20 @@ def test_an_mla_config_with_an_unexpected_latent_layout_is_refused(kjv_path, tmp
     code, err = kvcal(capsys, "calibrate", str(tmp_path / "model"), "--data", str(kjv_path), "--out", str(tmp_path / "out"))
     assert_refused(code, err, "kv_lora_rank 0", "positive kv_lora_rank")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_deepseek_recipe_fits_mla_models_and_compares_with_vllm_s_scale_one(smol_tokenizer, kjv_path, tmp_path):
+    from calibrate import calibrate, recipes
+
+    config = FAMILIES["kimi_k2"]()
+    config.vocab_size = len(smol_tokenizer)
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    smol_tokenizer.save_pretrained(tmp_path / "model")
+    with pytest.warns(UserWarning, match="MLA layers"):
+        result = calibrate(str(tmp_path / "model"), [str(kjv_path)], str(tmp_path / "out"), recipe="deepseek", seq_len=64,
+                           max_tokens=512, progress=False)
+    assert result.provenance["recipe"]["name"] == "deepseek"
+    assert set(result.verification.report["schemes"]) == {"tensor", "scale1"}
+    assert any(line.startswith("recipe deepseek: vLLM 0.32 loads no KV scale into MLA layers")
+               for line in recipes.serve_notes(result.provenance["recipe"]))
