@@ -4,6 +4,9 @@ transformers' attention interface hands every attention implementation the query
 after the projections, any q/k norm and RoPE, with K/V per KV head ([batch, kv_heads, seq, head_dim]):
 precisely what vLLM writes to its cache. kvcal registers a function there that passes those tensors
 to a hook and then runs the model's own attention unchanged.
+
+Latent attention (MLA: DeepSeek, Kimi) caches a compressed latent instead, which the attention function never
+sees: kvcal also stands in for those modules' ``expand_kv``, which receives the cache's contents (``latent_inputs``).
 """
 
 import inspect
