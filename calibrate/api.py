@@ -27,7 +27,8 @@ from .distributed import Group, session
 from .export import KVCAL_DIR, prepare_output, scale_tensors, weight_files, write_checkpoint
 from .files import read_json_object
 from .fp8 import get_format
-from .model import mla_dims, signature_of
+from .checkpoint import mla_dims
+from .model import signature_of
 from .observers import ScaleSet, derive_scales, latent_report
 from .report import SERVE_NOTES, kvcal_version, scale_table, serve_command
 from .stats import ModelSignature, Stats
@@ -261,7 +262,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             # A config.json that is missing, not JSON or not a causal LM's; a family whose vLLM loader drops scales;
             # modeling code shipped with the model and not trusted.
             model_config = read_config(config.model)
-            if mla_dims(model_config.get("text_config", model_config)) and (config.scales.granularity == "head" or config.scales.observer == "output"):
+            if mla_dims(model_config) and (config.scales.granularity == "head" or config.scales.observer == "output"):
                 raise ValueError(f"{config.model} uses latent attention (MLA), whose cache holds one latent row per token "
                                  "under one k scale: use --granularity tensor or token, and --observer max or mse")
             check_loads_scales(model_config)

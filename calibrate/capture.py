@@ -332,8 +332,8 @@ def run_capture(
             sequences, the only moments at which ``stats`` holds whole sequences (``resume.Saver`` saves there).
     """
     device = input_device(model)
-    bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True, desc="calibrating", disable=not progress)
     observer = Observer(stats, layers)
+    bar = tqdm(total=total_tokens, initial=done_tokens, unit="tok", unit_scale=True, desc="calibrating", disable=not progress)
     with hooked_attention(model, observer), bar:
         for seq in sequences:
             forward_chunked(model, seq.to(device).unsqueeze(0), chunk_len)  # [1, S]

@@ -221,8 +221,25 @@ IGNORES_CHECKPOINT_SCALES = {
 }
 
 
+def mla_dims(cfg: dict) -> tuple[int, int] | None:
+    """(kv_lora_rank, qk_rope_head_dim) of a multi-head latent attention model (DeepSeek-V2/V3, Kimi-K2), else None.
+
+    ``cfg`` is a config.json as a dict (a multimodal one's text_config is read), or the text model's own. vLLM caches one "head" per token for these: the normalised latent
+    kv_c_normed (kv_lora_rank wide) followed by the RoPE'd key part k_pe (qk_rope_head_dim wide), both under the one
+    k scale (docs/vllm-notes.md, "MLA").
+    """
+    cfg = cfg.get("text_config", cfg)
+    rank, rope = cfg.get("kv_lora_rank"), cfg.get("qk_rope_head_dim")
+    if rank is None:
+        return None
+    if not (isinstance(rank, int) and isinstance(rope, int) and rank > 0 and rope >= 0):
+        raise ValueError(f"the {cfg.get('model_type')} config has kv_lora_rank {rank!r} and qk_rope_head_dim {rope!r}; "
+                         "an MLA latent needs a positive kv_lora_rank and a qk_rope_head_dim of 0 or more")
+    return rank, rope
+
+
 # Latent attention (MLA): in vLLM 0.32 no loader gives the MLA layer a place for a checkpoint k_scale, whatever
-# the names (docs/vllm-notes.md, "MLA"). Keyed on the latent (kv_lora_rank), not on a model type: every MLA family.
+# the names (docs/vllm-notes.md, "MLA"). Keyed on the latent (``mla_dims``), not on a model type: every MLA family.
 MLA_SCALES_IGNORED = ("warning", "vLLM 0.32 loads no checkpoint KV scales into MLA layers (DeepSeek, Kimi): compressed-"
                       "tensors and fp8 checkpoints give them no KV method, ModelOpt's names are remapped past them; an FP8 "
                       "cache runs at k_scale 1.0 there, so check the calibration's saturation at 1.0 before serving")
@@ -251,7 +268,7 @@ def ignored_scales(config: dict) -> tuple[str, str] | None:
             return "error", FAILS_WITH_SCALES[model_type]
         if model_type in IGNORES_CHECKPOINT_SCALES:
             return IGNORES_CHECKPOINT_SCALES[model_type]
-    return MLA_SCALES_IGNORED if config.get("text_config", config).get("kv_lora_rank") is not None else None
+    return MLA_SCALES_IGNORED if mla_dims(config) is not None else None
 
 
 def model_types(config: dict) -> list[str]:

@@ -19,11 +19,10 @@ import torch
 from safetensors import safe_open
 
 from .checkpoint import (
-    LEGACY_KV_SCALE, SINGLE_FILE, WRITE_NAMES, LoadedScale, attention_prefixes, fill_missing, ignored_scales,
+    LEGACY_KV_SCALE, SINGLE_FILE, WRITE_NAMES, LoadedScale, attention_prefixes, fill_missing, ignored_scales, mla_dims,
     layer_sources, quant_config, quant_method, read_json, read_tensor, tensor_names, transformers_files, vllm_files,
 )
 from .export import KVCAL_DIR
-from .model import mla_dims
 from .stats import KINDS
 from .fp8 import FORMATS
 

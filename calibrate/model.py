@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import KV_SCALE_PATTERN
+from .checkpoint import KV_SCALE_PATTERN, mla_dims
 from .config import check_model_dir
 from .files import read_json_object
 from .stats import ModelSignature
@@ -333,22 +333,6 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
             f"{text_config(model).model_type}); kvcal needs a model built on transformers' attention interface"
         )
     return sorted(layers, key=lambda layer: layer.layer_idx)
-
-
-def mla_dims(cfg: dict) -> tuple[int, int] | None:
-    """(kv_lora_rank, qk_rope_head_dim) of a multi-head latent attention model (DeepSeek-V2/V3, Kimi-K2), else None.
-
-    ``cfg`` is the text model's config as a dict. vLLM caches one "head" per token for these: the normalised latent
-    kv_c_normed (kv_lora_rank wide) followed by the RoPE'd key part k_pe (qk_rope_head_dim wide), both under the one
-    k scale (docs/vllm-notes.md, "MLA").
-    """
-    rank, rope = cfg.get("kv_lora_rank"), cfg.get("qk_rope_head_dim")
-    if rank is None:
-        return None
-    if not (isinstance(rank, int) and isinstance(rope, int) and rank > 0 and rope >= 0):
-        raise ValueError(f"the {cfg.get('model_type')} config has kv_lora_rank {rank!r} and qk_rope_head_dim {rope!r}; "
-                         "an MLA latent needs a positive kv_lora_rank and a qk_rope_head_dim of 0 or more")
-    return rank, rope
 
 
 def signature_of(cfg: dict, layers: list[int]) -> ModelSignature:

@@ -447,11 +447,11 @@ class _Apply:
 
     def __call__(self, module, query, key, value, attention_mask, base_attention, **kwargs):
         row = self.row_of[module.layer_idx]
-        if is_latent(module) and self.scheme.latent_query(row):
-            kv_c, k_pe = cached_latent(module)  # quantized already (latent_transform)
-            return absorbed_attention(module, query, kv_c, k_pe, self.scheme.query_quantizer(row), attention_mask, base_attention, **kwargs)
         if is_latent(module):  # K and V come from the quantized latent already (latent_transform)
-            return base_attention(module, query, key, value, attention_mask, **kwargs)
+            if not self.scheme.latent_query(row):
+                return base_attention(module, query, key, value, attention_mask, **kwargs)
+            kv_c, k_pe = cached_latent(module)
+            return absorbed_attention(module, query, kv_c, k_pe, self.scheme.query_quantizer(row), attention_mask, base_attention, **kwargs)
         # The cache holds unquantized K/V, so quantizing past + new here equals quantizing each position once on write.
         q, k, v = self.scheme.apply(self.row_of[module.layer_idx], query, key, value)
         return base_attention(module, q, k, v, attention_mask, **kwargs)
