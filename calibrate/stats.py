@@ -65,14 +65,14 @@ def bin_edges(dtype: torch.dtype = torch.float64) -> torch.Tensor:
     return torch.cat([zero, under, regular, over]).to(dtype)
 
 
-def _raw(ax: torch.Tensor) -> torch.Tensor:
-    """``bits >> 18`` of float32 ``ax`` = |x| (sign bit clear), as int32, same shape: 8 exponent bits, then the
-    top 5 mantissa bits, so one raw value per 1/32 of an octave, in order."""
-    return ax.view(torch.int32) >> 18
+def _raw_(ax: torch.Tensor) -> torch.Tensor:
+    """``bits >> 18`` of float32 ``ax`` = |x| (sign bit clear), as int32 in place of ``ax``: 8 exponent bits, then
+    the top 5 mantissa bits, so one raw value per 1/32 of an octave, in order."""
+    return ax.view(torch.int32).bitwise_right_shift_(18)
 
 
-def _bins_of_raw(raw: torch.Tensor) -> torch.Tensor:
-    """Histogram bin of each raw value (``_raw``), int32, computed in place of ``raw``.
+def _bins_of_raw_(raw: torch.Tensor) -> torch.Tensor:
+    """Histogram bin of each raw value (``_raw_``), int32, in place of ``raw``.
 
     Raw values map onto bins in order: 0 (exact zero, and float32 subnormals below 1.2e-38) → the zero bin,
     everything under 2**HIST_MIN_EXP → the underflow bin 1, the regular range one to one from bin 2, the rest →
@@ -80,12 +80,12 @@ def _bins_of_raw(raw: torch.Tensor) -> torch.Tensor:
     0 and changes nothing else, since raw − offset + 2 ≤ raw and the clamp's floor 1 ≤ any raw ≥ 1.
     """
     bins = (raw - (_RAW_OFFSET - 2)).clamp_(1, NUM_BINS - 1)
-    return torch.minimum(bins, raw, out=bins)
+    return torch.minimum(bins, raw, out=raw)
 
 
 def bin_index(ax: torch.Tensor) -> torch.Tensor:
     """Histogram bin of each element of ``ax`` (|x|), int64, same shape."""
-    return _bins_of_raw(_raw(ax.float().abs())).long()
+    return _bins_of_raw_(_raw_(ax.float().abs())).long()
 
 
 def round_to_e4m3(xs: torch.Tensor) -> torch.Tensor:
@@ -93,11 +93,13 @@ def round_to_e4m3(xs: torch.Tensor) -> torch.Tensor:
 
     Same result as ``xs.to(torch.float8_e4m3fn).float()``, several times faster on CPU: normal values
     keep 3 mantissa bits by integer rounding of the float32 bits; below 2**-6 the step is 2**-9.
+    Each chain of steps works in one buffer: on CPU a fresh buffer per step costs more than the arithmetic.
     """
     bits = xs.view(torch.int32)
-    rounded = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & ~0xFFFFF).view(torch.float32)  # drop 20 of 23 bits, RNE
+    rounded = (bits >> 20).bitwise_and_(1).add_(0x7FFFF).add_(bits).bitwise_and_(~0xFFFFF).view(torch.float32)  # RNE
     # e4m3 subnormals, chosen elementwise: masked indexing would read the mask's count back to the host on CUDA.
-    return torch.where(xs.abs() < 2.0**-6, torch.round(xs * 512.0) / 512.0, rounded)
+    subnormal = (xs * 512.0).round_().div_(512.0)
+    return torch.where(xs.abs() < 2.0**-6, subnormal, rounded, out=rounded)
 
 
 def position_bucket(pos: torch.Tensor) -> torch.Tensor:
@@ -114,29 +116,37 @@ def position_bucket_starts() -> list[int]:
 def _count(index: torch.Tensor, size: int) -> torch.Tensor:
     """How often each value in [0, size) occurs in the integer tensor ``index``, int64 [size].
 
-    The counts of ``torch.bincount(index.flatten(), minlength=size)``, into an output of fixed size: CUDA's
-    bincount reads the data's maximum back to the host to size its output, a device sync per call.
+    On CPU, ``torch.bincount``: the fastest count there, and a CPU has no device to wait for. Elsewhere
+    ``_count_fixed``.
     """
+    if index.device.type == "cpu":
+        return torch.bincount(index.flatten(), minlength=size)
+    return _count_fixed(index, size)
+
+
+def _count_fixed(index: torch.Tensor, size: int) -> torch.Tensor:
+    """``_count`` into an output of fixed size: CUDA's bincount reads the data's maximum back to the host to size
+    its output, a device sync per call."""
     ones = torch.ones((), dtype=torch.int64, device=index.device).expand(index.numel())  # no memory per element
     return torch.zeros(size, dtype=torch.int64, device=index.device).index_add_(0, index.flatten(), ones)
 
 
-def _head_histograms(ax: torch.Tensor, token_group: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
+def _head_histograms_(ax: torch.Tensor, token_group: torch.Tensor | None = None, groups: int = 1) -> torch.Tensor:
     """Histograms per (group, layer, head) of float32 ``ax`` = |x|, [Lb, H, T, E] → int64 [groups, Lb, H, NUM_BINS].
 
     Element (l, h, t, e) counts in group ``token_group[t]`` (int or bool [T], values < groups), or in group 0
     without it. Splitting by a group index rather than selecting tokens keeps every size fixed (selecting would
-    sync with the host on CUDA) and counts all groups in the same pass. Counts raw float32 bit patterns per
-    (group, layer, head) with one ``_count``, then folds them into the bins: a handful of cheap integer passes
-    over the data, which matters on CPU.
+    sync with the host on CUDA) and counts all groups in the same pass. ``ax`` is consumed: its memory holds the
+    bin indices (offset per group, layer and head), so that one count fills every histogram; on CPU a fresh
+    buffer per step would cost more than the integer arithmetic.
     """
     Lb, H, T, _ = ax.shape
-    bins = _bins_of_raw(_raw(ax))  # [Lb, H, T, E] int32
+    index = _bins_of_raw_(_raw_(ax))  # [Lb, H, T, E] int32, in ax's memory
     offset = (torch.arange(Lb * H, device=ax.device, dtype=torch.int32) * NUM_BINS).view(Lb, H, 1, 1)
     if token_group is not None:
         offset = offset + (token_group.to(torch.int32) * (Lb * H * NUM_BINS)).view(1, 1, T, 1)  # [Lb, H, T, 1]
-    bins += offset
-    return _count(bins, groups * Lb * H * NUM_BINS).view(groups, Lb, H, NUM_BINS)
+    index += offset
+    return _count(index, groups * Lb * H * NUM_BINS).view(groups, Lb, H, NUM_BINS)
 
 
 @dataclass
@@ -202,8 +212,8 @@ class TensorStats:
         """
         Lb, B, H, S, D = x.shape
         rows = slice(start, start + Lb)
-        x = x.float()
-        ax = x.abs()  # [Lb, B, H, S, D]
+        x = x.float()  # may be the model's own tensor: never changed in place
+        ax = x.abs()  # [Lb, B, H, S, D], consumed by the histogram at the end
         tok_amax = ax.amax(-1)  # [Lb, B, H, S]
         tok_sumsq = torch.linalg.vector_norm(x, dim=-1).square()  # [Lb, B, H, S], one fused pass
         self.nonfinite[rows] += (~torch.isfinite(tok_amax)).sum((1, 3))
@@ -212,26 +222,27 @@ class TensorStats:
         self.sum[rows] += x.sum(-1).sum((1, 3), dtype=torch.float64)
         self.sumsq[rows] += tok_sumsq.sum((1, 3), dtype=torch.float64)
 
-        # One pass counts other tokens (group 0) and sink tokens (group 1) apart: [2, Lb, H, NUM_BINS].
-        split = _head_histograms(ax.transpose(1, 2).reshape(Lb, H, B * S, D), sink.flatten(), groups=2)
-        self.hist[rows] += split.sum(0)
-        self.sink_hist[rows] += split[1]
         by_head = tok_amax.transpose(1, 2).reshape(Lb, H, B * S)  # [Lb, H, B*S]
-        self.token_hist[rows] += _head_histograms(by_head.unsqueeze(-1))[0]
-
         flat_bucket = bucket.flatten().expand(Lb, H, B * S)  # [Lb, H, B*S]
         self.pos_absmax[rows] = self.pos_absmax[rows].scatter_reduce(2, flat_bucket, by_head, reduce="amax")
         sumsq_by_head = tok_sumsq.transpose(1, 2).reshape(Lb, H, B * S)
         by_bucket = torch.zeros(Lb, H, NUM_POS_BUCKETS, device=x.device).scatter_add_(2, flat_bucket, sumsq_by_head)
         self.pos_sumsq[rows] += by_bucket  # [Lb, H, P], float32 within one call, float64 across calls
+        self.token_hist[rows] += _head_histograms_(by_head.unsqueeze(-1).clone())[0]
 
         if token_error:
             # vLLM's fp8_per_token_head: scale = max(amax / 448, 1e-6), x · (1/scale) cast with RNE; no value
-            # can exceed 448 there, so no clamp. The error is summed in the scaled domain, times scale².
+            # can exceed 448 there, so no clamp. The error is summed in the scaled domain, times scale². RNE is
+            # symmetric, so |x| has the error of x.
             scale = (tok_amax / E4M3.max).clamp(min=SCALE_FLOOR)  # [Lb, B, H, S]
-            xs = x * scale.reciprocal().unsqueeze(-1)  # [Lb, B, H, S, D]
-            err = xs - round_to_e4m3(xs)
+            xs = ax * scale.reciprocal().unsqueeze(-1)  # [Lb, B, H, S, D]
+            err = xs.sub_(round_to_e4m3(xs))
             self.token_sqerr[rows] += (torch.linalg.vector_norm(err, dim=-1) * scale).square().sum((1, 3), dtype=torch.float64)
+
+        # One pass counts other tokens (group 0) and sink tokens (group 1) apart: [2, Lb, H, NUM_BINS].
+        split = _head_histograms_(ax.transpose(1, 2).reshape(Lb, H, B * S, D), sink.flatten(), groups=2)
+        self.hist[rows] += split.sum(0)
+        self.sink_hist[rows] += split[1]
 
     def merge_(self, other: "TensorStats") -> None:
         """Fold ``other`` (same shapes) into self."""

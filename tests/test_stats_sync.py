@@ -3,7 +3,8 @@
 On CUDA, reading a value back (``.item()``, ``if t.any()``, masked indexing, ``bincount``) stalls the
 stream once per flush. scripts/gpu_check proves the absence of syncs with ``torch.cuda.set_sync_debug_mode``;
 on CPU there is nothing to detect, so ``host_reads_forbidden`` refuses the Python-level calls that would sync
-there, and the comparisons below pin the sync-free code to what the selecting code computed.
+there, and the comparisons below pin the sync-free code to what the selecting code computed. On CPU the
+statistics count with bincount (no device to wait for); these tests count as a GPU does (``_count_fixed``).
 """
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from calibrate import stats as stats_module
 from calibrate.capture import Observer
 from calibrate.model import AttentionLayer
 from calibrate.stats import KINDS, NUM_BINS, NUM_POS_BUCKETS, SINK_POSITIONS, ModelSignature, Stats, bin_index, position_bucket, round_to_e4m3
@@ -33,6 +35,22 @@ class host_reads_forbidden(TorchFunctionMode):
         if name in _HOST_READS or any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices):
             raise AssertionError(f"{name} reads device data on the host")
         return func(*args, **(kwargs or {}))
+
+
+_COUNT_ON_CPU = stats_module._count  # before the fixture below replaces it
+
+
+@pytest.fixture(autouse=True)
+def count_as_on_a_gpu(monkeypatch):
+    """The capture path as it runs on CUDA: fixed-size counting instead of the CPU's bincount."""
+    monkeypatch.setattr(stats_module, "_count", stats_module._count_fixed)
+
+
+def test_cpu_bincount_counts_as_the_gpu_path_does():
+    index = torch.randint(0, 50, (7, 300), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    index[0, :5] = 49  # the last value, and runs of one value
+    assert torch.equal(_COUNT_ON_CPU(index, 53), stats_module._count_fixed(index, 53))
+    assert _COUNT_ON_CPU(index, 53)[49] == (index == 49).sum()
 
 
 @pytest.mark.parametrize(
