@@ -31,8 +31,9 @@ SHAPES = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="model directory (default: the packaged SmolLM2-135M-Instruct)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), help="random weights of this shape instead of a model directory")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--model", help="model directory (default: the packaged SmolLM2-135M-Instruct)")
+    which.add_argument("--shape", choices=sorted(SHAPES), help="random weights of this shape instead of a model directory")
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3)
