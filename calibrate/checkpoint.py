@@ -224,9 +224,9 @@ IGNORES_CHECKPOINT_SCALES = {
 def mla_dims(cfg: dict) -> tuple[int, int] | None:
     """(kv_lora_rank, qk_rope_head_dim) of a multi-head latent attention model (DeepSeek-V2/V3, Kimi-K2), else None.
 
-    ``cfg`` is a config.json as a dict (a multimodal one's text_config is read), or the text model's own. vLLM caches one "head" per token for these: the normalised latent
-    kv_c_normed (kv_lora_rank wide) followed by the RoPE'd key part k_pe (qk_rope_head_dim wide), both under the one
-    k scale (docs/vllm-notes.md, "MLA").
+    ``cfg`` is a config.json as a dict (a multimodal one's text_config is read), or the text model's own. vLLM caches
+    one "head" per token for these: the normalised latent kv_c_normed (kv_lora_rank wide) followed by the RoPE'd key
+    part k_pe (qk_rope_head_dim wide), both under the one k scale (docs/vllm-notes.md, "MLA").
     """
     cfg = cfg.get("text_config", cfg)
     rank, rope = cfg.get("kv_lora_rank"), cfg.get("qk_rope_head_dim")
