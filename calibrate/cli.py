@@ -6,7 +6,6 @@ Parsing imports neither torch nor transformers: a command's modules are imported
 
 import argparse
 import json
-import os
 import signal
 import sys
 from typing import NoReturn
@@ -170,18 +169,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _leave_now() -> NoReturn:
-    """End a torchrun rank that is done, without Python's finalization.
-
-    With gloo, an exiting rank now and then aborts during finalization ("terminate called without an active
-    exception": gloo's threads release tensors while the interpreter shuts down), and torchrun then stops the rank
-    still writing the output. This rank has merged its statistics and left the process group; nothing is left to do.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def _interrupt(signum, frame) -> None:
     """A kill (SIGTERM) unwinds like Ctrl-C, so temporary output is removed on the way out."""
     raise KeyboardInterrupt
@@ -223,10 +210,6 @@ def main(argv: list[str] | None = None) -> int:
 
             result = api.run_calibration(recipes.calibration_config(**options))
             if result is None:  # a torchrun rank other than 0: it has left its process group, and writes nothing
-                from .distributed import launched
-
-                if launched():  # never a process that merely called main(), e.g. a test
-                    _leave_now()
                 return 0
             print(result.summary() + "".join(f"\n{line}" for line in recipes.serve_notes(result.provenance["recipe"])))
             return 0

@@ -164,6 +164,10 @@ def session(device: str, timeout_s: float) -> Iterator[Group]:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(device)  # NCCL's object collectives use the current device
+    # torch.distributed.nn's functions take ``group=group.WORLD`` as a default argument: imported after the join
+    # (transformers imports it when it loads a tokenizer), they would hold the process group forever, so that
+    # leaving could not free it and its worker threads would still run while Python shuts down (SIGABRT).
+    import torch.distributed.nn  # noqa: F401
     try:
         with _native_stderr_kept_on_success():
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))

@@ -135,3 +135,33 @@ def test_a_rendezvous_nobody_answers_is_one_line(tiny_dir, text_file, tmp_path):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith("kvcal: error: rank 1 could not join the other 1 ranks at 127.0.0.1:") and "reachable" in lines[0]
     assert time.monotonic() - start < 90 and not out.exists()
+
+
+LEAVE = """
+import os, sys
+from transformers import AutoTokenizer
+from calibrate import calibrate
+from calibrate.distributed import session
+
+def gloo_threads():
+    return [t for t in os.listdir("/proc/self/task") if open(f"/proc/self/task/{t}/comm").read().startswith(("pt_gloo", "gloo"))]
+
+model, data, out = sys.argv[1:]
+with session("cpu", 30) as group:
+    assert group.active and gloo_threads()
+    AutoTokenizer.from_pretrained(model)  # imports torch.distributed.nn inside the session
+print(len(gloo_threads()))
+calibrate(model, [data], out, seq_len=64, max_tokens=256, progress=False, verify=False)  # a whole run, rank 0 of 1
+print(len(gloo_threads()))
+"""
+
+
+def test_leaving_the_session_stops_the_process_groups_threads(tiny_dir, text_file, tmp_path):
+    """A process group still referenced after the session keeps gloo's worker threads running while Python shuts
+    down, which aborts the process (SIGABRT) now and then instead of its exit code 2 or 0: every thread must be gone
+    once the session is left, whatever ran inside it (a tokenizer's load, a whole calibration)."""
+    run = subprocess.run([sys.executable, "-c", LEAVE, str(tiny_dir), str(text_file), str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=300, env=rank_env(0, 1, free_port()))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["0", "0"]
+    assert (tmp_path / "out" / "kvcal" / "calibration.json").is_file()
