@@ -36,6 +36,7 @@ from .stats import ModelSignature, Stats
 # The model, data, capture and verify modules import transformers and datasets (seconds): calibrate imports
 # them when it runs, so that export and inspect, which need none of them, start fast.
 if TYPE_CHECKING:
+    from .data import SequenceStream
     from .model import AttentionLayer
     from .verify import VerifyResult
 
@@ -244,7 +245,8 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     scales, are exactly those of an uninterrupted run. The saves are removed once OUT is written.
     """
     from .checkpoint import check_export_form, check_loads_scales, warn_ignored_scales
-    from .model import check_remote_code, read_config
+    from .data import iter_sequences
+    from .model import check_remote_code, load_tokenizer, max_context, read_config
     from .weights import PROVENANCE as WEIGHTS_PROVENANCE
     from .weights import check_available, quantize_weights
 
@@ -270,7 +272,12 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             check_remote_code(config.model, model_config, config.trust_remote_code)
             if group.writes:
                 prepare_output(Path(config.out), Path(config.model), config.overwrite)
-            hub.fetch(config.model, trust_remote_code=config.trust_remote_code)  # a Hub model's weights and tokenizer
+            # The data opened with the model's tokenizer (every source's first record: a wrong column, a chat without
+            # a template, an unreachable dataset) before a Hub model's weights download and before any model loads.
+            hub.fetch(config.model, trust_remote_code=config.trust_remote_code, weights=False)
+            tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
+            stream = iter_sequences(config.data, tokenizer, max_context=max_context(model_config))
+            hub.fetch(config.model, trust_remote_code=config.trust_remote_code)
             weight_files(Path(config.model))
             check_export_form(Path(config.model), config.form, config.scales.granularity)
             if config.weights:
@@ -280,7 +287,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
 
         # 2. and 3. Load the model, stream this rank's share of the data through it (the model is freed after).
         with group.together("loading the model and capturing statistics"):
-            captured = _load_and_capture(config, group, saved)
+            captured = _load_and_capture(config, group, saved, stream)
         # The statistics of every rank, merged exactly (on the device: NCCL on GPUs); rank 0 carries on alone.
         group.merge(captured.stats)
         if not group.writes:
@@ -369,15 +376,15 @@ def _held_back(config: CalibrationConfig, tokenizer, context: int | None) -> lis
     return held
 
 
-def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | None) -> _Captured:
-    """Steps 2 and 3 of ``run_calibration`` on one rank: load and place the model, capture this rank's share.
+def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | None, stream: SequenceStream) -> _Captured:
+    """Steps 2 and 3 of ``run_calibration`` on one rank: load and place the model, capture this rank's share of
+    ``stream`` (opened in step 1, with the tokenizer the model is loaded with).
 
     A rank other than 0 whose share is empty (fewer sequences than ranks) keeps zero statistics: the capture
     would refuse them, but the merge needs them. Rank 0 always captures, so no data at all fails as in one process.
     ``saved`` is this rank's save when resuming: its statistics are restored and its sequences skipped.
     """
     from .capture import check_visible, run_capture
-    from .data import iter_sequences
     from .model import (
         attention_layers, checkpoint_named, input_device, load_model, max_context, read_config, resolve_placement, signature,
     )
@@ -388,10 +395,8 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
     )
     dtype = getattr(torch, config.dtype) if config.dtype else None
     model_config = read_config(config.model)
-    context = max_context(model_config)
-    config.data.check_context(context)  # before the load: a seq_len the model cannot take fails cheaply
     model, tokenizer = load_model(config.model, device=placement.device, dtype=dtype, placement=placement,
-                                  trust_remote_code=config.trust_remote_code)
+                                  trust_remote_code=config.trust_remote_code, tokenizer=stream.tokenizer)
     layers = checkpoint_named(attention_layers(model), config.model)
     sig = signature(model, layers)
     if "auto_map" in model_config:  # modeling code of its own: can kvcal see its K and V at all?
@@ -401,7 +406,6 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
     stats = Stats.empty(sig, device)
 
     # 3. Stream this rank's share of the data through the model, collecting statistics of Q, K and V.
-    stream = iter_sequences(config.data, tokenizer, max_context=context)
     directory = resume.resume_dir(config.out)
     # The manifest hashes the data files once per stream: the final manifest reuses the hashes.
     identity = resume.run_identity(config, group.world) | resume.stream_identity(stream.manifest(), device, model.dtype)
@@ -423,7 +427,7 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
         from .output_observer import output_observer
 
         s = config.scales
-        searched = output_observer(model, layers, stats, _held_back(config, tokenizer, context), config.data.chunk_len,
+        searched = output_observer(model, layers, stats, _held_back(config, tokenizer, max_context(model_config)), config.data.chunk_len,
                                    granularity=s.granularity, fmt=get_format(s.fp8_format), headroom=s.headroom,
                                    query_scale=s.query_scale)
     return _Captured(layers, sig, stats, stream.manifest(), device, model.dtype, searched)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from .data import HUB_TIMEOUT_S
 
-# What a run reads: configs, safetensors weights and their index, the tokenizer (and chat template); not .bin,
+# What a run reads: configs, the tokenizer (and chat template), safetensors weights and their index; not .bin,
 # .pth, GGUF, ONNX or "original/" copies of the weights. Modeling code only with --trust-remote-code.
-NEEDED = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]
+SMALL_FILES = ["*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]  # enough to open the data
+NEEDED = SMALL_FILES + ["*.safetensors"]
 REMOTE_CODE = ["*.py"]
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})")
@@ -58,10 +59,12 @@ def resolve(name: str, revision: str | None = None) -> str:
         raise ValueError(_explain(e, name, revision)) from None
 
 
-def fetch(model_dir: str, *, trust_remote_code: bool = False) -> None:
+def fetch(model_dir: str, *, trust_remote_code: bool = False, weights: bool = True) -> None:
     """Bring the files a run reads into a Hub snapshot directory that ``resolve`` returned; a local model: nothing.
 
-    Without a network (one short request tells), only the cache is read: a model cached whole still runs.
+    ``weights=False`` brings the configs and the tokenizer alone (``SMALL_FILES``): enough to open the data, so
+    that bad data fails before the weights download. Without a network (one short request tells), only the cache
+    is read: a model cached whole still runs.
     """
     match = _SNAPSHOT.search(Path(model_dir).as_posix())
     if match is None:
@@ -76,7 +79,7 @@ def fetch(model_dir: str, *, trust_remote_code: bool = False) -> None:
         offline = True
     try:
         snapshot_download(repo, revision=commit, local_files_only=offline,
-                          allow_patterns=NEEDED + (REMOTE_CODE if trust_remote_code else []))
+                          allow_patterns=(NEEDED if weights else SMALL_FILES) + (REMOTE_CODE if trust_remote_code else []))
     except Exception as e:  # noqa: BLE001
         raise ValueError(_explain(e, repo, commit)) from None
 

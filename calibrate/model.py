@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -14,6 +15,9 @@ from .checkpoint import KV_SCALE_PATTERN, mla_dims
 from .config import check_model_dir
 from .files import read_json_object
 from .stats import ModelSignature
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -185,9 +189,11 @@ def without_kv_quantization(config) -> None:
 
 def load_model(
     model_dir: str | Path, *, device: torch.device, dtype: torch.dtype | None = None, placement: Placement | None = None,
-    trust_remote_code: bool = False,
+    trust_remote_code: bool = False, tokenizer: "PreTrainedTokenizerBase | None" = None,
 ):
     """Load model and tokenizer from a local directory, in eval mode, on ``device``, without KV quantization.
+
+    A caller that opened its data first passes the ``tokenizer`` it loaded for that, which is then returned as it is.
 
     With a ``placement`` that has a device map, transformers places the model with accelerate instead (GPUs, then
     CPU, then disk, within ``max_memory``): layers offloaded to CPU or disk run on ``input_device(model)``, their
@@ -203,7 +209,8 @@ def load_model(
     mapped = placement is not None and placement.device_map is not None
     config = read_config(model_dir)
     dtype = dtype or default_dtype(placement.device if mapped else device, config)
-    tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     try:
         hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:

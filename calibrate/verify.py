@@ -797,11 +797,13 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     # 2. The sample, before the model is loaded: data too short for one sequence is refused cheaply.
     device = resolve_device(config.device)
     context = max_context(read_config(config.checkpoint))
-    sequences, manifest = _sample(config.data, load_tokenizer(config.checkpoint), context)
+    tokenizer = load_tokenizer(config.checkpoint)
+    sequences, manifest = _sample(config.data, tokenizer, context)
     sampled = time.perf_counter()
 
     # 3. The reference model (float32 on CPU by default, K and V unquantized) and its attention layers.
-    model, tokenizer = load_model(config.checkpoint, device=device, dtype=getattr(torch, config.dtype) if config.dtype else None)
+    model, _ = load_model(config.checkpoint, device=device, dtype=getattr(torch, config.dtype) if config.dtype else None,
+                          tokenizer=tokenizer)
     layers = checkpoint_named(attention_layers(model), config.checkpoint)
     sig = signature(model, layers)
     if sig.latent_dim and config.fa3:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from calibrate.export import scales_file
-from calibrate.hub import NEEDED, _SNAPSHOT, is_repo_id, resolve
+from calibrate.hub import NEEDED, REMOTE_CODE, _SNAPSHOT, fetch, is_repo_id, resolve
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -52,6 +52,23 @@ def test_names_are_hub_ids_only_when_not_local(tmp_path, monkeypatch):
     m = _SNAPSHOT.search(f"/x/hub/models--kvcal-test--tiny/snapshots/{COMMIT}")
     assert (m["org"], m["name"], m["commit"]) == ("kvcal-test", "tiny", COMMIT)
     assert "*.safetensors" in NEEDED and "*.bin" not in NEEDED
+
+
+def test_fetch_brings_the_small_files_first_and_the_weights_when_asked(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    asked = []
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo, revision, timeout: None)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download",
+                        lambda repo, revision, local_files_only, allow_patterns: asked.append((repo, revision, allow_patterns)))
+    snapshot = str(tmp_path / "hub" / "models--org--name" / "snapshots" / COMMIT)
+    fetch(snapshot, weights=False)
+    fetch(snapshot, trust_remote_code=True)
+    fetch(str(tmp_path))  # a local directory: nothing to fetch
+    (_, _, small), (repo, revision, everything) = asked
+    assert (repo, revision) == ("org/name", COMMIT)
+    assert "tokenizer.model" in small and "*.json" in small and not any("safetensors" in p for p in small)
+    assert set(everything) == set(small) | {"*.safetensors"} | set(REMOTE_CODE)
 
 
 def test_a_cached_hub_model_calibrates_offline_by_its_name(hub_cache, tmp_path):
@@ -156,4 +173,23 @@ def test_remote_code_that_hides_k_and_v_is_refused_before_any_data_runs(tmp_path
         "kvcal: error: kvcal cannot see K and V in 2 of 3 attention layers of this kvcal_remote_test model (e.g. "
         "model.layers.1.self_attn): its modeling code computes attention without transformers' attention interface; "
         "calibrate the family with transformers' own implementation, if it has one")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_data_fails_before_a_hub_models_weights_are_fetched(hub_cache, tmp_path):
+    """The cache holds kvcal-test/tiny's configs and tokenizer but no weights, as after a download cut short: bad data
+    is named (it was opened with the tokenizer alone); good data gets as far as the missing weights."""
+    for weights in (hub_cache / "hub" / "models--kvcal-test--tiny" / "snapshots" / COMMIT).glob("*.safetensors"):
+        weights.unlink()
+    env = {"HF_HOME": str(hub_cache), "HF_HUB_OFFLINE": "1"}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"body": "In the beginning"}\n')
+    run = kvcal("calibrate", "kvcal-test/tiny", "--data", str(bad), "--out", str(tmp_path / "out"), env=env)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip() == (f"kvcal: error: {bad} has no 'input_ids' / 'messages' / 'text' column; its columns are "
+                                  "body: pass text_field naming the text column")
+    good = kjv_jsonl(tmp_path / "d.jsonl", 20)
+    run = kvcal("calibrate", "kvcal-test/tiny", "--data", str(good), "--out", str(tmp_path / "out"), env=env)
+    assert run.returncode == 2 and run.stderr.strip().endswith(f"snapshots/{COMMIT} has no .safetensors weight files; kvcal "
+                                                               "writes scales beside safetensors weights"), run.stderr
     assert not (tmp_path / "out").exists()
