@@ -283,7 +283,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             if config.weights:
                 check_available(Path(config.model), config.weights)
             fmt = get_format(config.scales.fp8_format)
-            saved = resume.prepare(config, group.rank, group.world)
+            saved = resume.prepare(config, group.rank, group.world, stream.manifest())
 
         # 2. and 3. Load the model, stream this rank's share of the data through it (the model is freed after).
         with group.together("loading the model and capturing statistics"):
@@ -408,7 +408,7 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
     # 3. Stream this rank's share of the data through the model, collecting statistics of Q, K and V.
     directory = resume.resume_dir(config.out)
     # The manifest hashes the data files once per stream: the final manifest reuses the hashes.
-    identity = resume.run_identity(config, group.world) | resume.stream_identity(stream.manifest(), device, model.dtype)
+    identity = resume.run_identity(config, group.world, stream.manifest()) | resume.loaded_identity(device, model.dtype)
     if saved is not None:
         resume.check_same(saved, identity, directory)
         stats = resume.restore(saved, directory, sig, device)

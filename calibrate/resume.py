@@ -51,8 +51,9 @@ def saved_states(directory: Path) -> list[Path]:
     return sorted(directory.glob("state-rank*.json")) if directory.is_dir() else []
 
 
-def prepare(config: CalibrationConfig, rank: int, world: int) -> dict | None:
-    """Before the model loads: this rank's save to resume from (None: start its share from the beginning).
+def prepare(config: CalibrationConfig, rank: int, world: int, manifest: list[dict]) -> dict | None:
+    """Before the model loads, once the data is open (``manifest``): this rank's save to resume from (None: start
+    its share from the beginning).
 
     Without ``resume``, a save left by an interrupted run is refused (a fresh run would replace hours of work)
     unless ``overwrite``, which removes it. With ``resume``, every rank's save is checked against this run's
@@ -74,7 +75,7 @@ def prepare(config: CalibrationConfig, rank: int, world: int) -> dict | None:
             f"--resume: there is no save to resume from ({directory} holds none: the run ended before its first "
             "--checkpoint-every tokens, or it finished); run again without --resume"
         )
-    current = run_identity(config, world)
+    current = run_identity(config, world, manifest)
     mine = None
     for path in states:
         state = _read_state(path)
@@ -84,23 +85,22 @@ def prepare(config: CalibrationConfig, rank: int, world: int) -> dict | None:
     return mine
 
 
-def run_identity(config: CalibrationConfig, world: int) -> dict:
-    """What a save must share with the run resuming it, as far as is known before the model loads."""
+def run_identity(config: CalibrationConfig, world: int, manifest: list[dict]) -> dict:
+    """What a save must share with the run resuming it, as far as is known before the model loads: settings,
+    model files, number of ranks and the data stream's ``manifest`` (its files' hashes, a hub dataset's revision)."""
     model = Path(config.model).resolve()
     return {
         "settings": json.loads(json.dumps({name: value for name, value in config.settings().items() if name in STATS_SETTINGS})),
         "model": {"path": str(model), "files": _model_files(model)},
         "world": world,
-    }
-
-
-def stream_identity(manifest: list[dict], device: torch.device, dtype: torch.dtype) -> dict:
-    """What a save must share with the run resuming it, known once the data stream is open and the model loaded."""
-    return {
         "data": [{key: source[key] for key in ("source", "weight", "files", "revision")} for source in manifest],
-        "device": device.type,
-        "dtype": str(dtype).removeprefix("torch."),
     }
+
+
+def loaded_identity(device: torch.device, dtype: torch.dtype) -> dict:
+    """What a save must share with the run resuming it, known once the model is loaded: where and in what dtype
+    it computes."""
+    return {"device": device.type, "dtype": str(dtype).removeprefix("torch.")}
 
 
 def check_same(saved: dict, current: dict, directory: Path) -> None:

@@ -299,17 +299,14 @@ def test_truncated_weights_are_refused(root, capsys):
 ], ids=["no-known-column", "text-field-missing"])
 def test_bad_data_fails_before_the_weights_download_or_the_model_load(root, capsys, monkeypatch, data, text_field, fragment):
     """A 70B model takes minutes to download and load: data that cannot be read must fail before either."""
-    import calibrate.hub
-    import calibrate.model
-
     (root / "wrong-column.jsonl").write_text('{"body": "In the beginning"}\n')
     fetched = []
-    monkeypatch.setattr(calibrate.hub, "fetch", lambda model, *, trust_remote_code=False, weights=True: fetched.append(weights))
+    monkeypatch.setattr("calibrate.hub.fetch", lambda model, *, trust_remote_code=False, weights=True: fetched.append(weights))
 
     def no_load(*args, **kwargs):
         raise AssertionError("the model was loaded before the data was opened")
 
-    monkeypatch.setattr(calibrate.model, "load_model", no_load)
+    monkeypatch.setattr("calibrate.model.load_model", no_load)
     out = root / "new"
     code, err = kvcal(capsys, "calibrate", str(root / "llama"), "--data", str(root / data), "--out", str(out), "--quiet",
                       "--no-verify", *(["--text-field", text_field] if text_field else []))

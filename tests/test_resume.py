@@ -80,9 +80,15 @@ def test_a_resume_with_other_settings_is_refused(tiny_dir, text_file, tmp_path, 
     assert resume_dir(tmp_path / "out").is_dir()  # a refused resume keeps the save
 
 
-def test_a_resume_on_other_data_or_ranks_is_refused(tiny_dir, text_file, tmp_path):
+def test_a_resume_on_other_data_or_ranks_is_refused(tiny_dir, text_file, tmp_path, monkeypatch):
+    """Refused before the model loads: a large model would otherwise load for minutes to be told no."""
     out = tmp_path / "out"
     interrupted(tiny_dir, text_file, out)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the resume was checked")
+
+    monkeypatch.setattr("calibrate.model.load_model", no_load)
     state = resume_dir(out) / "state-rank0.json"
     saved = json.loads(state.read_text())
     state.write_text(json.dumps(saved | {"world": 2}))
