@@ -274,10 +274,10 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
                 prepare_output(Path(config.out), Path(config.model), config.overwrite)
             # The data opened with the model's tokenizer (every source's first record: a wrong column, a chat without
             # a template, an unreachable dataset) before a Hub model's weights download and before any model loads.
-            hub.fetch(config.model, trust_remote_code=config.trust_remote_code, weights=False)
+            offline = hub.fetch(config.model, trust_remote_code=config.trust_remote_code, weights=False)
             tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
             stream = iter_sequences(config.data, tokenizer, max_context=max_context(model_config))
-            hub.fetch(config.model, trust_remote_code=config.trust_remote_code)
+            hub.fetch(config.model, trust_remote_code=config.trust_remote_code, offline=offline)
             weight_files(Path(config.model))
             check_export_form(Path(config.model), config.form, config.scales.granularity)
             if config.weights:

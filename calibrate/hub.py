@@ -59,29 +59,34 @@ def resolve(name: str, revision: str | None = None) -> str:
         raise ValueError(_explain(e, name, revision)) from None
 
 
-def fetch(model_dir: str, *, trust_remote_code: bool = False, weights: bool = True) -> None:
+def fetch(model_dir: str, *, trust_remote_code: bool = False, weights: bool = True, offline: bool | None = None) -> bool:
     """Bring the files a run reads into a Hub snapshot directory that ``resolve`` returned; a local model: nothing.
 
     ``weights=False`` brings the configs and the tokenizer alone (``SMALL_FILES``): enough to open the data, so
-    that bad data fails before the weights download. Without a network (one short request tells), only the cache
-    is read: a model cached whole still runs.
+    that bad data fails before the weights download. Without a network (one short request tells, unless ``offline``
+    says already), only the cache is read: a model cached whole still runs.
+
+    Returns:
+        Whether the Hub was out of reach: pass it as ``offline`` to a second call, which then asks no question.
     """
     match = _SNAPSHOT.search(Path(model_dir).as_posix())
     if match is None:
-        return
+        return False
     from huggingface_hub import HfApi, snapshot_download
 
     repo, commit = f"{match['org']}/{match['name']}", match["commit"]
-    try:
-        HfApi().model_info(repo, revision=commit, timeout=HUB_TIMEOUT_S)
-        offline = False
-    except Exception:  # noqa: BLE001 — unreachable (or gone): what the cache holds is all there is
-        offline = True
+    if offline is None:
+        try:
+            HfApi().model_info(repo, revision=commit, timeout=HUB_TIMEOUT_S)
+            offline = False
+        except Exception:  # noqa: BLE001 — unreachable (or gone): what the cache holds is all there is
+            offline = True
     try:
         snapshot_download(repo, revision=commit, local_files_only=offline,
                           allow_patterns=(NEEDED if weights else SMALL_FILES) + (REMOTE_CODE if trust_remote_code else []))
     except Exception as e:  # noqa: BLE001
         raise ValueError(_explain(e, repo, commit)) from None
+    return offline
 
 
 def _explain(error: Exception, name: str, revision: str | None) -> str:

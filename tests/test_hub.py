@@ -57,16 +57,22 @@ def test_names_are_hub_ids_only_when_not_local(tmp_path, monkeypatch):
 def test_fetch_brings_the_small_files_first_and_the_weights_when_asked(tmp_path, monkeypatch):
     import huggingface_hub
 
-    asked = []
-    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", lambda self, repo, revision, timeout: None)
-    monkeypatch.setattr(huggingface_hub, "snapshot_download",
-                        lambda repo, revision, local_files_only, allow_patterns: asked.append((repo, revision, allow_patterns)))
+    asked, questions = [], []
+
+    def unreachable(self, repo, revision, timeout):
+        questions.append(repo)
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, revision, local_files_only, allow_patterns:
+                        asked.append((repo, revision, local_files_only, allow_patterns)))
     snapshot = str(tmp_path / "hub" / "models--org--name" / "snapshots" / COMMIT)
-    fetch(snapshot, weights=False)
-    fetch(snapshot, trust_remote_code=True)
-    fetch(str(tmp_path))  # a local directory: nothing to fetch
-    (_, _, small), (repo, revision, everything) = asked
-    assert (repo, revision) == ("org/name", COMMIT)
+    offline = fetch(snapshot, weights=False)
+    assert offline and questions == ["org/name"]
+    assert not fetch(snapshot, trust_remote_code=True, offline=False)  # told it is reachable: no question asked
+    assert fetch(str(tmp_path)) is False and questions == ["org/name"]  # a local directory: nothing to fetch
+    (_, _, cache_only, small), (repo, revision, from_hub, everything) = asked
+    assert (repo, revision, cache_only, from_hub) == ("org/name", COMMIT, True, False)
     assert "tokenizer.model" in small and "*.json" in small and not any("safetensors" in p for p in small)
     assert set(everything) == set(small) | {"*.safetensors"} | set(REMOTE_CODE)
 
