@@ -427,9 +427,9 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
         from .output_observer import output_observer
 
         s = config.scales
-        searched = output_observer(model, layers, stats, _held_back(config, tokenizer, max_context(model_config)), config.data.chunk_len,
-                                   granularity=s.granularity, fmt=get_format(s.fp8_format), headroom=s.headroom,
-                                   query_scale=s.query_scale)
+        held = _held_back(config, tokenizer, max_context(model_config))
+        searched = output_observer(model, layers, stats, held, config.data.chunk_len, granularity=s.granularity,
+                                   fmt=get_format(s.fp8_format), headroom=s.headroom, query_scale=s.query_scale)
     return _Captured(layers, sig, stats, stream.manifest(), device, model.dtype, searched)
 
 

@@ -8,6 +8,7 @@ KVCAL_REQUIRE_CLIENTS=1 (CI), where a missing client is a failure.
 import json
 import os
 import subprocess
+import warnings
 from pathlib import Path
 
 import pytest
@@ -104,8 +105,13 @@ def test_vllm_loads_moe_families_scales_exactly(family, smol_tokenizer, kjv_path
     model = T.AutoModelForCausalLM.from_config(MOE[family](T, common)).to(torch.bfloat16).eval()
     model.save_pretrained(tmp_path / "model")
     smol_tokenizer.save_pretrained(tmp_path / "model")
-    result = calibrate(str(tmp_path / "model"), [str(kjv_path)], str(tmp_path / "out"), seq_len=64, max_tokens=512,
-                       progress=False, verify=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = calibrate(str(tmp_path / "model"), [str(kjv_path)], str(tmp_path / "out"), seq_len=64, max_tokens=512,
+                           progress=False, verify=False)
+    # Qwen3-MoE alone had vLLM drop its scales (fixed before vLLM 0.32, which loads them below): kvcal says so for it only.
+    dropped = [str(w.message) for w in caught if "dropped checkpoint KV scales" in str(w.message)]
+    assert len(dropped) == (family == "qwen3_moe"), dropped
     loaded = vllm_scales(result.out, tmp_path)
     written = result.scale_set.checkpoint_scales()
     assert sorted(loaded) == [layer.layer_idx for layer in result.layers]
