@@ -30,6 +30,7 @@ def root(tmp_path_factory, smol_tokenizer, kjv_path):
         for _, line in zip(range(200), src):
             dst.write(json.dumps({"text": json.loads(line)["text"]}) + "\n")
     (root / "hi.jsonl").write_text('{"text": "hi"}\n')
+    (root / "wrong-column.jsonl").write_text('{"body": "In the beginning"}\n')
     (root / "empty.jsonl").write_text("")
     (root / "a-file").write_text("x")
     (root / "no-data").mkdir()
@@ -299,7 +300,6 @@ def test_truncated_weights_are_refused(root, capsys):
 ], ids=["no-known-column", "text-field-missing"])
 def test_bad_data_fails_before_the_weights_download_or_the_model_load(root, capsys, monkeypatch, data, text_field, fragment):
     """A 70B model takes minutes to download and load: data that cannot be read must fail before either."""
-    (root / "wrong-column.jsonl").write_text('{"body": "In the beginning"}\n')
     fetched = []
     monkeypatch.setattr("calibrate.hub.fetch", lambda model, *, trust_remote_code=False, weights=True: fetched.append(weights))
 
