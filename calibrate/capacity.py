@@ -15,13 +15,14 @@ from dataclasses import dataclass, replace
 from .config import SIZE_UNITS
 from .data import check_int
 
-# Nominal memory of one GPU, GB = 10**9 bytes, as the project's issue 13 gives it: sales figures. The total vLLM
-# takes its utilization of (torch.cuda.mem_get_info) can differ; pass that size instead for a tight estimate.
+# Nominal memory of one GPU, GB = 10**9 bytes: the vendors' sales figures. The total vLLM takes its utilization of
+# (torch.cuda.mem_get_info) can differ; pass that size instead for a tight estimate.
 GPUS = {"H100": 80 * 10**9, "H200": 141 * 10**9, "B200": 180 * 10**9}
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization: the share of a GPU it lets itself use
-# Quoted beside kvcal's own arithmetic for comparison; nothing here derives them.
+# Quoted beside kvcal's own arithmetic for comparison; nothing here derives them. They are the figures kvcal's planning
+# started from, unmeasured here; README.md ("Does it pay") says so.
 SEED_FIGURES = {"fp8_decode_cost_vs_bf16": 0.54, "break_even_context_tokens": 7000}
-SEED_NOTE = "figures from the project's issue 13, not measured by kvcal"
+SEED_NOTE = "quoted figures, not measured by kvcal (README: Does it pay)"
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Z]+)")
 
 

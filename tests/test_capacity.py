@@ -195,10 +195,10 @@ def test_plan_llama3_8b_on_h100():
     assert result["kvcal_figures"]["fp8_decode_bytes_vs_bf16"] == pytest.approx(fp8_read)
     assert result["kvcal_figures"]["break_even_context_tokens"] == 122071
     assert result["seed_figures"] == {"fp8_decode_cost_vs_bf16": 0.54, "break_even_context_tokens": 7000,
-                                      "note": "figures from the project's issue 13, not measured by kvcal"}
+                                      "note": "quoted figures, not measured by kvcal (README: Does it pay)"}
     assert SEED_FIGURES == {"fp8_decode_cost_vs_bf16": 0.54, "break_even_context_tokens": 7000}
     text = plan_text(result)
-    assert all(name in text for name in ("auto", "fp8", "122,071", "issue 13", "7,000"))
+    assert all(name in text for name in ("auto", "fp8", "122,071", "quoted figures", "7,000"))
     table = text.splitlines()[1:4]  # header and the two dtype rows
     assert len({len(line) for line in table}) == 1, table
 

