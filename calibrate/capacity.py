@@ -21,8 +21,8 @@ GPUS = {"H100": 80 * 10**9, "H200": 141 * 10**9, "B200": 180 * 10**9}
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization: the share of a GPU it lets itself use
 # Quoted beside kvcal's own arithmetic for comparison; nothing here derives them. They are the figures kvcal's planning
 # started from, unmeasured here; README.md ("Does it pay") says so.
-SEED_FIGURES = {"fp8_decode_cost_vs_bf16": 0.54, "break_even_context_tokens": 7000}
-SEED_NOTE = "quoted figures, not measured by kvcal (README: Does it pay)"
+QUOTED_FIGURES = {"fp8_decode_cost_vs_bf16": 0.54, "break_even_context_tokens": 7000}
+QUOTED_NOTE = "quoted figures, not measured by kvcal (README: Does it pay)"
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Z]+)")
 
 
@@ -168,7 +168,7 @@ def plan(layers: list[LayerKV], weight_bytes: float, context: int, memory: str |
     (vLLM's ``sliding_window`` skip entry: pass the sliding-window layers' indices).
     Returns a JSON-able dict (bytes per GPU): the inputs; ``dtypes``: name → bytes_per_token,
     kv_bytes_per_sequence, max_sequences, capacity_ratio, decode_bytes_per_token,
-    decode_bytes_per_token_at_max_batch, decode_ratio, verdict; ``kvcal_figures`` beside the quoted ``seed_figures``.
+    decode_bytes_per_token_at_max_batch, decode_ratio, verdict; ``kvcal_figures`` beside the quoted ``quoted_figures``.
     """
     memory_bytes = parse_memory(memory)
     if "auto" not in dtypes:
@@ -210,7 +210,7 @@ def plan(layers: list[LayerKV], weight_bytes: float, context: int, memory: str |
             "break_even_context_tokens": break_even_context(layers, weight_bytes, tp),
             "note": "kvcal's arithmetic: bytes read per decoded token at batch 1, not time; KV sizes are lower bounds",
         },
-        "seed_figures": {**SEED_FIGURES, "note": SEED_NOTE},
+        "quoted_figures": {**QUOTED_FIGURES, "note": QUOTED_NOTE},
     }
 
 
@@ -227,8 +227,8 @@ def plan_text(result: dict) -> str:
         lines.append(f"{name:<22}{row['bytes_per_token']:>10,.0f}{row['kv_bytes_per_sequence'] / gb:>11.3f}"
                      f"{row['max_sequences']:>7}{ratio:>7}{row['decode_bytes_per_token'] / gb:>12.2f} GB"
                      f"{row['decode_ratio']:>7.2f}{'-' if batch is None else f'{batch / gb:.3f} GB':>14}")
-    even, seed = result["kvcal_figures"]["break_even_context_tokens"], result["seed_figures"]
+    even, quoted = result["kvcal_figures"]["break_even_context_tokens"], result["quoted_figures"]
     lines += [f"bf16 KV read = weight read at {'no context' if even is None else f'{even:,} tokens'} (kvcal's arithmetic)",
-              f"{seed['note']}: fp8 decode cost {seed['fp8_decode_cost_vs_bf16']}× bf16, "
-              f"break-even {seed['break_even_context_tokens']:,} tokens"]
+              f"{quoted['note']}: fp8 decode cost {quoted['fp8_decode_cost_vs_bf16']}× bf16, "
+              f"break-even {quoted['break_even_context_tokens']:,} tokens"]
     return "\n".join(lines)

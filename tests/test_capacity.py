@@ -10,7 +10,7 @@ import math
 import pytest
 
 from calibrate.capacity import (
-    GPU_MEMORY_UTILIZATION, GPUS, SEED_FIGURES, LayerKV, break_even_context, decode_bytes_per_token, decode_ratio,
+    GPU_MEMORY_UTILIZATION, GPUS, QUOTED_FIGURES, LayerKV, break_even_context, decode_bytes_per_token, decode_ratio,
     fit, kv_bytes, parse_memory, per_gpu, per_token, plan, plan_text,
 )
 
@@ -194,9 +194,9 @@ def test_plan_llama3_8b_on_h100():
                                       "and reads 0.97× the bytes per decoded token at batch 1")
     assert result["kvcal_figures"]["fp8_decode_bytes_vs_bf16"] == pytest.approx(fp8_read)
     assert result["kvcal_figures"]["break_even_context_tokens"] == 122071
-    assert result["seed_figures"] == {"fp8_decode_cost_vs_bf16": 0.54, "break_even_context_tokens": 7000,
+    assert result["quoted_figures"] == {"fp8_decode_cost_vs_bf16": 0.54, "break_even_context_tokens": 7000,
                                       "note": "quoted figures, not measured by kvcal (README: Does it pay)"}
-    assert SEED_FIGURES == {"fp8_decode_cost_vs_bf16": 0.54, "break_even_context_tokens": 7000}
+    assert QUOTED_FIGURES == {"fp8_decode_cost_vs_bf16": 0.54, "break_even_context_tokens": 7000}
     text = plan_text(result)
     assert all(name in text for name in ("auto", "fp8", "122,071", "quoted figures", "7,000"))
     table = text.splitlines()[1:4]  # header and the two dtype rows
