@@ -168,7 +168,7 @@ def plan(layers: list[LayerKV], weight_bytes: float, context: int, memory: str |
     (vLLM's ``sliding_window`` skip entry: pass the sliding-window layers' indices).
     Returns a JSON-able dict (bytes per GPU): the inputs; ``dtypes``: name → bytes_per_token,
     kv_bytes_per_sequence, max_sequences, capacity_ratio, decode_bytes_per_token,
-    decode_bytes_per_token_at_max_batch, decode_ratio, verdict; ``kvcal_figures`` beside the quoted ``quoted_figures``.
+    decode_bytes_per_token_at_max_batch, decode_ratio, verdict; ``kvcal_figures`` beside ``quoted_figures``.
     """
     memory_bytes = parse_memory(memory)
     if "auto" not in dtypes:

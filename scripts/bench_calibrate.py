@@ -73,24 +73,20 @@ def main() -> None:
 
     bare(sequences[0]), kvcal(sequences[0])  # warm-up
     sides = {"bare": bare, "kvcal": kvcal}
-    grand = dict.fromkeys(sides, 0.0)
-    ratios: list[float] = []  # kvcal / bare, one per sequence and round
+    pairs: list[dict[str, float]] = []  # seconds of each side, one per sequence and round
     for r in range(args.rounds):
-        totals = dict.fromkeys(sides, 0.0)
         for i, seq in enumerate(sequences):
             order = list(sides) if (r + i) % 2 == 0 else list(sides)[::-1]
-            seconds = {name: timed(sides[name], seq) for name in order}
-            ratios.append(seconds["kvcal"] / seconds["bare"])
-            for name in sides:
-                totals[name] += seconds[name]
-                grand[name] += seconds[name]
+            pairs.append({name: timed(sides[name], seq) for name in order})
+        totals = {name: sum(p[name] for p in pairs[-len(sequences):]) for name in sides}
         print(f"round {r}: bare {totals['bare']:7.2f} s, kvcal {totals['kvcal']:7.2f} s, ratio {totals['kvcal'] / totals['bare']:.3f}"
               f"  ({tokens / totals['kvcal']:,.0f} tok/s calibrating)")
-    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    grand = {name: sum(p[name] for p in pairs) for name in sides}
+    q1, median, q3 = statistics.quantiles([p["kvcal"] / p["bare"] for p in pairs], n=4)
     print(f"\n{tokens} tokens x {args.rounds} rounds, {len(layers)} layers, torch threads {torch.get_num_threads()}, {device}")
     print(f"bare forward {grand['bare']:.2f} s, kvcal calibration {grand['kvcal']:.2f} s")
     print(f"ratio kvcal / bare = {grand['kvcal'] / grand['bare']:.3f}  (target <= 1.10); per sequence: median {median:.3f}, "
-          f"quartiles {q1:.3f}-{q3:.3f} over {len(ratios)} pairs")
+          f"quartiles {q1:.3f}-{q3:.3f} over {len(pairs)} pairs")
 
 
 def random_model(shape: dict, n: int, length: int, device: torch.device) -> tuple[torch.nn.Module, list[torch.Tensor]]:
