@@ -24,7 +24,7 @@ import torch
 from . import hub, resume
 from .config import LITTLE_DATA_TOKENS, CalibrationConfig, ScaleConfig
 from .distributed import Group, session
-from .export import KVCAL_DIR, prepare_output, scale_tensors, weight_files, write_checkpoint
+from .export import KVCAL_DIR, PROVENANCE_FILE, prepare_output, scale_tensors, weight_files, write_checkpoint
 from .files import read_json_object
 from .fp8 import get_format
 from .checkpoint import mla_dims
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
     from .verify import VerifyResult
 
 STATS_FILE = "stats.safetensors"
-PROVENANCE_FILE = "calibration.json"
 
 
 @dataclass
@@ -245,7 +244,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     scales, are exactly those of an uninterrupted run. The saves are removed once OUT is written.
     """
     from .checkpoint import check_export_form, check_loads_scales, warn_ignored_scales
-    from .data import iter_sequences
+    from .data import iter_sequences, local_paths
     from .model import check_remote_code, load_tokenizer, max_context, read_config
     from .weights import PROVENANCE as WEIGHTS_PROVENANCE
     from .weights import check_available, quantize_weights
@@ -271,7 +270,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             warn_ignored_scales(model_config)
             check_remote_code(config.model, model_config, config.trust_remote_code)
             if group.writes:
-                prepare_output(Path(config.out), Path(config.model), config.overwrite)
+                prepare_output(Path(config.out), [Path(config.model), *local_paths(config.data.sources)], config.overwrite)
             # The data opened with the model's tokenizer (every source's first record: a wrong column, a chat without
             # a template, an unreachable dataset) before a Hub model's weights download and before any model loads.
             offline = hub.fetch(config.model, trust_remote_code=config.trust_remote_code, weights=False)
@@ -327,6 +326,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             write_extras=_write_extras(stats, provenance),
             fp8_format=fmt.name,
             overwrite=config.overwrite,
+            inputs=(Path(config.model), *local_paths(config.data.sources)),
         )
     finally:
         if weights_dir is not None:
@@ -514,7 +514,7 @@ def export(
     fmt = get_format(fp8_format)
     stats, old = load_calibration(source)
     target = Path(model or source)
-    prepare_output(Path(out), target, overwrite)
+    prepare_output(Path(out), [target, Path(source)], overwrite)
     target_config = read_config(target)
     check_loads_scales(target_config)
     try:
@@ -552,6 +552,7 @@ def export(
         write_extras=_write_extras(stats, provenance),
         fp8_format=fmt.name,
         overwrite=overwrite,
+        inputs=(Path(source),),
     )
     return CalibrationResult(written, layers, stats, scale_set, provenance)
 

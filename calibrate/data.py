@@ -404,6 +404,11 @@ class SequenceStream:
         return ids
 
 
+def local_paths(specs: list[str]) -> list[Path]:
+    """The local files and directories ``--data`` reads (a hub dataset has none): inputs an output must not hold."""
+    return [Path(part.path) for source in _resolve_sources(specs) for part in source.parts if part.builder != "hub"]
+
+
 def _resolve_sources(specs: list[str]) -> list[_Source]:
     """``--data`` entries → sources with their parts, checking only what needs no reading of data."""
     if isinstance(specs, str) or not specs:

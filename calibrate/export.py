@@ -31,6 +31,7 @@ from .checkpoint import (
 from .files import save_tensors
 
 KVCAL_DIR = "kvcal"
+PROVENANCE_FILE = "calibration.json"  # in KVCAL_DIR: what marks a directory as a kvcal output
 SCALES_PRODUCER = "kvcal"  # the "producer" metadata of the scales shard
 
 
@@ -229,15 +230,31 @@ def copy_other_files(source: Path, dest: Path, *, skip: set[str], weight_suffixe
             shutil.copy2(item, dest / item.name)
 
 
-def prepare_output(out: Path, source: Path, overwrite: bool) -> None:
-    """Cheap checks on OUT_DIR before any expensive work."""
-    out, source = out.resolve(), source.resolve()
-    if out == source or source in out.parents:
-        raise ValueError(f"--out {out} is the source checkpoint or inside it; choose a new directory")
+def is_kvcal_output(directory: Path) -> bool:
+    """Whether ``directory`` is an output kvcal wrote (it holds ``kvcal/calibration.json``)."""
+    return (Path(directory) / KVCAL_DIR / PROVENANCE_FILE).is_file()
+
+
+def prepare_output(out: Path, inputs: list[Path], overwrite: bool) -> None:
+    """Cheap checks on OUT_DIR before any expensive work.
+
+    ``--overwrite`` replaces only what kvcal wrote: an earlier kvcal output or an empty directory. No input
+    (the source checkpoint, a target, data files) may be OUT, lie inside it, or hold it.
+    """
+    out = Path(out).resolve()
+    for given in inputs:
+        path = Path(given).resolve()
+        if out == path or path in out.parents:
+            raise ValueError(f"--out {out} is the input {given} or inside it; choose a new directory")
+        if out in path.parents:
+            raise ValueError(f"--out {out} holds the input {given}; choose a directory that holds none of the inputs")
     if out.exists() and not overwrite:
         raise ValueError(f"{out} already exists; pass --overwrite to replace it, or choose another --out")
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a directory")
+    if out.exists() and not is_kvcal_output(out) and any(out.iterdir()):
+        raise ValueError(f"{out} exists and was not written by kvcal; --overwrite replaces only kvcal's own outputs: "
+                         "choose another --out, or remove it yourself")
     if not out.parent.is_dir():
         raise ValueError(f"the parent directory of {out} does not exist; create it first")
 
@@ -251,6 +268,7 @@ def write_checkpoint(
     write_extras: Callable[[Path], None],
     fp8_format: str = "e4m3fn",
     overwrite: bool = False,
+    inputs: tuple[Path, ...] = (),
 ) -> Path:
     """Build the output checkpoint in a temporary directory and move it into place.
 
@@ -261,13 +279,14 @@ def write_checkpoint(
         strategy: "tensor" or "head".
         write_extras: called with the temporary kvcal/ directory to add statistics and provenance.
         fp8_format: the format the scales are in (a ModelOpt target gets them in its loader's units).
-        overwrite: replace an existing ``out``.
+        overwrite: replace an existing ``out`` (only one kvcal wrote, see ``prepare_output``).
+        inputs: the run's other inputs (data files, statistics), none of which ``out`` may be or hold.
 
     Returns:
         ``out``, complete.
     """
     source, out = Path(source), Path(out)
-    prepare_output(out, source, overwrite)
+    prepare_output(out, [source, *inputs], overwrite)
     existed = out.exists()
     files = weight_files(source)
     config = json.loads((source / "config.json").read_text())

@@ -87,15 +87,42 @@ def test_provenance_and_statistics_are_saved(tiny_dir, text_file, tmp_path):
     torch.testing.assert_close(saved.kinds["k"].hist, result.stats.kinds["k"].hist, rtol=0, atol=0)
 
 
-def test_existing_output_is_refused_and_overwrite_replaces_it(tiny_dir, text_file, tmp_path):
+def test_existing_output_is_refused_and_overwrite_replaces_only_a_kvcal_output(tiny_dir, text_file, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(ValueError, match="already exists; pass --overwrite"):
         run(tiny_dir, text_file, out)
+    with pytest.raises(ValueError, match="was not written by kvcal"):
+        run(tiny_dir, text_file, out, overwrite=True)
     assert (out / "keep.txt").read_text() == "mine"
-    run(tiny_dir, text_file, out, overwrite=True)
-    assert not (out / "keep.txt").exists() and (scales_file(out)).is_file()
+    (out / "keep.txt").unlink()
+    run(tiny_dir, text_file, out, overwrite=True)  # an empty directory is taken
+    first = scales_file(out).read_bytes()
+    run(tiny_dir, text_file, out, overwrite=True, observer="mse")  # a kvcal output is replaced
+    assert scales_file(out).read_bytes() != first
+
+
+def test_overwrite_never_removes_an_input(tiny_dir, text_file, tmp_path):
+    """An OUT that holds the source, the data or a calibration is refused, ``--overwrite`` or not."""
+    from calibrate import apply, export
+
+    src = tmp_path / "src"
+    run(tiny_dir, text_file, src)
+    before = {"tiny": digest(tiny_dir), "src": digest(src), "data": text_file.read_bytes()}
+    with pytest.raises(ValueError, match="holds the input"):
+        export(str(src), str(tmp_path), overwrite=True)
+    with pytest.raises(ValueError, match="holds the input"):
+        apply(str(src), str(tiny_dir), str(tmp_path), overwrite=True)
+    (tmp_path / "d").mkdir()
+    data = tmp_path / "d" / "data.jsonl"
+    data.write_bytes(text_file.read_bytes())
+    with pytest.raises(ValueError, match="holds the input .*data.jsonl"):
+        run(tiny_dir, data, tmp_path / "d", overwrite=True)
+    assert data.read_bytes() == text_file.read_bytes()
+    with pytest.raises(ValueError, match="holds the input"):
+        run(tiny_dir, text_file, tmp_path, overwrite=True)
+    assert before == {"tiny": digest(tiny_dir), "src": digest(src), "data": text_file.read_bytes()}
 
 
 def test_interrupted_write_leaves_nothing(tiny_dir, tmp_path):
