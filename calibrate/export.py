@@ -161,8 +161,10 @@ def scales_file(directory: Path) -> Path:
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
+    """Hard-link the file ``src`` names, following symlinks (a Hub cache's snapshot files are relative links
+    into its ``blobs/``, which a link of the link itself would leave dangling in OUT)."""
     try:
-        os.link(src, dst)
+        os.link(Path(src).resolve(strict=True), dst)
     except OSError:  # another filesystem, or links not allowed
         shutil.copy2(src, dst)
 

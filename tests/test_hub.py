@@ -1,5 +1,6 @@
 """hub.py: models named as on the Hub, from a Hub cache built in the test (no network), and remote code."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -31,9 +32,15 @@ def tokenizer():
 
 @pytest.fixture
 def hub_cache(tmp_path, tokenizer):
-    """HF_HOME holding kvcal-test/tiny at COMMIT as huggingface_hub lays out its cache, with refs/main → COMMIT."""
+    """HF_HOME holding kvcal-test/tiny at COMMIT as huggingface_hub lays out its cache: each snapshot file a
+    relative symlink into ``blobs/`` (named by content hash), and refs/main → COMMIT."""
     repo = tmp_path / "hf" / "hub" / "models--kvcal-test--tiny"
-    save_tiny_checkpoint(repo / "snapshots" / COMMIT, "llama", tokenizer)
+    snapshot = save_tiny_checkpoint(repo / "snapshots" / COMMIT, "llama", tokenizer)
+    (repo / "blobs").mkdir()
+    for path in sorted(p for p in snapshot.rglob("*") if p.is_file()):
+        blob = repo / "blobs" / hashlib.sha256(path.read_bytes()).hexdigest()
+        path.replace(blob)
+        path.symlink_to(os.path.relpath(blob, path.parent))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
     return tmp_path / "hf"
@@ -88,6 +95,10 @@ def test_a_cached_hub_model_calibrates_offline_by_its_name(hub_cache, tmp_path):
         provenance = json.loads((out / "kvcal" / "calibration.json").read_text())
         assert provenance["model"].endswith(f"models--kvcal-test--tiny/snapshots/{COMMIT}")
         assert "model.layers.2.self_attn.k_scale" in load_file(scales_file(out))
+        # The cache's relative symlinks are followed: OUT holds the files themselves, the weights hard-linked.
+        assert not any(p.is_symlink() for p in out.rglob("*"))
+        blobs = {p.stat().st_ino for p in (hub_cache / "hub" / "models--kvcal-test--tiny" / "blobs").iterdir()}
+        assert (out / "model-00001-of-00002.safetensors").stat().st_ino in blobs
 
 
 @pytest.mark.parametrize(
