@@ -10,23 +10,21 @@ pay for torch and transformers (seconds) before a command needs them.
 """
 
 import importlib
-import sys
-import types
 
-# Public name → the submodule that defines it.
+# Public name → the module that defines it.
 _PUBLIC = {
     "CalibrationConfig": "config",
     "CalibrationResult": "api",
-    "Stats": "stats",
-    "VerifyResult": "verify",
+    "Stats": "capture.stats",
+    "VerifyResult": "verification.run",
     "apply": "api",
     "calibrate": "api",
     "export": "api",
-    "inspect": "inspector",
+    "inspect": "checkpoint.inspect",
     "load_calibration": "api",
     "load_recipe": "recipes",
     "run_calibration": "api",
-    "verify": "verify",
+    "verify": "verification.run",
 }
 __all__ = sorted(_PUBLIC)
 
@@ -42,20 +40,3 @@ def __getattr__(name: str) -> object:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_PUBLIC})
-
-
-class _Package(types.ModuleType):
-    """``calibrate.export`` and ``calibrate.verify`` stay the functions, as with eager imports.
-
-    Importing the submodules ``calibrate.export`` or ``calibrate.verify`` makes Python bind them on the
-    package under the same names; that binding is dropped here (they stay in ``sys.modules``), so
-    ``from calibrate import export`` gives the function whatever was imported before.
-    """
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _PUBLIC and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

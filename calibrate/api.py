@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 import platform
 import shutil
 import time
@@ -21,26 +20,29 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import hub, resume
+from . import hub
+from .run import resume
 from .config import LITTLE_DATA_TOKENS, CalibrationConfig, ScaleConfig
-from .distributed import Group, session
-from .export import KVCAL_DIR, PROVENANCE_FILE, prepare_output, scale_tensors, weight_files, write_checkpoint
+from .run.distributed import Group, session
+from .layout import KVCAL_DIR, PROVENANCE_FILE
+from .checkpoint.write import prepare_output, scale_tensors, weight_files, write_checkpoint
 from .files import read_json_object
 from .fp8 import get_format
-from .checkpoint import mla_dims
-from .model import signature_of
-from .observers import ScaleSet, derive_scales, latent_report
-from .report import SERVE_NOTES, kvcal_version, scale_table, serve_command
-from .stats import ModelSignature, Stats
+from .loaders import mla_dims
+from .model.layers import signature_of
+from .scales.observers import ScaleSet, derive_scales, latent_report
+from .verification.report import SERVE_NOTES, kvcal_version, scale_table, serve_command
+from .model.layers import ModelSignature
+from .capture.stats import Stats
+from .layout import STATS_FILE, provenance_path, sibling, stats_path, verify_dir
 
 # The model, data, capture and verify modules import transformers and datasets (seconds): calibrate imports
 # them when it runs, so that export and inspect, which need none of them, start fast.
 if TYPE_CHECKING:
-    from .data import SequenceStream
-    from .model import AttentionLayer
-    from .verify import VerifyResult
+    from .data.stream import SequenceStream
+    from .model.layers import AttentionLayer
+    from .verification.run import VerifyResult
 
-STATS_FILE = "stats.safetensors"
 
 
 @dataclass
@@ -197,7 +199,7 @@ def scale_report(scale_set: ScaleSet) -> dict:
 
 def _write_extras(stats: Stats, provenance: dict):
     def write(directory: Path) -> None:
-        stats.save(directory / STATS_FILE)
+        stats.save(directory / STATS_FILE)  # directory: OUT's KVCAL_DIR, being built
         (directory / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
 
     return write
@@ -240,14 +242,15 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     checkpoint and measures the combined effect).
 
     With ``config.checkpoint_every`` each rank saves its statistics and place in the data as it goes; with
-    ``config.resume`` each rank continues from its save (``calibrate.resume``), and the statistics, and so the
+    ``config.resume`` each rank continues from its save (``calibrate.run.resume``), and the statistics, and so the
     scales, are exactly those of an uninterrupted run. The saves are removed once OUT is written.
     """
-    from .checkpoint import check_export_form, check_loads_scales, warn_ignored_scales
-    from .data import iter_sequences, local_paths
-    from .model import check_remote_code, load_tokenizer, max_context, read_config
-    from .weights import PROVENANCE as WEIGHTS_PROVENANCE
-    from .weights import check_available, quantize_weights
+    from .loaders import check_export_form, check_loads_scales, warn_ignored_scales
+    from .data.stream import iter_sequences, local_paths
+    from .model.load import check_remote_code, load_tokenizer, read_config
+    from .model.layers import max_context
+    from .checkpoint.weights import PROVENANCE as WEIGHTS_PROVENANCE
+    from .checkpoint.weights import check_available, quantize_weights
 
     start = time.perf_counter()
     config.validate()
@@ -316,7 +319,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     source, weights_dir = Path(config.model), None
     try:
         if config.weights:
-            weights_dir = Path(config.out).parent / f".{Path(config.out).name}.kvcal-weights-{os.getpid()}"
+            weights_dir = sibling(config.out, "weights")
             shutil.rmtree(weights_dir, ignore_errors=True)
             source = quantize_weights(source, weights_dir, config.weights)
         out = write_checkpoint(
@@ -363,7 +366,7 @@ HELD_BACK_SEQUENCES = 4
 
 def _held_back(config: CalibrationConfig, tokenizer, context: int | None) -> list[torch.Tensor]:
     """Up to HELD_BACK_SEQUENCES sequences of the data stream past ``max_tokens``, none of which the statistics saw."""
-    from .data import iter_sequences
+    from .data.stream import iter_sequences
 
     budget = config.data.max_tokens
     stream = iter_sequences(replace(config.data, max_tokens=budget + HELD_BACK_SEQUENCES * config.data.seq_len),
@@ -384,10 +387,9 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
     would refuse them, but the merge needs them. Rank 0 always captures, so no data at all fails as in one process.
     ``saved`` is this rank's save when resuming: its statistics are restored and its sequences skipped.
     """
-    from .capture import check_visible, run_capture
-    from .model import (
-        attention_layers, checkpoint_named, input_device, load_model, max_context, read_config, resolve_placement, signature,
-    )
+    from .capture.hooks import check_visible, run_capture
+    from .model.layers import attention_layers, checkpoint_named, max_context, signature
+    from .model.load import input_device, load_model, read_config, resolve_placement
 
     # 2. Load and place the model (on this rank's device, or by accelerate's device map); find its attention layers.
     placement = resolve_placement(
@@ -424,7 +426,7 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
         )
     searched = None
     if config.scales.observer == "output":
-        from .output_observer import output_observer
+        from .scales.search import output_observer
 
         s = config.scales
         held = _held_back(config, tokenizer, max_context(model_config))
@@ -444,14 +446,15 @@ def _short_verify(config: CalibrationConfig) -> VerifyResult | None:
     Its report goes to OUT/kvcal/verify. Data too short for one sequence only warns: the checkpoint is
     already written and the full ``kvcal verify`` takes its own sample.
     """
-    from .verify import VerifyConfig, run_verify
+    from .verification.config import VerifyConfig
+    from .verification.run import run_verify
 
     seq_len = min(config.data.seq_len, SHORT_VERIFY_TOKENS)
     try:
         return run_verify(VerifyConfig.from_options(
             config.out, config.data.sources, seq_len=seq_len, max_tokens=SHORT_VERIFY_SEQUENCES * seq_len, text_field=config.data.text_field,
             seed=config.data.seed + 1, schemes=config.written_schemes(), **asdict(config.thresholds), device=config.device,
-            dtype=config.dtype, fp8_format=config.scales.fp8_format, report_dir=str(Path(config.out) / KVCAL_DIR / "verify"),
+            dtype=config.dtype, fp8_format=config.scales.fp8_format, report_dir=str(verify_dir(config.out)),
             progress=config.progress,
         ))
     except ValueError as e:
@@ -463,18 +466,18 @@ def load_calibration(source: str | Path) -> tuple[Stats, dict]:
     """Statistics and provenance saved in a kvcal output directory."""
     from safetensors import SafetensorError
 
-    stats_path, provenance_path = Path(source) / KVCAL_DIR / STATS_FILE, Path(source) / KVCAL_DIR / PROVENANCE_FILE
-    if not stats_path.is_file():
+    stats_file, provenance_file = stats_path(source), provenance_path(source)
+    if not stats_file.is_file():
         raise ValueError(f"{source} has no {KVCAL_DIR}/{STATS_FILE}; pass a directory written by kvcal calibrate")
-    if not provenance_path.is_file():
+    if not provenance_file.is_file():
         raise ValueError(f"{source} has no {KVCAL_DIR}/{PROVENANCE_FILE} beside its statistics; pass a complete kvcal output")
-    provenance = read_json_object(provenance_path, "it was not written by kvcal, or was damaged")
+    provenance = read_json_object(provenance_file, "it was not written by kvcal, or was damaged")
     if not isinstance(provenance.get("layers"), list):
-        raise ValueError(f"{provenance_path} holds no 'layers' list; it was not written by kvcal, or was damaged")
+        raise ValueError(f"{provenance_file} holds no 'layers' list; it was not written by kvcal, or was damaged")
     try:
-        stats = Stats.load(stats_path)
+        stats = Stats.load(stats_file)
     except SafetensorError as e:
-        raise ValueError(f"{stats_path} is not a readable safetensors file ({e}); it is damaged: calibrate again") from None
+        raise ValueError(f"{stats_file} is not a readable safetensors file ({e}); it is damaged: calibrate again") from None
     return stats, provenance
 
 
@@ -505,8 +508,9 @@ def export(
     No model is loaded: the statistics are checked against the target's config.json and the weight
     files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself).
     """
-    from .checkpoint import check_loads_scales
-    from .model import AttentionLayer, read_config
+    from .loaders import check_loads_scales
+    from .model.layers import AttentionLayer
+    from .model.load import read_config
 
     start = time.perf_counter()
     # 1. Saved statistics, and the checkpoint they go into, checked against each other.
@@ -567,7 +571,7 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False) ->
     Raises:
         ValueError: SOURCE is not a kvcal output, or CHECKPOINT's attention layers are not SOURCE's.
     """
-    from .checkpoint import checkpoint_prefixes
+    from .loaders import checkpoint_prefixes
 
     # 1. The calibrated attention layers must be exactly the target's (export checks heads and head size).
     _, provenance = load_calibration(source)

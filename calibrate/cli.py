@@ -12,12 +12,13 @@ from typing import NoReturn
 
 from dataclasses import asdict
 
-from .capacity import GPUS
-from .config import (
-    DEFAULT_VERIFY_SCHEMES, DEVICE_MAPS, DTYPES, FP8_FORMATS, GRANULARITIES, OBSERVERS, VERIFY_SCHEMES, WEIGHT_SCHEMES, CalibrationConfig, ScaleConfig,
-)
-from .data import LONG_RECORDS
+from .verification.capacity import GPUS
+from .config import CalibrationConfig, ScaleConfig
+
 from .demo import DEMO_SEQ_LEN, DEMO_TOKENS
+from .choices import (
+    DEFAULT_VERIFY_SCHEMES, DEVICE_MAPS, FP8_FORMATS, GRANULARITIES, LONG_RECORDS, MODEL_DTYPES, OBSERVERS, VERIFY_SCHEMES, WEIGHT_SCHEMES,
+)
 
 # The scale flags' defaults for ``export``: ScaleConfig's. Under ``calibrate`` every flag defaults to None
 # instead ("not given"), so only flags the user typed override the recipe, and the configuration's own
@@ -46,7 +47,7 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-records", choices=LONG_RECORDS, help="a record longer than one sequence is split (default) or refused")
     p.add_argument("--seed", type=int, help=f"shuffling seed (default {_DEFAULTS['seed']})")
     p.add_argument("--device", help=f"auto, cpu, cuda or cuda:N (default {_DEFAULTS['device']})")
-    p.add_argument("--dtype", choices=DTYPES, help="model dtype (default: checkpoint's on GPU, float32 on CPU)")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, help="model dtype (default: checkpoint's on GPU, float32 on CPU)")
     p.add_argument("--device-map", choices=DEVICE_MAPS,
                    help="place a model bigger than one device with accelerate: over every visible GPU, then CPU, then disk")
     p.add_argument("--max-memory", metavar="DEVICE=SIZE[,...]",
@@ -82,10 +83,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _VerifyHelp(argparse.HelpFormatter):
-    """Fills ``{setting}`` in ``kvcal verify``'s help with VerifyConfig's defaults, importing verify only to show help."""
+    """Fills ``{setting}`` in ``kvcal verify``'s help with VerifyConfig's defaults (torch-free)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        from .verify import VerifyConfig
+        from .verification.config import VerifyConfig
 
         return action.help.format_map(VerifyConfig.defaults())
 
@@ -130,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="new output checkpoint directory")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
 
-    # Defaults come from VerifyConfig (not repeated here); its module imports transformers, so help shows them lazily.
+    # Defaults come from VerifyConfig (not repeated here), filled in only when help is shown.
     p = sub.add_parser("verify", help="measure what an FP8 KV cache costs a checkpoint, per scheme, and how to serve it",
                        argument_default=argparse.SUPPRESS, formatter_class=_VerifyHelp)
     p.add_argument("checkpoint", help="model directory: a kvcal output, or any checkpoint (scales are read from it when present)")
@@ -162,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", help=f"one GPU's memory for the memory arithmetic: {', '.join(GPUS)} or a size such as 80GB (default {{gpu}})")
     p.add_argument("--tp", type=int, help="tensor-parallel GPUs for the memory arithmetic (default {tp})")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=DTYPES, help="reference dtype (default: float32 on CPU, checkpoint's on GPU)")
+    p.add_argument("--dtype", choices=MODEL_DTYPES, help="reference dtype (default: float32 on CPU, checkpoint's on GPU)")
     p.add_argument("--fp8-format", choices=FP8_FORMATS, help="e4m3fn (NVIDIA, CPU) or e4m3fnuz (ROCm)")
     p.add_argument("--report", dest="report_dir", help="write report.json, report.md and plots into this directory")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
@@ -178,7 +179,7 @@ def _saved_note(args: argparse.Namespace) -> str:
     """How to continue an interrupted calibration that left a save, else nothing."""
     if args.command != "calibrate":
         return ""
-    from .resume import resume_dir, saved_states
+    from .run.resume import resume_dir, saved_states
 
     if not saved_states(resume_dir(args.out)):
         return ""
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             print(recipes.listing() if args.action == "list" else recipes.describe(args.name))
             return 0
         if args.command == "inspect":
-            from .inspector import inspect
+            from .checkpoint.inspect import inspect
 
             found = inspect(args.checkpoint, check_weights=args.check_weights)
             print(json.dumps(found.to_json(), indent=2) if args.json else found.text())
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
             result = apply(**options)
         elif args.command == "verify":
-            from .verify import verify
+            from .verification.run import verify
 
             result = verify(**options)
         elif args.command == "export":

@@ -1,9 +1,9 @@
 """The configuration tree of a run, each part defined and validated once, checked before any model is loaded.
 
     CalibrationConfig                 one ``kvcal calibrate`` run (recipes map onto it section by section)
-      ├── data: DataConfig            what to read and how to cut it (``data.py`` owns it: recipe ``data:``)
+      ├── data: DataConfig            what to read and how to cut it (``data/stream.py`` owns it: recipe ``data:``)
       ├── scales: ScaleConfig         how statistics become scales (recipe ``scales:``; ``kvcal export`` too)
-      ├── thresholds: Thresholds      the verdict's pass/fail limits (recipe ``verify.thresholds``; ``kvcal verify`` too)
+      ├── thresholds: Thresholds      the verdict's limits (verification/config.py owns it: recipe ``verify.thresholds``)
       └── the run's own fields        placement, export form and weights, saves, verify on/off
 
 ``kvcal verify``'s ``VerifyConfig`` holds a DataConfig and Thresholds the same way. A flat set of keyword
@@ -11,40 +11,26 @@ options (``calibrate(model, data, out, seq_len=..., observer=...)``, the CLI's f
 owns each name: for a calibration through the recipe section of that part (``recipes.recipe_paths``), for
 verify directly (``route_options``).
 
-This module imports neither torch nor transformers (nor does ``data.py`` at import): the command line parses
-and checks settings, and ``kvcal recipes`` validates recipes, with the names below, in a fraction of a second.
-The names are the ones ``observers``, ``fp8`` and ``verify`` define (tests/test_cli.py checks they agree).
+This module imports neither torch nor transformers (nor do the parts' modules at import): the command line parses
+and checks settings, and ``kvcal recipes`` validates recipes, with the names in ``choices.py``, in a fraction of a
+second.
 """
 
-import difflib
 import os
 import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field, fields, is_dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data import DataConfig, as_sources, check_int
+from .data.stream import DataConfig, as_sources, check_int
+from .choices import (
+    DEVICE_MAPS, MODEL_DTYPES, SIZE_UNITS, check_form_name, check_fp8_format, check_granularity, check_observer, check_verify_schemes, check_weights,
+)
+from .files import check_model_dir
+from .verification.config import Thresholds
+from .settings import flat_settings
 
-OBSERVERS = ("max", "percentile:P", "mse", "sink-aware", "output")
-GRANULARITIES = ("tensor", "head", "token")
-FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
-DTYPES = ("float32", "bfloat16", "float16")
-# kvcal verify's schemes: the reference, FP8 with scale 1.0, per-tensor, per-head and per-token-head scales; per-tensor
-# scales of the max and mse observers from the checkpoint's statistics (beside the output observer's, written as
-# tensor); then vLLM's other cache dtypes by their --kv-cache-dtype names (kvdtypes.py). The first five run by default.
-VERIFY_SCHEMES = ("bf16", "scale1", "tensor", "head", "token", "max", "mse",
-                  "fp8_e5m2", "int8_per_token_head", "int4_per_token_head", "nvfp4", "nvfp4_4over6")
-DEFAULT_VERIFY_SCHEMES = VERIFY_SCHEMES[:5]
-# "auto" writes the form of the source checkpoint (ModelOpt inside a ModelOpt checkpoint, else compressed-tensors);
-# naming a form makes the run refuse a source of the other kind.
-EXPORT_FORMS = ("auto", "compressed-tensors", "modelopt")
-WEIGHT_SCHEMES = ("fp8",)  # --weights: llm-compressor's data-free FP8_DYNAMIC
-DEVICE_MAPS = ("auto",)
-# Size units of --max-memory, as accelerate spells them (all in bytes; case does not matter).
-SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)")
 _MAX_MEMORY_EXAMPLE = "e.g. --max-memory 0=70GiB,cpu=200GiB (devices 0, 1, cuda:0, cpu, disk)"
 # A run whose layers saw fewer tokens than this says so in its summary and in calibration.json.
@@ -54,40 +40,6 @@ LITTLE_DATA_TOKENS = 100_000
 # while a save writes the statistics once (about 76 MB for an 8B model; not yet timed on a GPU machine). A kill
 # then loses minutes of work at most, and the default 500K-token run never saves.
 CHECKPOINT_EVERY = 2_000_000
-
-
-def check_model_dir(model_dir: str | Path) -> None:
-    """Refuse a model path that is a file or does not exist."""
-    if Path(model_dir).is_file():
-        raise ValueError(f"{model_dir} is a file; pass the model's directory (the one holding config.json)")
-    if not Path(model_dir).is_dir():
-        raise ValueError(f"model directory {model_dir} does not exist; pass a local Hugging Face model directory")
-
-
-def check_observer(text: str) -> None:
-    """Refuse an ``--observer`` value that ``observers.parse_observer`` would refuse, with the same message."""
-    name, _, arg = text.strip().partition(":")
-    if name == "percentile":
-        try:
-            p = float(arg)
-        except ValueError:
-            raise ValueError(f"observer {text!r}: write the percentile as a number, e.g. percentile:99.99") from None
-        if not 0 < p <= 100:
-            raise ValueError(f"observer {text!r}: the percentile must be in (0, 100], e.g. percentile:99.99")
-    elif name not in OBSERVERS or arg:
-        raise ValueError(f"unknown observer {text!r}; choose one of: {', '.join(OBSERVERS)}")
-
-
-def check_granularity(text: str) -> None:
-    """Refuse a granularity that ``observers.parse_granularity`` would refuse, with the same message."""
-    if text not in GRANULARITIES:
-        raise ValueError(f"unknown granularity {text!r}; choose one of: {', '.join(GRANULARITIES)}")
-
-
-def check_fp8_format(name: str) -> None:
-    """Refuse a format name that ``fp8.get_format`` would refuse, with the same message."""
-    if name not in FP8_FORMATS:
-        raise ValueError(f"unknown FP8 format {name!r}; choose one of: {', '.join(FP8_FORMATS)}")
 
 
 def check_headroom(value: float) -> None:
@@ -163,31 +115,6 @@ def check_offload_folder(folder: str) -> None:
         raise ValueError(f"--offload-folder {folder} is on a full disk; free space there or pass another directory")
 
 
-def check_weights(value: str | None) -> None:
-    """Refuse a ``--weights`` scheme kvcal cannot apply (None keeps the weights as they are)."""
-    if value is not None and value not in WEIGHT_SCHEMES:
-        raise ValueError(f"--weights {value!r}: choose fp8 (or leave it out to keep the weights as they are)")
-
-
-def _closest(name: str, choices: tuple[str, ...]) -> str:
-    """``did you mean 'x'? `` for a near miss, else nothing."""
-    close = difflib.get_close_matches(str(name), choices, n=1)
-    return f"did you mean {close[0]!r}? " if close else ""
-
-
-def check_export_form(value: str) -> None:
-    """Refuse an export form that is not one of EXPORT_FORMS."""
-    if value not in EXPORT_FORMS:
-        raise ValueError(f"unknown export form {value!r}; {_closest(value, EXPORT_FORMS)}choose one of: {', '.join(EXPORT_FORMS)}")
-
-
-def check_verify_schemes(names: list[str]) -> None:
-    """Refuse a scheme name ``kvcal verify`` does not know."""
-    for name in names:
-        if name not in VERIFY_SCHEMES:
-            raise ValueError(f"unknown verify scheme {name!r}; {_closest(name, VERIFY_SCHEMES)}choose from: {', '.join(VERIFY_SCHEMES)}")
-
-
 @dataclass
 class ScaleConfig:
     """How statistics become scales: for ``kvcal calibrate`` and for ``kvcal export`` from saved statistics.
@@ -215,109 +142,6 @@ class ScaleConfig:
             raise ValueError(f"query_scale must be True or False, got {self.query_scale!r}")
         check_fp8_format(self.fp8_format)
         return self
-
-
-@dataclass
-class Thresholds:
-    """Pass and fail limits of a verify verdict: KL in nats/token, top-1 agreement as a fraction.
-
-    By default the limits are relative to a measured *floor*: what computing the unquantized model in another
-    precision costs on the same sample (bf16 against a float32 reference; ``verify`` measures it). A scheme
-    passes within ``floor_pass`` times the floor's KL and top-1 disagreement, and fails beyond ``floor_fail``
-    times, so a verdict means the same on a 135M model and a 70B one. An absolute limit that is set (a recipe's
-    or ``--max-kl``...) replaces its relative one; without a floor, ``ABSOLUTE`` stands in for the unset ones.
-
-    Attributes:
-        max_kl: pass with mean KL to the reference at most this (None: floor_pass × the floor's KL).
-        fail_kl: fail with mean KL above this (None: floor_fail × the floor's KL).
-        min_top1: pass with top-1 agreement at least this, 0-1 (None: from the floor's disagreement).
-        fail_top1: fail with top-1 agreement below this (None: from the floor's disagreement).
-        floor_pass: pass within this many times the floor (≥ 1).
-        floor_fail: fail beyond this many times the floor (≥ floor_pass).
-    """
-
-    max_kl: float | None = None
-    fail_kl: float | None = None
-    min_top1: float | None = None
-    fail_top1: float | None = None
-    floor_pass: float = 10.0
-    floor_fail: float = 100.0
-
-    # Limits used where none is set and no floor was measured (verify --fixed-limits).
-    ABSOLUTE: ClassVar[dict[str, float]] = {"max_kl": 0.02, "fail_kl": 0.1, "min_top1": 0.95, "fail_top1": 0.90}
-    LIMITS: ClassVar[tuple[str, ...]] = ("max_kl", "fail_kl", "min_top1", "fail_top1")
-
-    def validate(self) -> "Thresholds":
-        """Every value a number, the ratios ordered, the set limits in order (pass inside fail); returns self."""
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None and f.name in self.LIMITS:
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-                raise ValueError(f"threshold {f.name} must be a number, got {value!r}")
-        if not 1 <= self.floor_pass <= self.floor_fail:
-            raise ValueError(f"thresholds must satisfy 1 ≤ floor-pass ≤ floor-fail, got {self.floor_pass} and {self.floor_fail}")
-        self._check_order(self.resolve(None) if None in (self.max_kl, self.fail_kl, self.min_top1, self.fail_top1) else self)
-        return self
-
-    @staticmethod
-    def _check_order(limits: "Thresholds") -> None:
-        if not (0 <= limits.max_kl <= limits.fail_kl and 0 <= limits.fail_top1 <= limits.min_top1 <= 1):
-            raise ValueError("thresholds must satisfy 0 ≤ max-kl ≤ fail-kl and 0 ≤ fail-top1 ≤ min-top1 ≤ 1")
-
-    def resolve(self, floor: dict | None) -> "Thresholds":
-        """Absolute limits for a verdict: the set ones as they are, the others from ``floor`` (its "kl" and
-        "top1") times floor_pass/floor_fail, or ``ABSOLUTE``'s when there is no floor or it measured no KL at all."""
-        if floor is None or floor["kl"] <= 0:
-            derived = dict(self.ABSOLUTE)
-        else:
-            miss = 1 - floor["top1"]
-            derived = {"max_kl": self.floor_pass * floor["kl"], "fail_kl": self.floor_fail * floor["kl"],
-                       "min_top1": max(0.0, 1 - self.floor_pass * miss), "fail_top1": max(0.0, 1 - self.floor_fail * miss)}
-        limits = {name: derived[name] if getattr(self, name) is None else getattr(self, name) for name in self.LIMITS}
-        resolved = Thresholds(**limits, floor_pass=self.floor_pass, floor_fail=self.floor_fail)
-        # A set limit can cross a derived one (max_kl 0.5 above a floor's fail_kl): the set one wins, the other follows.
-        resolved.fail_kl = max(resolved.fail_kl, resolved.max_kl) if self.fail_kl is None else resolved.fail_kl
-        resolved.max_kl = min(resolved.max_kl, resolved.fail_kl) if self.max_kl is None else resolved.max_kl
-        resolved.fail_top1 = min(resolved.fail_top1, resolved.min_top1) if self.fail_top1 is None else resolved.fail_top1
-        resolved.min_top1 = max(resolved.min_top1, resolved.fail_top1) if self.min_top1 is None else resolved.min_top1
-        self._check_order(resolved)
-        return resolved
-
-    def origin(self) -> dict[str, str]:
-        """Where each limit comes from: "set" or "floor" (report.json shows it beside the limits)."""
-        return {name: "set" if getattr(self, name) is not None else "floor" for name in self.LIMITS}
-
-
-def route_options(options: dict, parts: dict[str, type]) -> tuple[dict[str, dict], dict]:
-    """Flat keyword options → one dict per part (by the part's field names) and the rest, for the owner itself.
-
-    Args:
-        options: e.g. ``{"seq_len": 128, "observer": "mse", "device": "cpu"}``.
-        parts: attribute name → dataclass of a part, e.g. ``{"data": DataConfig, "scales": ScaleConfig}``.
-    """
-    routed: dict[str, dict] = {name: {} for name in parts}
-    rest = dict(options)
-    for name, cls in parts.items():
-        for f in fields(cls):
-            if f.name in rest:
-                routed[name][f.name] = rest.pop(f.name)
-    return routed, rest
-
-
-def flat_settings(config: object, order: list[str]) -> dict:
-    """The settings of a config tree as one flat dict, in ``order`` (part fields by their own names), for JSON.
-
-    calibration.json and verify's report.json keep the flat layout they always had, so runs stay comparable.
-    """
-    values = {}
-    for f in fields(config):
-        value = getattr(config, f.name)
-        if is_dataclass(value):  # a part: its fields under their own names
-            values.update({g.name: getattr(value, g.name) for g in fields(value)})
-        else:
-            values[f.name] = value
-    return {name: values[name] for name in order}
 
 
 @dataclass
@@ -353,7 +177,7 @@ class CalibrationConfig:
         checkpoint_every: save the statistics so far and the place in the data every this many tokens (of each
             torchrun rank's share) into ``.OUT.kvcal-resume`` beside OUT, so that a killed run can resume; 0: never.
         resume: continue from that save instead of starting over; the save's settings, model, data and number
-            of ranks must be this run's (see ``calibrate.resume``).
+            of ranks must be this run's (see ``calibrate.run.resume``).
         recipe: the resolved recipe this config came from, saved with the output.
     """
 
@@ -413,13 +237,13 @@ class CalibrationConfig:
             raise ValueError(f"verify must be True or False, got {self.verify!r}")
         if self.verify_schemes is not None:
             check_verify_schemes(self.verify_schemes)
-        check_export_form(self.form)
+        check_form_name(self.form)
         check_weights(self.weights)
         if self.min_tokens is not None:
             check_int("min_tokens", self.min_tokens, 1)
             if self.min_tokens > self.data.max_tokens:
                 raise ValueError(f"--min-tokens {self.min_tokens} is more than --max-tokens {self.data.max_tokens} allows; lower it or raise --max-tokens")
-        if self.dtype is not None and self.dtype not in DTYPES:
+        if self.dtype is not None and self.dtype not in MODEL_DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: choose float32, bfloat16 or float16")
         if isinstance(self.dist_timeout, bool) or not isinstance(self.dist_timeout, (int, float)) or not 0 < self.dist_timeout < float("inf"):
             raise ValueError(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout!r}")

@@ -63,7 +63,15 @@ def file_mode() -> int:
 def save_tensors(tensors: dict[str, "torch.Tensor"], path: Path, metadata: dict[str, str] | None = None) -> None:
     """``safetensors.torch.save_file``, then the umask's mode: safetensors creates files 0600, which a server
     running as another user (a vLLM container, a shared model store) cannot read."""
-    from safetensors.torch import save_file  # here: data.py hashes files through this module without torch
+    from safetensors.torch import save_file  # here: data/stream.py hashes files through this module without torch
 
     save_file(tensors, str(path), metadata=metadata)
     os.chmod(path, file_mode())
+
+
+def check_model_dir(model_dir: str | Path) -> None:
+    """Refuse a model path that is a file or does not exist."""
+    if Path(model_dir).is_file():
+        raise ValueError(f"{model_dir} is a file; pass the model's directory (the one holding config.json)")
+    if not Path(model_dir).is_dir():
+        raise ValueError(f"model directory {model_dir} does not exist; pass a local Hugging Face model directory")

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import check_fp8_format
+from .choices import FP8_FORMATS, check_fp8_format, check_table
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,8 @@ FORMATS: dict[str, FP8Format] = {
     # 240 (not NaN) and 0x80 is the only NaN (no -0).
     "e4m3fnuz": FP8Format("e4m3fnuz", torch.float8_e4m3fnuz, 240.0, 2.0**-7, 2.0**-10, 3),
 }
+
+check_table(FORMATS, FP8_FORMATS, "fp8.FORMATS")
 
 # vLLM's ``--kv-cache-dtype fp8_e5m2`` (emulated in kvdtypes.py). Not in FORMATS: kvcal writes e4m3 scales only.
 E5M2 = FP8Format("e5m2", torch.float8_e5m2, 57344.0, 2.0**-14, 2.0**-16, 2)

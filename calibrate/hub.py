@@ -10,7 +10,6 @@ back from it, so the configuration carries one path, as for a local model.
 import re
 from pathlib import Path
 
-from .data import HUB_TIMEOUT_S
 
 # What a run reads: configs, the tokenizer (and chat template), safetensors weights and their index; not .bin,
 # .pth, GGUF, ONNX or "original/" copies of the weights. Modeling code only with --trust-remote-code.
@@ -107,3 +106,6 @@ def _explain(error: Exception, name: str, revision: str | None) -> str:
     if isinstance(error, EntryNotFoundError):
         return f"{name} on the Hugging Face Hub has no config.json: it is not a transformers model"
     return f"cannot fetch {name} from the Hugging Face Hub ({type(error).__name__}: {error}); retry, or pass a local directory"
+
+
+HUB_TIMEOUT_S = 10.0

@@ -22,10 +22,11 @@ from pathlib import Path
 import yaml
 
 from . import hub
-from .config import (
-    CalibrationConfig, DataConfig, ScaleConfig, Thresholds, check_export_form,
-    check_verify_schemes, check_weights,
-)
+from .config import CalibrationConfig, ScaleConfig
+from .verification.config import Thresholds
+from .choices import check_form_name
+from .choices import check_verify_schemes, check_weights
+from .data.stream import DataConfig
 
 DEFAULT_RECIPE = "default"
 # Where shipped recipes are found: a source checkout first, then the installed package's data.
@@ -170,7 +171,7 @@ def _check_values(where: str, recipe: dict) -> None:
     for key, value in recipe.get("scales", {}).items():
         check(f"scales.{key}", ScaleConfig(**{key: value}).validate)
     check("verify.thresholds", Thresholds(**verify.get("thresholds", {})).validate)
-    check("export.form", lambda: check_export_form(export.get("form", "auto")))
+    check("export.form", lambda: check_form_name(export.get("form", "auto")))
     check("export.weights", lambda: check_weights(export.get("weights")))
     check("verify.schemes", lambda: check_verify_schemes(verify.get("schemes", [])))
     for item in recipe.get("skip_layers", []):
@@ -225,8 +226,8 @@ def load_recipe(ref: str, _seen: tuple[Path, ...] = ()) -> dict:
 def model_family(model_dir: str | Path) -> tuple[list[str], list[str]]:
     """(model types, architectures) from a checkpoint's config.json: the text model's type and, for a
     multimodal checkpoint, the top-level one too."""
-    from .checkpoint import model_types
-    from .model import read_config_file
+    from .loaders import model_types
+    from .model.load import read_config_file
 
     config = read_config_file(model_dir)
     return model_types(config), config.get("architectures") or []

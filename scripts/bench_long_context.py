@@ -27,9 +27,9 @@ def one_length(length: int, layers: int, chunk_len: int, device: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from calibrate.capture import run_capture
-    from calibrate.model import attention_layers, signature
-    from calibrate.stats import Stats
+    from calibrate.capture.hooks import run_capture
+    from calibrate.model.layers import attention_layers, signature
+    from calibrate.capture.stats import Stats
 
     torch.manual_seed(0)
     config = LlamaConfig(

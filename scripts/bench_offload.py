@@ -17,12 +17,13 @@ import time
 
 import torch
 
-from calibrate.capture import run_capture
+from calibrate.capture.hooks import run_capture
 from calibrate.config import parse_max_memory
-from calibrate.data import DataConfig, iter_sequences
+from calibrate.data.stream import DataConfig, iter_sequences
 from calibrate.demo import kjv_path, smollm2_dir
-from calibrate.model import attention_layers, load_model, resolve_placement, signature
-from calibrate.stats import Stats
+from calibrate.model.layers import attention_layers, signature
+from calibrate.model.load import load_model, resolve_placement
+from calibrate.capture.stats import Stats
 
 
 def main() -> None:

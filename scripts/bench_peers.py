@@ -134,9 +134,9 @@ def prepare_setting(args: argparse.Namespace, python: str, model_dir: Path, fold
     import torch
     from safetensors.torch import save_file
 
-    from calibrate.data import DataConfig, iter_sequences
+    from calibrate.data.stream import DataConfig, iter_sequences
     from calibrate.demo import kjv_path
-    from calibrate.model import load_tokenizer
+    from calibrate.model.load import load_tokenizer
 
     folder.mkdir(parents=True)
     tokenizer = load_tokenizer(model_dir)
@@ -185,7 +185,7 @@ def compare_scales(setting: str, outputs: Path, model_dir: Path, observer: str) 
     """Print how far each llm-compressor pipeline's k/v scales are from kvcal's (the last round's outputs)."""
     from safetensors.torch import load_file
 
-    from calibrate.export import scales_file
+    from calibrate.checkpoint.write import scales_file
 
     checkpoint = outputs / "kvcal" / "ckpt"
     ours = load_file(str(scales_file(checkpoint)))  # "model.layers.0.self_attn.k_scale" -> [1]
@@ -230,8 +230,8 @@ def bare_forward(model_dir: Path, tokens: Path, chunk_len: int) -> None:
     import torch
     from safetensors.torch import load_file
 
-    from calibrate.capture import forward_chunked
-    from calibrate.model import load_model
+    from calibrate.capture.hooks import forward_chunked
+    from calibrate.model.load import load_model
 
     model, _ = load_model(model_dir, device=torch.device("cpu"))  # float32 on CPU, as kvcal calibrate loads it
     for row in load_file(str(tokens))["input_ids"]:  # [n, length] -> [length]

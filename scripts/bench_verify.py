@@ -16,12 +16,16 @@ from pathlib import Path
 import torch
 
 from calibrate.api import load_calibration
-from calibrate.data import DataConfig, iter_sequences
+from calibrate.data.stream import DataConfig, iter_sequences
 from calibrate.demo import kjv_path, smollm2_dir
-from calibrate.export import weight_files
+from calibrate.checkpoint.write import weight_files
 from calibrate.fp8 import get_format
-from calibrate.model import attention_layers, load_model, signature
-from calibrate.verify import SCHEMES, VerifyConfig, build_schemes, measure
+from calibrate.model.layers import attention_layers, signature
+from calibrate.model.load import load_model
+from calibrate.choices import VERIFY_SCHEMES
+from calibrate.verification.schemes import build_schemes
+from calibrate.verification.passes import measure
+from calibrate.verification.config import VerifyConfig
 
 
 @torch.no_grad()
@@ -43,7 +47,7 @@ def main() -> None:
     parser.add_argument("--data", default=None, help="data source (default: packaged KJV text)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--sequences", type=int, default=2)
-    parser.add_argument("--schemes", default=",".join(SCHEMES))
+    parser.add_argument("--schemes", default=",".join(VERIFY_SCHEMES))
     args = parser.parse_args()
     checkpoint, data = str(args.checkpoint or smollm2_dir()), str(args.data or kjv_path())
     torch.set_num_threads(1)

@@ -1,8 +1,10 @@
 """Shared fixtures: tiny random models of each family, and the packaged real model and text."""
 
+import json
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoTokenizer, AutoModelForCausalLM
 
 
 def tiny_config(family: str):
@@ -91,3 +93,21 @@ def kjv_jsonl(path, verses: int):
 def text_file(tmp_path):
     """A small real-text calibration file (one verse per line of the KJV)."""
     return kjv_jsonl(tmp_path / "data.jsonl", 200)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from calibrate.demo import smollm2_dir
+
+    return AutoTokenizer.from_pretrained(smollm2_dir())
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    from calibrate.demo import kjv_path
+
+    path = tmp_path_factory.mktemp("data") / "kjv.jsonl"
+    with open(kjv_path()) as src, open(path, "w") as dst:
+        for _, line in zip(range(300), src):
+            dst.write(json.dumps({"text": json.loads(line)["text"]}) + "\n")
+    return path

@@ -16,19 +16,21 @@ import pytest
 import torch
 from conftest import kjv_jsonl, save_tiny_checkpoint
 from safetensors.torch import load_file, save_file
-from test_model import CONFIGS
+from references import CONFIGS
 from transformers import AutoModelForCausalLM
 
 import calibrate.api as api
 from calibrate.api import CalibrationResult, load_calibration, scale_report, signature_from_config
 from calibrate.config import CalibrationConfig
-from calibrate.data import DataConfig
-from calibrate.export import scales_file
+from calibrate.data.stream import DataConfig
+from calibrate.checkpoint.write import scales_file
 from calibrate.fp8 import FORMATS, quantize, quantize_dequantize
-from calibrate.model import AttentionLayer, attention_layers, read_config, signature
-from calibrate.observers import derive_scales
-from calibrate.report import SERVE_NOTES
-from calibrate.stats import SINK_POSITIONS, ModelSignature, Stats
+from calibrate.model.layers import AttentionLayer, attention_layers, signature
+from calibrate.model.load import read_config
+from calibrate.scales.observers import derive_scales
+from calibrate.verification.report import SERVE_NOTES
+from calibrate.capture.stats import SINK_POSITIONS, Stats
+from calibrate.model.layers import ModelSignature
 
 E4M3_MAX = 448.0
 

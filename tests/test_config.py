@@ -8,11 +8,13 @@ from dataclasses import asdict, fields
 import pytest
 
 from calibrate import recipes
-from calibrate.config import (
-    CalibrationConfig, DataConfig, ScaleConfig, Thresholds, check_export_form, check_verify_schemes, flat_settings,
-    WEIGHT_SCHEMES, parse_max_memory, route_options,
-)
-from calibrate.verify import VerifyConfig
+from calibrate.config import CalibrationConfig, ScaleConfig, parse_max_memory
+from calibrate.verification.config import Thresholds
+from calibrate.settings import flat_settings, route_options
+from calibrate.choices import check_form_name
+from calibrate.choices import check_verify_schemes, WEIGHT_SCHEMES
+from calibrate.data.stream import DataConfig
+from calibrate.verification.config import VerifyConfig
 
 
 def test_route_options_sends_each_name_to_its_owner():
@@ -111,7 +113,7 @@ def test_thresholds_must_be_ordered(limits):
 
 def test_names_outside_the_tables_are_refused_with_the_nearest():
     with pytest.raises(ValueError, match="did you mean 'modelopt'"):
-        check_export_form("modelop")
+        check_form_name("modelop")
     with pytest.raises(ValueError, match="did you mean 'tensor'"):
         check_verify_schemes(["tensr"])
 
@@ -125,7 +127,7 @@ def test_max_memory_parses_devices_and_units():
 
 
 def test_weight_scheme_names_are_the_ones_weights_py_applies():
-    from calibrate import weights
+    from calibrate.checkpoint import weights
 
     assert set(WEIGHT_SCHEMES) == set(weights.SCHEMES) == set(weights.PROVENANCE)
 

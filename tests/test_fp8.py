@@ -11,70 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from calibrate.fp8 import FORMATS, SCALE_FLOOR, amax_to_scale, get_format, per_token_scale, quantize, quantize_dequantize
-
-# Exponent bias of each format; e4m3fn has NaN at S.1111.111, e4m3fnuz at 1.0000.000 (its "-0").
-BIAS = {"e4m3fn": 7, "e4m3fnuz": 8}
-
-
-def e4m3_codes(name: str) -> np.ndarray:
-    """Value of each of the 256 codes of ``name``, float64 [256], NaN where the code is NaN."""
-    bias = BIAS[name]
-    values = np.empty(256)
-    for code in range(256):
-        sign, exponent, mantissa = code >> 7, (code >> 3) & 0xF, code & 0x7
-        if exponent == 0:  # subnormal: 0.mmm × 2**(1 - bias)
-            magnitude = mantissa / 8 * 2.0 ** (1 - bias)
-        else:  # normal: 1.mmm × 2**(exponent - bias)
-            magnitude = (1 + mantissa / 8) * 2.0 ** (exponent - bias)
-        values[code] = -magnitude if sign else magnitude
-    if name == "e4m3fn":
-        values[0x7F] = values[0xFF] = np.nan
-    else:
-        values[0x80] = np.nan
-    return values
-
-
-def _positive_grid(name: str) -> np.ndarray:
-    """Non-negative finite values in code order (codes 0, 1, ...: increasing), float64."""
-    positive = e4m3_codes(name)[:128]
-    return positive[np.isfinite(positive)]
-
-
-def e4m3_round(y: np.ndarray, name: str = "e4m3fn") -> np.ndarray:
-    """Nearest value of format ``name`` to each float64 ``y``, ties to the even code, saturating at ±max.
-
-    NaN stays NaN; ±Inf saturate (what clamp-then-convert does).
-    """
-    grid = _positive_grid(name)  # index == code, so an even index is an even code
-    a = np.minimum(np.abs(y), grid[-1])
-    i = np.clip(np.searchsorted(grid, a, side="right") - 1, 0, len(grid) - 1)  # grid[i] <= a
-    j = np.minimum(i + 1, len(grid) - 1)
-    below, above = a - grid[i], grid[j] - a
-    pick_upper = (above < below) | ((above == below) & (j % 2 == 0) & (j != i))
-    out = np.where(pick_upper, grid[j], grid[i])
-    out = np.where(np.isnan(y), np.nan, out)
-    return np.copysign(out, y)
-
-
-def e4m3_quantize_dequantize(x: np.ndarray, scale, name: str = "e4m3fn") -> np.ndarray:
-    """float64 model of reading ``x`` back from an FP8 cache: round(x / scale) × scale.
-
-    ``x / scale`` is taken in float32 (what vLLM and kvcal compute), then rounded in float64.
-    """
-    y = (np.asarray(x, np.float32) / np.asarray(scale, np.float32)).astype(np.float64)
-    return e4m3_round(y, name) * np.asarray(scale, np.float32).astype(np.float64)
-
-
-def tie_and_neighbour_values(name: str) -> np.ndarray:
-    """Every representable value, every midpoint between neighbours (a tie), and one float32 step on either side."""
-    grid = _positive_grid(name)
-    mids = (grid[:-1] + grid[1:]) / 2
-    mids32 = mids.astype(np.float32)
-    assert (mids32 == mids).all(), "midpoints of an e4m3 grid have 5 significant bits: exact in float32"
-    nudged = np.concatenate([np.nextafter(mids32, np.float32(0)), np.nextafter(mids32, np.float32(np.inf))])
-    values = np.concatenate([grid, mids, nudged.astype(np.float64)])
-    return np.concatenate([values, -values]).astype(np.float32)
+from references import BIAS, e4m3_codes, e4m3_quantize_dequantize, e4m3_round, tie_and_neighbour_values
+from calibrate.fp8 import (
+    FORMATS, SCALE_FLOOR, amax_to_scale, get_format, per_token_scale, quantize, quantize_dequantize,
+)
 
 
 def _edge_values(name: str) -> np.ndarray:

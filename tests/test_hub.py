@@ -12,7 +12,7 @@ from conftest import kjv_jsonl, save_tiny_checkpoint
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
-from calibrate.export import scales_file
+from calibrate.checkpoint.write import scales_file
 from calibrate.hub import NEEDED, REMOTE_CODE, _SNAPSHOT, fetch, is_repo_id, resolve
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

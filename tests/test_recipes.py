@@ -19,9 +19,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from calibrate import api, recipes
 from calibrate.cli import main
-from calibrate.config import CalibrationConfig, ScaleConfig, Thresholds
-from calibrate.data import DataConfig, iter_sequences
-from calibrate.export import scales_file
+from calibrate.config import CalibrationConfig, ScaleConfig
+from calibrate.verification.config import Thresholds
+from calibrate.data.stream import DataConfig, iter_sequences
+from calibrate.checkpoint.write import scales_file
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 SEQ_LEN, MAX_TOKENS = 64, 192

@@ -1,0 +1,92 @@
+"""Every name a user types (flags, recipe values, scheme and dtype names), and the one-line refusal of a name
+kvcal does not know.
+
+This is the one home of each list: the command line, recipes and configurations check names here, and the modules
+that give the names their meaning (``fp8.FORMATS``, ``verification.kvdtypes.DTYPES``, ``scales.observers``) key their
+tables on them and check at import that they cover exactly these. Torch-free, so that ``kvcal --help`` and every
+argument error answer at once.
+"""
+
+import difflib
+
+OBSERVERS = ("max", "percentile:P", "mse", "sink-aware", "output")
+GRANULARITIES = ("tensor", "head", "token")
+FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the model's, for the capture and the reference
+# vLLM's --kv-cache-dtype values that kvcal sizes (verification/kvdtypes.py gives each its meaning, in this order).
+CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2", "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head", "nvfp4",
+                "nvfp4_4over6", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+# kvcal verify's schemes: the reference, FP8 with scale 1.0, per-tensor, per-head and per-token-head scales (the
+# cache dtypes fp8 and fp8_per_token_head); per-tensor scales of the max and mse observers from the checkpoint's
+# statistics (beside the output observer's, written as tensor); then the other cache dtypes kvcal emulates, by their
+# --kv-cache-dtype names. The first five run by default.
+VERIFY_SCHEMES = ("bf16", "scale1", "tensor", "head", "token", "max", "mse",
+                  "fp8_e5m2", "int8_per_token_head", "int4_per_token_head", "nvfp4", "nvfp4_4over6")
+DEFAULT_VERIFY_SCHEMES = VERIFY_SCHEMES[:5]
+LONG_RECORDS = ("split", "error")  # --long-records: a record longer than one sequence is split, or refused
+# "auto" writes the form of the source checkpoint (ModelOpt inside a ModelOpt checkpoint, else compressed-tensors);
+# naming a form makes the run refuse a source of the other kind.
+EXPORT_FORMS = ("auto", "compressed-tensors", "modelopt")
+WEIGHT_SCHEMES = ("fp8",)  # --weights: llm-compressor's data-free FP8_DYNAMIC
+DEVICE_MAPS = ("auto",)
+# Size units of --max-memory, as accelerate spells them (all in bytes; case does not matter).
+SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def check_observer(text: str) -> None:
+    """Refuse an ``--observer`` value kvcal does not know (``scales.observers.parse_observer`` reads it)."""
+    name, _, arg = text.strip().partition(":")
+    if name == "percentile":
+        try:
+            p = float(arg)
+        except ValueError:
+            raise ValueError(f"observer {text!r}: write the percentile as a number, e.g. percentile:99.99") from None
+        if not 0 < p <= 100:
+            raise ValueError(f"observer {text!r}: the percentile must be in (0, 100], e.g. percentile:99.99")
+    elif name not in OBSERVERS or arg:
+        raise ValueError(f"unknown observer {text!r}; choose one of: {', '.join(OBSERVERS)}")
+
+
+def check_granularity(text: str) -> None:
+    """Refuse a granularity kvcal does not know."""
+    if text not in GRANULARITIES:
+        raise ValueError(f"unknown granularity {text!r}; choose one of: {', '.join(GRANULARITIES)}")
+
+
+def check_fp8_format(name: str) -> None:
+    """Refuse an FP8 format kvcal does not know (``fp8.get_format`` looks it up)."""
+    if name not in FP8_FORMATS:
+        raise ValueError(f"unknown FP8 format {name!r}; choose one of: {', '.join(FP8_FORMATS)}")
+
+
+def check_weights(value: str | None) -> None:
+    """Refuse a ``--weights`` scheme kvcal cannot apply (None keeps the weights as they are)."""
+    if value is not None and value not in WEIGHT_SCHEMES:
+        raise ValueError(f"--weights {value!r}: choose fp8 (or leave it out to keep the weights as they are)")
+
+
+def closest(name: str, choices: tuple[str, ...]) -> str:
+    """``did you mean 'x'? `` for a near miss, else nothing."""
+    close = difflib.get_close_matches(str(name), choices, n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def check_form_name(value: str) -> None:
+    """Refuse an export form that is not one of EXPORT_FORMS."""
+    if value not in EXPORT_FORMS:
+        raise ValueError(f"unknown export form {value!r}; {closest(value, EXPORT_FORMS)}choose one of: {', '.join(EXPORT_FORMS)}")
+
+
+def check_verify_schemes(names: list[str]) -> None:
+    """Refuse a scheme name ``kvcal verify`` does not know."""
+    for name in names:
+        if name not in VERIFY_SCHEMES:
+            raise ValueError(f"unknown verify scheme {name!r}; {closest(name, VERIFY_SCHEMES)}choose from: {', '.join(VERIFY_SCHEMES)}")
+
+
+def check_table(table: dict, names: tuple[str, ...], what: str) -> None:
+    """Raise when a table that gives ``names`` their meaning does not cover exactly them, in order (a programming
+    error, caught when its module is imported)."""
+    if tuple(table) != names:
+        raise RuntimeError(f"{what} covers {tuple(table)}, not choices' {names}")

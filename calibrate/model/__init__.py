@@ -1,0 +1,1 @@
+"""Stage 2, model: load and place a Hugging Face model, and describe its attention layers."""

@@ -1,0 +1,1 @@
+"""Stage 4, scales: statistics → FP8 scales (the observers), and the output-aware search."""

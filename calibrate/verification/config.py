@@ -1,0 +1,231 @@
+"""What one ``kvcal verify`` run is asked to do (VerifyConfig) and the verdict's limits (Thresholds), checked
+before any model loads. Torch-free, so that ``kvcal verify --help`` shows these defaults at once.
+"""
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import ClassVar
+
+from ..choices import CACHE_DTYPES, DEFAULT_VERIFY_SCHEMES, VERIFY_SCHEMES, check_fp8_format
+from ..data.stream import DataConfig, as_sources, check_int
+from ..settings import flat_settings, route_options
+from .capacity import parse_memory
+
+HOPPER_ACCUM_BITS = 13  # accumulator mantissa bits of Hopper's FP8 matrix multiply (--accum-bits; fa3.py models it)
+NEEDLE_DEPTHS = (0.1, 0.5, 0.9)  # where the needle probe hides its line, as fractions of the haystack
+
+REFERENCE = "bf16"  # the name users know; the reference runs in the dtype the report states
+FLOOR = "floor"
+
+
+@dataclass
+class Thresholds:
+    """Pass and fail limits of a verify verdict: KL in nats/token, top-1 agreement as a fraction.
+
+    By default the limits are relative to a measured *floor*: what computing the unquantized model in another
+    precision costs on the same sample (bf16 against a float32 reference; ``verify`` measures it). A scheme
+    passes within ``floor_pass`` times the floor's KL and top-1 disagreement, and fails beyond ``floor_fail``
+    times, so a verdict means the same on a 135M model and a 70B one. An absolute limit that is set (a recipe's
+    or ``--max-kl``...) replaces its relative one; without a floor, ``ABSOLUTE`` stands in for the unset ones.
+
+    Attributes:
+        max_kl: pass with mean KL to the reference at most this (None: floor_pass × the floor's KL).
+        fail_kl: fail with mean KL above this (None: floor_fail × the floor's KL).
+        min_top1: pass with top-1 agreement at least this, 0-1 (None: from the floor's disagreement).
+        fail_top1: fail with top-1 agreement below this (None: from the floor's disagreement).
+        floor_pass: pass within this many times the floor (≥ 1).
+        floor_fail: fail beyond this many times the floor (≥ floor_pass).
+    """
+
+    max_kl: float | None = None
+    fail_kl: float | None = None
+    min_top1: float | None = None
+    fail_top1: float | None = None
+    floor_pass: float = 10.0
+    floor_fail: float = 100.0
+
+    # Limits used where none is set and no floor was measured (verify --fixed-limits).
+    ABSOLUTE: ClassVar[dict[str, float]] = {"max_kl": 0.02, "fail_kl": 0.1, "min_top1": 0.95, "fail_top1": 0.90}
+    LIMITS: ClassVar[tuple[str, ...]] = ("max_kl", "fail_kl", "min_top1", "fail_top1")
+
+    def validate(self) -> "Thresholds":
+        """Every value a number, the ratios ordered, the set limits in order (pass inside fail); returns self."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.name in self.LIMITS:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+                raise ValueError(f"threshold {f.name} must be a number, got {value!r}")
+        if not 1 <= self.floor_pass <= self.floor_fail:
+            raise ValueError(f"thresholds must satisfy 1 ≤ floor-pass ≤ floor-fail, got {self.floor_pass} and {self.floor_fail}")
+        self._check_order(self.resolve(None) if None in (self.max_kl, self.fail_kl, self.min_top1, self.fail_top1) else self)
+        return self
+
+    @staticmethod
+    def _check_order(limits: "Thresholds") -> None:
+        if not (0 <= limits.max_kl <= limits.fail_kl and 0 <= limits.fail_top1 <= limits.min_top1 <= 1):
+            raise ValueError("thresholds must satisfy 0 ≤ max-kl ≤ fail-kl and 0 ≤ fail-top1 ≤ min-top1 ≤ 1")
+
+    def resolve(self, floor: dict | None) -> "Thresholds":
+        """Absolute limits for a verdict: the set ones as they are, the others from ``floor`` (its "kl" and
+        "top1") times floor_pass/floor_fail, or ``ABSOLUTE``'s when there is no floor or it measured no KL at all."""
+        if floor is None or floor["kl"] <= 0:
+            derived = dict(self.ABSOLUTE)
+        else:
+            miss = 1 - floor["top1"]
+            derived = {"max_kl": self.floor_pass * floor["kl"], "fail_kl": self.floor_fail * floor["kl"],
+                       "min_top1": max(0.0, 1 - self.floor_pass * miss), "fail_top1": max(0.0, 1 - self.floor_fail * miss)}
+        limits = {name: derived[name] if getattr(self, name) is None else getattr(self, name) for name in self.LIMITS}
+        resolved = Thresholds(**limits, floor_pass=self.floor_pass, floor_fail=self.floor_fail)
+        # A set limit can cross a derived one (max_kl 0.5 above a floor's fail_kl): the set one wins, the other follows.
+        resolved.fail_kl = max(resolved.fail_kl, resolved.max_kl) if self.fail_kl is None else resolved.fail_kl
+        resolved.max_kl = min(resolved.max_kl, resolved.fail_kl) if self.max_kl is None else resolved.max_kl
+        resolved.fail_top1 = min(resolved.fail_top1, resolved.min_top1) if self.fail_top1 is None else resolved.fail_top1
+        resolved.min_top1 = max(resolved.min_top1, resolved.fail_top1) if self.min_top1 is None else resolved.min_top1
+        self._check_order(resolved)
+        return resolved
+
+    def origin(self) -> dict[str, str]:
+        """Where each limit comes from: "set" or "floor" (report.json shows it beside the limits)."""
+        return {name: "set" if getattr(self, name) is not None else "floor" for name in self.LIMITS}
+
+
+@dataclass
+class VerifyConfig:
+    """Everything one verify run needs; ``validate()`` normalizes CLI strings and raises ValueError with the fix.
+
+    Attributes:
+        checkpoint: model directory, with or without kvcal scales and statistics.
+        data: the sample: ``max_tokens // seq_len`` whole sequences of ``seq_len`` tokens; longer than ``chunk_len``
+            they run as chunked prefill (a list of sources alone takes ``SAMPLE``'s sizes).
+        schemes: names from VERIFY_SCHEMES (default the first five, the FP8 ones) or paths to safetensors scale files,
+            list or comma-separated.
+        thresholds: the verdict's pass and fail limits.
+        kv_only: quantize only K and V in the static schemes (Triton/FlashInfer); default also Q (FA3).
+        fa3: run the FA3 FP8 numeric model on ``fa3_rows`` query rows of ``fa3_layers`` (default first, middle, last).
+        accum_bits: accumulator fractional bits of the FA3 model (13 Hopper, 25 B200).
+        needle: context lengths of the needle probe, at ``needle_depths`` (fractions of the haystack).
+        dtype: reference dtype; None = float32 on CPU, the checkpoint's dtype on GPU.
+        report_dir: write report.json, report.md and PNG plots there.
+        floor: measure the floor (the unquantized model in another precision, ``FLOOR_DTYPES``) that verdicts are
+            relative to; off, unset thresholds take ``Thresholds.ABSOLUTE``.
+        probe_layers: layers whose unquantized end-to-end gain is measured for the recommended scheme (0: none);
+            one extra pass each.
+        max_model_len, gpu, tp: the serving setup the memory arithmetic (``capacity.plan``) sizes: context per
+            sequence (None: the model's maximum), one GPU's memory (a name in ``capacity.GPUS`` or a size), and the
+            tensor-parallel GPUs.
+    """
+
+    checkpoint: str
+    data: DataConfig | list[str]
+    schemes: str | list[str] = ",".join(DEFAULT_VERIFY_SCHEMES)
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    kv_only: bool = False
+    fa3: bool = False
+    accum_bits: int = HOPPER_ACCUM_BITS
+    fa3_rows: int = 8
+    fa3_layers: str | list[int] | None = None
+    needle: str | list[int] | None = None
+    needle_depths: tuple[float, ...] = NEEDLE_DEPTHS
+    device: str = "auto"
+    dtype: str | None = None
+    fp8_format: str = "e4m3fn"
+    report_dir: str | None = None
+    floor: bool = True
+    probe_layers: int = 4
+    max_model_len: int | None = None
+    gpu: str = "H100"
+    tp: int = 1
+    progress: bool = True
+
+    # The sample's sizes unless given: a few sequences, enough for a verdict in minutes on a CPU.
+    SAMPLE = {"seq_len": 1024, "max_tokens": 4096, "chunk_len": 1024}
+    PARTS = {"data": DataConfig, "thresholds": Thresholds}
+    # report.json's "settings", in their order.
+    SETTINGS = ["schemes", "seq_len", "max_tokens", "chunk_len", "text_field", "seed", "kv_only", "fa3", "accum_bits",
+                "fa3_rows", "fa3_layers", "needle", "needle_depths", "max_kl", "fail_kl", "min_top1", "fail_top1",
+                "floor_pass", "floor_fail", "floor", "probe_layers", "max_model_len", "gpu", "tp", "device", "dtype",
+                "fp8_format", "report_dir"]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data, DataConfig):
+            self.data = DataConfig(as_sources(self.data), **self.SAMPLE)
+
+    @classmethod
+    def from_options(cls, checkpoint: str | Path, data: str | Path | list[str], **options) -> "VerifyConfig":
+        """A config from flat keyword options (``seq_len=``, ``max_kl=``, ``fa3=``...), each to the part that owns it."""
+        parts, rest = route_options(options, cls.PARTS)
+        own = {f.name for f in fields(cls)} - {"checkpoint", "data", *cls.PARTS}
+        unknown = sorted(set(rest) - own)
+        if unknown:
+            raise ValueError(f"unknown verify option {unknown[0]!r}; options: {', '.join(sorted(cls.SETTINGS + ['progress']))}")
+        sample = DataConfig(as_sources(data), **{**cls.SAMPLE, **parts["data"]})
+        return cls(str(checkpoint), sample, thresholds=Thresholds(**parts["thresholds"]), **rest)
+
+    @classmethod
+    def defaults(cls) -> dict:
+        """Every flat option's default, as ``kvcal verify --help`` shows them."""
+        return flat_settings(cls("", []), cls.SETTINGS)
+
+    def settings(self) -> dict:
+        """The run's settings as report.json holds them (flat, as they always were)."""
+        return flat_settings(self, self.SETTINGS)
+
+    def validate(self) -> "VerifyConfig":
+        """Cheap checks of every field, before any model is loaded; returns self with lists parsed."""
+        from ..model.load import read_config
+
+        read_config(self.checkpoint)
+        self.data.validate()
+        self.data.check_budget()
+        if not self.data.pack:
+            raise ValueError("verify measures whole packed sequences of --seq-len tokens; leave pack on")
+        self.thresholds.validate()
+        self.schemes = _split(self.schemes)
+        if not self.schemes:
+            raise ValueError(f"--schemes names no scheme; choose from {', '.join(VERIFY_SCHEMES)} or name a .safetensors scales file")
+        for name in self.schemes:
+            if name not in VERIFY_SCHEMES and not (name.endswith(".safetensors") and Path(name).is_file()):
+                raise ValueError(f"unknown scheme {name!r}: choose from {', '.join(VERIFY_SCHEMES)} or name an existing .safetensors scales file")
+        if not 1 <= self.accum_bits <= 40:
+            raise ValueError(f"--accum-bits must be between 1 and 40 (13 models Hopper, 25 B200), got {self.accum_bits}")
+        if isinstance(self.probe_layers, bool) or not isinstance(self.probe_layers, int) or self.probe_layers < 0:
+            raise ValueError(f"--probe-layers must be a whole number ≥ 0 (0 measures no layer), got {self.probe_layers!r}")
+        parse_memory(self.gpu)
+        check_int("tp", self.tp, 1)
+        if self.max_model_len is not None:
+            check_int("max-model-len", self.max_model_len, 1)
+        if self.fa3_rows < 1:
+            raise ValueError(f"--fa3-rows must be ≥ 1, got {self.fa3_rows}")
+        self.fa3_layers = _integers("fa3-layers", self.fa3_layers) if self.fa3_layers is not None else None
+        self.needle = _integers("needle", self.needle)
+        if any(n < 64 for n in self.needle):
+            raise ValueError(f"--needle lengths must be ≥ 64 tokens, got {self.needle}")
+        if not all(0 <= d <= 1 for d in self.needle_depths):
+            raise ValueError(f"needle depths are fractions of the haystack in [0, 1], got {self.needle_depths}")
+        check_fp8_format(self.fp8_format)
+        other = [name for name in self.schemes if name in CACHE_DTYPES and name != "fp8_e5m2"]
+        if other and self.fp8_format != "e4m3fn":
+            raise ValueError(f"--schemes {other[0]} is NVIDIA's or Triton's cache, emulated with e4m3fn scales; drop it or use --fp8-format e4m3fn")
+        if self.fa3 and self.fp8_format != "e4m3fn":
+            raise ValueError("--fa3 models NVIDIA Hopper's e4m3fn path; drop --fa3 or use --fp8-format e4m3fn")
+        if self.report_dir is not None and Path(self.report_dir).exists() and not Path(self.report_dir).is_dir():
+            raise ValueError(f"--report {self.report_dir} is a file; name a directory for the report")
+        return self
+
+
+def _integers(flag: str, value: str | list | None) -> list[int]:
+    """Comma-separated integers of a flag, with an error naming the flag."""
+    try:
+        return [int(x) for x in _split(value)]
+    except ValueError:
+        raise ValueError(f"--{flag} takes comma-separated whole numbers, e.g. 4096,8192; got {value!r}") from None
+
+
+def _split(value: str | list | None) -> list[str]:
+    if value is None:
+        return []
+    items = value.split(",") if isinstance(value, str) else [str(v) for v in value]
+    return [item.strip() for item in items if item.strip()]
+
+

@@ -1,0 +1,230 @@
+"""The forward passes of verify and what they tally: the reference pass (which also runs every scheme's
+attention on each layer's own inputs), one pass per scheme, the skip-layer probe, and the per-scheme metrics."""
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+from tqdm.auto import tqdm
+
+from . import fa3
+from ..capture.hooks import cached_latent, latent_view, prefill_chunks
+from ..fp8 import SATURATION_SLACK, FP8Format
+from ..model.layers import is_latent
+from .verdict import SCHEME_NOTES, mean_stderr, skip_choice
+from .config import VerifyConfig
+from .schemes import Scheme, absorbed_attention
+
+
+class ApplyScheme:
+    """Attention hook of a scheme's end-to-end pass: every layer quantized, then the model's own attention."""
+
+    def __init__(self, scheme: Scheme, row_of: dict[int, int]):
+        self.scheme, self.row_of = scheme, row_of
+
+    def latent_transform(self, module, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA: the model decompresses K and V from the latent as the quantized cache would hold it."""
+        return self.scheme.latent(self.row_of[module.layer_idx], kv_c, k_pe)
+
+    def __call__(self, module, query, key, value, attention_mask, base_attention, **kwargs):
+        row = self.row_of[module.layer_idx]
+        if is_latent(module):  # K and V come from the quantized latent already (latent_transform)
+            if not self.scheme.latent_query(row):
+                return base_attention(module, query, key, value, attention_mask, **kwargs)
+            kv_c, k_pe = cached_latent(module)
+            return absorbed_attention(module, query, kv_c, k_pe, self.scheme.query_quantizer(row), attention_mask, base_attention, **kwargs)
+        # The cache holds unquantized K/V, so quantizing past + new here equals quantizing each position once on write.
+        q, k, v = self.scheme.apply(self.row_of[module.layer_idx], query, key, value)
+        return base_attention(module, q, k, v, attention_mask, **kwargs)
+
+
+@dataclass
+class Tally:
+    """Running sums of one scheme over the sample."""
+
+    err_sq: torch.Tensor  # [L] float64, Σ‖o_scheme − o_ref‖² of each layer's attention output (its own inputs)
+    counts: dict[str, torch.Tensor]  # kind → [L, 3] int64: saturated, underflowed (subnormal or zero), total
+    seq_kl: list[float] = field(default_factory=list)  # per sequence: mean KL(ref ‖ scheme), nats/token
+    seq_nll: list[float] = field(default_factory=list)  # per sequence: mean next-token NLL
+    seq_top1: list[float] = field(default_factory=list)  # per sequence: top-1 agreement with the reference
+    seconds: float = 0.0
+
+
+class ReferenceProbe:
+    """Hook of the reference pass: the model's own attention, plus every scheme's on the same inputs."""
+
+    def __init__(self, schemes: list[Scheme], tallies: dict[str, Tally], row_of: dict[int, int], num_layers: int):
+        self.schemes, self.tallies, self.row_of = schemes, tallies, row_of
+        self.ref_sq = torch.zeros(num_layers, dtype=torch.float64)
+        self.capture: dict[int, dict] = {}  # layer row → FA3 inputs, filled while ``fa3_rows`` is set
+        self.fa3_rows: torch.Tensor | None = None  # absolute positions to capture for the FA3 model
+        self.fa3_layers: set[int] = set()
+
+    def __call__(self, module, query, key, value, attention_mask, base_attention, **kwargs):
+        out = base_attention(module, query, key, value, attention_mask, **kwargs)
+        row, S = self.row_of[module.layer_idx], query.shape[2]
+        ref = out[0].float()  # [B, S, Hq, D]
+        self.ref_sq[row] += ref.square().sum(dtype=torch.float64)
+        latent = cached_latent(module) if is_latent(module) else None
+        if latent is not None:  # MLA: the latent row is what is cached, K and V alike, and the absorbed query
+            q_abs, cached = latent_view(module, query, *latent)
+            new = {"q": q_abs, "k": cached[:, :, -S:], "v": cached[:, :, -S:]}
+        else:
+            new = {"q": query, "k": key[:, :, -S:], "v": value[:, :, -S:]}  # count each position once
+        for scheme in self.schemes:
+            if not scheme.kinds():
+                continue
+            tally = self.tallies[scheme.name]
+            if latent is not None:
+                o = scheme.latent_attention(row, module, query, *latent, attention_mask, base_attention, **kwargs)[0]
+            else:
+                o = base_attention(module, *scheme.apply(row, query, key, value), attention_mask, **kwargs)[0]
+            tally.err_sq[row] += (o.float() - ref).square().sum(dtype=torch.float64)
+            for kind in scheme.counted():
+                tally.counts[kind][row] += range_counts(new[kind], scheme.scale(kind, row, new[kind]), scheme.fmt)
+        if self.fa3_rows is not None and row in self.fa3_layers and latent is None:
+            start = key.shape[2] - S
+            local = self.fa3_rows - start  # [R] row index inside this chunk
+            if (local >= 0).all() and (local < S).all():
+                self.capture[row] = {
+                    "q": query[0, :, local].double().cpu(),  # [Hq, R, D]
+                    "k": key[0].double().cpu(), "v": value[0].double().cpu(),  # [Hkv, N, D]
+                    "model_out": out[0][0, local].transpose(0, 1).double().cpu(),  # [Hq, R, D]
+                    "scaling": kwargs.get("scaling") or module.head_dim**-0.5,
+                    "window": kwargs.get("sliding_window"),
+                    "softcap": kwargs.get("softcap"),
+                }
+        return out
+
+
+@torch.no_grad()
+def range_counts(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """[saturated, underflowed, total] counts (int64, CPU) of ``x / scale`` in ``fmt``.
+
+    Saturated: beyond the largest finite value by more than float32 rounding of the scale (a
+    per-token scale of amax / 448 puts the largest element at 448 up to one rounding). Underflowed:
+    non-zero but below the smallest normal, so stored as a subnormal or zero.
+    """
+    a = (x.float() / scale).abs()
+    saturated = (a > fmt.max * (1 + SATURATION_SLACK)).sum()
+    underflow = ((a > 0) & (a < fmt.min_normal)).sum()
+    return torch.stack([saturated, underflow, torch.tensor(a.numel(), device=a.device)]).cpu()
+
+
+def _positions_metrics(ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor], logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
+    """Sums over positions of KL(ref ‖ scheme), NLL of ``targets`` and top-1 agreement.
+
+    ``ref`` is the reference's (logits [n, V], probabilities [n, V], argmax [n]), computed once per chunk;
+    ``logits`` [n, V] are the scheme's.
+    """
+    ref_logits, ref_p, ref_top = ref
+    lp = torch.log_softmax(logits, -1)  # [n, V]
+    # KL = Σ p·(lp_ref − lp) = log Σ p·exp(−d) with d = ref_logits − logits centred under p (KL ignores a constant
+    # shift). Two logits of one position differ little, so d keeps float32's precision, and KL its own relative
+    # precision even at 1e-8 nats, where Σ p·(lp_ref − lp) is all rounding (numbers near ln V subtracted).
+    d = ref_logits - logits  # [n, V]
+    d = d - (ref_p * d).sum(-1, keepdim=True)
+    kl = torch.log1p((ref_p * torch.expm1(-d)).sum(-1)).clamp(min=0)  # [n]
+    nll = -lp.gather(-1, targets[:, None]).squeeze(-1)  # [n]
+    agree = ref_top == lp.argmax(-1)  # [n]
+    return kl.sum(dtype=torch.float64).item(), nll.sum(dtype=torch.float64).item(), agree.sum().item()
+
+
+@torch.no_grad()
+def measure(
+    model, layers, schemes: list[Scheme], sequences: list[torch.Tensor], config: VerifyConfig, fa3_rows: torch.Tensor | None
+) -> tuple[dict[str, Tally], ReferenceProbe, list[float], float]:
+    """Reference pass and one end-to-end pass per scheme over every sequence, chunk by chunk.
+
+    Each chunk runs through the reference and then every scheme, each with its own KV cache, so only
+    one chunk's logits per run are held at a time.
+
+    Returns:
+        (tallies per scheme, the reference probe with its per-layer sums and FA3 capture,
+        reference NLL per sequence, seconds spent in reference passes).
+    """
+    device = next(model.parameters()).device
+    row_of = {layer.layer_idx: row for row, layer in enumerate(layers)}
+    L = len(layers)
+    tallies = {s.name: Tally(torch.zeros(L, dtype=torch.float64), {k: torch.zeros(L, 3, dtype=torch.int64) for k in s.counted()}) for s in schemes}
+    probe = ReferenceProbe(schemes, tallies, row_of, L)
+    probe.fa3_layers = set(fa3.layer_rows(config.fa3_layers, [layer.layer_idx for layer in layers])) if fa3_rows is not None else set()
+    ref_nll, ref_seconds = [], 0.0
+    for i, seq in enumerate(tqdm(sequences, desc="verifying", unit="seq", disable=not config.progress)):
+        ids = seq.to(device)[None]  # [1, S]
+        probe.fa3_rows = fa3_rows if i == 0 else None
+        # One chunked prefill per run, each with its own cache and hook, advanced chunk by chunk in turn.
+        chunk_len = config.data.chunk_len
+        ref_run = prefill_chunks(model, ids, chunk_len, hook=probe, keep_from=0)
+        runs = {s.name: prefill_chunks(model, ids, chunk_len, hook=ApplyScheme(s, row_of), keep_from=0) for s in schemes}
+        sums = {name: [0.0, 0.0, 0.0] for name in tallies}
+        nll = 0.0
+        for start in range(0, ids.shape[1] - 1, chunk_len):  # a last chunk of only the final token never runs
+            targets = ids[0, start + 1 : start + 1 + chunk_len]  # [n] next tokens; the last position has none
+            t0 = time.perf_counter()
+            ref_logits = next(ref_run)[: len(targets)]  # [n, V]
+            ref_lp = torch.log_softmax(ref_logits, -1)  # [n, V]
+            ref = (ref_logits, ref_lp.exp(), ref_lp.argmax(-1))
+            nll -= ref_lp.gather(-1, targets[:, None]).sum(dtype=torch.float64).item()
+            ref_seconds += time.perf_counter() - t0
+            for scheme in schemes:
+                t0 = time.perf_counter()
+                with scheme.precision(device):
+                    logits = next(runs[scheme.name])[: len(targets)]  # [n, V]
+                tallies[scheme.name].seconds += time.perf_counter() - t0
+                for j, value in enumerate(_positions_metrics(ref, logits, targets)):
+                    sums[scheme.name][j] += value
+        n = ids.shape[1] - 1
+        ref_nll.append(nll / n)
+        for name, (kl, scheme_nll, agree) in sums.items():
+            tallies[name].seq_kl.append(kl / n)
+            tallies[name].seq_nll.append(scheme_nll / n)
+            tallies[name].seq_top1.append(agree / n)
+    return tallies, probe, ref_nll, ref_seconds
+
+
+def scheme_result(scheme: Scheme, tally: Tally, ref_sq: torch.Tensor, ref_nll: list[float]) -> dict:
+    """Every number of one scheme, as plain JSON-able values (the verdict comes once the floor is known)."""
+    kl, kl_se = mean_stderr(tally.seq_kl)
+    nll, ref_mean_nll = sum(tally.seq_nll) / len(tally.seq_nll), sum(ref_nll) / len(ref_nll)
+    top1 = sum(tally.seq_top1) / len(tally.seq_top1)
+    frac = {k: {"saturated": (c[:, 0] / c[:, 2].clamp(min=1)).tolist(), "underflow": (c[:, 1] / c[:, 2].clamp(min=1)).tolist()} for k, c in tally.counts.items()}
+    result = {
+        "mode": scheme.mode, "granularity": scheme.granularity, "source": scheme.source, "quantizes_query": scheme.quantize_query,
+        "note": SCHEME_NOTES.get(scheme.name, "static scales from a file"),
+        "layer_rel_error": (tally.err_sq / ref_sq.clamp(min=1e-300)).sqrt().tolist() if scheme.kinds() else [0.0] * len(ref_sq),
+        "fractions": frac,
+        "kl": kl, "kl_stderr": kl_se, "kl_per_sequence": tally.seq_kl,
+        "nll": nll, "ppl": math.exp(nll), "ppl_reference": math.exp(ref_mean_nll), "ppl_change": math.exp(nll - ref_mean_nll) - 1,
+        "top1": top1, "seconds": tally.seconds,
+        "scales": {k: v.tolist() for k, v in scheme.scales.items()},
+    }
+    return result
+
+
+@torch.no_grad()
+def probe_skip_layers(model, layers, scheme: Scheme, result: dict, sequences: list[torch.Tensor], config: VerifyConfig) -> dict:
+    """What keeping each layer unquantized gains end to end, for ``scheme``: estimated for every layer, measured for some.
+
+    The estimate is each layer's own attention-output error (``layer_rel_error``: the layer quantized alone on
+    the reference's inputs). The ``probe_layers`` layers measured are the ones the estimate ranks highest, plus
+    the median-ranked one as a control: one pass each with every other layer quantized, paired with the
+    scheme's own pass over the same sequences. ``verdict.skip_choice`` then picks the layers worth keeping.
+    """
+    start = time.perf_counter()
+    estimate = result["layer_rel_error"]
+    ranked = sorted(range(len(layers)), key=lambda row: -estimate[row])
+    rows = ranked[: config.probe_layers]
+    if 2 <= config.probe_layers < len(ranked):  # the last one measured is the control
+        rows = ranked[: config.probe_layers - 1] + [ranked[(config.probe_layers - 1 + len(ranked)) // 2]]
+    variants = [replace(scheme, name=f"{scheme.name} skip {layers[row].layer_idx}", skip=frozenset({row})) for row in rows]
+    tallies = measure(model, layers, variants, sequences, config, None)[0]
+    measured = []
+    for row, variant in zip(rows, variants):
+        gain = [a - b for a, b in zip(result["kl_per_sequence"], tallies[variant.name].seq_kl)]
+        mean, se = mean_stderr(gain)
+        measured.append({"layer": layers[row].layer_idx, "row": row, "estimate": estimate[row], "kl_without": sum(tallies[variant.name].seq_kl) / len(sequences),
+                         "gain": mean, "gain_stderr": se})
+    return {"scheme": scheme.name, "kl": result["kl"], "estimate": estimate, "layers": [layer.layer_idx for layer in layers],
+            "measured": measured, "seconds": time.perf_counter() - start, **skip_choice(result["kl"], measured, len(layers))}

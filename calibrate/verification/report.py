@@ -1,0 +1,374 @@
+"""What kvcal tells a person: the per-layer scale table, the serve command, and verify's report (text, Markdown, plots)."""
+
+import json
+import shlex
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+
+from .capacity import plan_text
+from ..capture.stats import KINDS
+
+# What each granularity needs from vLLM at serve time.
+SERVE_NOTES = {
+    "tensor": "per-tensor scales: read by every vLLM attention backend that supports an FP8 KV cache",
+    "head": "per-head scales are used only by vLLM's FlashAttention-3 backend (Hopper); Triton and FlashInfer refuse them",
+    "token": "per-token-head mode: vLLM computes scales as it writes the cache (Triton backend only) and ignores the "
+    "checkpoint's scales; the per-tensor scales written are the fallback for any other --kv-cache-dtype",
+}
+
+
+def kvcal_version() -> str:
+    """kvcal's installed version, for provenance; a source checkout on PYTHONPATH has none."""
+    try:
+        return version("kvcal")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def serve_command(out: str, granularity: str, skip_sliding: bool = False, skip_layers: Sequence[int] = (),
+                  dtype: str | None = None) -> str:
+    """The exact ``vllm serve`` line for the written checkpoint (skip-layer entries space-separated, as vLLM parses them).
+
+    ``dtype``: the ``--kv-cache-dtype``; None: fp8, or fp8_per_token_head for the ``token`` granularity.
+    """
+    dtype = dtype or ("fp8_per_token_head" if granularity == "token" else "fp8")
+    line = f"vllm serve {shlex.quote(out)} --kv-cache-dtype {dtype}"
+    if granularity == "head":
+        line += " --attention-backend FLASH_ATTN"
+    skip = (["sliding_window"] if skip_sliding else []) + [str(i) for i in skip_layers]
+    if skip:
+        line += " --kv-cache-dtype-skip-layers " + " ".join(skip)
+    return line
+
+
+def scale_table(
+    layers: list[int], absmax: dict[str, torch.Tensor], scales: dict[str, torch.Tensor], saturated: dict[str, torch.Tensor]
+) -> str:
+    """Per-layer table of absmax, scale and predicted saturation for k, v and q (max over heads when per head)."""
+    kinds = [k for k in KINDS if k in scales]
+    header = f"{'layer':>5} " + " ".join(f"{k + ' absmax':>10} {k + '_scale':>10} {k + ' sat%':>7}" for k in kinds)
+    rows = [header, "-" * len(header)]
+    for row, layer in enumerate(layers):
+        cells = []
+        for k in kinds:
+            scale = scales[k][row].max().item()
+            cells.append(f"{absmax[k][row].max().item():>10.4g} {scale:>10.4g} {100 * saturated[k][row].max().item():>7.3f}")
+        rows.append(f"{layer:>5} " + " ".join(cells))
+    return "\n".join(rows)
+
+
+# ---- kvcal verify: terminal text, Markdown and plots ------------------------------------------------------------
+
+
+def _pct(x: float | None, digits: int = 2) -> str:
+    return "—" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def _kl(r: dict) -> str:
+    se = r.get("kl_stderr")
+    return f"{r['kl']:.4g}" + (f" ± {se:.2g}" if se is not None else "")
+
+
+def _worst(r: dict, kind: str, what: str) -> float | None:
+    """Largest per-layer fraction (saturated or underflow) of ``kind``, None when the scheme leaves it unquantized."""
+    f = r["fractions"].get(kind)
+    return max(f[what]) if f else None
+
+
+def verify_rows(rep: dict) -> list[list[str]]:
+    """One row per scheme: name, KL ± s.e., KL over the floor's, KV bytes per token (× bf16), perplexity change,
+    top-1, worst-layer saturation of K/V/Q, verdict."""
+    rows = []
+    floor = rep["floor"]["kl"] if rep["floor"] and rep["floor"]["kl"] > 0 else None
+    for name, r in rep["schemes"].items():
+        sat = " / ".join(_pct(_worst(r, k, "saturated"), 3) for k in ("k", "v", "q"))
+        times = "—" if floor is None or r["mode"] == "reference" else f"{r['kl'] / floor:.3g}×"
+        size = f"{r['bytes_per_token']:,.0f} ({r['bytes_vs_bf16']:.2f}×)"
+        rows.append([name, _kl(r), times, size, f"{100 * r['ppl_change']:+.3f}%", _pct(r["top1"]), sat, r["verdict"],
+                     "; ".join(r["reasons"])])
+    return rows
+
+
+def thresholds_text(rep: dict) -> str:
+    """The limits the verdicts used and where they came from (the floor, or set)."""
+    th, floor = rep["thresholds"], rep["floor"]
+    fixed = not th["relative_to_floor"] and "floor" in th["origin"].values()
+    text = (f"Thresholds{' (fixed: no floor measured)' if fixed else ''}: pass when KL ≤ {th['max_kl']:.3g} nats/token and top-1 agreement ≥ {100 * th['min_top1']:.3g}%; "
+            f"fail when KL > {th['fail_kl']:.3g} or top-1 < {100 * th['fail_top1']:.3g}%; warn in between")
+    if floor is None:
+        return text
+    if fixed:
+        return text + f". The floor ({floor['source']}) measured no KL on this sample"
+    relative = [name for name, origin in th["origin"].items() if origin == "floor"]
+    return (text + f". Floor ({floor['source']}): KL {floor['kl']:.3g} nats/token, top-1 {100 * floor['top1']:.2f}%"
+            + (f"; {', '.join(relative)} are {th['floor_pass']:g}× (pass) and {th['floor_fail']:g}× (fail) the floor" if relative else "")
+            + (f"; set: {', '.join(n for n in th['origin'] if n not in relative)}" if len(relative) < 4 else ""))
+
+
+VERIFY_HEADER = ["scheme", "KL nats/token", "KL / floor", "KV bytes/token", "ppl change", "top-1 agree",
+                 "saturated K / V / Q (worst layer)", "verdict", "why"]
+
+
+def verify_text(rep: dict) -> str:
+    """The verdict table, recommendation and serve command as plain text."""
+    rows = [VERIFY_HEADER, *verify_rows(rep)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(VERIFY_HEADER))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    sample = rep["sample"]
+    lines += [
+        "",
+        f"reference: unquantized model in {rep['reference']['dtype']} on {rep['reference']['device']}; "
+        f"{sample['sequences']} sequences of {sample['seq_len']} tokens; FP8 {rep['fp8_format']}",
+        thresholds_text(rep),
+        *[f"skipped {name}: {why}" for name, why in rep["skipped"].items()],
+        *rep["recommendation"],
+        *(["", "does it pay (KV memory and bytes per decoded token, per GPU):", plan_text(rep["does_it_pay"]), ""]
+          if rep["does_it_pay"] else []),
+        "serve it with:",
+        f"  {rep['serve_command']}",
+    ]
+    return "\n".join(lines)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
+    """report.md: what a person reads — verdict, recommendation, per-layer numbers, probes, settings."""
+    s, layers = rep["schemes"], [layer["layer_idx"] for layer in rep["layers"]]
+    th = rep["settings"]
+    out = [
+        f"# kvcal verify: `{rep['checkpoint']}`",
+        "",
+        f"Reference: the unquantized model in **{rep['reference']['dtype']}** on {rep['reference']['device']} "
+        f"(called {rep['reference']['name']}, as vLLM would serve it). FP8 format {rep['fp8_format']}. "
+        f"Sample: {rep['sample']['sequences']} sequences of {rep['sample']['seq_len']} tokens "
+        f"({rep['sample']['tokens']} tokens) from {', '.join(d['source'] for d in rep['data'])}. "
+        f"Static schemes quantize {'K and V only (Triton/FlashInfer)' if th['kv_only'] else 'Q, K and V (FA3 on Hopper)'}.",
+        "",
+        "## Verdict",
+        "",
+        _table(VERIFY_HEADER, verify_rows(rep)),
+        "",
+        thresholds_text(rep)
+        + (" or when a needle the reference found is lost" if rep["needle"] else "")
+        + ". KL is KL(reference ‖ scheme) of next-token distributions with every layer quantized at once, mean over "
+        "positions; ± is the standard error over sequences.",
+        "",
+        *[f"- **{n}**: {r['note']}; scales: {r['source']}" for n, r in s.items()],
+        *[f"- **{n}** skipped: {why}" for n, why in rep["skipped"].items()],
+        "",
+        "## Recommendation",
+        "",
+        *[f"- {line}" for line in rep["recommendation"]],
+        "",
+        "```",
+        rep["serve_command"],
+        "```",
+        "",
+        *_skip_markdown(rep["skip_layers"]),
+        *(["## Does it pay", "", "Memory and bytes read per decoded token, per GPU, from vLLM's cache layouts; arithmetic, "
+            "not a measured speed (`capacity.py`).", "", "```", plan_text(rep["does_it_pay"]), "```", ""] if rep["does_it_pay"] else []),
+        "## Per-layer attention error",
+        "",
+        "Relative RMS error of each layer's attention output with that scheme's quantization, on the layer's own "
+        "(unquantized) inputs: ‖o_scheme − o_ref‖ / ‖o_ref‖ over the sample.",
+        "",
+    ]
+    if "layer_error" in plots:
+        out += [f"![per-layer error]({plots['layer_error']})", ""]
+    names = [n for n, r in s.items() if r["mode"] != "reference"]
+    out += [_table(["layer", *names], [[str(idx), *(f"{s[n]['layer_rel_error'][i]:.3e}" for n in names)] for i, idx in enumerate(layers)]), ""]
+    out += ["## Saturation and underflow", "",
+            "Fraction of values beyond the format's max (saturated) and below its smallest normal (stored as subnormal "
+            "or zero), mean over layers / worst layer; — = not quantized by that scheme.", ""]
+    rows = []
+    for n in names:
+        for kind in ("k", "v", "q"):
+            f = s[n]["fractions"].get(kind)
+            if f:
+                rows.append([n, kind, f"{_pct(sum(f['saturated']) / len(layers), 4)} / {_pct(max(f['saturated']), 4)}",
+                             f"{_pct(sum(f['underflow']) / len(layers), 4)} / {_pct(max(f['underflow']), 4)}"])
+            else:
+                rows.append([n, kind, "—", "—"])
+    out += [_table(["scheme", "kind", "saturated", "underflow"], rows), ""]
+    if rep["fa3"]:
+        out += _fa3_markdown(rep["fa3"])
+    if rep["needle"]:
+        out += _needle_markdown(rep["needle"])
+    out += ["## Scales and statistics", ""]
+    if "scales" in plots:
+        name = plots["scales_scheme"]
+        out += [f"K/V scales of scheme {name} ({s[name]['source']}):", "", f"![K/V scales]({plots['scales']})", ""]
+    else:
+        out += ["No K/V scales to plot: no static scheme with scales ran.", ""]
+    if "position" in plots:
+        out += ["Absmax by token position (max over heads), from the checkpoint's calibration statistics:", "",
+                f"![position profile]({plots['position']})", ""]
+    else:
+        out += ["No position profile: the checkpoint has no kvcal statistics.", ""]
+    out += ["## Checkpoint and settings", "", *[f"- {note}" for note in rep["checkpoint_scales"]["notes"]],
+            f"- kvcal statistics in the checkpoint: {'yes' if rep['checkpoint_scales']['statistics'] else 'no'}",
+            "", "```json", json.dumps(rep["settings"], indent=1), "```", "",
+            f"Time: {rep['timings']['total_s']:.1f} s in all; reference pass {rep['timings']['reference_pass_s']:.1f} s; "
+            + ", ".join(f"{n} {t:.1f} s" for n, t in rep["timings"]["scheme_pass_s"].items()) + ". Every number is in report.json.", ""]
+    return "\n".join(out)
+
+
+def _skip_markdown(probe: dict | None) -> list[str]:
+    """Which layers to keep in bf16: the estimate for every layer and the measured gain for the probed ones."""
+    if probe is None:
+        return []
+    measured = {m["layer"]: m for m in probe["measured"]}
+    rows = [[str(layer), f"{probe['estimate'][row]:.3e}",
+             *((f"{measured[layer]['kl_without']:.4g}", f"{measured[layer]['gain']:+.3g}" + (f" ± {measured[layer]['gain_stderr']:.2g}" if measured[layer]["gain_stderr"] is not None else ""))
+               if layer in measured else ("—", "—")), "yes" if layer in probe["skip"] else ""]
+            for row, layer in enumerate(probe["layers"])]
+    return ["## Layers to keep in bf16", "",
+            f"Scheme {probe['scheme']} (KL {probe['kl']:.4g} nats/token with every layer quantized). Estimate: the layer's own "
+            "attention-output error; measured: KL with that one layer left unquantized, and the gain paired by sequence. "
+            f"Kept: a significant gain above {probe['share_limit']:.3g} (twice an average layer's share).", "",
+            _table(["layer", "estimate", "KL without it", "gain", "keep"], rows), ""]
+
+
+def _fa3_markdown(f: dict) -> list[str]:
+    p = f["parameters"]
+    out = ["## FA3 FP8 numeric model", "",
+           "**A model of the hardware, not the hardware**: an emulation of FlashAttention-3's FP8 forward on Hopper from "
+           "published descriptions (MMA-Sim, DeepSeek-V3, vLLM's fork), not checked against a GPU.", "",
+           f"- Q, K, V and P: {p['format']}; P = {p['p']}",
+           f"- accumulator: {p['accumulator']}, {p['accum_bits']} fractional bits, k-step {p['k_step']}",
+           f"- two_level (vLLM today): each kBlockN = {p['kblock_n']['two_level']} key block in a fresh accumulator, promoted to fp32; "
+           f"single_chain (upstream FA3): one accumulator over the context, kBlockN = {p['kblock_n']['single_chain']}",
+           f"- emulated on query positions {f['query_positions']} of the first sequence, layers {list(f['layers'])} "
+           "(all heads); error is relative RMS against float64 attention on unquantized inputs, bias is the "
+           "relative change of the output's magnitude (negative = shrunk).", ""]
+    rows = []
+    for layer, r in f["layers"].items():
+        for name, modes in r["schemes"].items():
+            rows.append([str(layer), name, *(f"{modes[m]['rel_error']:.3e} ({modes[m]['bias']:+.2e})" for m in ("fp8_inputs", "two_level", "single_chain"))])
+    out += [_table(["layer", "scheme", "FP8 inputs, exact arithmetic", "two_level", "single_chain"], rows), ""]
+    v = f["validation"]
+    out += ["Validation:", "",
+            f"- the emulator with exact accumulation and unquantized P reproduces float64 attention on the same FP8 inputs to "
+            f"{v['exact_arithmetic_vs_float64']:.2e} (relative; fp32 registers)" if v["exact_arithmetic_vs_float64"] is not None else "- no static scheme ran",
+            "- the model's own attention on these rows matches the float64 reference to "
+            + ", ".join(f"{r['model_check']:.1e}" for r in f["layers"].values()) + " (per layer)"]
+    for key, by_mode in v.items():
+        if key.startswith("same_sign_bias"):
+            n = key.split("_")[-2]
+            out.append(f"- worst case (same-sign V, near-uniform P, P unquantized) at {n} keys, bias of the output: "
+                       + "; ".join(f"{m} " + ", ".join(f"{b} bits {x:+.3%}" for b, x in d.items()) for m, d in by_mode.items()))
+    return out + [*[f"- {n}" for n in f["notes"]], ""]
+
+
+def _needle_markdown(n: dict) -> list[str]:
+    names = list(n["cases"][0]["schemes"])
+    out = ["## Needle probe", "", f"Needle “{n['needle'].format(code='CODE')}” inserted at a depth of a haystack of the data "
+           f"(a fraction of its length); question “{n['question']}”; the answer “ CODE” scored teacher-forced: "
+           "log-probability of its tokens (✓ = every answer token is the greedy choice).", ""]
+    rows = [[str(c["length"]), f"{c['depth']:g}", c["code"], *(f"{c['schemes'][m]['logprob']:.2f} {'✓' if c['schemes'][m]['greedy'] else '✗'}" for m in names)]
+            for c in n["cases"]]
+    out += [_table(["length", "depth", "code", *names], rows), ""]
+    for m, r in n["summary"].items():
+        if "lost" in r:
+            out.append(f"- {m}: found {r['found']}/{len(n['cases'])}, lost {r['lost']} the reference found, mean log-prob change {r['mean_logprob_change']:+.3f}")
+    return out + [""]
+
+
+def plot_layer_error(path: Path, rep: dict) -> None:
+    """Per-layer attention-output relative error, one line per scheme (log scale)."""
+    plt = _pyplot()
+    layers = [layer["layer_idx"] for layer in rep["layers"]]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, r in rep["schemes"].items():
+        if r["mode"] != "reference":
+            ax.plot(layers, r["layer_rel_error"], marker="o", ms=3, label=name)
+    ax.set_yscale("log")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set(xlabel="layer", ylabel="relative RMS error of attention output", title="Per-layer attention error (each layer's own inputs)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_scale_heatmap(path: Path, layers: list[int], scales: dict[str, list], title: str) -> None:
+    """K and V scales as layer × head heatmaps (log color)."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(9, max(3, 0.18 * len(layers) + 1.5)))
+    for ax, kind in zip(axes, ("k", "v")):
+        values = np.asarray(scales[kind], dtype=float)  # [L, H]
+        im = ax.imshow(values, aspect="auto", norm=LogNorm(), cmap="viridis", interpolation="nearest")
+        ax.set(title=f"{kind}_scale", xlabel="KV head", ylabel="layer")
+        ax.set_yticks(range(len(layers))[:: max(1, len(layers) // 15)], [str(x) for x in layers[:: max(1, len(layers) // 15)]])
+        ax.set_xticks(range(values.shape[1]))
+        fig.colorbar(im, ax=ax)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_position_profile(path: Path, layers: list[int], profile: dict) -> None:
+    """Absmax (max over heads) by position bucket, per layer, for K, V and Q; empty buckets blank."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+
+    plt = _pyplot()
+    tokens = np.asarray(profile["tokens"])  # [L, P]
+    used = np.flatnonzero(tokens.sum(0) > 0)
+    starts = [profile["bucket_starts"][i] for i in used]
+    fig, axes = plt.subplots(1, 3, figsize=(13, max(3, 0.18 * len(layers) + 1.5)))
+    for ax, kind in zip(axes, ("k", "v", "q")):
+        values = np.asarray(profile[kind], dtype=float)[:, used]  # [L, P_used]
+        values = np.where(tokens[:, used] > 0, values, np.nan)
+        im = ax.imshow(values, aspect="auto", norm=LogNorm(), cmap="magma", interpolation="nearest")
+        ax.set(title=f"{kind} absmax", xlabel="position bucket (first position)", ylabel="layer")
+        ax.set_xticks(range(len(starts)), [str(s) for s in starts], rotation=60, fontsize=7)
+        ax.set_yticks(range(len(layers))[:: max(1, len(layers) // 15)], [str(x) for x in layers[:: max(1, len(layers) // 15)]])
+        fig.colorbar(im, ax=ax)
+    fig.suptitle("Absmax by token position (max over heads), from the calibration statistics")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_verify_report(directory: Path, rep: dict) -> None:
+    """report.json (every number), the PNG plots and report.md into ``directory`` (created with its parents if needed)."""
+    if directory.exists() and not directory.is_dir():
+        raise ValueError(f"--report {directory} is a file; pass a directory for report.json, report.md and the plots")
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "report.json").write_text(json.dumps(rep, indent=1) + "\n")
+    layers = [layer["layer_idx"] for layer in rep["layers"]]
+    plots = {"layer_error": "layer_error.png"}
+    plot_layer_error(directory / plots["layer_error"], rep)
+    with_scales = [n for n in ("head", "tensor") if n in rep["schemes"]] + [n for n, r in rep["schemes"].items() if r["mode"] == "static" and n != "scale1"]
+    if with_scales:
+        name = with_scales[0]
+        plots["scales"], plots["scales_scheme"] = "scales.png", name
+        plot_scale_heatmap(directory / plots["scales"], layers, rep["schemes"][name]["scales"], f"K/V scales of scheme {name!r} (dequantization multipliers)")
+    if rep["position_profile"]:
+        plots["position"] = "position_profile.png"
+        plot_position_profile(directory / plots["position"], layers, rep["position_profile"])
+    (directory / "report.md").write_text(verify_markdown(rep, plots))

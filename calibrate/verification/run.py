@@ -1,0 +1,260 @@
+"""``kvcal verify``: what a quantized KV cache costs a checkpoint, measured against the unquantized model.
+
+A *scheme* is one way vLLM could store attention's inputs (``choices.VERIFY_SCHEMES``, or a scales file the user names).
+Every scheme is emulated as vLLM's cache write does it: FP8 schemes as x / scale, saturated to the format's
+finite max, rounded to nearest even, times scale — K and V always, Q too where the backend quantizes queries
+(FA3 on Hopper; ``kv_only`` models the Triton/FlashInfer backends); vLLM's other cache dtypes (int8 and int4 per
+token-head, nvfp4) by ``kvdtypes``, K and V only.
+
+Cost: one reference forward of the sample (which also runs each scheme's attention on every layer's own inputs,
+for the per-layer errors), one forward per scheme with every layer quantized at once, one for the *floor* (the
+unquantized model in another precision, what the verdicts are relative to), and for the recommended scheme one
+per probed layer left unquantized (plus a reference): about 3 + S + P forwards. The FA3 accumulator model
+(``fa3.probe``) and the needle probe (``needle.py``) are extra. What the numbers mean, verdicts and the
+recommendation, is ``verdict.py``'s; the memory arithmetic ``capacity.py``'s.
+"""
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import fa3, report
+from .config import Thresholds
+from .capacity import LayerKV, per_token, plan
+from ..data.stream import DataConfig, iter_sequences
+from ..checkpoint.write import tensor_bytes, weight_files
+from ..fp8 import get_format
+from .kvdtypes import DTYPES
+from ..model.layers import AttentionLayer, attention_layers, checkpoint_named, max_context, signature
+from ..model.load import load_model, load_tokenizer, read_config, resolve_device
+from .needle import needle_probe
+from ..capture.stats import Stats, position_bucket_starts
+from ..model.layers import ModelSignature
+from .verdict import check_measured, choose, judge, recommend
+from .config import FLOOR, REFERENCE, VerifyConfig
+from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
+from .passes import ApplyScheme, ReferenceProbe, measure, probe_skip_layers, scheme_result
+from ..layout import stats_path
+
+
+
+# ---- scales: from the checkpoint, its statistics, or a file --------------------------------------------------------
+
+
+# ---- the passes ---------------------------------------------------------------------------------------------------
+
+
+def _fa3(probe: ReferenceProbe, rows: torch.Tensor, schemes: list[Scheme], layers, sig: ModelSignature, config: VerifyConfig) -> dict:
+    """``fa3.probe`` on the rows the reference pass captured, for every static scheme."""
+    return fa3.probe(
+        probe.capture, rows, {s.name: s.scales for s in schemes if s.mode == Mode.STATIC}, get_format(config.fp8_format),
+        layer_idx=[layer.layer_idx for layer in layers], groups=sig.num_heads // sig.num_kv_heads, head_dim=sig.head_dim,
+        accum_bits=config.accum_bits, unmodelled=[s.name for s in schemes if s.mode == Mode.TOKEN],
+    )
+
+
+def _needle(model, tokenizer, layers, schemes: list[Scheme], config: VerifyConfig, context: int | None) -> dict:
+    """``needle.needle_probe`` under each scheme's end-to-end hook, the reference first when not among the schemes."""
+    row_of = {layer.layer_idx: row for row, layer in enumerate(layers)}
+    runs = schemes if any(s.mode == Mode.REFERENCE for s in schemes) else [Scheme(REFERENCE, Mode.REFERENCE, "", schemes[0].fmt), *schemes]
+    return needle_probe(
+        model, tokenizer, {s.name: ApplyScheme(s, row_of) for s in runs}, reference=REFERENCE, lengths=config.needle,
+        depths=config.needle_depths, data=config.data, context=context, progress=config.progress,
+    )
+
+
+# ---- derived results ----------------------------------------------------------------------------------------------
+
+
+def _kv_layers(model_config, layers: list[AttentionLayer], sig: ModelSignature) -> list[LayerKV]:
+    """The attention layers as ``capacity`` sizes them: vLLM's index, KV heads, head size, sliding window."""
+    window = getattr(model_config.get_text_config(), "sliding_window", None)
+    return [LayerKV(layer.layer_idx, sig.num_kv_heads, sig.head_dim, _value_dim(sig), window if layer.sliding_window else None)
+            for layer in layers]
+
+
+def _value_dim(sig: ModelSignature) -> int:
+    """Width of a cached V head: MLA caches no V (the latent row serves both), other models one as wide as K."""
+    return 0 if sig.latent_dim else sig.head_dim
+
+
+def _bytes_of(name: str):
+    """``capacity``'s bytes per token of a layer in cache dtype ``name``."""
+    return lambda layer: DTYPES[name].bytes_per_token(layer.heads, layer.head_dim, layer.head_dim_v)
+
+
+def does_it_pay(config: VerifyConfig, kv_layers: list[LayerKV], files: list[Path], results: dict, context: int) -> dict:
+    """``capacity.plan`` for bf16 and every measured scheme's cache dtype at ``--max-model-len`` on ``--gpu``."""
+    names = dict.fromkeys(["auto", *(r["kv_dtype"] for r in results.values())])
+    result = plan(kv_layers, sum(tensor_bytes(f) for f in files), config.max_model_len or context, config.gpu,
+                  {name: _bytes_of(name) for name in names}, tp=config.tp)
+    return {**result, "gpu": config.gpu}
+
+
+def skip_cost(kv_layers: list[LayerKV], dtype: str, skip: list[int], context: int) -> dict:
+    """KV bytes per token at ``context`` with every layer in ``dtype``, and with the ``skip`` layers in bf16."""
+    return {"all_quantized": per_token(kv_layers, _bytes_of(dtype), context),
+            "with_skip": per_token(kv_layers, _bytes_of(dtype), context, skip=set(skip), bf16_bytes_of=_bytes_of("auto"))}
+
+
+# ---- the command --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VerifyResult:
+    """Every number of a verify run (``report``, as written to report.json) and where the report went."""
+
+    report: dict
+    report_dir: Path | None
+
+    @property
+    def schemes(self) -> dict[str, dict]:
+        return self.report["schemes"]
+
+    def summary(self) -> str:
+        """The verdict table, the recommendation and the serve command, for a person."""
+        text = report.verify_text(self.report)
+        return text + (f"\nreport: {self.report_dir / 'report.md'}" if self.report_dir else "")
+
+
+def _load_stats(directory: Path, sig: ModelSignature) -> Stats | None:
+    """The checkpoint's kvcal statistics, checked against the model, or None when it has none."""
+    path = stats_path(directory)
+    if not path.is_file():
+        return None
+    stats = Stats.load(path)
+    stats.signature.check_matches(sig, f"the statistics in {path}")
+    return stats
+
+
+def _sample(data_config: DataConfig, tokenizer, context: int | None) -> tuple[list[torch.Tensor], list[dict]]:
+    """Whole sequences of exactly seq_len tokens (a shorter last one is dropped), and the data manifest."""
+    stream = iter_sequences(data_config, tokenizer, max_context=context)
+    sequences = [s for s in stream if s.numel() == data_config.seq_len]
+    if not sequences:
+        raise ValueError(f"the data gives {stream.tokens_yielded} tokens, less than one sequence of --seq-len "
+                         f"{data_config.seq_len}; lower --seq-len or add data")
+    return sequences, stream.manifest()
+
+
+def _position_profile(stats: Stats | None) -> dict | None:
+    """Absmax by position bucket (max over heads) from the statistics, for the report's position plot."""
+    if stats is None:
+        return None
+    return {
+        "bucket_starts": position_bucket_starts(),
+        "tokens": stats.pos_tokens.tolist(),  # [L, P]
+        **{kind: stats.kinds[kind].pos_absmax.amax(1).tolist() for kind in ("k", "v", "q")},  # [L, P]
+    }
+
+
+def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> VerifyResult:
+    """Measure what an FP8 KV cache costs ``checkpoint`` on ``data``, per scheme, and recommend how to serve it.
+
+    ``options`` are flat settings, each going to the part of ``VerifyConfig`` that owns it: ``seq_len``,
+    ``max_tokens``, ``chunk_len``, ``text_field``, ``seed`` (the sample), ``max_kl``, ``fail_kl``, ``min_top1``,
+    ``fail_top1`` (the thresholds) and VerifyConfig's own fields (schemes, fa3, accum_bits, needle, report_dir...).
+    """
+    return run_verify(VerifyConfig.from_options(checkpoint, data, **options))
+
+
+def run_verify(config: VerifyConfig) -> VerifyResult:
+    """Run a verify; see ``verify``."""
+    start = time.perf_counter()
+    # 1. Cheap checks of every option and data source before the model is loaded.
+    config.validate()
+    fmt = get_format(config.fp8_format)
+    files = weight_files(Path(config.checkpoint))  # vLLM's files, every header checked
+
+    # 2. The sample, before the model is loaded: data too short for one sequence is refused cheaply.
+    device = resolve_device(config.device)
+    context = max_context(read_config(config.checkpoint))
+    tokenizer = load_tokenizer(config.checkpoint)
+    sequences, manifest = _sample(config.data, tokenizer, context)
+    sampled = time.perf_counter()
+
+    # 3. The reference model (float32 on CPU by default, K and V unquantized) and its attention layers.
+    model, _ = load_model(config.checkpoint, device=device, dtype=getattr(torch, config.dtype) if config.dtype else None,
+                          tokenizer=tokenizer)
+    layers = checkpoint_named(attention_layers(model), config.checkpoint)
+    sig = signature(model, layers)
+    if sig.latent_dim and config.fa3:
+        raise ValueError("--fa3 models FlashAttention-3, which vLLM does not run for latent attention (MLA): drop --fa3")
+    loaded = time.perf_counter()
+
+    # 4. Schemes (the checkpoint's scales, scales derived from its statistics, named files), then the reference
+    # pass and one pass per scheme.
+    stats = _load_stats(Path(config.checkpoint), sig)
+    schemes, skipped, held = build_schemes(config, files, layers, sig, stats, fmt)
+    floor = [floor_scheme(model.dtype, fmt)] if config.floor else []
+    fa3_rows = fa3.query_rows(config.data.seq_len, config.data.chunk_len, config.fa3_rows) if config.fa3 else None
+    tallies, probe, ref_nll, ref_seconds = measure(model, layers, schemes + floor, sequences, config, fa3_rows)
+    measured = time.perf_counter()
+
+    # 5. Optional probes: the FA3 numeric model on sampled rows, and the needle.
+    fa3_result = _fa3(probe, fa3_rows, schemes, layers, sig, config) if config.fa3 else None
+    probed = time.perf_counter()
+    needle_result = _needle(model, tokenizer, layers, schemes, config, context) if config.needle else None
+
+    # 6. Numbers; the limits, from the floor unless set; verdicts; which layers to keep unquantized; the recommendation.
+    results = {s.name: scheme_result(s, tallies[s.name], probe.ref_sq, ref_nll) for s in schemes + floor}
+    for name, r in results.items():
+        check_measured(name, r)
+    floor_result = results.pop(FLOOR, None)
+    limits = config.thresholds.resolve(floor_result)
+    for name, r in results.items():
+        if needle_result and r["mode"] != Mode.REFERENCE:
+            r["needle_lost"] = needle_result["summary"][name]["lost"]
+        r["verdict"], r["reasons"] = judge(r, limits)
+    choice = choose(results)
+    skip_probe = None
+    if choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
+        skip_probe = probe_skip_layers(model, layers, next(s for s in schemes if s.name == choice), results[choice], sequences, config)
+    for name, r in results.items():
+        r["kv_dtype"] = scheme_dtype(next(s for s in schemes if s.name == name))
+        r["bytes_per_token"] = len(layers) * DTYPES[r["kv_dtype"]].bytes_per_token(sig.num_kv_heads, sig.head_dim, _value_dim(sig))
+        r["bytes_vs_bf16"] = DTYPES[r["kv_dtype"]].bytes_per_token(1, sig.head_dim, _value_dim(sig)) / DTYPES["auto"].bytes_per_token(1, sig.head_dim, _value_dim(sig))
+    kv_layers = _kv_layers(model.config, layers, sig)
+    pays = does_it_pay(config, kv_layers, files, results, context or config.data.seq_len)
+    if skip_probe is not None:
+        skip_probe["bytes_per_token"] = skip_cost(kv_layers, results[skip_probe["scheme"]]["kv_dtype"], skip_probe["skip"], pays["context"])
+    recommendation, serve = recommend(results, held, layers, config.checkpoint, skip_probe, pays)
+    dtype = str(model.dtype).removeprefix("torch.")
+    rep = {
+        "kvcal_version": report.kvcal_version(),
+        "checkpoint": str(Path(config.checkpoint).resolve()),
+        "reference": {"name": REFERENCE, "dtype": dtype, "device": str(device),
+                      "note": f"the reference is the unquantized model in {dtype}, called {REFERENCE} as vLLM would serve it"},
+        "fp8_format": fmt.name,
+        "settings": config.settings(),
+        "data": manifest,
+        "sample": {"sequences": len(sequences), "seq_len": config.data.seq_len, "tokens": len(sequences) * config.data.seq_len},
+        "layers": [vars(layer) for layer in layers],
+        "checkpoint_scales": held,
+        "floor": floor_result,
+        "thresholds": {**{name: getattr(limits, name) for name in Thresholds.LIMITS}, "origin": config.thresholds.origin(),
+                       "floor_pass": limits.floor_pass, "floor_fail": limits.floor_fail,
+                       "relative_to_floor": floor_result is not None and floor_result["kl"] > 0},
+        "schemes": results,
+        "skip_layers": skip_probe,
+        "does_it_pay": pays,
+        "skipped": skipped,
+        "fa3": fa3_result,
+        "needle": needle_result,
+        "recommendation": recommendation,
+        "serve_command": serve,
+        "position_profile": _position_profile(stats),
+        "timings": {
+            "sample_s": sampled - start, "load_s": loaded - sampled, "passes_s": measured - loaded,
+            "reference_pass_s": ref_seconds, "scheme_pass_s": {n: t.seconds for n, t in tallies.items()},
+            "skip_probe_s": skip_probe["seconds"] if skip_probe else 0.0, "fa3_s": probed - measured, "needle_s": time.perf_counter() - probed, "total_s": time.perf_counter() - start,
+        },
+    }
+    # 7. Report files.
+    out = None
+    if config.report_dir is not None:
+        out = Path(config.report_dir)
+        report.write_verify_report(out, rep)
+    return VerifyResult(rep, out)

@@ -1,0 +1,238 @@
+"""The schemes verify compares: one way each that vLLM could store attention's inputs, built from the
+checkpoint's scales, its statistics or a cache dtype, and applied to Q, K and V as vLLM's cache write does."""
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+import torch
+
+from ..capture.hooks import latent_view
+from ..loaders import MLA_SCALES_IGNORED, loaded_multiplier, quant_config, quant_method
+from ..fp8 import E5M2, FP8Format, per_token_scale, quantize_dequantize
+from .kvdtypes import DTYPES, CacheDtype
+from ..model.load import read_config
+from ..scales.observers import derive_scales
+from ..capture.stats import Stats
+from .config import FLOOR, REFERENCE, VerifyConfig
+from ..checkpoint.read import read_scales
+
+
+class Mode(StrEnum):
+    """How a scheme scales attention's inputs (its value is what report.json says)."""
+
+    REFERENCE = "reference"  # not at all: the unquantized model
+    FLOOR = "floor"  # not at all, but computed in another precision: what the verdicts are measured against
+    STATIC = "static"  # one scale per layer (or per layer and head) read at serve time
+    TOKEN = "token"  # a scale per token and KV head computed at cache write
+    CACHE = "cache"  # another of vLLM's cache dtypes (``kvdtypes``): int8/int4 per token-head, nvfp4; K and V only
+
+
+@dataclass
+class Scheme:
+    """One way of quantizing attention's inputs, applied identically in every pass.
+
+    ``scales`` are dequantization multipliers in the format's own units (x ≈ fp8 × scale), kind →
+    [L, H] (a per-tensor scale repeated over heads), for ``Mode.STATIC``.
+    """
+
+    name: str
+    mode: Mode
+    source: str
+    fmt: FP8Format
+    granularity: str | None = None
+    scales: dict[str, torch.Tensor] = field(default_factory=dict)
+    quantize_query: bool = False
+    cache: CacheDtype | None = None  # Mode.CACHE: the dtype whose write and read are emulated
+    autocast: torch.dtype | None = None  # the floor: the whole model computed in this dtype
+    skip: frozenset[int] = frozenset()  # layer rows left unquantized (--kv-cache-dtype-skip-layers)
+
+    def scale(self, kind: str, row: int, x: torch.Tensor) -> torch.Tensor:
+        """Scale broadcastable to x [B, H, S, D]: per (token, head) for ``token``, else [1, H, 1, 1]."""
+        if self.mode == Mode.TOKEN:
+            return per_token_scale(x, self.fmt)  # [B, H, S, 1]
+        return self.scales[kind][row].to(x.device).view(1, -1, 1, 1)
+
+    def kinds(self) -> tuple[str, ...]:
+        if self.mode in (Mode.REFERENCE, Mode.FLOOR):
+            return ()
+        return ("k", "v", "q") if self.quantize_query else ("k", "v")
+
+    def counted(self) -> tuple[str, ...]:
+        """The kinds whose saturation and underflow are counted: those stored in an FP8 format."""
+        return () if self.mode == Mode.CACHE else self.kinds()
+
+    def precision(self, device: torch.device):
+        """The context a pass of this scheme runs in: autocast to another dtype for the floor, else none."""
+        return torch.autocast(device.type, dtype=self.autocast) if self.autocast is not None else nullcontext()
+
+    def latent(self, row: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An MLA layer's cached (kv_c_normed, k_pe) as read back: both parts under the layer's one k scale."""
+        if row in self.skip or not self.kinds():
+            return kv_c, k_pe
+        return tuple(quantize_dequantize(x, self.scale("k", row, x), self.fmt) for x in (kv_c, k_pe))
+
+    def latent_attention(self, row: int, module, query: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                         attention_mask, base_attention, **kwargs) -> tuple:
+        """An MLA layer's attention under this scheme, from the unquantized latent (past + new positions).
+
+        Without a quantized query, the model's own: K and V decompressed from the quantized latent. With one, as vLLM
+        decodes: the absorbed query, quantized with the q scale, against the quantized latent row, and the output
+        brought out of the latent space with each head's W_UV (``absorbed_attention``).
+        """
+        kv_c, k_pe = self.latent(row, kv_c, k_pe)
+        if not self.latent_query(row):
+            return base_attention(module, query, *type(module).expand_kv(module, kv_c, k_pe), attention_mask, **kwargs)
+        return absorbed_attention(module, query, kv_c, k_pe, self.query_quantizer(row), attention_mask, base_attention, **kwargs)
+
+    def latent_query(self, row: int) -> bool:
+        """Whether an MLA layer's absorbed query is quantized (and its attention run in vLLM's decode form)."""
+        return "q" in self.kinds() and row not in self.skip
+
+    def query_quantizer(self, row: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The FP8 round trip of a query of layer ``row`` under this scheme's static q scale."""
+        return lambda q: quantize_dequantize(q, self.scale("q", row, q), self.fmt)
+
+    def apply(self, row: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """(q, k, v) as attention reads them back after this scheme's FP8 round trip."""
+        out = {"q": q, "k": k, "v": v}
+        if row in self.skip:
+            return q, k, v
+        for kind in self.kinds():
+            if self.mode == Mode.CACHE:
+                scale = self.scale(kind, row, out[kind]) if self.cache.scale == "tensor" else None
+                out[kind] = self.cache.round_trip(out[kind], scale)
+            else:
+                out[kind] = quantize_dequantize(out[kind], self.scale(kind, row, out[kind]), self.fmt)
+        return out["q"], out["k"], out["v"]
+
+
+def absorbed_attention(module, query: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, quantize_query: Callable,
+                       attention_mask, base_attention, **kwargs) -> tuple:
+    """MLA attention in vLLM's decode form: [q_nope·W_UK | q_pe] (after ``quantize_query``) against the cached row
+    [kv_c | k_pe], softmax, the weights applied to kv_c, then W_UV per head. Algebraically the model's own attention;
+    the query is quantized where vLLM quantizes it (docs/vllm-notes.md, "MLA"). Returns the model's (output, weights)."""
+    from accelerate.utils import align_module_device
+
+    q, row = latent_view(module, query, kv_c, k_pe)  # [B, H, S, L + R], [B, 1, N, L + R]
+    H, L, nope = q.shape[1], module.kv_lora_rank, module.qk_nope_head_dim
+    out, weights = base_attention(module, quantize_query(q), row.expand(-1, H, -1, -1), kv_c.expand(-1, H, -1, -1),
+                                  attention_mask, **kwargs)  # out [B, S, H, L]
+    with align_module_device(module.kv_b_proj, q.device):
+        w_uv = module.kv_b_proj.weight.view(H, -1, L)[:, nope:].to(out.dtype)  # [H, v, L]
+    return torch.einsum("bshl,hvl->bshv", out, w_uv), weights
+
+
+def build_schemes(
+    config: VerifyConfig, files: list[Path], layers, sig, stats: Stats | None, fmt: FP8Format
+) -> tuple[list[Scheme], dict, dict]:
+    """The schemes to run, those that cannot run with the reason, and what the checkpoint holds.
+
+    ``files`` are the checkpoint's safetensors files as vLLM reads them (``export.weight_files``).
+    """
+    directory = Path(config.checkpoint)
+    method = quant_method(quant_config(directory, read_config(directory)))
+    ckpt, granularity, notes = read_scales(files, layers, sig, method)
+    ckpt = {k: v * loaded_multiplier(method, fmt.name) for k, v in ckpt.items()}
+    if granularity is None:
+        notes.append("the checkpoint has no KV scales: vLLM would load it with 1.0 for every layer (scheme scale1)")
+    held = {"granularity": granularity, "notes": notes, "statistics": stats is not None, "serving": []}
+    q = not config.kv_only
+    heads = {"k": sig.num_kv_heads, "v": sig.num_kv_heads, "q": sig.num_heads}
+    schemes, skipped = [], {}
+    ones = {k: torch.ones(len(layers), h) for k, h in heads.items()}
+
+    def derived(observer: str, wanted: str) -> dict[str, torch.Tensor]:
+        """kind → [L, H] scales of ``observer`` at ``wanted`` granularity, from the checkpoint's statistics."""
+        scales = derive_scales(stats.kinds, observer=observer, granularity=wanted, fmt=fmt).scales
+        return {k: (v if v.dim() == 2 else v[:, None].expand(-1, heads[k])).clone() for k, v in scales.items()}
+
+    def static_scales(name: str, wanted: str) -> tuple[dict | None, str]:
+        """(kind → [L, H] scales, source) of ``wanted`` granularity, or (None, why not)."""
+        if granularity == wanted:
+            return ckpt, "checkpoint"
+        if stats is not None:
+            return derived("max", wanted), "derived from the checkpoint's kvcal statistics (max observer; not in the checkpoint: export them)"
+        if granularity is None and name != wanted:  # a cache dtype that reads checkpoint scales gets vLLM's 1.0
+            return ones, "1.0: the checkpoint has no KV scales"
+        has = f"holds {granularity} scales" if granularity else "has no KV scales"
+        return None, f"the checkpoint {has} and no kvcal statistics to derive {wanted} scales from"
+
+    for name in dict.fromkeys(config.schemes):  # a name given twice runs once
+        if name in DTYPES:
+            try:  # a cache layout this model's head size does not fit (nvfp4: multiples of 16; int4: even)
+                DTYPES[name].bytes_per_token(1, sig.head_dim)
+            except ValueError as e:
+                skipped[name] = str(e)
+                continue
+        if name == REFERENCE:
+            schemes.append(Scheme(name, Mode.REFERENCE, "none: the unquantized reference", fmt))
+        elif name == "scale1":
+            schemes.append(Scheme(name, Mode.STATIC, "1.0", fmt, "tensor", ones, q))
+        elif name == "token":
+            schemes.append(Scheme(name, Mode.TOKEN, "computed per token at cache write", fmt, "token"))
+        elif name in ("max", "mse"):  # another observer's per-tensor scales, to set beside the checkpoint's
+            if stats is None:
+                skipped[name] = f"the checkpoint has no kvcal statistics to derive {name} scales from"
+                continue
+            source = f"the {name} observer on the checkpoint's kvcal statistics"
+            schemes.append(Scheme(name, Mode.STATIC, source, fmt, "tensor", derived(name, "tensor"), q))
+        elif name in ("tensor", "head") or name in DTYPES and DTYPES[name].scale == "tensor":
+            # fp8_e5m2 and nvfp4 read the per-tensor k/v scales vLLM loads for fp8; neither quantizes queries.
+            wanted = "head" if name == "head" else "tensor"
+            scales, source = static_scales(name, wanted)
+            if scales is None:
+                skipped[name] = source
+            elif name in ("tensor", "head"):
+                schemes.append(Scheme(name, Mode.STATIC, source, fmt, name, scales, q))
+            elif name == "fp8_e5m2":
+                schemes.append(Scheme(name, Mode.STATIC, source, E5M2, "tensor", scales))
+            else:
+                schemes.append(Scheme(name, Mode.CACHE, source, fmt, "tensor", scales, cache=DTYPES[name]))
+        elif name in DTYPES:
+            schemes.append(Scheme(name, Mode.CACHE, "computed per token at cache write", fmt, "token", cache=DTYPES[name]))
+        else:
+            scales, file_granularity, file_notes = read_scales([Path(name)], layers, sig, method)
+            if file_granularity is None:
+                raise ValueError(f"{name} holds no k/v scales under this model's attention prefixes (e.g. {layers[0].prefix}.k_scale)")
+            notes += [f"{Path(name).name}: {n}" for n in file_notes]
+            scaled = {k: v * loaded_multiplier(method, fmt.name) for k, v in scales.items()}
+            schemes.append(Scheme(Path(name).stem, Mode.STATIC, str(Path(name).resolve()), fmt, file_granularity, scaled, q))
+    if sig.latent_dim:  # MLA: the latent cache in an fp8 format under one per-tensor k scale (docs/vllm-notes.md, MLA)
+        other = [s for s in schemes if s.mode in (Mode.TOKEN, Mode.CACHE) or s.granularity == "head"]
+        for scheme in other:
+            skipped[scheme.name] = "not a cache vLLM's MLA layers take: kvcal emulates the latent cache in fp8 with per-tensor scales"
+        schemes = [s for s in schemes if s not in other]
+        if "scale1" not in config.schemes:
+            schemes.append(Scheme("scale1", Mode.STATIC, "1.0: what vLLM 0.32 uses for MLA layers, whatever the checkpoint holds", fmt, "tensor", ones, q))
+        held["serving"].append(f"{MLA_SCALES_IGNORED[1]}: the scale1 row is what serving gives today.")
+        notes.append("MLA: K and V are decompressed from the quantized latent; unless --kv-only, the absorbed query is "
+                     "quantized too and attention runs in vLLM's decode form, as on FlashMLA and the other backends that "
+                     "take an FP8 query")
+    return schemes, skipped, held
+
+
+# What the floor computes in, by the reference's dtype: bf16 against float32, and for a half-precision reference
+# the other half precision (float16 rounds finer than bf16, so bf16 vs float16 is about bf16's own rounding).
+FLOOR_DTYPES = {torch.float32: torch.bfloat16, torch.bfloat16: torch.float16, torch.float16: torch.bfloat16}
+
+
+def floor_scheme(reference_dtype: torch.dtype, fmt: FP8Format) -> Scheme:
+    """The floor: the unquantized model computed in ``FLOOR_DTYPES[reference_dtype]`` (autocast), KV cache included."""
+    other = FLOOR_DTYPES[reference_dtype]
+    name = str(other).removeprefix("torch.")
+    return Scheme(FLOOR, Mode.FLOOR, f"{name} compute against the {str(reference_dtype).removeprefix('torch.')} reference", fmt,
+                  autocast=other)
+
+
+def scheme_dtype(scheme: Scheme) -> str:
+    """The ``--kv-cache-dtype`` a scheme stands for (``kvdtypes.DTYPES``'s name)."""
+    if scheme.mode == Mode.CACHE:
+        return scheme.cache.name
+    if scheme.mode == Mode.TOKEN:
+        return "fp8_per_token_head"
+    if scheme.mode == Mode.STATIC:
+        return "fp8_e5m2" if scheme.fmt == E5M2 else "fp8"
+    return "auto"

@@ -1,0 +1,217 @@
+"""What ``kvcal verify`` concludes from its measured numbers: verdicts, paired comparisons, what to serve.
+
+Plain numbers in, sentences out: nothing here runs a model, so every rule can be read (and tested)
+on its own. The numbers come from ``verify.scheme_result``; thresholds from ``VerifyConfig``.
+"""
+
+import math
+
+import torch
+
+from . import report
+from ..choices import VERIFY_SCHEMES
+from .config import Thresholds
+from .kvdtypes import DTYPES
+from ..model.layers import AttentionLayer
+
+SCHEME_NOTES = {
+    "bf16": "reference: no quantization",
+    "floor": "the unquantized model computed in another precision: what the verdicts are measured against",
+    "scale1": "scale 1.0 everywhere: what vLLM uses when a checkpoint has no scales (ModelOpt's fp8_cast)",
+    "tensor": "one static scale per layer (--kv-cache-dtype fp8, every backend)",
+    "head": "one static scale per layer and head (FA3 on Hopper only)",
+    "token": "dynamic scale per token and KV head (--kv-cache-dtype fp8_per_token_head, Triton; queries stay unquantized)",
+    "max": "per-tensor scales of the max observer (absmax / 448), from the checkpoint's statistics",
+    "mse": "per-tensor scales of the mse observer (least expected FP8 error of K or V), from the checkpoint's statistics",
+}
+SCHEME_NOTES |= {name: f"--kv-cache-dtype {name}: {DTYPES[name].note}" for name in VERIFY_SCHEMES if name in DTYPES}
+
+
+def mean_stderr(values: list[float]) -> tuple[float, float | None]:
+    """Mean over sequences and its standard error (None with a single sequence)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    return t.mean().item(), (t.std().item() / math.sqrt(len(values)) if len(values) > 1 else None)
+
+
+def check_measured(name: str, result: dict) -> None:
+    """Refuse numbers that cannot come from a real FP8 emulation of a working model.
+
+    Quantizing real activations always changes something: a KL of exactly 0 means the scheme never ran
+    (or reference and scheme share a broken model); a layer error of exactly 0 means that layer was not
+    quantized, and exactly 1 that its attention output vanished.
+    """
+    if result["mode"] in ("reference", "floor"):  # the floor may cost nothing measurable (Thresholds.resolve)
+        return
+    if result["kl"] == 0.0:
+        raise ValueError(f"scheme {name} measured a KL of exactly 0: its quantization changed nothing, so this verify "
+                         "cannot be trusted (is K/V quantization applied twice, or not at all?)")
+    stuck = [i for i, e in enumerate(result["layer_rel_error"]) if e in (0.0, 1.0)]
+    if stuck:
+        raise ValueError(f"scheme {name} measured a per-layer error of exactly 0 or 1 at layer rows {stuck[:5]}: "
+                         "those layers were not quantized or lost their output; this verify cannot be trusted")
+
+
+def judge(result: dict, limits: Thresholds) -> tuple[str, list[str]]:
+    """pass / warn / fail against the thresholds; the reference scheme is "reference"."""
+    if result["mode"] == "reference":
+        return "reference", []
+    reasons, verdict = [], "pass"
+    kl, top1 = result["kl"], result["top1"]
+    if kl > limits.fail_kl or top1 < limits.fail_top1:
+        verdict = "fail"
+    elif kl > limits.max_kl or top1 < limits.min_top1 or result.get("needle_lost"):
+        verdict = "warn"
+    if kl > limits.max_kl:
+        reasons.append(f"KL {kl:.4g} > {limits.fail_kl if kl > limits.fail_kl else limits.max_kl:.3g} nats/token")
+    if top1 < limits.min_top1:
+        reasons.append(f"top-1 agreement {top1:.3%} < {limits.fail_top1 if top1 < limits.fail_top1 else limits.min_top1:.0%}")
+    if result.get("needle_lost"):
+        reasons.append(f"the needle found by the reference was lost in {result['needle_lost']} case(s)")
+    return verdict, reasons
+
+
+def compare(a: dict, b: dict) -> tuple[float, float | None, bool]:
+    """KL of scheme a minus scheme b, paired by sequence: (mean, stderr or None, significant at 2 s.e.)."""
+    diff = [x - y for x, y in zip(a["kl_per_sequence"], b["kl_per_sequence"])]
+    mean, se = mean_stderr(diff)
+    return mean, se, se is not None and abs(mean) > 2 * se
+
+
+# The most portable scheme first, among those with the best verdict, then the other cache dtypes from the most to
+# the least precise; scale 1.0 only as a last resort. (A scales file goes after tensor.)
+PREFERENCE = ["tensor", "max", "mse", "head", "token", "fp8_e5m2", "int8_per_token_head", "nvfp4_4over6", "nvfp4", "int4_per_token_head", "scale1"]
+
+
+def choose(results: dict[str, dict]) -> str | None:
+    """The scheme to serve: best verdict first, then the most portable; None when every one fails."""
+    rank = {"pass": 0, "warn": 1}
+    usable = {n: r for n, r in results.items() if r["mode"] != "reference" and r["verdict"] in rank}
+    if not usable:
+        return None
+    top = min(rank[r["verdict"]] for r in usable.values())
+    preference = ["tensor", *[n for n in usable if n not in VERIFY_SCHEMES], *PREFERENCE[1:]]
+    return next(n for n in preference if n in usable and rank[usable[n]["verdict"]] == top)
+
+
+def rank_correlation(x: list[float], y: list[float]) -> float | None:
+    """Spearman's rank correlation of two equal-length lists (None under 3 points or with a constant list)."""
+    if len(x) < 3:
+        return None
+    rx, ry = (torch.tensor(v, dtype=torch.float64).argsort().argsort().double() for v in (x, y))
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denominator = (rx.square().sum() * ry.square().sum()).sqrt()
+    return None if denominator == 0 else (rx @ ry / denominator).item()
+
+
+def skip_choice(kl: float, measured: list[dict], num_layers: int) -> dict:
+    """Which measured layers to keep unquantized, and how far the cheap estimate agreed with the measurement.
+
+    A layer is worth keeping when leaving it unquantized removes at least twice its fair share of the scheme's
+    KL (2 · KL / layers) and that gain is significant (over 2 standard errors, paired by sequence).
+    """
+    share = 2 * kl / num_layers
+    keep = [m["layer"] for m in measured if m["gain"] > share and (m["gain_stderr"] is None or m["gain"] > 2 * m["gain_stderr"])]
+    estimate, gain = [m["estimate"] for m in measured], [m["gain"] for m in measured]
+    top_agrees = bool(measured) and max(measured, key=lambda m: m["estimate"]) is max(measured, key=lambda m: m["gain"])
+    return {"skip": keep, "share_limit": share, "rank_correlation": rank_correlation(estimate, gain), "top_agrees": top_agrees}
+
+
+def skip_lines(probe: dict) -> list[str]:
+    """The skip-layer finding, for a person."""
+    best = max(probe["measured"], key=lambda m: m["gain"])
+    rho = probe["rank_correlation"]
+    lines = [f"Layers kept in bf16 ({probe['scheme']}, measured end to end for {len(probe['measured'])} of {len(probe['layers'])} layers, "
+             f"ranked by each layer's own error): the largest gain is layer {best['layer']}, KL {probe['kl']:.4g} → {best['kl_without']:.4g}; "
+             f"estimate and measurement {'agree' if probe['top_agrees'] else 'disagree'} on the top layer"
+             + (f" (rank correlation {rho:.2f})." if rho is not None else ".")]
+    if probe["skip"]:
+        cost = probe.get("bytes_per_token")
+        memory = (f"; the KV cache grows from {cost['all_quantized']:,.0f} to {cost['with_skip']:,.0f} bytes per token "
+                  f"({cost['with_skip'] / cost['all_quantized'] - 1:+.0%})" if cost else "")
+        lines.append(f"Keep layer{'s' if len(probe['skip']) > 1 else ''} {' '.join(map(str, probe['skip']))} in bf16 "
+                     f"(--kv-cache-dtype-skip-layers): each, measured alone, removes over twice an average layer's share "
+                     f"of the KL{memory}.")
+    else:
+        lines.append("No layer stands out: keeping any one in bf16 gains less than twice an average layer's share of the KL.")
+    return lines
+
+
+def pays_lines(pays: dict, dtype: str, verdict: str) -> list[str]:
+    """Whether the recommended cache dtype pays at the planned context: capacity and decode bytes against bf16."""
+    row, auto = pays["dtypes"][dtype], pays["dtypes"]["auto"]
+    where = f"At {pays['context']:,} tokens per sequence on {pays['gpu']}" + (f" × {pays['tp']} (tensor parallel)" if pays["tp"] > 1 else "")
+    if row["max_sequences"] == 0:
+        return [f"{where}, not one sequence fits beside the weights even in {dtype}: more GPUs or a shorter --max-model-len."]
+    lines = [f"{where}: {dtype} holds {row['max_sequences']} full-length sequences where bf16 holds {auto['max_sequences']}, "
+             f"and a decoded token reads {row['decode_ratio']:.2f}× the bytes of bf16 at batch 1 (weights + KV; memory-bound "
+             "arithmetic, not a measured speed)."]
+    if auto["max_sequences"] >= 1 and verdict != "pass":
+        lines.append(f"If {auto['max_sequences']} concurrent sequences of this length are enough for your load, bf16 fits them "
+                     f"already: {dtype} would buy capacity you do not use at a measured cost ({verdict}); keep bf16 then.")
+    elif auto["max_sequences"] == 0:
+        lines.append(f"bf16 fits no full-length sequence beside the weights; {dtype} is what makes this context servable here.")
+    return lines
+
+
+def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
+              skip_probe: dict | None = None, pays: dict | None = None) -> tuple[list[str], str]:
+    """What to serve, from the measured numbers only: (sentences, vllm serve line)."""
+    lines = [*held.get("serving", []), *(n for n in held["notes"] if "no KV scales" in n)]
+    ranked = {n: r for n, r in results.items() if r["mode"] != "reference"}
+    if "token" in ranked and any(r["quantizes_query"] for r in ranked.values()):
+        lines.append("The static schemes here quantize Q as well (as FA3 on Hopper does); token leaves Q unquantized, "
+                     "so part of its lead may be Q's: --kv-only compares K and V alone.")
+
+    def versus(a: str, b: str) -> str:
+        mean, se, sig = compare(results[a], results[b])
+        ka, kb = results[a]["kl"], results[b]["kl"]
+        change = f"{a} is {'lower' if ka < kb else 'higher'} by {abs(ka / kb - 1):.0%}" if kb > 0 else ""
+        test = "one sequence: not tested" if se is None else ("significant" if sig else "within noise") + f", paired over {len(results[a]['kl_per_sequence'])} sequences"
+        return f"{a} vs {b}: KL {ka:.4g} vs {kb:.4g} nats/token; {change} ({test})"
+
+    for a, b in (("token", "tensor"), ("tensor", "scale1"), ("head", "tensor"), ("tensor", "max"), ("tensor", "mse")):
+        if a in ranked and b in ranked:
+            lines.append(versus(a, b))
+    usable = {n: r for n, r in ranked.items() if r["verdict"] != "fail"}
+    choice = choose(results)
+    if choice is None:
+        lines.append("Every quantized scheme measured fails the thresholds: keep this model's KV cache in bf16.")
+        return lines, f"vllm serve {checkpoint} --kv-cache-dtype auto"
+    r = usable[choice]
+    lines.append(f"Recommended: {choice} ({SCHEME_NOTES.get(choice, r['source'])}): KL {r['kl']:.4g} nats/token, "
+                 f"perplexity {r['ppl_change']:+.2%}, top-1 agreement {r['top1']:.2%}, verdict {r['verdict']}.")
+    for name, other in usable.items():
+        if name != choice and compare(other, r)[2] and other["kl"] < r["kl"]:
+            lines.append(f"{name} has significantly lower KL than {choice} ({other['kl']:.4g} vs {r['kl']:.4g}); "
+                         f"prefer it if that matters more than backend support: {SCHEME_NOTES.get(name, other['source'])}.")
+    smaller = [n for n, o in usable.items() if o["bytes_per_token"] < r["bytes_per_token"] and o["verdict"] == r["verdict"]]
+    if smaller:
+        lines.append(f"Smaller caches with the same verdict: " + "; ".join(
+            f"{n} ({usable[n]['bytes_per_token'] / r['bytes_per_token']:.2f}× the bytes, KL {usable[n]['kl']:.4g})" for n in smaller) + ".")
+    target = checkpoint
+    if r["mode"] != "token" and r["granularity"] in ("tensor", "head") and r["source"] not in ("checkpoint", "1.0"):
+        target = "OUT"
+        observer = f" --observer {choice}" if choice in ("max", "mse") else ""
+        how = (f"write them with `kvcal export {checkpoint} --out OUT --granularity {r['granularity']}{observer}`" if choice in VERIFY_SCHEMES
+               else f"write {r['source']} into a copy of the checkpoint")
+        lines.append(f"These {choice} scales are not in the checkpoint: {how} and serve OUT.")
+    if choice == "scale1" and held["granularity"] is not None:
+        lines.append("Scale 1.0 needs a checkpoint without KV scales; this one has scales, which vLLM would use instead.")
+    sliding = [i for i, layer in enumerate(layers) if layer.sliding_window]
+    skip = False
+    if sliding and len(sliding) < len(layers):
+        err = torch.tensor(r["layer_rel_error"])
+        full = [i for i in range(len(layers)) if i not in sliding]
+        skip = err[sliding].mean() > 1.5 * err[full].mean()
+        lines.append(f"Sliding-window layers: mean per-layer error {err[sliding].mean():.3g} vs {err[full].mean():.3g} on full layers; "
+                     + ("keeping them in bf16 (--kv-cache-dtype-skip-layers sliding_window) should help — judged per layer, not measured end to end."
+                        if skip else "skipping them is not indicated."))
+    if skip_probe is not None:
+        lines += skip_lines(skip_probe)
+    if pays is not None:
+        lines += pays_lines(pays, r["kv_dtype"], r["verdict"])
+    granularity = {"head": "head", "token": "token"}.get(r["granularity"], "tensor")
+    if r["kv_dtype"] in ("fp8", "fp8_per_token_head"):  # other dtypes' notes are in the Recommended line already
+        lines.append(report.SERVE_NOTES[granularity])
+    return lines, report.serve_command(target, granularity, skip_sliding=skip, skip_layers=skip_probe["skip"] if skip_probe else (),
+                                       dtype=r["kv_dtype"])

@@ -1,0 +1,210 @@
+"""Resume after a kill: periodic saves, a SIGKILLed run continued with --resume to exactly the uninterrupted result,
+and resumes that would not be exact (other settings, data, ranks; no save) refused with one line."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import fields
+
+import pytest
+import torch
+from conftest import kjv_jsonl, save_tiny_checkpoint
+from references import TORCHRUN, free_port
+
+from calibrate import CalibrationConfig, calibrate
+from calibrate.api import load_calibration
+from calibrate.cli import main
+from calibrate.layout import sweep
+from calibrate.run.resume import resume_dir
+from calibrate.capture.stats import Stats
+
+BASE = {"seq_len": 64, "max_tokens": 100_000, "progress": False, "verify": False}
+
+
+@pytest.fixture
+def tiny_dir(tmp_path, smol_tokenizer):
+    return save_tiny_checkpoint(tmp_path / "tiny", "llama", smol_tokenizer)
+
+
+def assert_same_stats(got: Stats, want: Stats) -> None:
+    """Every statistic bit for bit: the resumed run adds the same numbers to the same restored sums."""
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.pos_tokens, want.pos_tokens)
+    for kind, s in got.kinds.items():
+        for f in fields(s):
+            assert torch.equal(getattr(s, f.name), getattr(want.kinds[kind], f.name)), f"{kind}.{f.name}"
+
+
+def interrupted(tiny_dir, text_file, out, **options) -> dict:
+    """A run that fails after its capture (min_tokens above what the ~6K-token data give) and keeps its saves,
+    as a killed one would; returns its save."""
+    settings = BASE | {"min_tokens": 100_000, "checkpoint_every": 1000} | options
+    with pytest.raises(ValueError, match="fewer than the 100000 needed"):
+        calibrate(str(tiny_dir), [str(text_file)], str(out), **settings)
+    return json.loads((resume_dir(out) / "state-rank0.json").read_text())
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(tiny_dir, text_file, tmp_path):
+    saved = interrupted(tiny_dir, text_file, tmp_path / "out")
+    assert saved["world"] == 1 and saved["sequences"] > 0 and saved["tokens"] == 64 * saved["sequences"]
+    assert not (tmp_path / "out").exists()
+    sweep(tmp_path / "out")  # as every write does: the save is no stale temporary
+    assert (resume_dir(tmp_path / "out") / saved["stats"]).is_file()
+
+    resumed = calibrate(str(tiny_dir), [str(text_file)], str(tmp_path / "out"), **BASE, min_tokens=64, resume=True)
+    whole = calibrate(str(tiny_dir), [str(text_file)], str(tmp_path / "whole"), **BASE, min_tokens=64, checkpoint_every=0)
+    assert saved["tokens"] < int(whole.stats.tokens.max())  # the resumed run did capture the rest
+    assert_same_stats(resumed.stats, whole.stats)
+    assert resumed.provenance["scales"] == whole.provenance["scales"]
+    assert resumed.provenance["data"] == whole.provenance["data"]  # the manifest counts the skipped sequences too
+    assert not resume_dir(tmp_path / "out").exists()  # removed once OUT was written
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"seq_len": 32}, "seq_len is 32 now but was 64 in the saved run"),
+        ({"seed": 1}, "seed is 1 now but was 0 in the saved run"),
+        ({"dtype": "bfloat16"}, "dtype is 'bfloat16' now but was None in the saved run"),
+    ],
+    ids=["seq_len", "seed", "dtype"],
+)
+def test_a_resume_with_other_settings_is_refused(tiny_dir, text_file, tmp_path, change, message):
+    interrupted(tiny_dir, text_file, tmp_path / "out")
+    with pytest.raises(ValueError, match="cannot resume from .*kvcal-resume: ") as e:
+        calibrate(str(tiny_dir), [str(text_file)], str(tmp_path / "out"), **(BASE | change), resume=True)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert resume_dir(tmp_path / "out").is_dir()  # a refused resume keeps the save
+
+
+def test_a_resume_on_other_data_or_ranks_is_refused(tiny_dir, text_file, tmp_path, monkeypatch):
+    """Refused before the model loads: a large model would otherwise load for minutes to be told no."""
+    out = tmp_path / "out"
+    interrupted(tiny_dir, text_file, out)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the resume was checked")
+
+    monkeypatch.setattr("calibrate.model.load.load_model", no_load)
+    state = resume_dir(out) / "state-rank0.json"
+    saved = json.loads(state.read_text())
+    state.write_text(json.dumps(saved | {"world": 2}))
+    with pytest.raises(ValueError, match="the saved run had 2 torchrun ranks and this one has 1"):
+        calibrate(str(tiny_dir), [str(text_file)], str(out), **BASE, resume=True)
+
+    state.write_text(json.dumps(saved))
+    with open(text_file, "a") as f:
+        f.write(json.dumps({"text": "And one more verse, which the saved run never read."}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"data file {text_file} differs from the saved run's")):
+        calibrate(str(tiny_dir), [str(text_file)], str(out), **BASE, resume=True)
+
+
+def test_resume_without_a_save_and_a_fresh_run_over_one(tiny_dir, text_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["calibrate", str(tiny_dir), "--data", str(text_file), "--out", str(out), "--seq-len", "64", "--quiet", "--no-verify"]
+    assert main([*args, "--resume"]) == 2
+    assert "--resume: there is no save to resume from" in capsys.readouterr().err
+
+    interrupted(tiny_dir, text_file, out)
+    assert main(args) == 2  # a fresh run would throw the save away
+    assert "holds the save of an interrupted run of this --out; pass --resume" in capsys.readouterr().err
+    assert main([*args, "--overwrite", "--checkpoint-every", "0"]) == 0  # starting over removes it
+    assert out.is_dir() and not resume_dir(out).exists()
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "100"])
+def test_checkpoint_every_must_be_a_token_count(tiny_dir, text_file, tmp_path, value):
+    config = CalibrationConfig(model=str(tiny_dir), data=[str(text_file)], out=str(tmp_path / "out"), checkpoint_every=value)
+    with pytest.raises(ValueError, match="--checkpoint-every must be a number of tokens ≥ 0"):
+        config.validate()
+
+
+def test_resume_must_be_a_bool(tiny_dir, text_file, tmp_path):
+    with pytest.raises(ValueError, match="resume must be True or False"):
+        CalibrationConfig(model=str(tiny_dir), data=[str(text_file)], out=str(tmp_path / "out"), resume="yes").validate()
+
+
+@pytest.fixture
+def long_text(tmp_path):
+    """About 100K tokens of KJV verses: a run long enough to be killed between two saves."""
+    return kjv_jsonl(tmp_path / "long.jsonl", 3000)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_resumes_to_the_uninterrupted_result(tiny_dir, long_text, tmp_path):
+    """SIGKILL after the second save, --resume, and the statistics and scales are those of a run never killed."""
+    out, whole = tmp_path / "out", tmp_path / "whole"
+    base = [sys.executable, "-m", "calibrate", "calibrate", str(tiny_dir), "--data", str(long_text), "--seq-len", "64",
+            "--max-tokens", "65536", "--quiet", "--no-verify"]
+    state = resume_dir(out) / "state-rank0.json"
+    log = tmp_path / "killed.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen([*base, "--out", str(out), "--checkpoint-every", "2048"], stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            if state.is_file() and json.loads(state.read_text())["saves"] >= 2:  # replaced atomically: never half
+                break
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]  # killed, not finished
+    assert not out.exists()
+    saved = json.loads(state.read_text())
+    assert saved["saves"] >= 2 and 0 < saved["tokens"] < 65536 and (resume_dir(out) / saved["stats"]).is_file()
+
+    done = subprocess.run([*base, "--out", str(out), "--checkpoint-every", "2048", "--resume"], check=False,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run([*base, "--out", str(whole), "--checkpoint-every", "0"], check=False, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    (stats, provenance), (want, reference) = load_calibration(out), load_calibration(whole)
+    assert int(stats.tokens.max()) == 65536
+    assert_same_stats(stats, want)
+    assert provenance["scales"]["scales"] == reference["scales"]["scales"]
+    assert provenance["data"] == reference["data"]
+    assert not resume_dir(out).exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_their_own_shares(tiny_dir, text_file, tmp_path):
+    """Under torchrun each rank saves and restores its own share; the merged result equals one process's, and a resume
+    with another number of ranks is refused."""
+    out, env = tmp_path / "out", dict(os.environ, OMP_NUM_THREADS="1")
+    args = ["-m", "calibrate", "calibrate", str(tiny_dir), "--data", str(text_file), "--out", str(out), "--seq-len", "64",
+            "--max-tokens", "100000", "--quiet", "--no-verify", "--dist-timeout", "30", "--checkpoint-every", "1000"]
+
+    def torchrun(*extra: str) -> subprocess.CompletedProcess:
+        cmd = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(free_port()), *args, *extra]
+        return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env)
+
+    # Too few tokens for --min-tokens: rank 0 fails after the merge, and both ranks' saves stay, as after a kill.
+    failed = torchrun("--min-tokens", "100000")
+    assert failed.returncode != 0 and "fewer than the 100000 needed" in failed.stderr, failed.stderr[-3000:]
+    states = [json.loads((resume_dir(out) / f"state-rank{rank}.json").read_text()) for rank in range(2)]
+    assert [(state["rank"], state["world"]) for state in states] == [(0, 2), (1, 2)]
+    assert all(state["sequences"] > 0 for state in states)
+
+    with pytest.raises(ValueError, match="the saved run had 2 torchrun ranks and this one has 1"):
+        calibrate(str(tiny_dir), [str(text_file)], str(out), **BASE, resume=True)
+
+    done = torchrun("--min-tokens", "64", "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    one = calibrate(str(tiny_dir), [str(text_file)], str(tmp_path / "one"), **BASE, min_tokens=64, checkpoint_every=0)
+    stats, provenance = load_calibration(out)
+    assert provenance["ranks"] == 2 and provenance["scales"]["scales"] == one.provenance["scales"]["scales"]
+    assert provenance["data"] == one.provenance["data"]
+    for kind, s in stats.kinds.items():
+        for f in fields(s):
+            got, want = getattr(s, f.name), getattr(one.stats.kinds[kind], f.name)
+            exact = want.dtype != torch.float64  # counts and maxima exactly; float64 sums up to their order of addition
+            torch.testing.assert_close(got, want, rtol=0 if exact else 1e-12, atol=0, msg=f"{kind}.{f.name}")
+    assert not resume_dir(out).exists()

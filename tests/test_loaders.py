@@ -1,0 +1,79 @@
+"""checkpoint.py: what vLLM reads, and what it multiplies loaded scales by, for every form kvcal writes.
+
+Every form × FP8 format goes through write (calibrate, apply) → read (inspect, as vLLM would) → the value vLLM
+uses after its loader's adjustment, which must be the calibrated scale in the format's own units.
+"""
+
+import pytest
+import torch
+from references import modelopt_fp8, save_llama
+
+from calibrate import apply, calibrate, inspect
+from calibrate.loaders import KV_SCALE_PATTERN, SCALE_SOURCES, WRITE_NAMES, loaded_multiplier
+
+# vLLM 0.32 (docs/vllm-notes.md, "ROCm fnuz"): the base KV loader (fp8, ModelOpt, Quark, legacy) doubles loaded
+# scales on e4m3fnuz; the compressed-tensors loader never does; nothing is doubled on e4m3fn.
+MULTIPLIERS = {
+    ("compressed-tensors", "e4m3fn"): 1.0, ("compressed-tensors", "e4m3fnuz"): 1.0,
+    ("modelopt", "e4m3fn"): 1.0, ("modelopt", "e4m3fnuz"): 2.0,
+    ("fp8", "e4m3fnuz"): 2.0, ("quark", "e4m3fnuz"): 2.0, (None, "e4m3fnuz"): 2.0,
+}
+
+
+@pytest.mark.parametrize("method, fmt", list(MULTIPLIERS))
+def test_loaded_multiplier_per_loader(method, fmt):
+    assert loaded_multiplier(method, fmt) == MULTIPLIERS[method, fmt]
+
+
+def test_every_written_name_is_one_vllm_maps_and_kvcal_replaces():
+    for form, names in WRITE_NAMES.items():
+        for kind, suffix in names.items():
+            assert SCALE_SOURCES[suffix] == (kind, None), (form, kind)  # mapped whatever the quantization method
+            assert KV_SCALE_PATTERN.search(f"model.layers.0.self_attn.{suffix}")
+    for name in ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.k_norm.weight", "model.norm.weight"):
+        assert not KV_SCALE_PATTERN.search(name)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
+def test_every_form_and_format_loads_the_calibrated_scales(tmp_path, smol_tokenizer, text_file, fmt):
+    source = save_llama(tmp_path / "model", smol_tokenizer, seed=0)
+    result = calibrate(str(source), [str(text_file)], str(tmp_path / "ct"), seq_len=64, max_tokens=192, fp8_format=fmt,
+                       progress=False, verify=False)
+    modelopt = modelopt_fp8(save_llama(tmp_path / "t", smol_tokenizer, seed=1), tmp_path / "mo-source", in_config=False)
+    outputs = {"compressed-tensors": result.out, "modelopt": apply(str(result.out), str(modelopt), str(tmp_path / "mo")).out}
+    for form, out in outputs.items():
+        found = inspect(str(out))
+        assert found.quant_method == form and found.ok(), found.text()
+        for row, layer in enumerate(found.layers):
+            for kind in ("k", "v", "q"):
+                assert layer.scales[kind].tensor == f"{layer.prefix}.{WRITE_NAMES[form][kind]}"
+                used = torch.tensor(layer.scales[kind].value) * loaded_multiplier(form, fmt)  # what vLLM computes with
+                torch.testing.assert_close(used, result.scale_set.scales[kind][row].reshape(1), rtol=0, atol=0)
+    # On e4m3fnuz the ModelOpt form stores half the compressed-tensors value: vLLM's base loader doubles it back.
+    stored = {form: [layer.scales["k"].value[0] for layer in inspect(str(out)).layers] for form, out in outputs.items()}
+    ratio = torch.tensor(stored["compressed-tensors"]) / torch.tensor(stored["modelopt"])
+    assert ratio.tolist() == [MULTIPLIERS["modelopt", fmt]] * len(ratio)
+
+
+def test_verify_and_inspect_complete_a_missing_v_scale_alike(tmp_path, smol_tokenizer, text_file):
+    """vLLM copies k_scale into a missing v_scale: verify must emulate what inspect reports, not 1.0."""
+    from safetensors.torch import load_file, save_file
+
+    from calibrate.checkpoint.write import scales_file
+    from calibrate.model.layers import AttentionLayer
+    from calibrate.model.layers import ModelSignature
+    from calibrate.checkpoint.read import read_scales
+
+    source = save_llama(tmp_path / "model", smol_tokenizer, seed=0)
+    out = calibrate(str(source), [str(text_file)], str(tmp_path / "ct"), seq_len=64, max_tokens=192,
+                    progress=False, verify=False).out
+    path = scales_file(out)
+    save_file({n: t for n, t in load_file(path).items() if not n.endswith("v_scale")}, str(path))
+    found = inspect(str(out))
+    layers = [AttentionLayer(layer.index, layer.prefix, False) for layer in found.layers]
+    sig = ModelSignature(model_type="llama", layers=[layer.layer_idx for layer in layers], num_kv_heads=2, num_heads=4, head_dim=16)
+    scales, granularity, notes = read_scales([p for p in out.glob("*.safetensors")], layers, sig, "compressed-tensors")
+    for row, layer in enumerate(found.layers):
+        assert layer.scales["v"].value == layer.scales["k"].value  # inspect: vLLM's copy
+        assert scales["v"][row].tolist() == [layer.scales["k"].value[0]] * 2  # verify: the same, per KV head
+    assert granularity == "tensor" and any("copies k_scale" in n for n in notes)

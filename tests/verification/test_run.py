@@ -1,0 +1,512 @@
+"""verify.py: the FP8 schemes, metrics, verdicts and report, against independent float64 computations."""
+
+import json
+import math
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+from conftest import tiny_config
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from references import QUIET, ref_attention, ref_qdq, save_planted
+from calibrate import api, cli
+from calibrate.capture.hooks import hooked_attention
+from calibrate.data.stream import DataConfig, iter_sequences
+from calibrate.loaders import INDEX_FILE
+from calibrate.verification.config import Thresholds
+from calibrate.checkpoint.write import scales_file, shard_name
+from calibrate.fp8 import FORMATS
+from calibrate.model.load import load_model
+from calibrate.verification.needle import needle_prompt
+from calibrate.recipes import load_recipe
+from calibrate.verification.schemes import Scheme
+from calibrate.verification.run import verify
+
+E4M3 = FORMATS["e4m3fn"]
+
+
+# ---- independent float64 references ------------------------------------------------------------------------------
+
+
+# ---- fixtures: tiny checkpoints with planted properties -----------------------------------------------------------
+
+
+def k_outlier(model, tokenizer):
+    """Layer 0's K lies far beyond ±448: k_proj is scaled 5000× (q_proj 1/50×, so attention is sharp but not one-hot)."""
+    model.model.layers[0].self_attn.k_proj.weight *= 5000.0
+    model.model.layers[0].self_attn.q_proj.weight /= 50.0
+
+
+def token_outlier(model, tokenizer):
+    """Only EOS (between packed verses) carries channel 7, which layer 0's k_proj turns into a K of ~1e5 in dims 0 and 8
+    of every head, dims the queries ignore (their q_proj rows are zero; queries are sharpened 10×). Per-tensor and
+    per-head scales are then set by EOS and every other key underflows to zero; per-token scales are not."""
+    emb = model.model.embed_tokens.weight
+    emb[:, 7] = 0.0
+    emb[tokenizer.eos_token_id] = 0.0
+    emb[tokenizer.eos_token_id, 7] = 1.0
+    attn = model.model.layers[0].self_attn
+    attn.k_proj.weight[[0, 16], 7] = 1e4  # pre-RoPE dim 0 of both KV heads; RoPE rotates it into dims 0 and 8
+    attn.q_proj.weight *= 10.0
+    attn.q_proj.weight[[h * 16 + d for h in range(4) for d in (0, 8)]] = 0.0
+
+
+def calibrated(tmp_path_factory, tokenizer, data_file, name, plant):
+    root = tmp_path_factory.mktemp(name)
+    save_planted(root / "model", tokenizer, plant)
+    api.calibrate(str(root / "model"), [str(data_file)], str(root / "out"), seq_len=128, max_tokens=2048, verify=False, **QUIET)
+    return root / "out"
+
+
+@pytest.fixture(scope="module")
+def plain_ckpt(tmp_path_factory, tokenizer, data_file):
+    return calibrated(tmp_path_factory, tokenizer, data_file, "plain", None)
+
+
+@pytest.fixture(scope="module")
+def k_outlier_ckpt(tmp_path_factory, tokenizer, data_file):
+    return calibrated(tmp_path_factory, tokenizer, data_file, "k_outlier", k_outlier)
+
+
+@pytest.fixture(scope="module")
+def token_outlier_ckpt(tmp_path_factory, tokenizer, data_file):
+    return calibrated(tmp_path_factory, tokenizer, data_file, "token_outlier", token_outlier)
+
+
+def sample(ckpt, data_file, seq_len, max_tokens):
+    """The sequences verify measures: whole sequences of seq_len from the data (seed 0)."""
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    stream = iter_sequences(DataConfig([str(data_file)], seq_len=seq_len, max_tokens=max_tokens), tok)
+    return [s for s in stream if s.numel() == seq_len]
+
+
+# ---- emulation ------------------------------------------------------------------------------------------------------
+
+
+def quantization_cases():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 40, 16, generator=g) * torch.exp2(torch.randint(-12, 12, (2, 3, 40, 1), generator=g).float())
+    ties = torch.tensor([1.0625, 1.1875, 2.0**-10, 3 * 2.0**-11, 500.0, -1e6, 0.0, -(2.0**-12), 448.0, 464.0])  # in scale units
+    x[0, 0, 0, :10] = ties * 0.25  # exact in float32 with the power-of-two scale below
+    return x
+
+
+@pytest.mark.parametrize("mode, granularity", [("static", "tensor"), ("static", "head"), ("token", "token")])
+def test_quantization_equals_independent_float64_rounding(mode, granularity):
+    x = quantization_cases()  # [B, H, S, D]
+    H = x.shape[1]
+    scales = torch.tensor([[0.25] * H]) if granularity == "tensor" else torch.tensor([[0.25, 3e-3, 7.5]])
+    scheme = Scheme("s", mode, "test", E4M3, granularity, {k: scales for k in ("q", "k", "v")}, quantize_query=(mode == "static"))
+    q, k, v = scheme.apply(0, x, x * 2, x * 3)
+    if mode == "token":
+        s = lambda t: (t.abs().amax(-1, keepdim=True).double() / 448).clamp(min=1e-6).float()  # noqa: E731  vLLM's per-token-head scale
+        expected = (x, ref_qdq(x * 2, s(x * 2)), ref_qdq(x * 3, s(x * 3)))  # queries stay unquantized
+    else:
+        sc = scales[0].view(1, -1, 1, 1)
+        expected = tuple(ref_qdq(t, sc) for t in (x, x * 2, x * 3))
+    for got, want in zip((q, k, v), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if mode == "static" and granularity == "tensor":  # the planted cases: ties to even, saturation, underflow
+        assert q[0, 0, 0, :10].tolist() == [0.25, 0.3125, 0.0, 2.0**-9 * 0.25, 112.0, -112.0, 0.0, -0.0, 112.0, 112.0]
+
+
+# ---- metrics ------------------------------------------------------------------------------------------------------
+
+
+def test_reference_scheme_has_zero_kl_and_full_agreement(plain_ckpt, data_file):
+    result = verify(plain_ckpt, str(data_file), schemes="bf16,scale1", seq_len=128, max_tokens=256, **QUIET)
+    ref = result.schemes["bf16"]
+    assert ref["kl"] == 0.0 and ref["top1"] == 1.0 and ref["ppl_change"] == 0.0
+    assert ref["verdict"] == "reference"
+    assert result.schemes["scale1"]["kl"] > 0
+
+
+def test_end_to_end_metrics_equal_an_independent_computation(plain_ckpt, data_file):
+    """KL, perplexity and top-1 from whole-sequence forwards, our own float64-rounding quantizer and torch's kl_div
+    in float64, against verify's chunked (64-token) passes."""
+    result = verify(plain_ckpt, str(data_file), schemes="scale1", seq_len=128, max_tokens=384, chunk_len=64, **QUIET)
+    model, _ = load_model(plain_ckpt, device=torch.device("cpu"))
+
+    def quantize_all(module, q, k, v, mask, base, **kw):
+        return base(module, ref_qdq(q, 1.0), ref_qdq(k, 1.0), ref_qdq(v, 1.0), mask, **kw)
+
+    kl, nll, ref_nll, agree, n = 0.0, 0.0, 0.0, 0.0, 0
+    with torch.no_grad():
+        for seq in sample(plain_ckpt, data_file, 128, 384):
+            ids = seq[None]
+            ref = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)  # [S-1, V]
+            with hooked_attention(model, quantize_all):
+                got = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
+            kl += torch.nn.functional.kl_div(got, ref, log_target=True, reduction="sum").item()
+            nll -= got.gather(-1, seq[1:, None]).sum().item()
+            ref_nll -= ref.gather(-1, seq[1:, None]).sum().item()
+            agree += (got.argmax(-1) == ref.argmax(-1)).sum().item()
+            n += len(seq) - 1
+    r = result.schemes["scale1"]
+    assert r["kl"] == pytest.approx(kl / n, rel=2e-2)
+    assert r["ppl"] == pytest.approx(math.exp(nll / n), rel=1e-5)
+    assert r["ppl_change"] == pytest.approx(math.exp((nll - ref_nll) / n) - 1, abs=1e-5)
+    assert r["top1"] == pytest.approx(agree / n, abs=2 / n)
+
+
+def test_planted_k_outlier_saturates_scale1_but_not_calibrated_scales(k_outlier_ckpt, data_file):
+    # K and V only: the tiny queries would underflow with q_scale 1.0 too, which is not what this test is about.
+    result = verify(k_outlier_ckpt, str(data_file), schemes="bf16,scale1,tensor,head", seq_len=128, max_tokens=512, kv_only=True, **QUIET)
+    s = result.schemes
+    # Independent: layer 0's q, k, v recorded from the model, attention and rounding in float64.
+    model, _ = load_model(k_outlier_ckpt, device=torch.device("cpu"))
+    seen = []
+
+    def record(module, q, k, v, mask, base, **kw):
+        if module.layer_idx == 0:
+            seen.append((q, k, v, kw["scaling"]))
+        return base(module, q, k, v, mask, **kw)
+
+    with torch.no_grad(), hooked_attention(model, record):
+        for seq in sample(k_outlier_ckpt, data_file, 128, 512):
+            model(input_ids=seq[None])
+    k_all = torch.cat([k for _, k, _, _ in seen], 2)
+    assert s["scale1"]["fractions"]["k"]["saturated"][0] == pytest.approx((k_all.abs() > 448).float().mean().item(), rel=1e-6)
+    assert s["scale1"]["fractions"]["k"]["saturated"][0] > 0.05
+    err, ref_sq = 0.0, 0.0
+    for q, k, v, scaling in seen:
+        ref = ref_attention(q, k, v, scaling)
+        err += (ref_attention(q, ref_qdq(k, 1.0), ref_qdq(v, 1.0), scaling) - ref).square().sum().item()
+        ref_sq += ref.square().sum().item()
+    assert s["scale1"]["layer_rel_error"][0] == pytest.approx(math.sqrt(err / ref_sq), rel=1e-2)
+    # Calibrated scales (measured on a superset of these sequences) do not saturate and lose far less.
+    for name in ("tensor", "head"):
+        assert max(s[name]["fractions"]["k"]["saturated"]) == 0.0
+        assert s[name]["layer_rel_error"][0] < s["scale1"]["layer_rel_error"][0] / 5
+        assert s[name]["kl"] < s["scale1"]["kl"] / 5
+
+
+def test_per_token_beating_per_tensor_is_reported(token_outlier_ckpt, data_file):
+    result = verify(token_outlier_ckpt, str(data_file), schemes="bf16,tensor,token", seq_len=128, max_tokens=512, **QUIET)
+    tensor, token = result.schemes["tensor"], result.schemes["token"]
+    assert tensor["fractions"]["k"]["underflow"][0] > 0.5  # every non-EOS key is stored as zero or subnormal
+    assert token["layer_rel_error"][0] < tensor["layer_rel_error"][0] / 3
+    assert token["kl"] < tensor["kl"]
+    line = next(line for line in result.report["recommendation"] if line.startswith("token vs tensor"))
+    assert "token is lower" in line and "significant," in line
+    assert any(line.startswith(("Recommended: token", "token has significantly lower KL than tensor")) for line in result.report["recommendation"])
+
+
+def outlier_head(model, tokenizer):
+    """Layer 1's first KV head has |K| 5000× the other's (its query heads scaled 1/5000, so its attention is unchanged):
+    one per-tensor scale then stores the other head's keys thousands of times below the range, many as subnormals
+    (e4m3's relative precision is the same over its normal range: a few hundred times alone would cost little).
+    The other head's queries are sharpened 200× (a random model's attention is nearly uniform), so its attention
+    feels its keys' error."""
+    attn = model.model.layers[1].self_attn
+    attn.k_proj.weight[:16] *= 5000.0  # KV head 0 (head_dim 16)
+    attn.q_proj.weight[:32] /= 5000.0  # query heads 0 and 1 read KV head 0
+    attn.q_proj.weight[32:] *= 200.0  # query heads 2 and 3 read KV head 1
+
+
+def kl_per_token(model, sequences, hook) -> float:
+    """Mean KL(reference ‖ hooked model) over every next-token position: whole-sequence forwards, float64 log-softmax,
+    torch's kl_div."""
+    kl, n = 0.0, 0
+    with torch.no_grad():
+        for seq in sequences:
+            ref = torch.log_softmax(model(input_ids=seq[None]).logits[0, :-1].double(), -1)
+            with hook():
+                got = torch.log_softmax(model(input_ids=seq[None]).logits[0, :-1].double(), -1)
+            kl += torch.nn.functional.kl_div(got, ref, log_target=True, reduction="sum").item()
+            n += len(seq) - 1
+    return kl / n
+
+
+def test_floor_equals_an_independent_bf16_computation(plain_ckpt, data_file):
+    result = verify(plain_ckpt, str(data_file), schemes="scale1", seq_len=128, max_tokens=384, **QUIET)
+    model, _ = load_model(plain_ckpt, device=torch.device("cpu"))
+    floor = kl_per_token(model, sample(plain_ckpt, data_file, 128, 384), lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    rep = result.report
+    assert rep["floor"]["kl"] == pytest.approx(floor, rel=2e-2) and floor > 0
+    assert rep["thresholds"]["max_kl"] == pytest.approx(10 * rep["floor"]["kl"]) and rep["thresholds"]["relative_to_floor"]
+    assert rep["thresholds"]["fail_kl"] == pytest.approx(100 * rep["floor"]["kl"])
+    assert rep["thresholds"]["min_top1"] == pytest.approx(max(0, 1 - 10 * (1 - rep["floor"]["top1"])))
+    assert "floor" not in result.schemes
+    fixed = verify(plain_ckpt, str(data_file), schemes="scale1", seq_len=128, max_tokens=128, floor=False, **QUIET).report
+    assert fixed["floor"] is None and fixed["thresholds"]["max_kl"] == Thresholds.ABSOLUTE["max_kl"]
+
+
+def test_planted_outlier_head_is_the_first_layer_to_keep(tmp_path_factory, tokenizer, data_file):
+    ckpt = calibrated(tmp_path_factory, tokenizer, data_file, "outlier_head", outlier_head)
+    result = verify(ckpt, str(data_file), schemes="tensor", seq_len=128, max_tokens=384, kv_only=True, probe_layers=3, **QUIET)
+    probe = result.report["skip_layers"]
+    assert probe["scheme"] == "tensor" and max(range(3), key=lambda row: probe["estimate"][row]) == 1
+    gains = {m["layer"]: m for m in probe["measured"]}
+    assert set(gains) == {0, 1, 2} and max(gains, key=lambda layer: gains[layer]["gain"]) == 1
+    assert probe["skip"] == [1] and probe["top_agrees"]
+    assert result.report["serve_command"].endswith("--kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 1")
+    # Independent: layers 0 and 2 quantized with the same scales by the float64 rounding, layer 1 left alone.
+    model, _ = load_model(ckpt, device=torch.device("cpu"))
+    scales = {k: torch.tensor(v) for k, v in result.schemes["tensor"]["scales"].items()}  # kind → [L, H]
+
+    def all_but_layer_1(module, q, k, v, mask, base, **kw):
+        if module.layer_idx != 1:
+            k, v = (ref_qdq(t, scales[kind][module.layer_idx].view(1, -1, 1, 1)) for kind, t in (("k", k), ("v", v)))
+        return base(module, q, k, v, mask, **kw)
+
+    expected = kl_per_token(model, sample(ckpt, data_file, 128, 384), lambda: hooked_attention(model, all_but_layer_1))
+    assert gains[1]["kl_without"] == pytest.approx(expected, rel=2e-2)
+
+
+def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """int8 per (token, head) in float64: s = max(amax/127, 1e-6) as float32, round half away from zero, q·s."""
+    s = (x.double().abs().amax(-1, keepdim=True) / 127).clamp(min=1e-6).float().double()
+    t = x.double() * (1 / s.float()).double()  # the kernel multiplies by the float32 reciprocal
+    return (torch.sign(t) * torch.floor(t.abs() + 0.5) * s).to(x.dtype)
+
+
+def test_every_cache_dtype_in_one_table_against_independent_round_trips(plain_ckpt, data_file):
+    schemes = "tensor,fp8_e5m2,int8_per_token_head,int4_per_token_head,nvfp4"
+    result = verify(plain_ckpt, str(data_file), schemes=schemes, seq_len=128, max_tokens=384, kv_only=True, probe_layers=0, **QUIET)
+    s = result.schemes
+    assert list(s) == schemes.split(",")
+    assert {n: r["kv_dtype"] for n, r in s.items()} == {"tensor": "fp8", **{n: n for n in schemes.split(",")[1:]}}
+    # Bytes per token from vLLM's layouts (3 layers, 2 KV heads of 16), per head: fp8 16 + 16, per-token-head + 8 (two
+    # float32 scales), int4 8 + 8 + 8, nvfp4 (8 bytes of e2m1 + 1 e4m3 scale) for K and for V.
+    assert {n: r["bytes_per_token"] for n, r in s.items()} == {
+        "tensor": 3 * 2 * 32, "fp8_e5m2": 3 * 2 * 32, "int8_per_token_head": 3 * 2 * 40, "int4_per_token_head": 3 * 2 * 24,
+        "nvfp4": 3 * 2 * 18}
+    assert all(s[n]["scales"][k] == s["tensor"]["scales"][k] for n in ("fp8_e5m2", "nvfp4") for k in ("k", "v"))
+    assert all(not r["quantizes_query"] for r in s.values())
+    # Independent: whole-sequence forwards with K and V of every layer rounded by the test's own int8, and by
+    # e5m2 through torch's float8_e5m2 cast with the checkpoint's scales.
+    model, _ = load_model(plain_ckpt, device=torch.device("cpu"))
+    scales = {k: torch.tensor(v) for k, v in s["tensor"]["scales"].items()}  # kind → [L, H]
+    seqs = sample(plain_ckpt, data_file, 128, 384)
+
+    def int8(module, q, k, v, mask, base, **kw):
+        return base(module, q, int8_round_trip(k), int8_round_trip(v), mask, **kw)
+
+    def e5m2(module, q, k, v, mask, base, **kw):
+        sc = {kind: scales[kind][module.layer_idx].view(1, -1, 1, 1) for kind in ("k", "v")}
+        k, v = ((t / sc[kind]).clamp(-57344, 57344).to(torch.float8_e5m2).float() * sc[kind] for kind, t in (("k", k), ("v", v)))
+        return base(module, q, k, v, mask, **kw)
+
+    assert s["int8_per_token_head"]["kl"] == pytest.approx(kl_per_token(model, seqs, lambda: hooked_attention(model, int8)), rel=2e-2)
+    assert s["fp8_e5m2"]["kl"] == pytest.approx(kl_per_token(model, seqs, lambda: hooked_attention(model, e5m2)), rel=2e-2)
+    # Fewer bits cost more: int4 and nvfp4 (4-bit) above int8 and e4m3, e5m2 (2 mantissa bits) above e4m3 (3).
+    assert s["int8_per_token_head"]["kl"] < s["tensor"]["kl"] < s["fp8_e5m2"]["kl"] < min(s["int4_per_token_head"]["kl"], s["nvfp4"]["kl"])
+    pays = result.report["does_it_pay"]
+    assert set(pays["dtypes"]) == {"auto", *(r["kv_dtype"] for r in s.values())} and pays["context"] == 4096
+    assert pays["dtypes"]["nvfp4"]["bytes_per_token"] == 3 * 2 * 18
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+
+def test_a_cache_layout_the_head_size_does_not_fit_is_skipped_with_the_reason(tmp_path, tokenizer, data_file):
+    torch.manual_seed(0)
+    config = tiny_config("llama")
+    config.vocab_size, config.head_dim = len(tokenizer), 8
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    result = verify(tmp_path / "model", str(data_file), schemes="nvfp4,int8_per_token_head", seq_len=64, max_tokens=64, **QUIET)
+    assert list(result.schemes) == ["int8_per_token_head"]
+    assert result.report["skipped"] == {"nvfp4": "nvfp4 needs head_dim == head_dim_v, a multiple of 16; got 8 and 8"}
+
+
+def test_checkpoint_without_scales_runs_what_needs_none(tmp_path, tokenizer, data_file):
+    ckpt = save_planted(tmp_path / "model", tokenizer)
+    result = verify(ckpt, str(data_file), seq_len=64, max_tokens=128, **QUIET)
+    assert set(result.schemes) == {"bf16", "scale1", "token"}
+    assert set(result.report["skipped"]) == {"tensor", "head"}
+    assert "no KV scales" in result.report["skipped"]["tensor"]
+    assert any("would load it with 1.0" in line for line in result.report["recommendation"])
+
+
+def test_scales_of_the_wrong_shape_are_refused(tmp_path, plain_ckpt, data_file):
+    wrong = tmp_path / "wrong.safetensors"
+    save_file({f"model.layers.{i}.self_attn.{k}": torch.ones(5, 1, 1) for i in range(3) for k in ("k_scale", "v_scale")}, str(wrong))
+    with pytest.raises(ValueError, match=r"shape \[5, 1, 1\].*2 KV heads"):
+        verify(plain_ckpt, str(data_file), schemes=f"bf16,{wrong}", seq_len=64, max_tokens=128, **QUIET)
+
+
+def test_scales_file_is_a_scheme(tmp_path, plain_ckpt, data_file):
+    mine = tmp_path / "mine.safetensors"
+    save_file({f"model.layers.{i}.self_attn.{k}": torch.full((1,), 0.01) for i in range(3) for k in ("k_scale", "v_scale")}, str(mine))
+    result = verify(plain_ckpt, str(data_file), schemes=f"bf16,{mine}", seq_len=64, max_tokens=128, **QUIET)
+    assert result.schemes["mine"]["scales"]["k"][0] == pytest.approx([0.01, 0.01])
+    assert result.schemes["mine"]["scales"]["q"][0] == [1.0] * 4  # no q_scale: 1.0, as vLLM
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        (dict(seq_len=4096, max_tokens=4096), "less than one sequence"),
+        (dict(seq_len=16, max_tokens=16, needle="2048"), "needle 2048 needs a haystack"),
+        (dict(schemes="bf16,fp4"), "unknown scheme 'fp4'"),
+        (dict(max_tokens=10, seq_len=64), "less than one sequence"),
+        (dict(max_kl=0.5, fail_kl=0.1), "thresholds"),
+    ],
+)
+def test_bad_options_raise_with_the_fix(tmp_path, plain_ckpt, options, match):
+    short = tmp_path / "short.txt"
+    short.write_text("In the beginning God created the heaven and the earth.\n\nAnd the earth was without form.\n")
+    with pytest.raises(ValueError, match=match):
+        verify(plain_ckpt, str(short), **QUIET, **options)
+
+
+# ---- needle, report, CLI, calibrate's short verify ----------------------------------------------------------------
+
+
+def test_needle_prompt_places_the_fact(tokenizer):
+    hay = list(range(1000, 2000))
+    ids, pos, n = needle_prompt(tokenizer, hay, 512, 0.5, "4729")
+    assert len(ids) == 512 and ids[:pos] == hay[:pos]
+    assert tokenizer.decode(ids[pos : pos + 12]).strip().startswith("The secret code is 4729.")
+    assert tokenizer.decode(ids[-n:]) == " 4729"
+
+
+def test_needle_probe_and_report(plain_ckpt, data_file, tmp_path):
+    result = verify(plain_ckpt, str(data_file), schemes="scale1,tensor,token", seq_len=128, max_tokens=128, needle="256,512",
+                    needle_depths=(0.25, 0.75), fa3=True, fa3_rows=2, report_dir=str(tmp_path / "rep"), **QUIET)
+    cases = result.report["needle"]["cases"]
+    assert [(c["length"], c["depth"]) for c in cases] == [(256, 0.25), (256, 0.75), (512, 0.25), (512, 0.75)]
+    assert all(set(c["schemes"]) == {"bf16", "scale1", "tensor", "token"} for c in cases)
+    assert all(c["schemes"]["bf16"]["logprob"] < 0 for c in cases)
+    assert set(result.report["fa3"]["layers"]) == {0, 1, 2}
+    md = (tmp_path / "rep" / "report.md").read_text()
+    for heading in ("## Verdict", "## Recommendation", "## Needle probe", "## FA3 FP8 numeric model", "not the hardware"):
+        assert heading in md
+    for png in ("layer_error.png", "scales.png", "position_profile.png"):
+        assert (tmp_path / "rep" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_verify(plain_ckpt, data_file, tmp_path, capsys):
+    rc = cli.main(["verify", str(plain_ckpt), "--data", str(data_file), "--seq-len", "64", "--max-tokens", "128",
+                   "--schemes", "bf16,tensor", "--report", str(tmp_path / "r"), "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "vllm serve" in out and "tensor" in out
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["sample"]["sequences"] == 2
+
+
+def test_calibrate_runs_a_short_verify_unless_disabled(tmp_path, tokenizer, data_file):
+    model = save_planted(tmp_path / "model", tokenizer)
+    result = api.calibrate(str(model), [str(data_file)], str(tmp_path / "a"), seq_len=128, max_tokens=512, **QUIET)
+    assert result.verification is not None
+    assert set(result.verification.schemes) == {"scale1", *load_recipe("default")["verify"]["schemes"]}  # tensor, token, int8...
+    assert (tmp_path / "a" / "kvcal" / "verify" / "report.md").is_file()
+    assert "short verify" in result.summary()
+    result = api.calibrate(str(model), [str(data_file)], str(tmp_path / "b"), seq_len=128, max_tokens=512, verify=False, **QUIET)
+    assert result.verification is None and not (tmp_path / "b" / "kvcal" / "verify").exists()
+
+
+# ---- the real model -----------------------------------------------------------------------------------------------
+
+
+def all_numbers(value, path="report"):
+    """Every float in a JSON-like value, with its path."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from all_numbers(v, f"{path}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from all_numbers(v, f"{path}[{i}]")
+    elif isinstance(value, float):
+        yield path, value
+
+
+@pytest.mark.slow
+def test_smollm2_every_number_finite_and_report_renders(smol_dir, kjv_path, tmp_path):
+    data = tmp_path / "kjv.jsonl"
+    with open(kjv_path) as src, open(data, "w") as dst:
+        for _, line in zip(range(400), src):
+            dst.write(line)
+    api.calibrate(str(smol_dir), [str(data)], str(tmp_path / "ckpt"), seq_len=256, max_tokens=512, verify=False, **QUIET)
+    result = verify(tmp_path / "ckpt", str(data), seq_len=256, max_tokens=512, seed=1, fa3=True, fa3_rows=2, fa3_layers="0,29",
+                    needle="512", needle_depths=(0.5,), report_dir=str(tmp_path / "rep"), **QUIET)
+    assert set(result.schemes) == {"bf16", "scale1", "tensor", "head", "token"}
+    numbers = list(all_numbers(result.report))
+    assert len(numbers) > 500
+    bad = [(p, x) for p, x in numbers if not math.isfinite(x)]
+    assert not bad, bad[:5]
+    for name, r in result.schemes.items():
+        assert r["verdict"] in {"pass", "warn", "fail", "reference"}
+        assert len(r["layer_rel_error"]) == 30
+        assert name == "bf16" or 0 < r["kl"] < 1
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "float32" in md and "vllm serve" in md and "layers [0, 29]" in md
+    assert json.loads((tmp_path / "rep" / "report.json").read_text())["schemes"]["tensor"]["kl"] == result.schemes["tensor"]["kl"]
+
+
+# ---- verify never passes a broken model -------------------------------------------------------------------------
+
+
+def copy_checkpoint(source, target):
+    """A copy with real files (not links), so a test may damage it."""
+    shutil.copytree(source, target, copy_function=shutil.copy2)
+    return target
+
+
+def test_a_load_with_missing_parameters_is_refused(plain_ckpt, data_file, tmp_path):
+    """A weight the files do not hold would be freshly initialised by transformers: verify refuses, naming it."""
+    broken = copy_checkpoint(plain_ckpt, tmp_path / "broken")
+    shard = broken / shard_name(1, 2)
+    tensors = load_file(shard)
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = json.loads((broken / INDEX_FILE).read_text())
+    del index["weight_map"]["model.layers.1.self_attn.k_proj.weight"]
+    (broken / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"missing or of the wrong shape.*model\.layers\.1\.self_attn\.k_proj\.weight"):
+        verify(str(broken), [str(data_file)], schemes="scale1,tensor", seq_len=64, max_tokens=64, **QUIET)
+
+
+def test_unreadable_scales_are_refused(plain_ckpt, data_file, tmp_path):
+    broken = copy_checkpoint(plain_ckpt, tmp_path / "broken")
+    scales = scales_file(broken)
+    os.truncate(scales, scales.stat().st_size // 2)
+    with pytest.raises(ValueError, match=f"{scales.name} is damaged"):
+        verify(str(broken), [str(data_file)], schemes="tensor", seq_len=64, max_tokens=64, **QUIET)
+
+
+def test_a_model_that_quantizes_its_own_kv_is_refused(plain_ckpt, data_file, monkeypatch):
+    """Plant what transformers' compressed-tensors integration does with a kv_cache_scheme: scale parameters on
+    every attention module. The reference would then be quantized (or garbage): verify refuses it."""
+    from transformers import AutoModelForCausalLM
+
+    real = AutoModelForCausalLM.from_pretrained.__func__
+
+    def quantizing(cls, *args, **kwargs):
+        model, info = real(cls, *args, **kwargs)
+        for layer in model.model.layers:
+            layer.self_attn.register_parameter("k_scale", torch.nn.Parameter(torch.tensor([6.7e-44])))
+        return model, info
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(quantizing))
+    with pytest.raises(ValueError, match="quantizes its KV cache itself"):
+        verify(str(plain_ckpt), [str(data_file)], schemes="tensor", seq_len=64, max_tokens=64, **QUIET)
+
+
+def test_kv_cache_scheme_never_reaches_the_reference(plain_ckpt):
+    """The output's config declares a kv_cache_scheme; kvcal's load drops it (and nothing else)."""
+    from transformers import AutoConfig
+
+    from calibrate.model.load import without_kv_quantization
+
+    config = AutoConfig.from_pretrained(plain_ckpt)
+    assert config.quantization_config["kv_cache_scheme"]["num_bits"] == 8
+    without_kv_quantization(config)
+    assert getattr(config, "quantization_config", None) is None  # KV-only: nothing else to keep
+    weights_too = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"targets": ["Linear"]}},
+                   "kv_cache_scheme": {"num_bits": 8}, "format": "float-quantized"}
+    config.quantization_config = dict(weights_too)
+    without_kv_quantization(config)
+    assert config.quantization_config == {k: v for k, v in weights_too.items() if k != "kv_cache_scheme"}
+
+
+def test_a_scheme_that_changes_nothing_is_an_error(plain_ckpt, data_file, monkeypatch):
+    """A KL of exactly 0 cannot come from FP8: plant a quantizer that does nothing and see verify refuse."""
+    monkeypatch.setattr(sys.modules["calibrate.verification.schemes"], "quantize_dequantize", lambda x, scale, fmt: x)
+    with pytest.raises(ValueError, match="KL of exactly 0"):
+        verify(str(plain_ckpt), [str(data_file)], schemes="scale1,tensor", seq_len=64, max_tokens=64, **QUIET)

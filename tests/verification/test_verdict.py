@@ -1,0 +1,69 @@
+"""verdict.py's rules on plain numbers: the scheme chosen, the layers to keep in bf16, whether a smaller cache pays."""
+
+import pytest
+
+from calibrate.verification.capacity import LayerKV, bf16_bytes, plan
+from calibrate.verification.verdict import choose, pays_lines, rank_correlation, skip_choice
+
+
+def result(verdict: str, mode: str = "static") -> dict:
+    return {"mode": mode, "verdict": verdict}
+
+
+@pytest.mark.parametrize(
+    "verdicts, expected",
+    [
+        ({"tensor": "warn", "token": "warn", "int4_per_token_head": "warn"}, "tensor"),  # portable first
+        ({"tensor": "warn", "int8_per_token_head": "pass", "int4_per_token_head": "pass"}, "int8_per_token_head"),
+        ({"tensor": "fail", "nvfp4": "warn", "int4_per_token_head": "warn"}, "nvfp4"),  # more precise first
+        ({"scale1": "pass", "fp8_e5m2": "pass"}, "fp8_e5m2"),  # scale 1.0 only as a last resort
+        ({"tensor": "fail", "token": "fail"}, None),
+    ],
+)
+def test_the_best_verdict_then_the_most_portable_scheme_is_chosen(verdicts, expected):
+    results = {"bf16": result("reference", "reference"), **{n: result(v) for n, v in verdicts.items()}}
+    assert choose(results) == expected
+
+
+def test_rank_correlation_is_spearmans():
+    # ranks of y: 0, 1, 3, 2 → Σd² = 2, ρ = 1 − 6·2 / (4·15) = 0.8
+    assert rank_correlation([1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 40.0, 30.0]) == pytest.approx(0.8)
+    assert rank_correlation([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    assert rank_correlation([1.0, 2.0], [1.0, 2.0]) is None  # too few points to say anything
+
+
+def test_a_layer_is_kept_for_a_significant_gain_above_twice_its_share():
+    kl, layers = 0.03, 3  # an average layer's share is 0.01: keep above 0.02
+    measured = [
+        {"layer": 4, "estimate": 0.5, "gain": 0.025, "gain_stderr": 0.001},  # large and significant: kept
+        {"layer": 7, "estimate": 0.4, "gain": 0.025, "gain_stderr": 0.02},  # large but within noise
+        {"layer": 9, "estimate": 0.1, "gain": 0.015, "gain_stderr": 0.001},  # significant but ordinary
+    ]
+    choice = skip_choice(kl, measured, layers)
+    assert choice["skip"] == [4] and choice["share_limit"] == pytest.approx(0.02)
+    assert choice["top_agrees"] and choice["rank_correlation"] == pytest.approx(0.5)  # ranks 2,1,0 vs 1,2,0 (a tie in order)
+    assert skip_choice(kl, [{"layer": 1, "estimate": 1.0, "gain": 0.021, "gain_stderr": None}], layers)["skip"] == [1]
+
+
+def llama_8b_plan(memory: str, context: int) -> dict:
+    """32 layers of 8 KV heads × 128, 16 GB of weights: 131,072 bytes per token in bf16, half in fp8."""
+    layers = [LayerKV(i, 8, 128, 128) for i in range(32)]
+    return {**plan(layers, 16e9, context, memory, {"auto": bf16_bytes, "fp8": lambda layer: bf16_bytes(layer) / 2}), "gpu": memory}
+
+
+def test_pays_lines_say_when_bf16_already_fits():
+    p = llama_8b_plan("H100", 8192)  # 0.9 · 80 GB − 16 GB = 56 GB: 52 sequences of 1 GiB in bf16, 104 in fp8
+    assert (p["dtypes"]["auto"]["max_sequences"], p["dtypes"]["fp8"]["max_sequences"]) == (52, 104)
+    warn = pays_lines(p, "fp8", "warn")
+    assert warn[0].startswith("At 8,192 tokens per sequence on H100: fp8 holds 104 full-length sequences where bf16 holds 52")
+    assert "keep bf16 then" in warn[1]
+    assert len(pays_lines(p, "fp8", "pass")) == 1  # a pass costs nothing worth weighing against the memory
+
+
+def test_pays_lines_when_bf16_does_not_fit_or_nothing_does():
+    p = llama_8b_plan("18GB", 16384)  # 16.2 GB − 16 GB: no 2 GiB bf16 sequence, no 1 GiB fp8 one either
+    assert p["dtypes"]["fp8"]["max_sequences"] == 0
+    assert "not one sequence fits beside the weights even in fp8" in pays_lines(p, "fp8", "pass")[0]
+    p = llama_8b_plan("19GB", 12288)  # 17.1 GB − 16 GB = 1.1 GB: a 1.61 GB bf16 sequence does not fit, a 0.81 GB fp8 one does
+    assert (p["dtypes"]["auto"]["max_sequences"], p["dtypes"]["fp8"]["max_sequences"]) == (0, 1)
+    assert pays_lines(p, "fp8", "warn")[1] == "bf16 fits no full-length sequence beside the weights; fp8 is what makes this context servable here."
