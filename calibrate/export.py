@@ -241,7 +241,8 @@ def prepare_output(out: Path, inputs: list[Path], overwrite: bool) -> None:
     """Cheap checks on OUT_DIR before any expensive work.
 
     ``--overwrite`` replaces only what kvcal wrote: an earlier kvcal output or an empty directory. No input
-    (the source checkpoint, a target, data files) may be OUT, lie inside it, or hold it.
+    (the source checkpoint, a target, data files) may be OUT, lie inside it, or hold it; nor may the current
+    directory. OUT's parent must be writable (OUT is built there, beside it).
     """
     out = Path(out).resolve()
     for given in inputs:
@@ -257,8 +258,14 @@ def prepare_output(out: Path, inputs: list[Path], overwrite: bool) -> None:
     if out.exists() and not is_kvcal_output(out) and any(out.iterdir()):
         raise ValueError(f"{out} exists and was not written by kvcal; --overwrite replaces only kvcal's own outputs: "
                          "choose another --out, or remove it yourself")
+    cwd = Path.cwd()
+    if out == cwd or out in cwd.parents:
+        raise ValueError(f"--out {out} is the current directory or holds it: replacing it would leave this shell in a "
+                         "removed directory; choose another --out, or run kvcal from another directory")
     if not out.parent.is_dir():
         raise ValueError(f"the parent directory of {out} does not exist; create it first")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{out.parent} is not writable, so --out {out} cannot be created there; choose another --out")
 
 
 def write_checkpoint(
