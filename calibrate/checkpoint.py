@@ -114,6 +114,9 @@ def transformers_files(directory: Path) -> list[Path]:
 def quant_config(directory: Path, config: dict) -> dict | None:
     """The quantization config vLLM uses: config.json's (or its text model's), else hf_quant_config.json (ModelOpt)."""
     quant = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ValueError(f"{directory}/config.json has a quantization_config that is a {type(quant).__name__} ({quant!r}), "
+                         "not an object; restore it from the original checkpoint, or remove it if the weights are not quantized")
     if quant is None and (directory / HF_QUANT_CONFIG).is_file():
         quant = read_json(directory / HF_QUANT_CONFIG) | {"quant_method": "modelopt"}
     return quant

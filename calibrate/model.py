@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .checkpoint import KV_SCALE_PATTERN, mla_dims
+from .checkpoint import KV_SCALE_PATTERN, mla_dims, quant_config
 from .config import check_model_dir
 from .files import read_json_object
 from .stats import ModelSignature
@@ -41,8 +41,20 @@ def resolve_device(device: str) -> torch.device:
         raise ValueError(f"--device {device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
 
 
+# Encoder families that transformers can also build as causal LMs (BertLMHeadModel...), which a config.json without
+# ``architectures`` gets; vLLM serves them for embeddings and classification, without a KV cache.
+ENCODER_MODEL_TYPES = (
+    "bert", "big_bird", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert", "rembert", "roberta",
+    "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl", "xmod",
+)
+# config.json fields (of the text model) that shape the model and kvcal's statistics: positive integers where present.
+SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+                "max_position_embeddings")
+
+
 def read_config(model_dir: str | Path) -> dict:
-    """The checkpoint's config.json, after cheap checks that it is a causal LM directory."""
+    """The checkpoint's config.json, after cheap checks that it is a causal LM directory: a decoder's, with positive
+    integers for the fields that shape the model and an object (or nothing) for quantization_config."""
     config = read_config_file(model_dir)
     architectures = config.get("architectures") or []
     if architectures and not any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
@@ -50,6 +62,17 @@ def read_config(model_dir: str | Path) -> dict:
             f"{model_dir} holds a {', '.join(architectures)}, not a causal language model; "
             "kvcal calibrates decoder models that vLLM serves with a KV cache"
         )
+    text = config.get("text_config", config)
+    if text.get("model_type") in ENCODER_MODEL_TYPES:
+        raise ValueError(
+            f"{model_dir} is a {text['model_type']} model, an encoder that vLLM serves without a KV cache; "
+            "kvcal calibrates decoder models that vLLM serves with a KV cache"
+        )
+    for name in SHAPE_FIELDS:
+        value = text.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{model_dir}/config.json has {name} {value!r}, not a positive integer; fix config.json")
+    quant_config(Path(model_dir), config)  # refuses a quantization_config that is not an object (transformers crashes)
     return config
 
 
