@@ -245,7 +245,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     """
     from .checkpoint import check_export_form, check_loads_scales, warn_ignored_scales
     from .data import iter_sequences, local_paths
-    from .model import check_remote_code, load_tokenizer, max_context, read_config
+    from .model import check_remote_code, check_tokenizer_fits, load_tokenizer, max_context, read_config
     from .weights import PROVENANCE as WEIGHTS_PROVENANCE
     from .weights import check_available, quantize_weights
 
@@ -275,6 +275,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             # a template, an unreachable dataset) before a Hub model's weights download and before any model loads.
             offline = hub.fetch(config.model, trust_remote_code=config.trust_remote_code, weights=False)
             tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
+            check_tokenizer_fits(config.model, model_config, tokenizer)
             stream = iter_sequences(config.data, tokenizer, max_context=max_context(model_config))
             hub.fetch(config.model, trust_remote_code=config.trust_remote_code, offline=offline)
             weight_files(Path(config.model))

@@ -288,6 +288,17 @@ def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
         raise ValueError(f"could not load a tokenizer from {model_dir}: {e}") from e
 
 
+def check_tokenizer_fits(model_dir: str | Path, config: dict, tokenizer) -> None:
+    """Refuse a tokenizer with more tokens than the embedding has rows (``config`` as ``read_config`` returns it):
+    its higher ids would index past the embedding halfway through a run."""
+    rows = config.get("text_config", config).get("vocab_size")
+    if rows is not None and len(tokenizer) > rows:
+        raise ValueError(
+            f"the tokenizer of {model_dir} has {len(tokenizer)} tokens but the model's embedding has {rows} rows "
+            f"(vocab_size {rows} in config.json); the tokenizer belongs to another model: put the model's own beside it"
+        )
+
+
 @contextmanager
 def _quiet_transformers():
     """No load report or progress bar from transformers: kvcal checks the load itself (``check_loaded``), and

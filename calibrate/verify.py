@@ -36,7 +36,7 @@ from .export import KVCAL_DIR, tensor_bytes, weight_files
 from .fa3 import HOPPER_ACCUM_BITS
 from .fp8 import E5M2, SATURATION_SLACK, FP8Format, get_format, per_token_scale, quantize_dequantize
 from .kvdtypes import DTYPES, CacheDtype
-from .model import AttentionLayer, attention_layers, checkpoint_named, is_latent, load_model, load_tokenizer, max_context, read_config, resolve_device, signature
+from .model import AttentionLayer, attention_layers, check_tokenizer_fits, checkpoint_named, is_latent, load_model, load_tokenizer, max_context, read_config, resolve_device, signature
 from .needle import NEEDLE_DEPTHS, needle_probe
 from .observers import derive_scales
 from .stats import KINDS, ModelSignature, Stats, position_bucket_starts
@@ -808,8 +808,10 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
 
     # 2. The sample, before the model is loaded: data too short for one sequence is refused cheaply.
     device = resolve_device(config.device)
-    context = max_context(read_config(config.checkpoint))
+    model_config = read_config(config.checkpoint)
+    context = max_context(model_config)
     tokenizer = load_tokenizer(config.checkpoint)
+    check_tokenizer_fits(config.checkpoint, model_config, tokenizer)
     sequences, manifest = _sample(config.data, tokenizer, context)
     sampled = time.perf_counter()
 
