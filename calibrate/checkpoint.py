@@ -65,6 +65,24 @@ def tensor_names(path: Path) -> list[str]:
         raise ValueError(f"{path} is damaged or not a safetensors file ({e}); re-download or re-save it") from None
 
 
+# safetensors dtypes that hold integers (or booleans).
+INTEGER_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
+
+
+def check_float_weights(directory: Path, files: list[Path]) -> None:
+    """Refuse a ``*.weight`` that the headers of an unquantized checkpoint label as integers: transformers would load
+    the integers as the weight's values without a word. (Quantized checkpoints pack weights into integers on purpose.)"""
+    if quant_config(directory, read_json(directory / "config.json")) is not None:
+        return
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                dtype = f.get_slice(name).get_dtype()
+                if name.endswith(".weight") and dtype in INTEGER_DTYPES:
+                    raise ValueError(f"{path} labels {name} {dtype}, integers, in a checkpoint that is not quantized: its "
+                                     "header is damaged; re-download or re-save the checkpoint")
+
+
 def read_tensor(path: Path, name: str) -> torch.Tensor:
     with safe_open(str(path), "pt") as f:
         return f.get_tensor(name).float()

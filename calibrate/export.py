@@ -25,8 +25,8 @@ import torch
 from safetensors import safe_open
 
 from .checkpoint import (
-    HF_QUANT_CONFIG, INDEX_FILE, KV_SCALE_PATTERN, STRATEGIES, WRITE_NAMES, checkpoint_form, loaded_multiplier,
-    tensor_names, vllm_files,
+    HF_QUANT_CONFIG, INDEX_FILE, KV_SCALE_PATTERN, STRATEGIES, WRITE_NAMES, check_float_weights, checkpoint_form,
+    loaded_multiplier, tensor_names, vllm_files,
 )
 from .files import save_tensors
 
@@ -143,6 +143,7 @@ def weight_files(model_dir: Path) -> list[Path]:
         raise ValueError(f"{model_dir} holds consolidated*.safetensors (Mistral format); pass the Hugging Face format directory")
     for path in files:
         tensor_names(path)  # reads and checks the header
+    check_float_weights(model_dir, files)
     return files
 
 

@@ -224,7 +224,7 @@ def load_model(
 
     Returns:
         (model, tokenizer). Errors name the directory and say what is wrong; a load that leaves any
-        parameter uninitialised (transformers' "missing" or "mismatched" keys) is refused.
+        parameter uninitialised (transformers' "missing" or "mismatched" keys), or a weight NaN or Inf, is refused.
     """
     from safetensors import SafetensorError
     from transformers import AutoConfig
@@ -246,8 +246,10 @@ def load_model(
         place = {"device_map": placement.device_map, "max_memory": placement.max_memory, "offload_folder": placement.offload_folder}
     try:
         with _quiet_transformers(), _quiet_accelerate():
+            # A weight of the wrong shape is reported in ``info`` (refused by check_loaded), not raised as a RuntimeError.
             model, info = auto_class(hf_config).from_pretrained(
-                model_dir, config=hf_config, dtype=dtype, output_loading_info=True, trust_remote_code=trust_remote_code, **place
+                model_dir, config=hf_config, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True,
+                trust_remote_code=trust_remote_code, **place
             )
     except (SafetensorError, OSError, ValueError, KeyError) as e:
         if mapped and "offload_folder" in str(e):
@@ -260,6 +262,7 @@ def load_model(
             raise ValueError(f"a weight file of {model_dir} is damaged ({e}); re-download or re-save the checkpoint") from None
         raise ValueError(f"could not load {model_dir} as a causal language model: {e}") from e
     check_loaded(model_dir, info)
+    check_finite_weights(model_dir, model)
     check_no_kv_quantization(model)
     if not mapped:
         model = model.to(device)
@@ -324,9 +327,27 @@ def check_loaded(model_dir: str | Path, info: dict) -> None:
     if bad:
         raise ValueError(
             f"transformers loaded {model_dir} with {len(bad)} parameters missing or of the wrong shape, left freshly "
-            f"initialised (e.g. {', '.join(bad[:3])}); the checkpoint is incomplete or its index misses a shard: "
-            f"run kvcal inspect {model_dir}"
+            f"initialised (e.g. {', '.join(bad[:3])}); the checkpoint is incomplete, its index misses a shard, or a "
+            f"header gives a wrong shape: run kvcal inspect {model_dir}"
         )
+
+
+# The dtypes a forward computes in; weights stored quantized (FP8, packed integers) are left to their loaders.
+_COMPUTE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+@torch.no_grad()
+def check_finite_weights(model_dir: str | Path, model: nn.Module) -> None:
+    """Refuse a weight holding NaN or Inf: it poisons the activations after it, or (lm_head) every logit verify compares.
+
+    Read in chunks of 64M elements, so the check needs little memory beside the largest weight; weights offloaded by a
+    device map (on the meta device here) are not read.
+    """
+    for name, p in model.named_parameters():
+        if p.dtype in _COMPUTE_DTYPES and p.device.type != "meta":
+            if not all(bool(torch.isfinite(chunk).all()) for chunk in p.reshape(-1).split(1 << 26)):
+                raise ValueError(f"{name} of {model_dir} is not finite (it holds NaN or Inf); the checkpoint is damaged: "
+                                 "re-download or re-save it")
 
 
 def check_no_kv_quantization(model: nn.Module) -> None:
