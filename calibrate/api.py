@@ -24,7 +24,7 @@ import torch
 from . import hub, resume
 from .config import LITTLE_DATA_TOKENS, CalibrationConfig, ScaleConfig
 from .distributed import Group, session
-from .export import KVCAL_DIR, PROVENANCE_FILE, prepare_output, scale_tensors, weight_files, write_checkpoint
+from .export import KVCAL_DIR, PROVENANCE_FILE, check_links, prepare_output, scale_tensors, weight_files, write_checkpoint
 from .files import read_json_object
 from .fp8 import get_format
 from .checkpoint import mla_dims
@@ -279,6 +279,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             stream = iter_sequences(config.data, tokenizer, max_context=max_context(model_config))
             hub.fetch(config.model, trust_remote_code=config.trust_remote_code, offline=offline)
             weight_files(Path(config.model))
+            check_links(Path(config.model))
             check_export_form(Path(config.model), config.form, config.scales.granularity)
             if config.weights:
                 check_available(Path(config.model), config.weights)

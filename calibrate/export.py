@@ -233,6 +233,18 @@ def copy_other_files(source: Path, dest: Path, *, skip: set[str], weight_suffixe
             shutil.copy2(item, dest / item.name)
 
 
+def check_links(source: Path) -> None:
+    """Refuse a link that leads nowhere (dangling, or a loop) among the files ``copy_other_files`` copies from the
+    source into OUT, where it would fail the write at the end of a run."""
+    for item in sorted(source.iterdir()):
+        if item.name.startswith("."):
+            continue
+        inside = [Path(d) / name for d, dirs, files in os.walk(item) for name in dirs + files] if item.is_dir() else []
+        for path in [item, *inside]:
+            if path.is_symlink() and not path.exists():
+                raise ValueError(f"{path} is a link that leads nowhere (dangling, or a loop); remove or fix it")
+
+
 def is_kvcal_output(directory: Path) -> bool:
     """Whether ``directory`` is an output kvcal wrote (it holds ``kvcal/calibration.json``)."""
     return (Path(directory) / KVCAL_DIR / PROVENANCE_FILE).is_file()
@@ -299,6 +311,7 @@ def write_checkpoint(
     prepare_output(out, [source, *inputs], overwrite)
     existed = out.exists()
     files = weight_files(source)
+    check_links(source)
     config = json.loads((source / "config.json").read_text())
     quant_files: dict[str, dict] = {}  # other quantization config files to write (ModelOpt form)
     if checkpoint_form(source) == "modelopt":
