@@ -160,6 +160,7 @@ def test_the_cli_names_are_those_of_the_modules_that_use_them():
     verify = importlib.import_module("calibrate.verify")
     assert config_module.OBSERVERS == observers.OBSERVERS and config_module.GRANULARITIES == observers.GRANULARITIES
     assert config_module.FP8_FORMATS == tuple(fp8.FORMATS) and config_module.VERIFY_SCHEMES == verify.SCHEMES
+    assert config_module.MAX_HEADROOM == min(f.max / f.min_normal for f in fp8.FORMATS.values())
 
     def message(check, value):
         try:
