@@ -25,7 +25,7 @@ from .run import resume
 from .config import LITTLE_DATA_TOKENS, CalibrationConfig, ScaleConfig
 from .run.distributed import Group, session
 from .layout import KVCAL_DIR, PROVENANCE_FILE
-from .checkpoint.write import prepare_output, scale_tensors, weight_files, write_checkpoint
+from .checkpoint.write import check_links, prepare_output, scale_tensors, weight_files, write_checkpoint
 from .files import read_json_object
 from .fp8 import get_format
 from .loaders import mla_dims
@@ -247,7 +247,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     """
     from .loaders import check_export_form, check_loads_scales, warn_ignored_scales
     from .data.stream import iter_sequences, local_paths
-    from .model.load import check_remote_code, load_tokenizer, read_config
+    from .model.load import check_remote_code, check_tokenizer_fits, load_tokenizer, read_config
     from .model.layers import max_context
     from .checkpoint.weights import PROVENANCE as WEIGHTS_PROVENANCE
     from .checkpoint.weights import check_available, quantize_weights
@@ -278,9 +278,11 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             # a template, an unreachable dataset) before a Hub model's weights download and before any model loads.
             offline = hub.fetch(config.model, trust_remote_code=config.trust_remote_code, weights=False)
             tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
+            check_tokenizer_fits(config.model, model_config, tokenizer)
             stream = iter_sequences(config.data, tokenizer, max_context=max_context(model_config))
             hub.fetch(config.model, trust_remote_code=config.trust_remote_code, offline=offline)
             weight_files(Path(config.model))
+            check_links(Path(config.model))
             check_export_form(Path(config.model), config.form, config.scales.granularity)
             if config.weights:
                 check_available(Path(config.model), config.weights)

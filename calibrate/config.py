@@ -40,12 +40,17 @@ LITTLE_DATA_TOKENS = 100_000
 # while a save writes the statistics once (about 76 MB for an 8B model; not yet timed on a GPU machine). A kill
 # then loses minutes of work at most, and the default 500K-token run never saves.
 CHECKPOINT_EVERY = 2_000_000
+# The largest --headroom: FP8's largest over its smallest normal value (e4m3fn 448 / 2**-6, the smaller of fp8.FORMATS').
+# Past it the largest value seen is stored as a subnormal, and the data keeps no FP8 precision at all.
+MAX_HEADROOM = 448 * 2**6
 
 
 def check_headroom(value: float) -> None:
-    """Refuse a headroom below 1 or infinite (the scales would clip more, or be infinite)."""
-    if not (isinstance(value, (int, float)) and 1.0 <= value < float("inf")):
-        raise ValueError(f"--headroom must be a number ≥ 1.0 (1.0 = none), got {value!r}")
+    """Refuse a headroom below 1 (the scales would clip more) or above MAX_HEADROOM (the data would keep no FP8
+    precision, and a large enough headroom makes the scales overflow float32)."""
+    if not (isinstance(value, (int, float)) and 1.0 <= value <= MAX_HEADROOM):
+        raise ValueError(f"--headroom must be a number ≥ 1.0 (1.0 = none) and at most {MAX_HEADROOM} (beyond it even the "
+                         f"largest value seen is stored as an FP8 subnormal), got {value!r}")
 
 
 def parse_size(text: str | int) -> int:

@@ -99,5 +99,8 @@ def kjv_path() -> Path:
 def run_demo(*, out: str = "demo-out", max_tokens: int = DEMO_TOKENS, seq_len: int = DEMO_SEQ_LEN):
     """Calibrate SmolLM2 on KJV text into ``out`` (replacing an earlier demo output)."""
     from .api import calibrate
+    from .checkpoint.write import prepare_output
 
+    # OUT checked before the model's first-use conversion (a minute): a directory kvcal did not write is refused at once.
+    prepare_output(Path(out), [cache_dir() / SMOLLM2_NAME, kjv_path()], overwrite=True)
     return calibrate(str(smollm2_dir()), [str(kjv_path())], out, seq_len=seq_len, max_tokens=max_tokens, overwrite=True)

@@ -65,6 +65,24 @@ def tensor_names(path: Path) -> list[str]:
         raise ValueError(f"{path} is damaged or not a safetensors file ({e}); re-download or re-save it") from None
 
 
+# safetensors dtypes that hold integers (or booleans).
+INTEGER_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
+
+
+def check_float_weights(directory: Path, files: list[Path]) -> None:
+    """Refuse a ``*.weight`` that the headers of an unquantized checkpoint label as integers: transformers would load
+    the integers as the weight's values without a word. (Quantized checkpoints pack weights into integers on purpose.)"""
+    if quant_config(directory, read_json(directory / "config.json")) is not None:
+        return
+    for path in files:
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                dtype = f.get_slice(name).get_dtype()
+                if name.endswith(".weight") and dtype in INTEGER_DTYPES:
+                    raise ValueError(f"{path} labels {name} {dtype}, integers, in a checkpoint that is not quantized: its "
+                                     "header is damaged; re-download or re-save the checkpoint")
+
+
 def read_tensor(path: Path, name: str) -> torch.Tensor:
     with safe_open(str(path), "pt") as f:
         return f.get_tensor(name).float()
@@ -114,6 +132,9 @@ def transformers_files(directory: Path) -> list[Path]:
 def quant_config(directory: Path, config: dict) -> dict | None:
     """The quantization config vLLM uses: config.json's (or its text model's), else hf_quant_config.json (ModelOpt)."""
     quant = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+    if quant is not None and not isinstance(quant, dict):
+        raise ValueError(f"{directory}/config.json has a quantization_config that is a {type(quant).__name__} ({quant!r}), "
+                         "not an object; restore it from the original checkpoint, or remove it if the weights are not quantized")
     if quant is None and (directory / HF_QUANT_CONFIG).is_file():
         quant = read_json(directory / HF_QUANT_CONFIG) | {"quant_method": "modelopt"}
     return quant

@@ -164,3 +164,11 @@ def test_config_imports_neither_torch_nor_transformers():
     code = "import sys, calibrate.config; print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_headroom_limit_is_where_the_largest_value_seen_would_become_subnormal():
+    """MAX_HEADROOM (torch-free, in config) is the smallest ratio of a format's largest value to its smallest normal one."""
+    from calibrate.config import MAX_HEADROOM
+    from calibrate.fp8 import FORMATS
+
+    assert MAX_HEADROOM == min(f.max / f.min_normal for f in FORMATS.values()) == 448 * 2**6

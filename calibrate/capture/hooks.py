@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging as hf_logging
 
 from ..model.layers import AttentionLayer, is_latent
 from ..model.load import input_device
@@ -73,13 +74,16 @@ def hooked_attention(model: nn.Module, hook: AttentionHook) -> Iterator[None]:
     run. The model's own implementation is restored on exit, whatever happens inside. For MLA modules
     the hook reads the latent with ``cached_latent``; a hook with a ``latent_transform(module, kv_c, k_pe)``
     method replaces the latent before the model decompresses it (``latent_inputs``).
+
+    Raises:
+        ValueError: the model computes attention itself, not through transformers' attention interface.
     """
     base = model.config._attn_implementation or "eager"
     if base.startswith("kvcal_"):
         raise RuntimeError("kvcal's attention hooks cannot be nested")
     token = _active_hook.set(hook)
     try:
-        model.set_attn_implementation(_register(base))
+        _set_implementation(model, _register(base))
         with latent_inputs(model, getattr(hook, "latent_transform", None)) as seen:
             latent_token = _latents.set(seen)
             try:
@@ -89,6 +93,23 @@ def hooked_attention(model: nn.Module, hook: AttentionHook) -> Iterator[None]:
     finally:
         model.set_attn_implementation(base)
         _active_hook.reset(token)
+
+
+def _set_implementation(model: nn.Module, name: str) -> None:
+    """Make ``name`` the model's attention implementation; a model whose attention bypasses transformers' interface
+    keeps its own (transformers only warns), and is refused before any data runs."""
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # transformers' warning would be a second line beside kvcal's error
+    try:
+        model.set_attn_implementation(name)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if model.config._attn_implementation != name:
+        raise ValueError(
+            f"no attention call reaches kvcal's hook: {type(model).__name__} computes attention itself, not through "
+            "transformers' attention interface, so kvcal cannot see its K and V; use transformers' own implementation "
+            "of the family if it has one"
+        )
 
 
 def cached_latent(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,13 +241,13 @@ class Collector:
         """Refuse a capture in which some attention layer saw nothing (it would get a made-up scale)."""
         missing = [layer.prefix for layer, n in zip(self.layers, self.stats.tokens.tolist()) if n == 0]
         if len(missing) == len(self.layers):
-            raise RuntimeError(
+            raise ValueError(
                 f"no attention call reached kvcal's hook: this model ({self.stats.signature.model_type}) does not use "
                 "transformers' attention interface (modeling code shipped with a model often does not), so kvcal cannot "
                 "see its K and V; use transformers' own implementation of the family if it has one"
             )
         if missing:
-            raise RuntimeError(f"these attention layers saw no tokens, so no scale can be derived for them: {', '.join(missing)}")
+            raise ValueError(f"these attention layers saw no tokens, so no scale can be derived for them: {', '.join(missing)}")
 
 
 @torch.no_grad()

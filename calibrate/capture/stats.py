@@ -348,7 +348,10 @@ class Stats:
         if header.get("format_version") != FORMAT_VERSION or header.get("hist") != expected:
             raise ValueError(f"{path} was written by an incompatible kvcal version; recalibrate to rebuild it")
         tensors = load_file(str(path))
-        sig = ModelSignature(**header["signature"])
+        try:
+            sig = ModelSignature(**header["signature"])
+        except (KeyError, TypeError) as e:  # no signature, or one whose fields are not ModelSignature's
+            raise ValueError(f"{path} holds no complete model signature ({e}); it is damaged: recalibrate to rebuild it") from None
         stats = cls.empty(sig)
         missing = [name for name in ("tokens", "pos_tokens", *(f"{k}.{f.name}" for k, s in stats.kinds.items() for f in fields(s)))
                    if name not in tensors]

@@ -29,6 +29,7 @@ from ..loaders import (
 )
 from ..files import save_tensors
 from ..layout import KVCAL_DIR, is_kvcal_output, sibling, sweep
+from ..loaders import check_float_weights
 
 SCALES_PRODUCER = "kvcal"  # the "producer" metadata of the scales shard
 
@@ -141,6 +142,7 @@ def weight_files(model_dir: Path) -> list[Path]:
         raise ValueError(f"{model_dir} holds consolidated*.safetensors (Mistral format); pass the Hugging Face format directory")
     for path in files:
         tensor_names(path)  # reads and checks the header
+    check_float_weights(model_dir, files)
     return files
 
 
@@ -230,11 +232,24 @@ def copy_other_files(source: Path, dest: Path, *, skip: set[str], weight_suffixe
             shutil.copy2(item, dest / item.name)
 
 
+def check_links(source: Path) -> None:
+    """Refuse a link that leads nowhere (dangling, or a loop) among the files ``copy_other_files`` copies from the
+    source into OUT, where it would fail the write at the end of a run."""
+    for item in sorted(source.iterdir()):
+        if item.name.startswith("."):
+            continue
+        inside = [Path(d) / name for d, dirs, files in os.walk(item) for name in dirs + files] if item.is_dir() else []
+        for path in [item, *inside]:
+            if path.is_symlink() and not path.exists():
+                raise ValueError(f"{path} is a link that leads nowhere (dangling, or a loop); remove or fix it")
+
+
 def prepare_output(out: Path, inputs: list[Path], overwrite: bool) -> None:
     """Cheap checks on OUT_DIR before any expensive work.
 
     ``--overwrite`` replaces only what kvcal wrote: an earlier kvcal output or an empty directory. No input
-    (the source checkpoint, a target, data files) may be OUT, lie inside it, or hold it.
+    (the source checkpoint, a target, data files) may be OUT, lie inside it, or hold it; nor may the current
+    directory. OUT's parent must be writable (OUT is built there, beside it).
     """
     out = Path(out).resolve()
     for given in inputs:
@@ -250,8 +265,14 @@ def prepare_output(out: Path, inputs: list[Path], overwrite: bool) -> None:
     if out.exists() and not is_kvcal_output(out) and any(out.iterdir()):
         raise ValueError(f"{out} exists and was not written by kvcal; --overwrite replaces only kvcal's own outputs: "
                          "choose another --out, or remove it yourself")
+    cwd = Path.cwd()
+    if out == cwd or out in cwd.parents:
+        raise ValueError(f"--out {out} is the current directory or holds it: replacing it would leave this shell in a "
+                         "removed directory; choose another --out, or run kvcal from another directory")
     if not out.parent.is_dir():
         raise ValueError(f"the parent directory of {out} does not exist; create it first")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{out.parent} is not writable, so --out {out} cannot be created there; choose another --out")
 
 
 def write_checkpoint(
@@ -284,6 +305,7 @@ def write_checkpoint(
     prepare_output(out, [source, *inputs], overwrite)
     existed = out.exists()
     files = weight_files(source)
+    check_links(source)
     config = json.loads((source / "config.json").read_text())
     quant_files: dict[str, dict] = {}  # other quantization config files to write (ModelOpt form)
     if checkpoint_form(source) == "modelopt":

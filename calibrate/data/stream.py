@@ -5,7 +5,8 @@ Sources (``DataConfig.sources``, ``--data`` given several times), each one of:
 * a local file: ``.txt`` (documents separated by blank lines, i.e. one record per paragraph),
   ``.jsonl`` / ``.json`` (one object per line, or an array of objects), ``.parquet``, ``.csv``;
 * a glob (``data/*.jsonl``, ``data/**/*.txt``) or a directory: every supported file it matches or
-  holds directly (not recursive; use a ``**`` glob for that), in sorted order, other files ignored;
+  holds directly (not recursive; use a ``**`` glob for that), in sorted order, other files ignored
+  (a file or directory whose own name holds ``*?[``, such as ``x[1].jsonl``, is read as itself);
 * a directory written by ``datasets``' ``save_to_disk``, optionally ``dir@split`` for a DatasetDict;
 * a Hugging Face Hub dataset ``name[:config][@split]`` (split ``train`` by default), streamed at the
   revision current when the run starts.
@@ -440,7 +441,7 @@ def _parts(spec: str) -> list[_Part]:
     path = Path(spec).expanduser()
     head, _, split = spec.rpartition("@")
     hub = _HUB_NAME.match(spec)
-    if any(c in spec for c in "*?["):
+    if any(c in spec for c in "*?[") and not path.exists():  # a file named x[1].jsonl is that file, not a glob
         files = [Path(f) for f in sorted(glob.glob(os.path.expanduser(spec), recursive=True))]
         files = [f for f in files if f.is_file() and f.suffix.lower() in BUILDERS]
         if not files:
@@ -510,7 +511,8 @@ def _open(part: _Part) -> "datasets.IterableDataset":
     counting = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
     datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
     try:
-        return datasets.load_dataset(part.builder, data_files=[part.path], split="train", streaming=True, **options)
+        # data_files are patterns to datasets: escaped, x[1].jsonl is that file, not x1.jsonl.
+        return datasets.load_dataset(part.builder, data_files=[glob.escape(part.path)], split="train", streaming=True, **options)
     finally:
         datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counting
 

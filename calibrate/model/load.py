@@ -14,6 +14,7 @@ from torch import nn
 from ..loaders import KV_SCALE_PATTERN
 from ..files import read_json_object
 from ..files import check_model_dir
+from ..loaders import quant_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -31,8 +32,20 @@ def resolve_device(device: str) -> torch.device:
         raise ValueError(f"--device {device!r} is not a device; use auto, cpu, cuda or cuda:N") from None
 
 
+# Encoder families that transformers can also build as causal LMs (BertLMHeadModel...), which a config.json without
+# ``architectures`` gets; vLLM serves them for embeddings and classification, without a KV cache.
+ENCODER_MODEL_TYPES = (
+    "bert", "big_bird", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert", "rembert", "roberta",
+    "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl", "xmod",
+)
+# config.json fields (of the text model) that shape the model and kvcal's statistics: positive integers where present.
+SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+                "max_position_embeddings")
+
+
 def read_config(model_dir: str | Path) -> dict:
-    """The checkpoint's config.json, after cheap checks that it is a causal LM directory."""
+    """The checkpoint's config.json, after cheap checks that it is a causal LM directory: a decoder's, with positive
+    integers for the fields that shape the model and an object (or nothing) for quantization_config."""
     config = read_config_file(model_dir)
     architectures = config.get("architectures") or []
     if architectures and not any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
@@ -40,6 +53,17 @@ def read_config(model_dir: str | Path) -> dict:
             f"{model_dir} holds a {', '.join(architectures)}, not a causal language model; "
             "kvcal calibrates decoder models that vLLM serves with a KV cache"
         )
+    text = config.get("text_config", config)
+    if text.get("model_type") in ENCODER_MODEL_TYPES:
+        raise ValueError(
+            f"{model_dir} is a {text['model_type']} model, an encoder that vLLM serves without a KV cache; "
+            "kvcal calibrates decoder models that vLLM serves with a KV cache"
+        )
+    for name in SHAPE_FIELDS:
+        value = text.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{model_dir}/config.json has {name} {value!r}, not a positive integer; fix config.json")
+    quant_config(Path(model_dir), config)  # refuses a quantization_config that is not an object (transformers crashes)
     return config
 
 
@@ -191,7 +215,7 @@ def load_model(
 
     Returns:
         (model, tokenizer). Errors name the directory and say what is wrong; a load that leaves any
-        parameter uninitialised (transformers' "missing" or "mismatched" keys) is refused.
+        parameter uninitialised (transformers' "missing" or "mismatched" keys), or a weight NaN or Inf, is refused.
     """
     from safetensors import SafetensorError
     from transformers import AutoConfig
@@ -213,8 +237,10 @@ def load_model(
         place = {"device_map": placement.device_map, "max_memory": placement.max_memory, "offload_folder": placement.offload_folder}
     try:
         with _quiet_transformers(), _quiet_accelerate():
+            # A weight of the wrong shape is reported in ``info`` (refused by check_loaded), not raised as a RuntimeError.
             model, info = auto_class(hf_config).from_pretrained(
-                model_dir, config=hf_config, dtype=dtype, output_loading_info=True, trust_remote_code=trust_remote_code, **place
+                model_dir, config=hf_config, dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True,
+                trust_remote_code=trust_remote_code, **place
             )
     except (SafetensorError, OSError, ValueError, KeyError) as e:
         if mapped and "offload_folder" in str(e):
@@ -227,6 +253,7 @@ def load_model(
             raise ValueError(f"a weight file of {model_dir} is damaged ({e}); re-download or re-save the checkpoint") from None
         raise ValueError(f"could not load {model_dir} as a causal language model: {e}") from e
     check_loaded(model_dir, info)
+    check_finite_weights(model_dir, model)
     check_no_kv_quantization(model)
     if not mapped:
         model = model.to(device)
@@ -255,6 +282,17 @@ def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
         raise ValueError(f"could not load a tokenizer from {model_dir}: {e}") from e
 
 
+def check_tokenizer_fits(model_dir: str | Path, config: dict, tokenizer) -> None:
+    """Refuse a tokenizer with more tokens than the embedding has rows (``config`` as ``read_config`` returns it):
+    its higher ids would index past the embedding halfway through a run."""
+    rows = config.get("text_config", config).get("vocab_size")
+    if rows is not None and len(tokenizer) > rows:
+        raise ValueError(
+            f"the tokenizer of {model_dir} has {len(tokenizer)} tokens but the model's embedding has {rows} rows "
+            f"(vocab_size {rows} in config.json); the tokenizer belongs to another model: put the model's own beside it"
+        )
+
+
 @contextmanager
 def _quiet_transformers():
     """No load report or progress bar from transformers: kvcal checks the load itself (``check_loaded``), and
@@ -280,9 +318,27 @@ def check_loaded(model_dir: str | Path, info: dict) -> None:
     if bad:
         raise ValueError(
             f"transformers loaded {model_dir} with {len(bad)} parameters missing or of the wrong shape, left freshly "
-            f"initialised (e.g. {', '.join(bad[:3])}); the checkpoint is incomplete or its index misses a shard: "
-            f"run kvcal inspect {model_dir}"
+            f"initialised (e.g. {', '.join(bad[:3])}); the checkpoint is incomplete, its index misses a shard, or a "
+            f"header gives a wrong shape: run kvcal inspect {model_dir}"
         )
+
+
+# The dtypes a forward computes in; weights stored quantized (FP8, packed integers) are left to their loaders.
+_COMPUTE_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+@torch.no_grad()
+def check_finite_weights(model_dir: str | Path, model: nn.Module) -> None:
+    """Refuse a weight holding NaN or Inf: it poisons the activations after it, or (lm_head) every logit verify compares.
+
+    Read in chunks of 64M elements, so the check needs little memory beside the largest weight; weights offloaded by a
+    device map (on the meta device here) are not read.
+    """
+    for name, p in model.named_parameters():
+        if p.dtype in _COMPUTE_DTYPES and p.device.type != "meta":
+            if not all(bool(torch.isfinite(chunk).all()) for chunk in p.reshape(-1).split(1 << 26)):
+                raise ValueError(f"{name} of {model_dir} is not finite (it holds NaN or Inf); the checkpoint is damaged: "
+                                 "re-download or re-save it")
 
 
 def check_no_kv_quantization(model: nn.Module) -> None:

@@ -2,6 +2,7 @@
 before any model loads. Torch-free, so that ``kvcal verify --help`` shows these defaults at once.
 """
 
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
@@ -209,9 +210,20 @@ class VerifyConfig:
             raise ValueError(f"--schemes {other[0]} is NVIDIA's or Triton's cache, emulated with e4m3fn scales; drop it or use --fp8-format e4m3fn")
         if self.fa3 and self.fp8_format != "e4m3fn":
             raise ValueError("--fa3 models NVIDIA Hopper's e4m3fn path; drop --fa3 or use --fp8-format e4m3fn")
-        if self.report_dir is not None and Path(self.report_dir).exists() and not Path(self.report_dir).is_dir():
-            raise ValueError(f"--report {self.report_dir} is a file; name a directory for the report")
+        if self.report_dir is not None:
+            check_report_dir(Path(self.report_dir))
         return self
+
+
+def check_report_dir(directory: Path) -> None:
+    """The report directory is one kvcal can write into, or create (with its missing parents) in a writable directory."""
+    existing = next(p for p in (directory, *directory.parents) if p.exists())
+    if existing == directory and not existing.is_dir():
+        raise ValueError(f"--report {directory} is a file; name a directory for the report")
+    if not existing.is_dir():
+        raise ValueError(f"--report {directory}: {existing} is a file, not a directory; name a directory for the report")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--report {directory}: {existing} is not writable; name a directory you can write")
 
 
 def _integers(flag: str, value: str | list | None) -> list[int]:

@@ -84,11 +84,11 @@ def test_layers_that_see_nothing_are_an_error_not_a_scale():
     model = tiny_model("llama")
     layers = attention_layers(model)
     stats = Stats.empty(signature(model, layers))
-    with pytest.raises(RuntimeError, match="no attention call reached"):
+    with pytest.raises(ValueError, match="no attention call reached"):
         run_capture(model, layers, [], stats, chunk_len=64, progress=False)
 
     # A layer whose attention bypasses the interface: replace layer 1's forward with one that never calls it.
     attn = model.model.layers[1].self_attn
     attn.forward = lambda hidden_states, *a, **k: (torch.zeros_like(hidden_states), None)
-    with pytest.raises(RuntimeError, match=r"model\.layers\.1\.self_attn"):
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn"):
         run_capture(model, layers, [torch.arange(8)], Stats.empty(signature(model, layers)), chunk_len=64, progress=False)
