@@ -246,7 +246,8 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     scales, are exactly those of an uninterrupted run. The saves are removed once OUT is written.
     """
     from .loaders import check_export_form, check_loads_scales, warn_ignored_scales
-    from .data.stream import iter_sequences, local_paths
+    from .data.stream import iter_sequences
+    from .data.sources import local_paths
     from .model.load import check_remote_code, check_tokenizer_fits, load_tokenizer, read_config
     from .model.layers import max_context
     from .checkpoint.weights import PROVENANCE as WEIGHTS_PROVENANCE

@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data.stream import DataConfig, as_sources, check_int
+from .data.config import DataConfig, as_sources, check_int
 from .choices import (
     DEVICE_MAPS, MODEL_DTYPES, SIZE_UNITS, check_form_name, check_fp8_format, check_granularity, check_observer, check_verify_schemes, check_weights,
 )
@@ -31,6 +31,8 @@ from .files import check_model_dir
 from .verification.config import Thresholds
 from .settings import flat_settings
 
+# The short verify after calibration compares these beside the written scales (recipes may name others).
+SHORT_VERIFY_SCHEMES = ("token", "int8_per_token_head")
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)")
 _MAX_MEMORY_EXAMPLE = "e.g. --max-memory 0=70GiB,cpu=200GiB (devices 0, 1, cuda:0, cpu, disk)"
 # A run whose layers saw fewer tokens than this says so in its summary and in calibration.json.
@@ -163,7 +165,7 @@ class CalibrationConfig:
         scales: how statistics become scales.
         thresholds: the verdict limits of the short verify after calibration.
         verify: run that short verify of the written checkpoint.
-        verify_schemes: the schemes it compares besides scale 1.0; None: the written granularity and per-token.
+        verify_schemes: the schemes it compares besides scale 1.0; None: the written granularity and SHORT_VERIFY_SCHEMES.
         form: checkpoint form to write (EXPORT_FORMS); ``auto`` follows the source checkpoint.
         weights: ``None`` (weights untouched) or ``"fp8"``: also quantize the weights with llm-compressor's
             data-free FP8_DYNAMIC scheme (needs the ``llmcompressor`` extra).
@@ -260,8 +262,9 @@ class CalibrationConfig:
         return self
 
     def written_schemes(self) -> list[str]:
-        """What the short verify compares besides scale 1.0: the recipe's schemes, else the written granularity and per-token."""
-        written = self.verify_schemes or ["head" if self.scales.granularity == "head" else "tensor", "token"]
+        """What the short verify compares besides scale 1.0: the recipe's schemes, else the written granularity and
+        SHORT_VERIFY_SCHEMES (vLLM's per-token-head modes, FP8 and int8, at the same bytes per token)."""
+        written = self.verify_schemes or ["head" if self.scales.granularity == "head" else "tensor", *SHORT_VERIFY_SCHEMES]
         return list(dict.fromkeys(["scale1", *written]))
 
     def mapped(self) -> bool:

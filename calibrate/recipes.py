@@ -26,7 +26,7 @@ from .config import CalibrationConfig, ScaleConfig
 from .verification.config import Thresholds
 from .choices import check_form_name
 from .choices import check_verify_schemes, check_weights
-from .data.stream import DataConfig
+from .data.config import DataConfig
 
 DEFAULT_RECIPE = "default"
 # Where shipped recipes are found: a source checkout first, then the installed package's data.
@@ -55,7 +55,7 @@ SCHEMA: dict = {
     "scales": _section(ScaleConfig),
     "skip_layers": "list[str|int]",  # for vLLM's --kv-cache-dtype-skip-layers: "sliding_window" or layer indices
     "export": {"form": "str", "weights": "str?"},  # weights: null (untouched) or fp8 (needs llm-compressor)
-    "verify": {"enabled": "bool", "schemes": "list[str]", "thresholds": _section(Thresholds)},
+    "verify": {"enabled": "bool", "schemes": "list[str]?", "thresholds": _section(Thresholds)},  # null: config's default
 }
 
 _TYPE_CHECKS = {
@@ -66,6 +66,7 @@ _TYPE_CHECKS = {
     "float?": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)),
     "bool": lambda v: isinstance(v, bool),
     "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "list[str]?": lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
     "list[str|int]": lambda v: isinstance(v, list) and all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v),
 }
 
@@ -173,7 +174,7 @@ def _check_values(where: str, recipe: dict) -> None:
     check("verify.thresholds", Thresholds(**verify.get("thresholds", {})).validate)
     check("export.form", lambda: check_form_name(export.get("form", "auto")))
     check("export.weights", lambda: check_weights(export.get("weights")))
-    check("verify.schemes", lambda: check_verify_schemes(verify.get("schemes", [])))
+    check("verify.schemes", lambda: check_verify_schemes(verify.get("schemes") or []))
     for item in recipe.get("skip_layers", []):
         if item != "sliding_window" and not (isinstance(item, int) and item >= 0):
             raise ValueError(f"{where}: skip_layers holds {item!r}; use 'sliding_window' or layer indices ≥ 0")

@@ -134,7 +134,8 @@ def prepare_setting(args: argparse.Namespace, python: str, model_dir: Path, fold
     import torch
     from safetensors.torch import save_file
 
-    from calibrate.data.stream import DataConfig, iter_sequences
+    from calibrate.data.config import DataConfig
+    from calibrate.data.stream import iter_sequences
     from calibrate.demo import kjv_path
     from calibrate.model.load import load_tokenizer
 

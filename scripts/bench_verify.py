@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from calibrate.api import load_calibration
-from calibrate.data.stream import DataConfig, iter_sequences
+from calibrate.data.config import DataConfig
+from calibrate.data.stream import iter_sequences
 from calibrate.demo import kjv_path, smollm2_dir
 from calibrate.checkpoint.write import weight_files
 from calibrate.fp8 import get_format

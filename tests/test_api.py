@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 import calibrate.api as api
 from calibrate.api import CalibrationResult, load_calibration, scale_report, signature_from_config
 from calibrate.config import CalibrationConfig
-from calibrate.data.stream import DataConfig
+from calibrate.data.config import DataConfig
 from calibrate.checkpoint.write import scales_file
 from calibrate.fp8 import FORMATS, quantize, quantize_dequantize
 from calibrate.model.layers import AttentionLayer, attention_layers, signature

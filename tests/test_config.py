@@ -13,7 +13,7 @@ from calibrate.verification.config import Thresholds
 from calibrate.settings import flat_settings, route_options
 from calibrate.choices import check_form_name
 from calibrate.choices import check_verify_schemes, WEIGHT_SCHEMES
-from calibrate.data.stream import DataConfig
+from calibrate.data.config import DataConfig
 from calibrate.verification.config import VerifyConfig
 
 
@@ -172,3 +172,17 @@ def test_the_headroom_limit_is_where_the_largest_value_seen_would_become_subnorm
     from calibrate.fp8 import FORMATS
 
     assert MAX_HEADROOM == min(f.max / f.min_normal for f in FORMATS.values()) == 448 * 2**6
+
+
+def test_the_short_verify_compares_the_same_schemes_from_python_and_from_the_default_recipe(tmp_path, text_file):
+    """``run_calibration(CalibrationConfig(...))`` and ``calibrate()``/the CLI (the default recipe) verify alike."""
+    from calibrate.recipes import calibration_config
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    plain = CalibrationConfig(model=str(model), out=str(tmp_path / "out"), data=[str(text_file)])
+    recipe = calibration_config(recipe=None, model=str(model), out=str(tmp_path / "out"), data=[str(text_file)])
+    assert plain.written_schemes() == recipe.written_schemes() == ["scale1", "tensor", "token", "int8_per_token_head"]
+    per_head = calibration_config(recipe=None, model=str(model), out=str(tmp_path / "o"), data=[str(text_file)], granularity="head")
+    assert per_head.written_schemes() == ["scale1", "head", "token", "int8_per_token_head"]

@@ -21,7 +21,8 @@ from calibrate import api, recipes
 from calibrate.cli import main
 from calibrate.config import CalibrationConfig, ScaleConfig
 from calibrate.verification.config import Thresholds
-from calibrate.data.stream import DataConfig, iter_sequences
+from calibrate.data.config import DataConfig
+from calibrate.data.stream import iter_sequences
 from calibrate.checkpoint.write import scales_file
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -275,7 +276,9 @@ def test_default_recipe_states_the_configuration_defaults():
     parts = recipes.config_parts(recipes.load_recipe("default"))
     assert parts["data"] == DataConfig(sources=[]) and parts["scales"] == ScaleConfig() and parts["thresholds"] == Thresholds()
     own = {f.name: f.default for f in dataclasses.fields(CalibrationConfig)}
-    assert {k: parts[k] for k in ("form", "weights", "verify")} == {k: own[k] for k in ("form", "weights", "verify")}
+    run_fields = set(parts) - {"data", "scales", "thresholds"}
+    assert run_fields == set(recipes.RUN_FIELDS.values())  # every run field the recipe can hold, compared whole
+    assert {k: parts[k] for k in run_fields} == {k: own[k] for k in run_fields}
 
 
 def test_python_api_resolves_like_the_cli(tmp_path, smol_tokenizer, text_file, monkeypatch):

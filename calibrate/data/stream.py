@@ -33,139 +33,19 @@ With ``pack=False`` each record is its own sequence. A record that does not fit 
 is split into several (``long_records="split"``) or refused (``"error"``).
 """
 
-import codecs
-import glob
-import json
-import os
 import random
-import re
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..files import file_sha256
-from ..choices import LONG_RECORDS
-from ..hub import HUB_TIMEOUT_S
+from .config import DataConfig
+from .sources import Part, Source, files_of, hub_revision, part_label, pick_column, read_rows, resolve_sources
 
 if TYPE_CHECKING:
     import torch
-    import datasets
     from transformers import PreTrainedTokenizerBase
-
-# File suffix → the `datasets` builder that reads it.
-BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-TEXT_BUILDERS = ("text", "json", "csv")  # builders that decode bytes as UTF-8
-KIND_COLUMNS = ("input_ids", "messages", "text")  # auto-detected columns, in order of preference
-SHUFFLE_BUFFER = 1000  # records held by the streaming shuffle: bounds memory, limits how far records move
-_HUB_NAME = re.compile(r"^(?P<name>[\w.-]+(?:/[\w.-]+)?)(?::(?P<config>[\w.-]+))?(?:@(?P<split>[\w.-]+))?$")
-_TRUE = ("1", "ON", "YES", "TRUE")
-
-
-def as_sources(data: str | Path | list | None) -> list[str]:
-    """``--data`` as given (one source, a list of them, or none) → a list of source strings."""
-    return [str(data)] if isinstance(data, (str, Path)) else [str(s) for s in data or []]
-
-
-def check_int(name: str, value: object, low: int) -> None:
-    """The one rule for a count setting: a whole number ≥ ``low``; the error names the setting and its flag."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        rule = "a positive integer" if low == 1 else f"an integer ≥ {low}"
-        raise ValueError(f"--{name.replace('_', '-')} must be {rule}, got {value!r}")
-
-
-@dataclass
-class DataConfig:
-    """What to read and how to cut it into sequences (a recipe's ``data:`` section).
-
-    Attributes:
-        sources: files, globs, directories or hub names, each optionally ``::WEIGHT`` (module docstring).
-        seq_len: tokens per sequence (the last one of a source, and of the run, may be shorter).
-        max_tokens: token budget of the whole run, BOS and EOS included.
-        chunk_len: a sequence longer than this runs through the model as chunked prefill through a KV cache.
-        text_field: column holding plain text; None = auto-detect ``input_ids``, ``messages``, ``text``.
-        pack: join documents into full ``seq_len`` sequences; False = one record per sequence.
-        seed: seed of the record shuffle (and of the order in which a source's files are read).
-        long_records: ``"split"`` a record longer than one sequence, or refuse it with ``"error"``.
-    """
-
-    sources: list[str]
-    seq_len: int = 2048
-    max_tokens: int = 500_000
-    chunk_len: int = 2048
-    text_field: str | None = None
-    pack: bool = True
-    seed: int = 0
-    long_records: str = "split"
-
-    def check_values(self) -> "DataConfig":
-        """Every setting but the sources (a recipe's ``data:`` section is checked this way); returns self."""
-        check_int("seq_len", self.seq_len, 2)
-        check_int("max_tokens", self.max_tokens, 1)
-        check_int("chunk_len", self.chunk_len, 1)
-        if self.long_records not in LONG_RECORDS:
-            raise ValueError(f"long_records must be one of {', '.join(LONG_RECORDS)}, got {self.long_records!r}")
-        if self.text_field is not None and (not isinstance(self.text_field, str) or not self.text_field):
-            raise ValueError(f"text_field must be a column name or None, got {self.text_field!r}")
-        if not isinstance(self.pack, bool):
-            raise ValueError(f"pack must be True or False, got {self.pack!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        return self
-
-    def check_budget(self) -> None:
-        """A run's budget holds at least one packed sequence (the data layer itself cuts the last one to it)."""
-        if self.pack and self.max_tokens < self.seq_len:
-            raise ValueError(f"--max-tokens {self.max_tokens} is less than one sequence (--seq-len {self.seq_len}); raise it")
-
-    def validate(self, *, max_context: int | None = None) -> "DataConfig":
-        """Cheap checks (values, sources exist and are non-empty), to run before any model is loaded; returns self.
-
-        Args:
-            max_context: the model's context length in tokens, when known; ``seq_len`` must fit in it.
-
-        Raises:
-            ValueError: saying what is wrong and how to fix it.
-        """
-        self.check_values()
-        self.check_context(max_context)
-        _resolve_sources(self.sources)
-        return self
-
-    def check_context(self, max_context: int | None) -> None:
-        """``seq_len`` fits in the model's context (in tokens; None: unknown, anything fits)."""
-        if max_context is not None and self.seq_len > max_context:
-            raise ValueError(
-                f"--seq-len {self.seq_len} is longer than the model's context of {max_context} tokens; "
-                f"lower it to at most {max_context}"
-            )
-
-
-@dataclass
-class _Part:
-    """One stream of records: a data file, a save_to_disk directory or a hub dataset."""
-
-    builder: str  # a BUILDERS value, "disk" or "hub"
-    path: str  # file or directory path, or hub dataset name
-    config: str | None = None  # hub config
-    split: str | None = None  # DatasetDict / hub split
-    revision: str | None = None  # hub commit, looked up when the stream is prepared
-    column: str | None = None  # the column records are read from, found when the stream is prepared
-
-
-@dataclass
-class _Source:
-    """One ``--data`` entry and what has been read from it so far."""
-
-    spec: str  # as given, without the weight
-    weight: float | None  # normalised; None when sources take turns
-    parts: list[_Part]
-    kind: str = ""  # one of KIND_COLUMNS
-    records_read: int = 0
-    records_empty: int = 0
-    sequences: int = 0
-    tokens: int = 0
 
 
 def iter_sequences(
@@ -185,17 +65,17 @@ def iter_sequences(
         A re-iterable stream of 1-D int64 token sequences, with a ``manifest()``.
     """
     config.validate(max_context=max_context)
-    sources = _resolve_sources(config.sources)
+    sources = resolve_sources(config.sources)
     for source in sources:
         kinds = {}
         for part in source.parts:
             if part.builder == "hub":
-                part.revision = _hub_revision(part)
-            first = next(_rows(part), None)
+                part.revision = hub_revision(part)
+            first = next(read_rows(part), None)
             if first is None:
-                raise ValueError(f"{_label(part)} holds no records; remove it from --data")
-            part.column = _pick_column(part, list(first), config.text_field)
-            kinds["text" if part.column not in ("input_ids", "messages") else part.column] = _label(part)
+                raise ValueError(f"{part_label(part)} holds no records; remove it from --data")
+            part.column = pick_column(part, list(first), config.text_field)
+            kinds["text" if part.column not in ("input_ids", "messages") else part.column] = part_label(part)
         if len(kinds) > 1:
             raise ValueError(
                 f"source {source.spec} mixes record kinds: "
@@ -219,7 +99,7 @@ class SequenceStream:
     Iterating again starts over and yields the same sequences (the shuffle is seeded).
     """
 
-    def __init__(self, config: DataConfig, sources: list[_Source], tokenizer: "PreTrainedTokenizerBase"):
+    def __init__(self, config: DataConfig, sources: list[Source], tokenizer: "PreTrainedTokenizerBase"):
         self.config = config
         self.tokenizer = tokenizer
         self.tokens_yielded = 0
@@ -321,7 +201,7 @@ class SequenceStream:
                     {"path": str(f), "bytes": f.stat().st_size, "sha256": self._hash(f)}
                     for part in source.parts
                     if part.builder != "hub"
-                    for f in _files_of(part)
+                    for f in files_of(part)
                 ],
                 "revision": next((part.revision for part in source.parts if part.builder == "hub"), None),
             }
@@ -334,7 +214,7 @@ class SequenceStream:
             self._sha256[path] = file_sha256(path)
         return self._sha256[path]
 
-    def _sequences(self, source: _Source) -> Iterator[list[int]]:
+    def _sequences(self, source: Source) -> Iterator[list[int]]:
         """A source's sequences: packed, one per record, or ids cut at seq_len."""
         seq_len = self.config.seq_len
         if source.kind == "input_ids":
@@ -354,11 +234,11 @@ class SequenceStream:
             if buffer:
                 yield self._prefix + buffer
 
-    def _documents(self, source: _Source) -> Iterator[list[int]]:
+    def _documents(self, source: Source) -> Iterator[list[int]]:
         """A source's non-empty records as token ids, files in seeded order, records through a seeded shuffle."""
         seed = self.config.seed
         for part in random.Random(seed).sample(source.parts, len(source.parts)):
-            for row in _rows(part, shuffle_seed=seed):
+            for row in read_rows(part, shuffle_seed=seed):
                 source.records_read += 1
                 ids = self._encode(row[part.column], source.kind, part)
                 if not ids:
@@ -367,19 +247,19 @@ class SequenceStream:
                 extra = 0 if source.kind == "input_ids" else len(self._prefix)
                 if self.config.long_records == "error" and len(ids) + extra > self.config.seq_len:
                     raise ValueError(
-                        f"{_label(part)}: a record of {len(ids) + extra} tokens does not fit in "
+                        f"{part_label(part)}: a record of {len(ids) + extra} tokens does not fit in "
                         f"seq_len={self.config.seq_len}; raise seq_len or pass long_records='split'"
                     )
                 yield ids
 
-    def _encode(self, value: object, kind: str, part: _Part) -> list[int]:
+    def _encode(self, value: object, kind: str, part: Part) -> list[int]:
         """One record → token ids, without special tokens except those the data itself holds."""
         if kind == "input_ids":
             if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
-                raise ValueError(f"{_label(part)}: 'input_ids' must be lists of integers, got {_short(value)}")
+                raise ValueError(f"{part_label(part)}: 'input_ids' must be lists of integers, got {_short(value)}")
             if value and (min(value) < 0 or max(value) >= self._vocab_size):
                 raise ValueError(
-                    f"{_label(part)}: token ids outside [0, {self._vocab_size}) of this "
+                    f"{part_label(part)}: token ids outside [0, {self._vocab_size}) of this "
                     "tokenizer; were they made with another model's tokenizer?"
                 )
             return value
@@ -389,12 +269,12 @@ class SequenceStream:
             try:
                 text = self.tokenizer.apply_chat_template(value, tokenize=False)
             except Exception as e:  # jinja errors, malformed messages: name the file, keep the template's words
-                raise ValueError(f"{_label(part)}: chat template failed on {_short(value)}: {e}") from e
+                raise ValueError(f"{part_label(part)}: chat template failed on {_short(value)}: {e}") from e
         elif value is None:
             return []
         elif not isinstance(value, str):
             raise ValueError(
-                f"{_label(part)}: column '{part.column}' should hold text, got {_short(value)}; "
+                f"{part_label(part)}: column '{part.column}' should hold text, got {_short(value)}; "
                 "pass text_field naming a text column"
             )
         else:
@@ -405,210 +285,9 @@ class SequenceStream:
         return ids
 
 
-def local_paths(specs: list[str]) -> list[Path]:
-    """The local files and directories ``--data`` reads (a hub dataset has none): inputs an output must not hold."""
-    return [Path(part.path) for source in _resolve_sources(specs) for part in source.parts if part.builder != "hub"]
-
-
-def _resolve_sources(specs: list[str]) -> list[_Source]:
-    """``--data`` entries → sources with their parts, checking only what needs no reading of data."""
-    if isinstance(specs, str) or not specs:
-        raise ValueError("no calibration data: pass at least one --data FILE, DIR, GLOB or hub dataset name")
-    sources = []
-    for text in specs:
-        spec, sep, weight_text = text.rpartition("::")
-        if not sep:
-            spec, weight = text, None
-        else:
-            try:
-                weight = float(weight_text)
-            except ValueError:
-                weight = -1.0
-            if not 0 < weight < float("inf"):
-                raise ValueError(f"weight in {text!r} must be a positive number, as in data.jsonl::0.3")
-        sources.append(_Source(spec=spec, weight=weight, parts=_parts(spec)))
-    weights = [s.weight for s in sources]
-    if None in weights and any(w is not None for w in weights):
-        raise ValueError("give every --data source a ::WEIGHT, or none (then they take turns): " + ", ".join(specs))
-    if weights[0] is not None:
-        for source in sources:
-            source.weight /= sum(weights)
-    return sources
-
-
-def _parts(spec: str) -> list[_Part]:
-    """The files, save_to_disk directory or hub dataset a source spec names."""
-    path = Path(spec).expanduser()
-    head, _, split = spec.rpartition("@")
-    hub = _HUB_NAME.match(spec)
-    if any(c in spec for c in "*?[") and not path.exists():  # a file named x[1].jsonl is that file, not a glob
-        files = [Path(f) for f in sorted(glob.glob(os.path.expanduser(spec), recursive=True))]
-        files = [f for f in files if f.is_file() and f.suffix.lower() in BUILDERS]
-        if not files:
-            raise ValueError(f"no {'/'.join(BUILDERS)} files match {spec}")
-    elif _is_saved_dataset(path):
-        return [_Part(builder="disk", path=str(path), split=_saved_split(path, None))]
-    elif head and _is_saved_dataset(Path(head).expanduser()):
-        path = Path(head).expanduser()
-        return [_Part(builder="disk", path=str(path), split=_saved_split(path, split))]
-    elif path.is_dir():
-        files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in BUILDERS)
-        if not files:
-            raise ValueError(
-                f"directory {spec} holds no {'/'.join(BUILDERS)} files; "
-                "point --data at the files or a ** glob for subdirectories"
-            )
-    elif path.is_file():
-        if path.suffix.lower() not in BUILDERS:
-            raise ValueError(f"{spec}: unsupported file type; convert it to one of {', '.join(BUILDERS)}")
-        files = [path]
-    elif path.suffix.lower() in BUILDERS or spec.startswith((".", "/", "~")) or not hub:
-        raise ValueError(f"{spec}: no such file or directory (and not a hub dataset name:config@split)")
-    elif _hub_offline():
-        raise ValueError(
-            f"{spec} is no local file or directory, and the Hugging Face Hub is off "
-            "(HF_HUB_OFFLINE is set): pass local files instead"
-        )
-    else:
-        return [_Part(builder="hub", path=hub["name"], config=hub["config"], split=hub["split"] or "train")]
-    for f in files:
-        try:
-            with f.open("rb") as handle:
-                empty = not handle.read(1)
-        except OSError as e:
-            raise ValueError(f"cannot read {f}: {e.strerror}; fix its permissions or remove it from --data") from e
-        if empty:
-            raise ValueError(f"{f} is empty; remove it from --data")
-    return [_Part(builder=BUILDERS[f.suffix.lower()], path=str(f)) for f in files]
-
-
-def _pick_column(part: _Part, columns: list[str], text_field: str | None) -> str:
-    """The column records of ``part`` are read from: text_field, else the first of KIND_COLUMNS present."""
-    if part.builder == "text":
-        return "text"
-    wanted = [text_field] if text_field else KIND_COLUMNS
-    for name in wanted:
-        if name in columns:
-            return name
-    raise ValueError(
-        f"{_label(part)} has no {' / '.join(repr(w) for w in wanted)} column; its columns are "
-        f"{', '.join(columns)}: pass text_field naming the text column"
-    )
-
-
-def _open(part: _Part) -> "datasets.IterableDataset":
-    """A streaming ``datasets.IterableDataset`` over the records of one part."""
-    import datasets  # here, not at the top: importing datasets takes seconds that `kvcal --help` should not
-
-    if part.builder == "hub":
-        return datasets.load_dataset(part.path, part.config, split=part.split, revision=part.revision, streaming=True)
-    if part.builder == "disk":
-        dataset = datasets.load_from_disk(part.path)
-        return (dataset[part.split] if part.split else dataset).to_iterable_dataset()
-    options = {"sample_by": "paragraph"} if part.builder == "text" else {}
-    # load_dataset pings the hub to count downloads even of local files; without a network the DNS lookup
-    # alone can stall for seconds, once per file.
-    counting = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
-    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
-    try:
-        # data_files are patterns to datasets: escaped, x[1].jsonl is that file, not x1.jsonl.
-        return datasets.load_dataset(part.builder, data_files=[glob.escape(part.path)], split="train", streaming=True, **options)
-    finally:
-        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = counting
-
-
-def _rows(part: _Part, *, shuffle_seed: int | None = None) -> Iterator[dict]:
-    """The records of one part, shuffled in a bounded buffer when seeded; read errors name the file."""
-    try:
-        dataset = _open(part)
-        if shuffle_seed is not None:
-            # One input shard at a time: more would start reader threads, and datasets (5.x) then sleeps 5 s
-            # after a Parquet stream to let them end. The shard order is shuffled all the same.
-            dataset = dataset.shuffle(seed=shuffle_seed, buffer_size=SHUFFLE_BUFFER, max_buffer_input_shards=1)
-        yield from dataset
-    except Exception as e:  # any reader's error (pyarrow, pandas, json, network): say which file and why
-        offset = _first_invalid_utf8(Path(part.path)) if part.builder in TEXT_BUILDERS else None
-        if offset is not None:
-            raise ValueError(
-                f"{part.path} is not UTF-8 text (first invalid byte at offset {offset}); "
-                f"convert it, e.g. iconv -f latin1 -t utf-8"
-            ) from e
-        raise ValueError(f"cannot read {_label(part)}: {type(e).__name__}: {e}") from e
-
-
-def _hub_offline() -> bool:
-    """Whether the hub is switched off, read at call time (datasets reads the variable once, at import)."""
-    return any(os.environ.get(name, "").upper() in _TRUE for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-
-
-def _hub_revision(part: _Part) -> str | None:
-    """The commit of a hub dataset, one short request that also fails fast without a network."""
-    from huggingface_hub import HfApi
-    from huggingface_hub.errors import RepositoryNotFoundError
-
-    try:
-        return HfApi().dataset_info(part.path, timeout=HUB_TIMEOUT_S).sha
-    except RepositoryNotFoundError as e:
-        raise ValueError(f"{part.path}: no such local file or directory, and no such dataset on the hub") from e
-    except Exception as e:  # DNS, proxy, timeout, offline mode: all mean the same to the user
-        raise ValueError(
-            f"cannot reach the Hugging Face Hub for {part.path} ({type(e).__name__}): "
-            "no network? pass local files instead"
-        ) from e
-
-
-def _is_saved_dataset(path: Path) -> bool:
-    """Whether ``path`` was written by ``Dataset.save_to_disk`` or ``DatasetDict.save_to_disk``."""
-    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
-
-
-def _saved_split(path: Path, split: str | None) -> str | None:
-    """The split to read from a save_to_disk directory: checked against the splits a DatasetDict lists."""
-    if not (path / "dataset_dict.json").is_file():
-        if split is not None:
-            raise ValueError(f"{path} holds a single dataset, not splits; drop @{split}")
-        return None
-    splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
-    if split is None and len(splits) == 1:
-        return splits[0]
-    if split not in splits:
-        raise ValueError(f"{path} holds splits {', '.join(splits)}; pick one as {path}@SPLIT")
-    return split
-
-
-def _files_of(part: _Part) -> list[Path]:
-    """The files whose bytes identify a local part."""
-    path = Path(part.path)
-    return sorted(f for f in path.rglob("*") if f.is_file()) if path.is_dir() else [path]
-
-
-def _first_invalid_utf8(path: Path) -> int | None:
-    """Byte offset of the first byte that is not valid UTF-8, or None when the file decodes."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
-    with path.open("rb") as f:
-        while True:
-            chunk = f.read(1 << 20)
-            pending = len(decoder.getstate()[0])  # bytes of an unfinished character from the last chunk
-            try:
-                decoder.decode(chunk, final=not chunk)
-            except UnicodeDecodeError as e:
-                return offset - pending + e.start
-            if not chunk:
-                return None
-            offset += len(chunk)
-
-
 def _chunks(ids: list[int], size: int) -> Iterator[list[int]]:
     """``ids`` cut into pieces of ``size`` tokens (the last may be shorter)."""
     return (ids[i : i + size] for i in range(0, len(ids), size))
-
-
-def _label(part: _Part) -> str:
-    """How errors and the manifest name a part."""
-    if part.builder == "hub":
-        return f"hub dataset {part.path}" + (f":{part.config}" if part.config else "") + f"@{part.split}"
-    return part.path + (f"@{part.split}" if part.split else "")
 
 
 def _short(value: object) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, replace
 
 from ..choices import SIZE_UNITS
-from ..data.stream import check_int
+from ..data.config import check_int
 
 # Nominal memory of one GPU, GB = 10**9 bytes: the vendors' sales figures. The total vLLM takes its utilization of
 # (torch.cuda.mem_get_info) can differ; pass that size instead for a tight estimate.

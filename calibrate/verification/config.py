@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from ..choices import CACHE_DTYPES, DEFAULT_VERIFY_SCHEMES, VERIFY_SCHEMES, check_fp8_format
-from ..data.stream import DataConfig, as_sources, check_int
+from ..data.config import DataConfig, as_sources, check_int
 from ..settings import flat_settings, route_options
 from .capacity import parse_memory
 

@@ -11,7 +11,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..capture.hooks import AttentionHook, prefill_chunks
-from ..data.stream import DataConfig, iter_sequences
+from ..data.config import DataConfig
+from ..data.stream import iter_sequences
 
 NEEDLE = "The secret code is {code}."
 NEEDLE_QUESTION = "What is the secret code? The secret code is"

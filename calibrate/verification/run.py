@@ -23,7 +23,8 @@ import torch
 from . import fa3, report
 from .config import Thresholds
 from .capacity import LayerKV, per_token, plan
-from ..data.stream import DataConfig, iter_sequences
+from ..data.config import DataConfig
+from ..data.stream import iter_sequences
 from ..checkpoint.write import tensor_bytes, weight_files
 from ..fp8 import get_format
 from .kvdtypes import DTYPES

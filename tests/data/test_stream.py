@@ -14,7 +14,8 @@ import datasets
 import pandas as pd
 import pytest
 
-from calibrate.data.stream import DataConfig, iter_sequences
+from calibrate.data.config import DataConfig
+from calibrate.data.stream import iter_sequences
 
 
 TEXTS = [

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from calibrate.capture.hooks import run_capture
-from calibrate.data.stream import DataConfig, iter_sequences
+from calibrate.data.config import DataConfig
+from calibrate.data.stream import iter_sequences
 from calibrate.fp8 import FORMATS
 from calibrate.model.layers import attention_layers, signature
 from calibrate.model.load import load_model

@@ -222,7 +222,8 @@ def test_an_mla_config_with_an_unexpected_latent_layout_is_refused(kjv_path, tmp
 
 
 def test_the_deepseek_recipe_fits_mla_models_and_compares_with_vllm_s_scale_one(smol_tokenizer, kjv_path, tmp_path):
-    from calibrate import calibrate, recipes
+    from calibrate import calibrate
+    from calibrate import recipes
 
     config = FAMILIES["kimi_k2"]()
     config.vocab_size = len(smol_tokenizer)

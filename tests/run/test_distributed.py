@@ -15,7 +15,8 @@ from conftest import save_tiny_checkpoint
 from references import TORCHRUN, free_port
 from calibrate import calibrate
 from calibrate.api import load_calibration
-from calibrate.data.stream import DataConfig, iter_sequences
+from calibrate.data.config import DataConfig
+from calibrate.data.stream import iter_sequences
 
 OPTIONS = ["--seq-len", "64", "--quiet", "--no-verify", "--dist-timeout", "30"]
 

@@ -10,7 +10,8 @@ from references import QUIET, ref_attention, ref_qdq, save_planted
 
 from calibrate import api, cli
 from calibrate.capture.hooks import hooked_attention
-from calibrate.data.stream import DataConfig, iter_sequences
+from calibrate.data.config import DataConfig
+from calibrate.data.stream import iter_sequences
 from calibrate.layout import KVCAL_DIR
 from calibrate.fp8 import FORMATS
 from calibrate.model.load import load_model

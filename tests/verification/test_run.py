@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from references import QUIET, ref_attention, ref_qdq, save_planted
 from calibrate import api, cli
 from calibrate.capture.hooks import hooked_attention
-from calibrate.data.stream import DataConfig, iter_sequences
+from calibrate.data.config import DataConfig
+from calibrate.data.stream import iter_sequences
 from calibrate.loaders import INDEX_FILE
 from calibrate.verification.config import Thresholds
 from calibrate.checkpoint.write import scales_file, shard_name
