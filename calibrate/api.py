@@ -35,6 +35,7 @@ from .verification.report import SERVE_NOTES, kvcal_version, scale_table, serve_
 from .model.layers import ModelSignature
 from .capture.stats import Stats
 from .layout import STATS_FILE, provenance_path, sibling, stats_path, verify_dir
+from .loaders import text_part
 
 # The model, data, capture and verify modules import transformers and datasets (seconds): calibrate imports
 # them when it runs, so that export and inspect, which need none of them, start fast.
@@ -486,12 +487,12 @@ def load_calibration(source: str | Path) -> tuple[Stats, dict]:
 
 def signature_from_config(config: dict, layers: list[int]) -> ModelSignature:
     """The signature a checkpoint's config.json implies, for checking statistics against it."""
-    return signature_of(config.get("text_config", config), layers)
+    return signature_of(text_part(config), layers)
 
 
 def _layer_count(config: dict) -> int | None:
     """``num_hidden_layers`` of a config.json (of its text model, for a multimodal one)."""
-    return config.get("text_config", config).get("num_hidden_layers")
+    return text_part(config).get("num_hidden_layers")
 
 
 def export(

@@ -131,7 +131,7 @@ def transformers_files(directory: Path) -> list[Path]:
 
 def quant_config(directory: Path, config: dict) -> dict | None:
     """The quantization config vLLM uses: config.json's (or its text model's), else hf_quant_config.json (ModelOpt)."""
-    quant = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+    quant = config.get("quantization_config") or text_part(config).get("quantization_config")
     if quant is not None and not isinstance(quant, dict):
         raise ValueError(f"{directory}/config.json has a quantization_config that is a {type(quant).__name__} ({quant!r}), "
                          "not an object; restore it from the original checkpoint, or remove it if the weights are not quantized")
@@ -242,6 +242,20 @@ IGNORES_CHECKPOINT_SCALES = {
 }
 
 
+# Words in module names of what is not decoder attention: vision and audio towers, multi-token-prediction heads.
+_NOT_DECODER = ("vision", "visual", "audio", "mtp.")
+
+
+def text_part(config: dict) -> dict:
+    """The decoder's settings in a config.json: its ``text_config`` for a multimodal model, else the config itself."""
+    return config.get("text_config") or config
+
+
+def is_decoder_module(name: str) -> bool:
+    """Whether a module (or tensor) name belongs to the decoder: vision and audio towers and MTP heads do not."""
+    return not any(word in name for word in _NOT_DECODER)
+
+
 def mla_dims(cfg: dict) -> tuple[int, int] | None:
     """(kv_lora_rank, qk_rope_head_dim) of a multi-head latent attention model (DeepSeek-V2/V3, Kimi-K2), else None.
 
@@ -249,7 +263,7 @@ def mla_dims(cfg: dict) -> tuple[int, int] | None:
     one "head" per token for these: the normalised latent kv_c_normed (kv_lora_rank wide) followed by the RoPE'd key
     part k_pe (qk_rope_head_dim wide), both under the one k scale (docs/vllm-notes.md, "MLA").
     """
-    cfg = cfg.get("text_config", cfg)
+    cfg = text_part(cfg)
     rank, rope = cfg.get("kv_lora_rank"), cfg.get("qk_rope_head_dim")
     if rank is None:
         return None
@@ -294,7 +308,7 @@ def ignored_scales(config: dict) -> tuple[str, str] | None:
 
 def model_types(config: dict) -> list[str]:
     """The model types of a config.json: the text model's, then (multimodal checkpoints) the top-level one."""
-    types = [config.get("text_config", {}).get("model_type"), config.get("model_type")]
+    types = [text_part(config).get("model_type"), config.get("model_type")]
     return list(dict.fromkeys(t for t in types if t))
 
 
@@ -319,7 +333,6 @@ def check_export_form(directory: Path, wanted: str, granularity: str) -> None:
 
 # Attention modules of the decoder: "...layers.N.self_attn.<anything>"; towers and MTP heads are not.
 _ATTENTION = re.compile(r"^(?P<prefix>(?:[\w.]*\.)?layers\.(?P<idx>\d+)\.self_attn)\.")
-_NOT_DECODER = ("vision", "visual", "audio", "mtp.")
 
 
 def attention_prefixes(names: list[str]) -> dict[int, str]:
@@ -327,7 +340,7 @@ def attention_prefixes(names: list[str]) -> dict[int, str]:
     found: dict[int, str] = {}
     for name in names:
         m = _ATTENTION.match(name)
-        if m and not any(word in m["prefix"] for word in _NOT_DECODER):
+        if m and is_decoder_module(m["prefix"]):
             found.setdefault(int(m["idx"]), m["prefix"])
     return dict(sorted(found.items()))
 

@@ -24,6 +24,7 @@ from ..loaders import (
 from ..capture.stats import KINDS
 from ..fp8 import FORMATS
 from ..layout import is_kvcal_output
+from ..loaders import text_part
 
 # The attention's own K/V scale parameters, which transformers creates when it applies a kv_cache_scheme.
 _ATTENTION_KV_NAMES = (WRITE_NAMES["compressed-tensors"]["k"], WRITE_NAMES["compressed-tensors"]["v"])
@@ -160,7 +161,7 @@ def _producer(directory: Path, quant: dict | None) -> str:
 
 def _sliding_layers(config: dict) -> set[int]:
     """Indices of sliding-window layers, from config.json's layer_types (as vLLM's skip-layers option reads them)."""
-    text = config.get("text_config", config)
+    text = text_part(config)
     return {i for i, kind in enumerate(text.get("layer_types") or []) if kind == "sliding_attention"}
 
 
@@ -180,7 +181,7 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     if not (directory / "config.json").is_file():
         raise ValueError(f"{checkpoint} is not a checkpoint: it has no config.json; pass a Hugging Face model directory")
     config = read_json(directory / "config.json")
-    text = config.get("text_config", config)
+    text = text_part(config)
     model_type = text.get("model_type") or config.get("model_type", "unknown")
     problems: list[Problem] = []
     quant = quant_config(directory, config)

@@ -14,6 +14,7 @@ from pathlib import Path
 from ..choices import check_weights
 from .write import copy_other_files
 from ..files import apply_umask
+from ..loaders import text_part
 
 SCHEMES = {"fp8": "FP8_DYNAMIC"}  # --weights value → llm-compressor preset scheme
 PROVENANCE = {"fp8": "fp8 (llm-compressor FP8_DYNAMIC, data-free)"}
@@ -30,7 +31,7 @@ def check_available(model_dir: Path, scheme: str) -> None:
     """Cheap checks before any model is loaded: llm-compressor imports and the source is not quantized already."""
     check_weights(scheme)
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    quant = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
+    quant = config.get("quantization_config") or text_part(config).get("quantization_config")
     if quant is not None:
         raise ValueError(
             f"{model_dir} is already quantized ({quant.get('quant_method', 'unknown method')}); "

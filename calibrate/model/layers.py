@@ -6,6 +6,7 @@ from pathlib import Path
 from torch import nn
 
 from ..loaders import mla_dims
+from ..loaders import is_decoder_module, text_part
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
     layers = []
     for name, module in model.named_modules():
         if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int):
-            if "vision" in name or "audio" in name:
+            if not is_decoder_module(name):
                 continue
             if mla and not is_latent(module):
                 raise ValueError(
@@ -122,4 +123,4 @@ def signature(model: nn.Module, layers: list[AttentionLayer]) -> ModelSignature:
 
 def max_context(config: dict) -> int | None:
     """The longest sequence the model was built for, if its config.json (as ``read_config`` returns it) says."""
-    return config.get("text_config", config).get("max_position_embeddings")
+    return text_part(config).get("max_position_embeddings")

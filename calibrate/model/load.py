@@ -15,6 +15,7 @@ from ..loaders import KV_SCALE_PATTERN
 from ..files import read_json_object
 from ..files import check_model_dir
 from ..loaders import quant_config
+from ..loaders import text_part
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -53,7 +54,7 @@ def read_config(model_dir: str | Path) -> dict:
             f"{model_dir} holds a {', '.join(architectures)}, not a causal language model; "
             "kvcal calibrates decoder models that vLLM serves with a KV cache"
         )
-    text = config.get("text_config", config)
+    text = text_part(config)
     if text.get("model_type") in ENCODER_MODEL_TYPES:
         raise ValueError(
             f"{model_dir} is a {text['model_type']} model, an encoder that vLLM serves without a KV cache; "
@@ -285,7 +286,7 @@ def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
 def check_tokenizer_fits(model_dir: str | Path, config: dict, tokenizer) -> None:
     """Refuse a tokenizer with more tokens than the embedding has rows (``config`` as ``read_config`` returns it):
     its higher ids would index past the embedding halfway through a run."""
-    rows = config.get("text_config", config).get("vocab_size")
+    rows = text_part(config).get("vocab_size")
     if rows is not None and len(tokenizer) > rows:
         raise ValueError(
             f"the tokenizer of {model_dir} has {len(tokenizer)} tokens but the model's embedding has {rows} rows "
