@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random models of each family, and the packaged real model and text."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +113,25 @@ def data_file(tmp_path_factory):
         for _, line in zip(range(300), src):
             dst.write(json.dumps({"text": json.loads(line)["text"]}) + "\n")
     return path
+
+
+REPO = Path(__file__).resolve().parents[1]
+# The external clients, each in the virtualenv scripts/setup-vllm and scripts/setup-llmcompressor make.
+CLIENT_VENVS = {"vLLM": REPO / ".venv-vllm", "llm-compressor": REPO / ".venv-llmc"}
+
+
+def client_python(name: str) -> Path:
+    """The interpreter of client ``name``'s venv. Missing: the test skips, except under KVCAL_REQUIRE_CLIENTS=1
+    (scripts/test and CI, which have just built the venvs), where a missing client is a failure."""
+    python = CLIENT_VENVS[name] / "bin" / "python"
+    if not python.exists():
+        if os.environ.get("KVCAL_REQUIRE_CLIENTS"):
+            pytest.fail(f"{python} is missing: run scripts/test (it sets up every client venv)")
+        pytest.skip(f"{name} client venv not set up (scripts/test sets it up)")
+    return python
+
+
+@pytest.fixture
+def tiny_dir(tmp_path, smol_tokenizer):
+    """A tiny random Llama checkpoint with the SmolLM2 tokenizer, in tmp_path/tiny."""
+    return save_tiny_checkpoint(tmp_path / "tiny", "llama", smol_tokenizer)

@@ -10,14 +10,8 @@ import sys
 import time
 
 import pytest
-from conftest import save_tiny_checkpoint
 
 from calibrate.cli import build_parser, main
-
-
-@pytest.fixture
-def tiny_dir(tmp_path, smol_tokenizer):
-    return save_tiny_checkpoint(tmp_path / "tiny", "llama", smol_tokenizer)
 
 
 def test_calibrate_then_export_from_the_command_line(tiny_dir, text_file, tmp_path, capsys):

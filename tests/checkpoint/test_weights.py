@@ -23,11 +23,10 @@ from calibrate.checkpoint.write import check_index, scales_file
 from calibrate.files import file_mode
 from calibrate.checkpoint.weights import check_available
 
-from conftest import save_tiny_checkpoint
+from conftest import client_python, save_tiny_checkpoint
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-LLMC_PYTHON = REPO / ".venv-llmc" / "bin" / "python"
 OPTIONS = dict(seq_len=64, max_tokens=128, verify=False, progress=False)
 
 
@@ -37,10 +36,7 @@ def _header(path: Path) -> dict:
 
 
 def test_fp8_weights_and_kv_scales_in_one_checkpoint(tmp_path, smol_tokenizer, text_file):
-    if not LLMC_PYTHON.exists():
-        if os.environ.get("KVCAL_REQUIRE_CLIENTS"):
-            pytest.fail(f"{LLMC_PYTHON} is missing: run scripts/setup-llmcompressor")
-        pytest.skip("llm-compressor venv not set up (scripts/setup-llmcompressor)")
+    llmc_python = client_python("llm-compressor")
     model_dir = save_tiny_checkpoint(tmp_path / "tiny", "llama", smol_tokenizer)
     plain = calibrate(str(model_dir), [str(text_file)], str(tmp_path / "plain"), **OPTIONS)
 
@@ -51,7 +47,7 @@ def test_fp8_weights_and_kv_scales_in_one_checkpoint(tmp_path, smol_tokenizer, t
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
     env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run([str(LLMC_PYTHON), "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([str(llmc_python), "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert not list(tmp_path.glob(".fp8.kvcal-*")), "temporary directories left beside OUT"
 

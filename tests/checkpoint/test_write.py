@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-from conftest import save_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -17,11 +16,6 @@ from calibrate.checkpoint.write import check_index, scales_file, shard_name, wri
 
 def digest(directory) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir()) if p.is_file()}
-
-
-@pytest.fixture
-def tiny_dir(tmp_path, smol_tokenizer):
-    return save_tiny_checkpoint(tmp_path / "tiny", "llama", smol_tokenizer)
 
 
 def run(tiny_dir, text_file, out, **options):

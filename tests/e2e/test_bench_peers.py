@@ -7,17 +7,16 @@ must still equal kvcal's max scales to float32 rounding.
 """
 
 import math
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import client_python
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-LLMC_PYTHON = REPO / ".venv-llmc" / "bin" / "python"
 SETTINGS = ("short", "long")
 CONTENDERS = ("bare", "kvcal", "llmc-basic", "llmc-sequential")
 ROW = re.compile(r"^(\w+) +([\w-]+) +([\d.]+) +([\d.]+)x +([\d.]+) +(\d+)$", re.MULTILINE)
@@ -26,10 +25,7 @@ SCALES = re.compile(r"^(\w+): scales of ([\w-]+) \(static_minmax\) vs kvcal max:
 
 
 def test_every_contender_runs_and_the_scales_agree(smol_dir, kjv_path):
-    if not LLMC_PYTHON.exists():
-        if os.environ.get("KVCAL_REQUIRE_CLIENTS"):
-            pytest.fail(f"{LLMC_PYTHON} is missing: run scripts/setup-llmcompressor")
-        pytest.skip("llm-compressor venv not set up (scripts/setup-llmcompressor)")
+    llmc_python = client_python("llm-compressor")
     cmd = [sys.executable, str(REPO / "scripts" / "bench_peers.py"), "--rounds", "1", "--sequences", "2", "--seq-len", "64",
            "--long", "96", "--chunk-len", "32", "--llmc-observer", "static_minmax"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)

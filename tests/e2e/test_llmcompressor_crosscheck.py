@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import client_python
 import torch
 from safetensors.torch import save_file
 
@@ -26,16 +27,12 @@ from calibrate.capture.stats import Stats
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-LLMC_PYTHON = REPO / ".venv-llmc" / "bin" / "python"
 CLIENT = REPO / "tests" / "clients" / "llmc_kv_scales.py"
 
 
 @pytest.mark.parametrize("granularity, strategy", [("tensor", "tensor"), ("head", "attn_head")])
 def test_max_scales_equal_llmcompressor_static_minmax(smol_dir, kjv_path, tmp_path, granularity, strategy):
-    if not LLMC_PYTHON.exists():
-        if os.environ.get("KVCAL_REQUIRE_CLIENTS"):
-            pytest.fail(f"{LLMC_PYTHON} is missing: run scripts/setup-llmcompressor")
-        pytest.skip("llm-compressor client venv not set up (scripts/setup-llmcompressor)")
+    llmc_python = client_python("llm-compressor")
     model, tokenizer = load_model(smol_dir, device=torch.device("cpu"))  # float32, like the client
     sequences = list(iter_sequences(DataConfig(sources=[str(kjv_path)], seq_len=128, max_tokens=512), tokenizer))
     tokens = tmp_path / "tokens.safetensors"
@@ -43,7 +40,7 @@ def test_max_scales_equal_llmcompressor_static_minmax(smol_dir, kjv_path, tmp_pa
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
     out = tmp_path / "llmc.json"
-    cmd = [str(LLMC_PYTHON), str(CLIENT), str(smol_dir), str(tokens), str(out), "--observer", "static_minmax", "--strategy", strategy]
+    cmd = [str(llmc_python), str(CLIENT), str(smol_dir), str(tokens), str(out), "--observer", "static_minmax", "--strategy", strategy]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     theirs = {layer["index"]: layer for layer in json.loads(out.read_text())["layers"]}

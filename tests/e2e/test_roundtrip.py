@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import client_python
 from safetensors.torch import load_file, save_file
 
 from calibrate import apply, calibrate, export
@@ -27,22 +28,15 @@ from references import modelopt_fp8
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 CLIENTS = REPO / "tests" / "clients"
-PYTHONS = {
-    "transformers-main": REPO / ".venv" / "bin" / "python",
-    "transformers-llmc": REPO / ".venv-llmc" / "bin" / "python",
-    "vllm": REPO / ".venv-vllm" / "bin" / "python",
-}
 FORMS = ["kv-only", "per-head", "fp8-weights", "modelopt"]
 SEQ_LEN = 128
 
 
 def client(name: str) -> Path:
-    python = PYTHONS[name]
-    if not python.exists():
-        if os.environ.get("KVCAL_REQUIRE_CLIENTS"):
-            pytest.fail(f"{python} is missing: run scripts/test (it sets up every client venv)")
-        pytest.skip(f"{name} venv not set up")
-    return python
+    """The interpreter of a client: transformers in kvcal's own venv, or a client venv (conftest.client_python)."""
+    if name == "transformers-main":
+        return REPO / ".venv" / "bin" / "python"
+    return client_python({"transformers-llmc": "llm-compressor", "vllm": "vLLM"}[name])
 
 
 def run_client(name: str, script: str, *args, cwd: Path | None = None) -> None:

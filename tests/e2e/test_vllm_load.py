@@ -12,13 +12,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+from conftest import client_python
 import torch
 
 from calibrate import calibrate, export
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 PROBE = REPO / "tests" / "clients" / "vllm_read_scales.py"
 
 
@@ -31,13 +31,10 @@ def vllm_scales(checkpoint: Path, tmp_path: Path) -> dict[int, dict]:
 
 def vllm_load(checkpoint: Path, tmp_path: Path) -> dict:
     """Run the probe in the vLLM venv; its whole report (tests/clients/vllm_read_scales.py)."""
-    if not VLLM_PYTHON.exists():
-        if os.environ.get("KVCAL_REQUIRE_CLIENTS"):
-            pytest.fail(f"{VLLM_PYTHON} is missing: run scripts/setup-vllm")
-        pytest.skip("vLLM client venv not set up (scripts/setup-vllm)")
+    vllm_python = client_python("vLLM")
     out = tmp_path / f"{checkpoint.name}-vllm.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
-    proc = subprocess.run([str(VLLM_PYTHON), str(PROBE), str(checkpoint), str(out)], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([str(vllm_python), str(PROBE), str(checkpoint), str(out)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_tiny_checkpoint
 
 from references import TORCHRUN, free_port
 from calibrate import calibrate
@@ -19,11 +18,6 @@ from calibrate.data.config import DataConfig
 from calibrate.data.stream import iter_sequences
 
 OPTIONS = ["--seq-len", "64", "--quiet", "--no-verify", "--dist-timeout", "30"]
-
-
-@pytest.fixture
-def tiny_dir(tmp_path, smol_tokenizer):
-    return save_tiny_checkpoint(tmp_path / "tiny", "llama", smol_tokenizer)
 
 
 def rank_env(rank: int, world: int, port: int) -> dict:

@@ -12,7 +12,7 @@ from dataclasses import fields
 
 import pytest
 import torch
-from conftest import kjv_jsonl, save_tiny_checkpoint
+from conftest import kjv_jsonl
 from references import TORCHRUN, free_port
 
 from calibrate import CalibrationConfig, calibrate
@@ -23,11 +23,6 @@ from calibrate.run.resume import resume_dir
 from calibrate.capture.stats import Stats
 
 BASE = {"seq_len": 64, "max_tokens": 100_000, "progress": False, "verify": False}
-
-
-@pytest.fixture
-def tiny_dir(tmp_path, smol_tokenizer):
-    return save_tiny_checkpoint(tmp_path / "tiny", "llama", smol_tokenizer)
 
 
 def assert_same_stats(got: Stats, want: Stats) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import client_python
 import torch
 
 from calibrate import fp8
@@ -23,7 +24,6 @@ from calibrate.verification.kvdtypes import (
 from references import e4m3_round
 
 REPO = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])  # index == code of the magnitude
 F32 = np.float32
 
@@ -184,10 +184,7 @@ def test_sign_vector_is_fixed_and_balanced():
 @pytest.mark.slow
 def test_rotation_matches_vllm_bit_for_bit(tmp_path):
     """vLLM's _get_rht_signs and single_rht (its CPU butterfly) on the same inputs, run in the vLLM venv."""
-    if not VLLM_PYTHON.exists():
-        if os.environ.get("KVCAL_REQUIRE_CLIENTS"):
-            pytest.fail(f"{VLLM_PYTHON} is missing: run scripts/setup-vllm")
-        pytest.skip("vLLM client venv not set up (scripts/setup-vllm)")
+    vllm_python = client_python("vLLM")
     inputs = {d: torch.randn(2, 3, d, generator=torch.Generator().manual_seed(d)) for d in HEAD_DIMS}
     torch.save(inputs, tmp_path / "in.pt")
     script = textwrap.dedent(f"""
@@ -200,7 +197,7 @@ def test_rotation_matches_vllm_bit_for_bit(tmp_path):
         torch.save(out, {str(tmp_path / 'out.pt')!r})
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
-    proc = subprocess.run([str(VLLM_PYTHON), "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([str(vllm_python), "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     theirs = torch.load(tmp_path / "out.pt")
     for b, signs in theirs["signs"].items():
