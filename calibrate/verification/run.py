@@ -231,6 +231,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "reference": {"name": REFERENCE, "dtype": dtype, "device": str(device),
                       "note": f"the reference is the unquantized model in {dtype}, called {REFERENCE} as vLLM would serve it"},
         "fp8_format": fmt.name,
+        "backend": config.backend,
         "settings": config.settings(),
         "data": manifest,
         "sample": {"sequences": len(sequences), "seq_len": config.data.seq_len, "tokens": len(sequences) * config.data.seq_len},
