@@ -243,6 +243,10 @@ def test_cpu_writer_hand_cases():
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_gpu_writers_divide_and_round_to_nearest_even(backend):
+    """cuda follows vLLM's scaled_vec_conversion (csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh: fp32 x / scale,
+    __nv_cvt_float_to_fp8 with __NV_SATFINITE), triton its writer (vllm/v1/attention/ops/
+    triton_reshape_and_cache_flash.py:109-112, 120-126: x / k_scale, the store lowered to cvt.rn.satfinite); no CPU
+    function of vLLM runs them, so the reference is this nearest-even model (docs/kv-dtypes.md, Writers)."""
     values = tie_and_neighbour_values("e4m3fn") * np.float32(0.037)
     x = torch.from_numpy(values)
     y = (x / torch.tensor(0.037)).double().numpy()  # fp32 division, as scaled_vec_conversion and the Triton writer
