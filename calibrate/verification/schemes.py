@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..capture.hooks import latent_view
-from ..loaders import MLA_SCALES_IGNORED, loaded_multiplier, quant_config, quant_method
+from ..loaders import MLA_SCALES_IGNORED, Servable, loaded_multiplier, quant_config, quant_method, refusal
 from ..fp8 import E5M2, FP8Format, per_token_head_round_trip, per_token_scale, quantize_dequantize
 from .kvdtypes import DTYPES, CacheDtype
 from ..model.load import read_config
@@ -139,7 +139,8 @@ def build_schemes(
     ``files`` are the checkpoint's safetensors files as vLLM reads them (``export.weight_files``).
     """
     directory = Path(config.checkpoint)
-    method = quant_method(quant_config(directory, read_config(directory)))
+    quant = quant_config(directory, read_config(directory))
+    method = quant_method(quant)
     ckpt, granularity, notes = read_scales(files, layers, sig, method)
     ckpt = {k: v * loaded_multiplier(method, fmt.name) for k, v in ckpt.items()}
     if granularity is None:
@@ -219,6 +220,10 @@ def build_schemes(
                      "take an FP8 query")
     for scheme in schemes:
         scheme.backend = config.backend
+    # Measured all the same, but never recommended: what vLLM refuses to serve from this checkpoint.
+    servable = Servable(method, bool(quant and quant.get("kv_cache_scheme")), bool(sig.latent_dim), granularity)
+    held["not_servable"] = {s.name: why for s in schemes
+                            if (why := refusal(scheme_dtype(s), servable) or (s.source == "checkpoint" and refusal(s.granularity, servable)))}
     return schemes, skipped, held
 
 
