@@ -176,7 +176,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     choice = choose(results)
     if choice is None:
         lines.append("Every quantized scheme measured fails the thresholds: keep this model's KV cache in bf16.")
-        return lines, f"vllm serve {checkpoint} --kv-cache-dtype auto"
+        return lines, report.serve_command(checkpoint, "tensor", dtype="auto")
     r = usable[choice]
     lines.append(f"Recommended: {choice} ({SCHEME_NOTES.get(choice, r['source'])}): KL {r['kl']:.4g} nats/token, "
                  f"perplexity {r['ppl_change']:+.2%}, top-1 agreement {r['top1']:.2%}, verdict {r['verdict']}.")
