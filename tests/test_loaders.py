@@ -9,7 +9,7 @@ import torch
 from references import modelopt_fp8, save_llama
 
 from calibrate import apply, calibrate, inspect
-from calibrate.loaders import KV_SCALE_PATTERN, SCALE_SOURCES, WRITE_NAMES, loaded_multiplier
+from calibrate.loaders import KV_SCALE_PATTERN, SCALE_SOURCES, WRITE_NAMES, Servable, loaded_multiplier, refusal
 
 # vLLM 0.32 (docs/vllm-notes.md, "ROCm fnuz"): the base KV loader (fp8, ModelOpt, Quark, legacy) doubles loaded
 # scales on e4m3fnuz; the compressed-tensors loader never does; nothing is doubled on e4m3fn.
@@ -77,3 +77,22 @@ def test_verify_and_inspect_complete_a_missing_v_scale_alike(tmp_path, smol_toke
         assert layer.scales["v"].value == layer.scales["k"].value  # inspect: vLLM's copy
         assert scales["v"][row].tolist() == [layer.scales["k"].value[0]] * 2  # verify: the same, per KV head
     assert granularity == "tensor" and any("copies k_scale" in n for n in notes)
+
+
+@pytest.mark.parametrize("name, checkpoint, refused", [
+    ("fp8_e5m2", Servable("compressed-tensors", True, False), True),  # kvcal's own output: KV scales in the config
+    ("fp8_e5m2", Servable("compressed-tensors", False, False), False),  # weight-only compressed-tensors keeps e5m2
+    ("fp8_e5m2", Servable(None, False, False), False),  # no quantization config at all
+    *[("fp8_e5m2", Servable(m, False, False), True) for m in ("fp8", "modelopt", "quark")],
+    ("nvfp4", Servable(None, False, True), True),
+    ("nvfp4_4over6", Servable("compressed-tensors", True, True), True),
+    ("nvfp4", Servable("modelopt", False, False), False),
+    ("head", Servable("modelopt", False, False, "head"), True),
+    ("head", Servable("compressed-tensors", True, False, "head"), False),
+    ("fp8", Servable("fp8", False, True, "tensor"), False),
+    ("fp8_per_token_head", Servable("compressed-tensors", True, False, "tensor"), False),
+])
+def test_refusal_is_vllms_rule_for_the_checkpoint(name, checkpoint, refused):
+    why = refusal(name, checkpoint)
+    assert (why is not None) == refused
+    assert why is None or why.startswith("not servable from this checkpoint: vLLM refuses it with '")

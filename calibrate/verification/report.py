@@ -122,7 +122,8 @@ def verify_text(rep: dict) -> str:
     lines += [
         "",
         f"reference: unquantized model in {rep['reference']['dtype']} on {rep['reference']['device']}; "
-        f"{sample['sequences']} sequences of {sample['seq_len']} tokens; FP8 {rep['fp8_format']}",
+        f"{sample['sequences']} sequences of {sample['seq_len']} tokens; FP8 {rep['fp8_format']}, "
+        f"{rep.get('backend', 'cuda')} writer",
         thresholds_text(rep),
         *[f"skipped {name}: {why}" for name, why in rep["skipped"].items()],
         *rep["recommendation"],
@@ -147,7 +148,8 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
         f"# kvcal verify: `{rep['checkpoint']}`",
         "",
         f"Reference: the unquantized model in **{rep['reference']['dtype']}** on {rep['reference']['device']} "
-        f"(called {rep['reference']['name']}, as vLLM would serve it). FP8 format {rep['fp8_format']}. "
+        f"(called {rep['reference']['name']}, as vLLM would serve it). FP8 format {rep['fp8_format']}; "
+        f"the FP8 numbers stand for vLLM's **{rep.get('backend', 'cuda')}** KV-cache writer (docs/kv-dtypes.md, Writers). "
         f"Sample: {rep['sample']['sequences']} sequences of {rep['sample']['seq_len']} tokens "
         f"({rep['sample']['tokens']} tokens) from {', '.join(d['source'] for d in rep['data'])}. "
         f"Static schemes quantize {'K and V only (Triton/FlashInfer)' if th['kv_only'] else 'Q, K and V (FA3 on Hopper)'}.",

@@ -211,6 +211,9 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         if needle_result and r["mode"] != Mode.REFERENCE:
             r["needle_lost"] = needle_result["summary"][name]["lost"]
         r["verdict"], r["reasons"] = judge(r, limits)
+        r["servable"] = name not in held["not_servable"]
+        if not r["servable"]:
+            r["reasons"].append(held["not_servable"][name])
     choice = choose(results)
     skip_probe = None
     if choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
@@ -231,6 +234,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "reference": {"name": REFERENCE, "dtype": dtype, "device": str(device),
                       "note": f"the reference is the unquantized model in {dtype}, called {REFERENCE} as vLLM would serve it"},
         "fp8_format": fmt.name,
+        "backend": config.backend,
         "settings": config.settings(),
         "data": manifest,
         "sample": {"sequences": len(sequences), "seq_len": config.data.seq_len, "tokens": len(sequences) * config.data.seq_len},

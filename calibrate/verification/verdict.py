@@ -85,7 +85,7 @@ PREFERENCE = ["tensor", "max", "mse", "head", "token", "fp8_e5m2", "int8_per_tok
 def choose(results: dict[str, dict]) -> str | None:
     """The scheme to serve: best verdict first, then the most portable; None when every one fails."""
     rank = {"pass": 0, "warn": 1}
-    usable = {n: r for n, r in results.items() if r["mode"] != "reference" and r["verdict"] in rank}
+    usable = {n: r for n, r in results.items() if r["mode"] != "reference" and r["verdict"] in rank and r.get("servable", True)}
     if not usable:
         return None
     top = min(rank[r["verdict"]] for r in usable.values())
@@ -172,11 +172,11 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     for a, b in (("token", "tensor"), ("tensor", "scale1"), ("head", "tensor"), ("tensor", "max"), ("tensor", "mse")):
         if a in ranked and b in ranked:
             lines.append(versus(a, b))
-    usable = {n: r for n, r in ranked.items() if r["verdict"] != "fail"}
+    usable = {n: r for n, r in ranked.items() if r["verdict"] != "fail" and r.get("servable", True)}
     choice = choose(results)
     if choice is None:
         lines.append("Every quantized scheme measured fails the thresholds: keep this model's KV cache in bf16.")
-        return lines, f"vllm serve {checkpoint} --kv-cache-dtype auto"
+        return lines, report.serve_command(checkpoint, "tensor", dtype="auto")
     r = usable[choice]
     lines.append(f"Recommended: {choice} ({SCHEME_NOTES.get(choice, r['source'])}): KL {r['kl']:.4g} nats/token, "
                  f"perplexity {r['ppl_change']:+.2%}, top-1 agreement {r['top1']:.2%}, verdict {r['verdict']}.")

