@@ -245,7 +245,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     ``config.resume`` each rank continues from its save (``calibrate.run.resume``), and the statistics, and so the
     scales, are exactly those of an uninterrupted run. The saves are removed once OUT is written.
     """
-    from .loaders import check_export_form, check_loads_scales, warn_ignored_scales
+    from .loaders import check_export_form, check_loads_scales, source_form, warn_ignored_scales
     from .data.stream import iter_sequences
     from .data.sources import local_paths
     from .model.load import check_remote_code, check_tokenizer_fits, load_tokenizer, read_config
@@ -271,6 +271,8 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
                 raise ValueError(f"{config.model} uses latent attention (MLA), whose cache holds one latent row per token "
                                  "under one k scale: use --granularity tensor or token, and --observer max or mse")
             check_loads_scales(model_config)
+            # A quantization method whose KV scales vLLM drops or cannot take at this granularity (loaders.QUANT_METHODS).
+            source_form(Path(config.model), model_config, config.scales.granularity)
             warn_ignored_scales(model_config)
             check_remote_code(config.model, model_config, config.trust_remote_code)
             if group.writes:
@@ -511,7 +513,7 @@ def export(
     No model is loaded: the statistics are checked against the target's config.json and the weight
     files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself).
     """
-    from .loaders import check_loads_scales
+    from .loaders import check_loads_scales, source_form
     from .model.layers import AttentionLayer
     from .model.load import read_config
 
@@ -524,6 +526,7 @@ def export(
     prepare_output(Path(out), [target, Path(source)], overwrite)
     target_config = read_config(target)
     check_loads_scales(target_config)
+    source_form(target, target_config, granularity)  # a quantization method whose scales vLLM would not read
     try:
         sig = signature_from_config(target_config, stats.signature.layers)
     except KeyError as e:
@@ -574,13 +577,15 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False) ->
     Raises:
         ValueError: SOURCE is not a kvcal output, or CHECKPOINT's attention layers are not SOURCE's.
     """
-    from .loaders import checkpoint_prefixes
+    from .loaders import checkpoint_prefixes, read_json, source_form
 
-    # 1. The calibrated attention layers must be exactly the target's (export checks heads and head size).
+    # 1. The calibrated attention layers must be exactly the target's (export checks heads and head size), and
+    # its quantization method one whose scales vLLM reads (loaders.QUANT_METHODS), decided from its configs alone.
     _, provenance = load_calibration(source)
     calibrated = {layer["layer_idx"]: layer["prefix"] for layer in provenance["layers"]}
     if not (Path(checkpoint) / "config.json").is_file():
         raise ValueError(f"{checkpoint} is not a checkpoint: it has no config.json")
+    source_form(Path(checkpoint), read_json(Path(checkpoint) / "config.json"), provenance["scales"]["granularity"])
     target = checkpoint_prefixes(checkpoint)
     if target != calibrated:
         differ = sorted(set(target.items()) ^ set(calibrated.items()))[:3]
