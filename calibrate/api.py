@@ -78,6 +78,7 @@ class CalibrationResult:
             *self._little_data(),
             *self._search_note(),
             SERVE_NOTES[s.granularity],
+            *self._release_note(),
             f"wrote {self.out}",
             "serve it with:",
             f"  {serve_command(str(self.out), s.granularity, skip_sliding=False)}",
@@ -87,6 +88,20 @@ class CalibrationResult:
         if self.verification is not None:
             lines += ["", "short verify of the written checkpoint (kvcal verify runs the full one):", self.verification.summary()]
         return "\n".join(lines)
+
+    def _release_note(self) -> list[str]:
+        """For a ``quant_method: fp8`` release: what serving it needs, and the bf16 rounding vLLM applies to the scales."""
+        from .loaders import quant_config, quant_method, read_json, stored_dtype
+
+        config = read_json(self.out / "config.json")
+        method = quant_method(quant_config(self.out, config))
+        if method != "fp8":
+            return []
+        rounded = stored_dtype(method, config)
+        return ["quant_method fp8 release: its config was left as it is and declares no KV cache, so vLLM reads these "
+                "scales only with --kv-cache-dtype fp8 (auto keeps a bf16 cache)"
+                + (f"; vLLM stores them in {str(rounded).removeprefix('torch.')} (kvcal inspect shows the values used)"
+                   if rounded is not None else "")]
 
     def _search_note(self) -> list[str]:
         """What the output observer chose, counted over layers, when it ran."""

@@ -213,6 +213,20 @@ def loaded_multiplier(method: str | None, fp8_format: str) -> float:
     return 2.0 if fp8_format == "e4m3fnuz" and method != "compressed-tensors" else 1.0
 
 
+# Quantization methods whose KV scales vLLM 0.32 loads through BaseKVCacheMethod, into placeholders created in the
+# model's dtype: a float32 scale is rounded to bf16 (or fp16) as it loads (compressed-tensors makes float32 ones).
+BASE_PATH_METHODS = ("fp8", "modelopt", "quark")
+
+
+def stored_dtype(method: str | None, config: dict) -> torch.dtype | None:
+    """The dtype vLLM stores loaded KV scales in when that rounds them (a half-precision model under a base-path
+    method, ``config`` as config.json holds it), else None (float32: the values are used as written)."""
+    text = config.get("text_config", config)
+    name = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name) if isinstance(name, str) else None
+    return dtype if method in BASE_PATH_METHODS else None
+
+
 @dataclass
 class LoadedScale:
     """One scale as vLLM loads it."""
