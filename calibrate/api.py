@@ -79,6 +79,7 @@ class CalibrationResult:
             *self._little_data(),
             *self._search_note(),
             SERVE_NOTES[s.granularity],
+            *self._release_note(),
             f"wrote {self.out}",
             "serve it with:",
             f"  {serve_command(str(self.out), s.granularity, skip_sliding=False)}",
@@ -88,6 +89,20 @@ class CalibrationResult:
         if self.verification is not None:
             lines += ["", "short verify of the written checkpoint (kvcal verify runs the full one):", self.verification.summary()]
         return "\n".join(lines)
+
+    def _release_note(self) -> list[str]:
+        """For a ``quant_method: fp8`` release: what serving it needs, and the bf16 rounding vLLM applies to the scales."""
+        from .loaders import quant_config, quant_method, read_json, stored_dtype
+
+        config = read_json(self.out / "config.json")
+        method = quant_method(quant_config(self.out, config))
+        if method != "fp8":
+            return []
+        rounded = stored_dtype(method, config)
+        return ["quant_method fp8 release: its config was left as it is and declares no KV cache, so vLLM reads these "
+                "scales only with --kv-cache-dtype fp8 (auto keeps a bf16 cache)"
+                + (f"; vLLM stores them in {str(rounded).removeprefix('torch.')} (kvcal inspect shows the values used)"
+                   if rounded is not None else "")]
 
     def _search_note(self) -> list[str]:
         """What the output observer chose, counted over layers, when it ran."""
@@ -246,7 +261,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     ``config.resume`` each rank continues from its save (``calibrate.run.resume``), and the statistics, and so the
     scales, are exactly those of an uninterrupted run. The saves are removed once OUT is written.
     """
-    from .loaders import check_export_form, check_loads_scales, warn_ignored_scales
+    from .loaders import check_export_form, check_loads_scales, source_form, warn_ignored_scales
     from .data.stream import iter_sequences
     from .data.sources import local_paths
     from .model.load import check_remote_code, check_tokenizer_fits, load_tokenizer, read_config
@@ -272,6 +287,8 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
                 raise ValueError(f"{config.model} uses latent attention (MLA), whose cache holds one latent row per token "
                                  "under one k scale: use --granularity tensor or token, and --observer max or mse")
             check_loads_scales(model_config)
+            # A quantization method whose KV scales vLLM drops or cannot take at this granularity (loaders.QUANT_METHODS).
+            source_form(Path(config.model), model_config, config.scales.granularity)
             warn_ignored_scales(model_config)
             check_remote_code(config.model, model_config, config.trust_remote_code)
             if group.writes:
@@ -512,7 +529,7 @@ def export(
     No model is loaded: the statistics are checked against the target's config.json and the weight
     files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself).
     """
-    from .loaders import check_loads_scales
+    from .loaders import check_loads_scales, source_form
     from .model.layers import AttentionLayer
     from .model.load import read_config
 
@@ -525,6 +542,7 @@ def export(
     prepare_output(Path(out), [target, Path(source)], overwrite)
     target_config = read_config(target)
     check_loads_scales(target_config)
+    source_form(target, target_config, granularity)  # a quantization method whose scales vLLM would not read
     try:
         sig = signature_from_config(target_config, stats.signature.layers)
     except KeyError as e:
@@ -575,13 +593,15 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False) ->
     Raises:
         ValueError: SOURCE is not a kvcal output, or CHECKPOINT's attention layers are not SOURCE's.
     """
-    from .loaders import checkpoint_prefixes
+    from .loaders import checkpoint_prefixes, read_json, source_form
 
-    # 1. The calibrated attention layers must be exactly the target's (export checks heads and head size).
+    # 1. The calibrated attention layers must be exactly the target's (export checks heads and head size), and
+    # its quantization method one whose scales vLLM reads (loaders.QUANT_METHODS), decided from its configs alone.
     _, provenance = load_calibration(source)
     calibrated = {layer["layer_idx"]: layer["prefix"] for layer in provenance["layers"]}
     if not (Path(checkpoint) / "config.json").is_file():
         raise ValueError(f"{checkpoint} is not a checkpoint: it has no config.json")
+    source_form(Path(checkpoint), read_json(Path(checkpoint) / "config.json"), provenance["scales"]["granularity"])
     target = checkpoint_prefixes(checkpoint)
     if target != calibrated:
         differ = sorted(set(target.items()) ^ set(calibrated.items()))[:3]

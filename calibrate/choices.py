@@ -29,7 +29,7 @@ BACKENDS = ("cuda", "triton", "cpu")
 LONG_RECORDS = ("split", "error")  # --long-records: a record longer than one sequence is split, or refused
 # "auto" writes the form of the source checkpoint (ModelOpt inside a ModelOpt checkpoint, else compressed-tensors);
 # naming a form makes the run refuse a source of the other kind.
-EXPORT_FORMS = ("auto", "compressed-tensors", "modelopt")
+EXPORT_FORMS = ("auto", "compressed-tensors", "modelopt", "fp8")
 WEIGHT_SCHEMES = ("fp8",)  # --weights: llm-compressor's data-free FP8_DYNAMIC
 DEVICE_MAPS = ("auto",)
 # Size units of --max-memory, as accelerate spells them (all in bytes; case does not matter).

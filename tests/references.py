@@ -3,13 +3,15 @@ Q/K/V computed another way, checkpoints in other tools' layouts, and the CLI run
 
 import json
 import math
+import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from conftest import tiny_config
+from conftest import client_python, tiny_config
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Gemma3Config, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -264,3 +266,59 @@ def e4m3_round_torch(y: torch.Tensor) -> torch.Tensor:
     _, e = torch.frexp(a.clamp(min=2.0**-6))  # binade of a (subnormals share the smallest normal's spacing)
     quantum = torch.ldexp(torch.ones_like(a), e - 1 - 3)
     return torch.sign(y) * torch.round(a / quantum) * quantum  # torch.round rounds half to even
+
+
+FP8_BLOCK = 128  # the weight block of quant_method fp8 releases (Qwen3-*-FP8, DeepSeek-V3): 128 × 128
+FP8_RELEASE_CONFIG = {"quant_method": "fp8", "weight_block_size": [FP8_BLOCK, FP8_BLOCK], "activation_scheme": "dynamic"}
+
+
+def block_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3fn weight, weight_scale_inv): one float32 dequantization scale per 128 × 128 block, as fp8 releases store
+    them (``weight ≈ fp8 × weight_scale_inv`` blockwise). ``weight`` [N, K], both multiples of 128."""
+    n, k = weight.shape
+    blocks = weight.float().reshape(n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)  # [N/128, 128, K/128, 128]
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)  # [N/128, K/128]
+    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(n, k)
+    return q, scale
+
+
+def fp8_release(directory: Path, tokenizer, seed: int = 0) -> Path:
+    """A tiny Qwen3 in the ``quant_method: fp8`` release format: head_dim 128 so every Linear is whole 128 × 128
+    blocks, each Linear weight block-quantized to e4m3fn with its ``weight_scale_inv`` grid, embeddings, norms and
+    lm_head in bf16, and config.json's quantization_config as releases write it."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=128, vocab_size=len(tokenizer), max_position_embeddings=4096,
+                         tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if name.endswith(tuple(f"{proj}.weight" for proj in LINEARS)):
+            tensors[name], tensors[name.replace(".weight", ".weight_scale_inv")] = block_fp8(value)
+        else:
+            tensors[name] = value.contiguous()
+    directory.mkdir()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    saved = config.to_dict() | {"architectures": ["Qwen3ForCausalLM"], "dtype": "bfloat16",
+                                "quantization_config": dict(FP8_RELEASE_CONFIG)}
+    (directory / "config.json").write_text(json.dumps(saved, indent=2))
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+CLIENTS = Path(__file__).resolve().parent / "clients"  # the scripts each client runs in its own venv
+
+
+def client(name: str) -> Path:
+    """The interpreter of a client: transformers in kvcal's own venv, or a client venv (conftest.client_python)."""
+    if name == "transformers-main":
+        return Path(sys.executable)
+    return client_python({"transformers-llmc": "llm-compressor", "vllm": "vLLM"}[name])
+
+
+def run_client(name: str, script: str, *args, cwd: Path | None = None) -> None:
+    """Run ``tests/clients/SCRIPT ARGS`` with client ``name``'s interpreter; its failure fails the test."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
+    proc = subprocess.run([str(client(name)), str(CLIENTS / script), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=900, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-4000:]

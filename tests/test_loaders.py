@@ -96,3 +96,85 @@ def test_refusal_is_vllms_rule_for_the_checkpoint(name, checkpoint, refused):
     why = refusal(name, checkpoint)
     assert (why is not None) == refused
     assert why is None or why.startswith("not servable from this checkpoint: vLLM refuses it with '")
+
+
+# One row per quant_method of loaders.QUANT_METHODS that kvcal refuses: (quantization_config, fragment of the reason).
+REFUSED = {
+    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "no KV-cache method"),
+    "gptq_marlin": ({"quant_method": "gptq_marlin", "bits": 4}, "no KV-cache method"),
+    "awq": ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "no KV-cache method"),
+    "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "cannot load bitsandbytes"),
+    "mxfp4": ({"quant_method": "mxfp4"}, "not implemented"),
+    "fbgemm_fp8": ({"quant_method": "fbgemm_fp8"}, "no KV-cache method"),
+    "experts_int8": ({"quant_method": "experts_int8"}, "no warning at all"),
+    "gguf": ({"quant_method": "gguf"}, "cannot load GGUF"),
+    "quark": ({"quant_method": "quark", "kv_cache_group": ["*k_proj", "*v_proj"]}, "Quark"),
+    "unknown": ({"quant_method": "hqq"}, "does not know"),
+}
+FP8_RELEASE = {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+
+
+def config_only(directory, quant: dict | None):
+    """A checkpoint holding a config.json and nothing else: a refusal it gets comes before any weights could load."""
+    import json
+
+    directory.mkdir()
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}
+    if quant is not None:
+        config["quantization_config"] = quant
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_quant_methods_table_covers_every_row():
+    from calibrate.loaders import QUANT_METHODS
+
+    for method, (form, why) in QUANT_METHODS.items():
+        assert (form is None) != (why is None), method  # a form to write into, or the reason for refusing
+        assert form in (None, "compressed-tensors", "modelopt", "fp8")
+    assert {m for m, (form, _) in QUANT_METHODS.items() if form} == {None, "compressed-tensors", "modelopt", "fp8"}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_calibrate_refuses_a_source_whose_scales_vllm_would_not_read_before_loading(tmp_path, text_file, name):
+    quant, fragment = REFUSED[name]
+    source = config_only(tmp_path / "src", quant)  # no tokenizer, no weights: the check must come first
+    with pytest.raises(ValueError, match=fragment) as e:
+        calibrate(str(source), [str(text_file)], str(tmp_path / "out"), seq_len=64, max_tokens=192, progress=False,
+                  verify=False)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("quant", [FP8_RELEASE, {"quant_method": "modelopt_fp4", "quant_algo": "NVFP4"}], ids=["fp8", "modelopt_fp4"])
+def test_calibrate_refuses_per_head_scales_for_a_scalar_loader_before_loading(tmp_path, text_file, quant):
+    source = config_only(tmp_path / "src", quant)
+    with pytest.raises(ValueError, match="scalar weight"):
+        calibrate(str(source), [str(text_file)], str(tmp_path / "out"), seq_len=64, max_tokens=192, granularity="head",
+                  progress=False, verify=False)
+
+
+def test_source_form_of_each_writable_method(tmp_path):
+    from calibrate.loaders import source_form
+
+    forms = {"none": (None, "compressed-tensors"), "fp8": (FP8_RELEASE, "fp8"),
+             "nvfp4": ({"quant_method": "modelopt_fp4", "quant_algo": "NVFP4"}, "modelopt"),
+             "ct": ({"quant_method": "compressed-tensors", "config_groups": {}}, "compressed-tensors")}
+    for name, (quant, form) in forms.items():
+        directory = config_only(tmp_path / name, quant)
+        assert source_form(directory, __import__("json").loads((directory / "config.json").read_text())) == form
+
+
+@pytest.mark.parametrize("name", ["gptq", "mxfp4", "quark"])
+def test_export_and_apply_refuse_the_same_sources(tmp_path, smol_tokenizer, text_file, name):
+    from calibrate import export
+
+    source = save_llama(tmp_path / "model", smol_tokenizer, seed=0)
+    out = calibrate(str(source), [str(text_file)], str(tmp_path / "ct"), seq_len=64, max_tokens=192, progress=False,
+                    verify=False).out
+    target = config_only(tmp_path / "target", REFUSED[name][0])
+    with pytest.raises(ValueError, match=REFUSED[name][1]):
+        apply(str(out), str(target), str(tmp_path / "applied"))
+    with pytest.raises(ValueError, match=REFUSED[name][1]):
+        export(str(out), str(tmp_path / "exported"), model=str(target))
+    assert not (tmp_path / "applied").exists() and not (tmp_path / "exported").exists()

@@ -22,7 +22,7 @@ from ..fp8 import FORMATS
 from ..layout import is_kvcal_output
 from ..loaders import (
     LEGACY_KV_SCALE, SINGLE_FILE, WRITE_NAMES, LoadedScale, attention_prefixes, ignored_scales, mla_dims, quant_config,
-    quant_method, read_json, tensor_names, text_part, transformers_files, vllm_files,
+    quant_method, read_json, stored_dtype, tensor_names, text_part, transformers_files, vllm_files,
 )
 from .read import load_scales
 
@@ -66,6 +66,7 @@ class Inspection:
     layers: list[LayerScales]
     problems: list[Problem]
     loaders: dict[str, list[str]] = field(default_factory=dict)  # loader → the safetensors files it reads
+    notes: list[str] = field(default_factory=list)  # what the loaders do with this form that is not a problem
 
     def ok(self, strict: bool = False) -> bool:
         """No errors (and, with ``strict``, no warnings either)."""
@@ -92,6 +93,7 @@ class Inspection:
                 cells.append(f"{shown} {source:<{29 - len(shown)}}")
             lines.append(f"{layer.index:>5}  {'sliding' if layer.sliding_window else 'full':<7}  " + "".join(cells).rstrip())
         lines += [f"{loader} reads: {', '.join(files) or 'nothing'}" for loader, files in self.loaders.items()]
+        lines += [f"note: {note}" for note in self.notes]
         for severity in ("error", "warning"):
             found = [p for p in self.problems if p.severity == severity]
             if found:
@@ -141,6 +143,9 @@ def _kv_declaration(quant: dict | None, problems: list[Problem]) -> str:
         if strategy not in ("tensor", "attn_head"):
             problems.append(Problem("error", f"kv_cache_scheme.strategy {strategy!r}: vLLM accepts only 'tensor' or 'attn_head'"))
         return strategy if strategy == "attn_head" else "tensor"
+    if method == "fp8":
+        problems.append(Problem("warning", "quant_method fp8 declares no KV cache that vLLM reads: --kv-cache-dtype auto "
+                                "keeps a bf16 cache (k/v scales 1.0); serve with --kv-cache-dtype fp8, which loads them"))
     if method == "modelopt":
         nested = quant.get("quantization") if isinstance(quant.get("quantization"), dict) else quant
         declared = str(nested.get("kv_cache_quant_algo") or "").upper() == "FP8" or (
@@ -206,7 +211,8 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
         raise ValueError(f"{checkpoint} has no '...layers.N.self_attn.*' tensors; kvcal inspect reads decoder checkpoints only")
     sliding = _sliding_layers(config)
     layers = {i: LayerScales(i, p, i in sliding) for i, p in prefixes.items()}
-    found = load_scales(where, prefixes, method)
+    rounded = stored_dtype(method, config)
+    found = load_scales(where, prefixes, method, stored=rounded)
     sources = found.sources
     problems += [Problem("error", message, index) for index, message in found.ignored]
     if not sources:
@@ -216,6 +222,7 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
                                 "scale parameters and ignores them; re-export with kvcal export"))
 
     # 4. Per layer: the value vLLM ends up with, and what is wrong with it.
+    notes = _loader_notes(method, rounded)
     num_heads = text.get("num_attention_heads")
     num_kv_heads = 1 if mla_dims(text) else text.get("num_key_value_heads") or num_heads  # MLA caches one latent head
     for (index, kind), names in sources.items():
@@ -231,7 +238,22 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
         _weight_checks(layers, where, text, model_type, problems)
     loaders = _loader_checks(directory, files, quant, sources, problems)
     problems.sort(key=lambda p: -1 if p.layer is None else p.layer)  # checkpoint-wide first, then by layer
-    return Inspection(str(directory), model_type, _producer(directory, quant), method, strategy, list(layers.values()), problems, loaders)
+    return Inspection(str(directory), model_type, _producer(directory, quant), method, strategy, list(layers.values()), problems,
+                      loaders, notes)
+
+
+def _loader_notes(method: str | None, rounded: torch.dtype | None) -> list[str]:
+    """What vLLM and transformers do with this quantization method's scales, beyond the table."""
+    notes = []
+    if rounded is not None:
+        notes.append(f"vLLM's {method} loader stores KV scales in the model's dtype: the values above are the checkpoint's "
+                     f"rounded to {str(rounded).removeprefix('torch.')}, as vLLM uses them (relative change up to "
+                     f"{'2^-9' if rounded == torch.bfloat16 else '2^-12'})")
+    if method == "fp8":
+        notes.append("transformers loads the FP8 weights (dequantized on CPU and on GPUs without FP8 support, natively "
+                     "elsewhere) and lists the self_attn.{k,v,q}_scale tensors as unexpected keys: it does not quantize K "
+                     "and V, so its outputs are those of the release without scales")
+    return notes
 
 
 def _check_values(kind: str, tensor: torch.Tensor, name: str, index: int, strategy: str, heads: int, problems: list[Problem]) -> None:

@@ -27,16 +27,20 @@ class CheckpointScales:
         return any(kind in ("k", "v") for _, kind in self.sources)
 
 
-def load_scales(where: dict[str, Path], prefixes: dict[int, str], method: str | None) -> CheckpointScales:
+def load_scales(where: dict[str, Path], prefixes: dict[int, str], method: str | None, *,
+                stored: torch.dtype | None = None) -> CheckpointScales:
     """Every layer's scales as vLLM loads them.
 
     Args:
         where: tensor name → file, over the files vLLM reads.
         prefixes: layer index → attention module prefix.
         method: the checkpoint's quantization method (vLLM maps some names only under some methods).
+        stored: the dtype vLLM stores the scales in when that rounds them (``loaders.stored_dtype``), else None.
     """
     sources, ignored = layer_sources(where, prefixes, method)
     tensors = {key: read_tensor(where[names[-1]], names[-1]) for key, names in sources.items()}
+    if stored is not None:
+        tensors = {key: t.to(stored).float() for key, t in tensors.items()}  # what vLLM's base loader keeps and uses
     loaded, gaps = {}, []
     for index in prefixes:
         scales = {kind: LoadedScale(tensors[index, kind].flatten().tolist(), sources[index, kind][-1], where[sources[index, kind][-1]].name)

@@ -10,6 +10,8 @@ The output is the source checkpoint with:
   with shard names only, every loader reads the same files (docs/vllm-notes.md, "Checkpoint layout");
 - ``config.json`` with a compressed-tensors ``quantization_config`` carrying ``kv_cache_scheme``;
   in a ModelOpt checkpoint instead, ModelOpt's scale names and its own config(s) declaring an FP8 KV cache;
+  in a ``quant_method: fp8`` release (block FP8 weights), per-tensor ``self_attn.{k,v,q}_scale`` and the
+  config left exactly as the release has it (vLLM's fp8 loader reads the scales without any config key);
 - ``kvcal/`` with the statistics and provenance.
 It is built in a temporary directory beside OUT_DIR and renamed into place, so an interrupted run
 leaves no partial OUT_DIR.
@@ -75,7 +77,8 @@ def quantization_config(existing: dict | None, strategy: str) -> dict:
     """A compressed-tensors ``quantization_config`` with a static FP8 ``kv_cache_scheme``.
 
     An existing compressed-tensors config (e.g. FP8 weights) is kept and only its kv_cache_scheme
-    replaced; any other quantization method is refused, since vLLM would not read our scheme there.
+    replaced; any other quantization method is refused, since vLLM would not read our scheme there
+    (``write_checkpoint`` calls this only for that form: see ``loaders.QUANT_METHODS``).
     """
     if existing is None:
         return {
@@ -104,6 +107,17 @@ def modelopt_scales(scales: dict[str, torch.Tensor], fp8_format: str) -> dict[st
         prefix, _, suffix = name.rpartition(".")
         renamed[f"{prefix}.{WRITE_NAMES['modelopt'][kind_of[suffix]]}"] = value / factor
     return renamed
+
+
+def fp8_release_scales(scales: dict[str, torch.Tensor], strategy: str, fp8_format: str) -> dict[str, torch.Tensor]:
+    """kvcal's scale tensors for a ``quant_method: fp8`` checkpoint: the same names (vLLM's fp8 loader maps
+    ``self_attn.{k,v,q}_scale`` onto the attention), one value each, in the units its base KV loader expects
+    (it doubles loaded scales on e4m3fnuz platforms, so they are divided by that factor here)."""
+    if strategy != "tensor":
+        raise ValueError("vLLM's fp8 loader takes one scalar KV scale per layer ('KV-cache scale expects a scalar "
+                         "weight'); use --granularity tensor")
+    factor = loaded_multiplier("fp8", fp8_format)
+    return {name: value / factor for name, value in scales.items()}
 
 
 def modelopt_quant_configs(source: Path, config: dict, strategy: str) -> dict[str, dict]:
@@ -308,9 +322,12 @@ def write_checkpoint(
     check_links(source)
     config = json.loads((source / "config.json").read_text())
     quant_files: dict[str, dict] = {}  # other quantization config files to write (ModelOpt form)
-    if checkpoint_form(source) == "modelopt":
+    form = checkpoint_form(source)  # refuses the quantization methods whose scales vLLM would not read
+    if form == "modelopt":
         scales = modelopt_scales(scales, fp8_format)
         quant_files = modelopt_quant_configs(source, config, strategy)
+    elif form == "fp8":
+        scales = fp8_release_scales(scales, strategy, fp8_format)
     else:
         config["quantization_config"] = quantization_config(config.get("quantization_config"), strategy)
 

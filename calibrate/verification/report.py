@@ -121,7 +121,7 @@ def verify_text(rep: dict) -> str:
     sample = rep["sample"]
     lines += [
         "",
-        f"reference: unquantized model in {rep['reference']['dtype']} on {rep['reference']['device']}; "
+        f"reference: {rep['reference'].get('model', 'unquantized model')} in {rep['reference']['dtype']} on {rep['reference']['device']}; "
         f"{sample['sequences']} sequences of {sample['seq_len']} tokens; FP8 {rep['fp8_format']}, "
         f"{rep.get('backend', 'cuda')} writer",
         thresholds_text(rep),
@@ -147,7 +147,7 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
     out = [
         f"# kvcal verify: `{rep['checkpoint']}`",
         "",
-        f"Reference: the unquantized model in **{rep['reference']['dtype']}** on {rep['reference']['device']} "
+        f"Reference: the {rep['reference'].get('model', 'unquantized model')} in **{rep['reference']['dtype']}** on {rep['reference']['device']} "
         f"(called {rep['reference']['name']}, as vLLM would serve it). FP8 format {rep['fp8_format']}; "
         f"the FP8 numbers stand for vLLM's **{rep.get('backend', 'cuda')}** KV-cache writer (docs/kv-dtypes.md, Writers). "
         f"Sample: {rep['sample']['sequences']} sequences of {rep['sample']['seq_len']} tokens "

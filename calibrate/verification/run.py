@@ -38,6 +38,7 @@ from .config import FLOOR, REFERENCE, VerifyConfig
 from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
 from .passes import ApplyScheme, ReferenceProbe, measure, probe_skip_layers, scheme_result
 from ..layout import stats_path
+from ..loaders import text_part
 
 
 
@@ -151,6 +152,19 @@ def _position_profile(stats: Stats | None) -> dict | None:
     }
 
 
+def reference_model(model_config: dict, model: torch.nn.Module, dtype: str) -> str:
+    """What the reference is, in words: the unquantized model, or a ``quant_method: fp8`` release's FP8-weight model
+    as it is served (transformers runs its e4m3 block weights natively on GPUs that can, and elsewhere, CPU included,
+    dequantizes them, e4m3 × block scale, to the load dtype); K and V unquantized either way."""
+    quant = model_config.get("quantization_config") or text_part(model_config).get("quantization_config")
+    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
+        return "unquantized model"
+    if any(p.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) for p in model.parameters()):
+        return "FP8-weight model as served (quant_method fp8: its e4m3 block weights run natively by transformers)"
+    return (f"FP8-weight model as served (quant_method fp8: its e4m3 block weights, the ones vLLM computes with, "
+            f"dequantized by transformers to {dtype})")
+
+
 def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> VerifyResult:
     """Measure what an FP8 KV cache costs ``checkpoint`` on ``data``, per scheme, and recommend how to serve it.
 
@@ -232,7 +246,8 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "kvcal_version": report.kvcal_version(),
         "checkpoint": str(Path(config.checkpoint).resolve()),
         "reference": {"name": REFERENCE, "dtype": dtype, "device": str(device),
-                      "note": f"the reference is the unquantized model in {dtype}, called {REFERENCE} as vLLM would serve it"},
+                      "model": (what := reference_model(model_config, model, dtype)),
+                      "note": f"the reference is the {what} in {dtype}, called {REFERENCE} as vLLM would serve it"},
         "fp8_format": fmt.name,
         "backend": config.backend,
         "settings": config.settings(),

