@@ -67,6 +67,18 @@ def record_digest(ids: list[int]) -> str:
     return hashlib.sha256(b"".join(t.to_bytes(8, "little") for t in ids)).hexdigest()[:DIGEST_HEX]
 
 
+def read_digests(path: Path) -> frozenset[str]:
+    """Record digests one a line, as OUT keeps the calibration's; an empty set when the file is missing (an
+    output older than it, or not kvcal's)."""
+    if not path.is_file():
+        return frozenset()
+    digests = frozenset(path.read_text().split())
+    bad = next((d for d in digests if len(d) != DIGEST_HEX or d.strip("0123456789abcdef")), None)
+    if bad is not None:
+        raise ValueError(f"{path} holds {bad[:40]!r}, not a record digest; it was damaged: pass --include-calibration-data to verify without it")
+    return digests
+
+
 def iter_sequences(
     config: DataConfig, tokenizer: "PreTrainedTokenizerBase", *, max_context: int | None = None,
     exclude: frozenset[str] = frozenset(),
