@@ -184,7 +184,11 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     tokenizer = load_tokenizer(config.checkpoint)
     check_tokenizer_fits(config.checkpoint, model_config, tokenizer)
     # A kvcal output's own calibration records are left out unless asked for: the sample is then held out.
-    calibration = read_digests(records_path(config.checkpoint))
+    path = records_path(config.checkpoint)
+    if config.include_calibration_data:  # counted for the report only, never checked: opting in must always work
+        calibration = frozenset(path.read_text().split()) if path.is_file() else frozenset()
+    else:
+        calibration = read_digests(path)
     sequences, manifest, excluded = _sample(config.data, tokenizer, context,
                                             frozenset() if config.include_calibration_data else calibration)
     sampled = time.perf_counter()
