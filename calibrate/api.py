@@ -34,7 +34,7 @@ from .scales.observers import ScaleSet, derive_scales, latent_report
 from .verification.report import SERVE_NOTES, kvcal_version, scale_table, serve_command
 from .model.layers import ModelSignature
 from .capture.stats import Stats
-from .layout import STATS_FILE, provenance_path, sibling, stats_path, verify_dir
+from .layout import RECORDS_FILE, STATS_FILE, provenance_path, records_path, sibling, stats_path, verify_dir
 from .loaders import text_part
 
 # The model, data, capture and verify modules import transformers and datasets (seconds): calibrate imports
@@ -171,7 +171,7 @@ def _check_enough_tokens(stats: Stats, config: CalibrationConfig) -> None:
         )
 
 
-def _provenance(config: CalibrationConfig, layers, sig, stats, scale_set, manifest, wall_s, device, dtype, ranks) -> dict:
+def _provenance(config: CalibrationConfig, layers, sig, stats, scale_set, manifest, records, wall_s, device, dtype, ranks) -> dict:
     """Everything needed to reproduce and compare a run, saved as kvcal/calibration.json."""
     return {
         "kvcal_version": kvcal_version(),
@@ -180,6 +180,9 @@ def _provenance(config: CalibrationConfig, layers, sig, stats, scale_set, manife
         "signature": asdict(sig),
         "layers": [asdict(layer) for layer in layers],
         "data": manifest,
+        # The records the statistics saw, by digest, in their own file: verify leaves them out of its sample.
+        "records": {"file": f"{KVCAL_DIR}/{RECORDS_FILE}", "count": len(records),
+                    "digest": "sha256 of the record's token ids as 8-byte little-endian integers, first 16 hex digits"},
         "settings": config.settings(),
         "recipe": config.recipe,
         "device": str(device),
@@ -213,12 +216,21 @@ def scale_report(scale_set: ScaleSet) -> dict:
     }
 
 
-def _write_extras(stats: Stats, provenance: dict):
+def _write_extras(stats: Stats, provenance: dict, records: list[str] | None):
+    """What goes into OUT's KVCAL_DIR: statistics, provenance, and the calibration's record digests (None: none known)."""
     def write(directory: Path) -> None:
         stats.save(directory / STATS_FILE)  # directory: OUT's KVCAL_DIR, being built
         (directory / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
+        if records is not None:
+            (directory / RECORDS_FILE).write_text("".join(d + "\n" for d in records))
 
     return write
+
+
+def _records_of(source: str | Path) -> list[str] | None:
+    """The record digests a kvcal output keeps (None when it predates them): export and apply carry them on."""
+    path = records_path(source)
+    return path.read_text().split() if path.is_file() else None
 
 
 def calibrate(
@@ -328,7 +340,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
 
     # 5. Write the checkpoint, statistics and provenance atomically.
     provenance = _provenance(
-        config, layers, sig, stats, scale_set, captured.manifest, time.perf_counter() - start, captured.device,
+        config, layers, sig, stats, scale_set, captured.manifest, captured.records, time.perf_counter() - start, captured.device,
         captured.dtype, group.world,
     )
     if captured.searched:
@@ -347,7 +359,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             source, Path(config.out),
             scales=scale_tensors([layer.prefix for layer in layers], scale_set.checkpoint_scales()),
             strategy="head" if scale_set.per_head else "tensor",
-            write_extras=_write_extras(stats, provenance),
+            write_extras=_write_extras(stats, provenance, captured.records),
             fp8_format=fmt.name,
             overwrite=config.overwrite,
             inputs=(Path(config.model), *local_paths(config.data.sources)),
@@ -376,6 +388,7 @@ class _Captured:
     sig: ModelSignature
     stats: Stats  # on the capture device
     manifest: list[dict]
+    records: list[str]  # digests of the records the statistics saw (SequenceStream.consumed)
     device: torch.device
     dtype: torch.dtype
     searched: tuple[ScaleSet, dict] | None = None  # the output observer's scales and search, when it ran
@@ -453,7 +466,7 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
         held = _held_back(config, tokenizer, max_context(model_config))
         searched = output_observer(model, layers, stats, held, config.data.chunk_len, granularity=s.granularity,
                                    fmt=get_format(s.fp8_format), headroom=s.headroom, query_scale=s.query_scale)
-    return _Captured(layers, sig, stats, stream.manifest(), device, model.dtype, searched)
+    return _Captured(layers, sig, stats, stream.manifest(), stream.consumed(), device, model.dtype, searched)
 
 
 # Three sequences of at most 512 tokens: enough for error bars and paired tests, about (2 + 3) forwards of each, plus
@@ -575,7 +588,7 @@ def export(
         target, Path(out),
         scales=scale_tensors([layer.prefix for layer in layers], scale_set.checkpoint_scales()),
         strategy="head" if scale_set.per_head else "tensor",
-        write_extras=_write_extras(stats, provenance),
+        write_extras=_write_extras(stats, provenance, _records_of(source)),
         fp8_format=fmt.name,
         overwrite=overwrite,
         inputs=(Path(source),),

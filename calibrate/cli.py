@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="judge unset limits by fixed numbers (KL 0.02/0.1, top-1 95%%/90%%) instead of measuring the floor")
     p.add_argument("--probe-layers", type=int, help="layers whose unquantized gain is measured end to end for the recommended "
                    "scheme, one pass each, 0 for none (default {probe_layers})")
+    p.add_argument("--include-calibration-data", action="store_true",
+                   help="also sample the records a kvcal output was calibrated on (default: they are left out, so the sample is held out)")
     p.add_argument("--max-model-len", type=int, help="context per sequence for the memory arithmetic (default: the model's maximum)")
     p.add_argument("--gpu", help=f"one GPU's memory for the memory arithmetic: {', '.join(GPUS)} or a size such as 80GB (default {{gpu}})")
     p.add_argument("--tp", type=int, help="tensor-parallel GPUs for the memory arithmetic (default {tp})")

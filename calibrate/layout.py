@@ -3,6 +3,8 @@
     OUT/                          a checkpoint vLLM and transformers load (checkpoint/write.py builds it)
       kvcal/calibration.json      provenance: settings, data manifest, scales; its presence marks a kvcal output
       kvcal/stats.safetensors     the mergeable statistics (capture/stats.py), for export, apply and verify
+      kvcal/records.txt           the calibration's records, one digest a line (data/stream.py record_digest): verify
+                                  leaves them out of its sample
       kvcal/verify/               the short verify's report
     .OUT.kvcal-tmp-PID/           OUT being built by process PID, renamed into place when complete
     .OUT.kvcal-weights-PID/       quantized weights being built (--weights fp8)
@@ -19,6 +21,7 @@ from pathlib import Path
 KVCAL_DIR = "kvcal"
 PROVENANCE_FILE = "calibration.json"
 STATS_FILE = "stats.safetensors"
+RECORDS_FILE = "records.txt"
 VERIFY_DIR = "verify"
 TEMPORARIES = ("tmp", "weights", "old")  # siblings named with their writer's PID
 
@@ -29,6 +32,10 @@ def provenance_path(out: str | Path) -> Path:
 
 def stats_path(out: str | Path) -> Path:
     return Path(out) / KVCAL_DIR / STATS_FILE
+
+
+def records_path(out: str | Path) -> Path:
+    return Path(out) / KVCAL_DIR / RECORDS_FILE
 
 
 def verify_dir(out: str | Path) -> Path:

@@ -47,6 +47,7 @@ class Source:
     kind: str = ""  # one of KIND_COLUMNS
     records_read: int = 0
     records_empty: int = 0
+    records_excluded: int = 0  # held by the stream's ``exclude`` set: read but not used
     sequences: int = 0
     tokens: int = 0
 

@@ -31,8 +31,14 @@ when the tokenizer adds one by default — into sequences of exactly ``seq_len``
 last one of a source that runs out and the last one of the run, which is cut to the token budget.
 With ``pack=False`` each record is its own sequence. A record that does not fit in one sequence
 is split into several (``long_records="split"``) or refused (``"error"``).
+
+Records are identified by ``record_digest``: sha256 of their token ids, so one rule covers text, chats and
+``input_ids``, whichever file or mixture they came from. A stream lists the digests of the records it used
+(``consumed()``; a record split over sequences or packed across two counts once, whole) and skips records whose
+digest is in its ``exclude`` set: that is how verify keeps clear of what calibration saw.
 """
 
+import hashlib
 import random
 import warnings
 from collections.abc import Iterator
@@ -48,8 +54,34 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+# Hex digits kept of a record's sha256: 64 bits, no collision expected below billions of records.
+DIGEST_HEX = 16
+
+
+def record_digest(ids: list[int]) -> str:
+    """A record's identity: sha256 of its token ids as 8-byte little-endian integers, first DIGEST_HEX hex digits.
+
+    Token ids rather than text: chats, text and pre-tokenized records all end as ids, and an id list is what
+    the model saw (the same text under another tokenizer is other data to it).
+    """
+    return hashlib.sha256(b"".join(t.to_bytes(8, "little") for t in ids)).hexdigest()[:DIGEST_HEX]
+
+
+def read_digests(path: Path) -> frozenset[str]:
+    """Record digests one a line, as OUT keeps the calibration's; an empty set when the file is missing (an
+    output older than it, or not kvcal's)."""
+    if not path.is_file():
+        return frozenset()
+    digests = frozenset(path.read_text().split())
+    bad = next((d for d in digests if len(d) != DIGEST_HEX or d.strip("0123456789abcdef")), None)
+    if bad is not None:
+        raise ValueError(f"{path} holds {bad[:40]!r}, not a record digest; it was damaged: pass --include-calibration-data to verify without it")
+    return digests
+
+
 def iter_sequences(
-    config: DataConfig, tokenizer: "PreTrainedTokenizerBase", *, max_context: int | None = None
+    config: DataConfig, tokenizer: "PreTrainedTokenizerBase", *, max_context: int | None = None,
+    exclude: frozenset[str] = frozenset(),
 ) -> "SequenceStream":
     """Prepare the token sequences of a calibration run.
 
@@ -60,6 +92,7 @@ def iter_sequences(
         config: the data configuration; validated here.
         tokenizer: the model's Hugging Face tokenizer.
         max_context: the model's context length in tokens, when known.
+        exclude: ``record_digest``s of records to skip (counted per source as ``records_excluded``).
 
     Returns:
         A re-iterable stream of 1-D int64 token sequences, with a ``manifest()``.
@@ -90,7 +123,7 @@ def iter_sequences(
             )
         if source.kind != "input_ids" and config.pack and tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no EOS token to separate packed documents; pass pack=False")
-    return SequenceStream(config, sources, tokenizer)
+    return SequenceStream(config, sources, tokenizer, exclude)
 
 
 class SequenceStream:
@@ -99,8 +132,11 @@ class SequenceStream:
     Iterating again starts over and yields the same sequences (the shuffle is seeded).
     """
 
-    def __init__(self, config: DataConfig, sources: list[Source], tokenizer: "PreTrainedTokenizerBase"):
+    def __init__(self, config: DataConfig, sources: list[Source], tokenizer: "PreTrainedTokenizerBase",
+                 exclude: frozenset[str] = frozenset()):
         self.config = config
+        self.exclude = exclude
+        self._consumed: set[str] = set()  # digests of the records the current (or last) iteration used
         self.tokenizer = tokenizer
         self.tokens_yielded = 0
         self._sources = sources
@@ -115,8 +151,9 @@ class SequenceStream:
         import torch  # here: `kvcal --help` and recipe checks read DataConfig without paying for torch
 
         self.tokens_yielded = 0
+        self._consumed = set()
         for source in self._sources:
-            source.records_read = source.records_empty = source.sequences = source.tokens = 0
+            source.records_read = source.records_empty = source.records_excluded = source.sequences = source.tokens = 0
         streams = {i: self._sequences(source) for i, source in enumerate(self._sources)}
         weighted = self._sources[0].weight is not None
         while streams and self.tokens_yielded < self.config.max_tokens:
@@ -181,6 +218,14 @@ class SequenceStream:
             raise ValueError(f"rank {rank}'s share holds {share} sequences now but {skip} were captured before: "
                              "the data changed; start over without resuming")
 
+    def consumed(self) -> list[str]:
+        """Sorted ``record_digest``s of the records the current (or last) iteration used.
+
+        A record counts once any of its tokens went into a yielded sequence; the last sequence's cut at the token
+        budget may leave part of the final record unused, which still counts (erring toward excluding more).
+        """
+        return sorted(self._consumed)
+
     def manifest(self) -> list[dict]:
         """Per source: what it is, its weight, how much of it was used, and hashes to reproduce the run.
 
@@ -195,6 +240,7 @@ class SequenceStream:
                 "weight": source.weight,
                 "records_read": source.records_read,
                 "records_empty": source.records_empty,
+                "records_excluded": source.records_excluded,
                 "sequences": source.sequences,
                 "tokens": source.tokens,
                 "files": [
@@ -244,12 +290,18 @@ class SequenceStream:
                 if not ids:
                     source.records_empty += 1
                     continue
+                digest = record_digest(ids)
+                if digest in self.exclude:
+                    source.records_excluded += 1
+                    continue
                 extra = 0 if source.kind == "input_ids" else len(self._prefix)
                 if self.config.long_records == "error" and len(ids) + extra > self.config.seq_len:
                     raise ValueError(
                         f"{part_label(part)}: a record of {len(ids) + extra} tokens does not fit in "
                         f"seq_len={self.config.seq_len}; raise seq_len or pass long_records='split'"
                     )
+                # Read only when the next sequence needs it: every record read lands (at least in part) in one.
+                self._consumed.add(digest)
                 yield ids
 
     def _encode(self, value: object, kind: str, part: Part) -> list[int]:

@@ -114,6 +114,8 @@ class VerifyConfig:
             relative to; off, unset thresholds take ``Thresholds.ABSOLUTE``.
         probe_layers: layers whose unquantized end-to-end gain is measured for the recommended scheme (0: none);
             one extra pass each.
+        include_calibration_data: sample records the checkpoint's own calibration used too; by default a kvcal
+            output's ``kvcal/records.txt`` records are left out, so the sample is held out.
         max_model_len, gpu, tp: the serving setup the memory arithmetic (``capacity.plan``) sizes: context per
             sequence (None: the model's maximum), one GPU's memory (a name in ``capacity.GPUS`` or a size), and the
             tensor-parallel GPUs.
@@ -137,6 +139,7 @@ class VerifyConfig:
     report_dir: str | None = None
     floor: bool = True
     probe_layers: int = 4
+    include_calibration_data: bool = False
     max_model_len: int | None = None
     gpu: str = "H100"
     tp: int = 1
@@ -148,8 +151,8 @@ class VerifyConfig:
     # report.json's "settings", in their order.
     SETTINGS = ["schemes", "seq_len", "max_tokens", "chunk_len", "text_field", "seed", "kv_only", "fa3", "accum_bits",
                 "fa3_rows", "fa3_layers", "needle", "needle_depths", "max_kl", "fail_kl", "min_top1", "fail_top1",
-                "floor_pass", "floor_fail", "floor", "probe_layers", "max_model_len", "gpu", "tp", "device", "dtype",
-                "fp8_format", "backend", "report_dir"]
+                "floor_pass", "floor_fail", "floor", "probe_layers", "include_calibration_data", "max_model_len", "gpu", "tp",
+                "device", "dtype", "fp8_format", "backend", "report_dir"]
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, DataConfig):

@@ -112,6 +112,18 @@ VERIFY_HEADER = ["scheme", "KL nats/token", "KL / floor", "KV bytes/token", "ppl
                  "saturated K / V / Q (worst layer)", "verdict", "why"]
 
 
+def held_out_text(rep: dict) -> list[str]:
+    """One line on whether the sample kept clear of the checkpoint's calibration records (none when it has none)."""
+    held = rep.get("held_out")
+    if not held or not held["calibration_known"]:
+        return []
+    if held["include_calibration_data"]:
+        return [f"the sample may hold the {held['calibration_records']:,} records the checkpoint was calibrated on "
+                "(--include-calibration-data): it measures data the scales have seen"]
+    return [f"held out: {held['excluded_records']:,} records of the data were left out for being among the "
+            f"{held['calibration_records']:,} the checkpoint was calibrated on (--include-calibration-data keeps them)"]
+
+
 def verify_text(rep: dict) -> str:
     """The verdict table, recommendation and serve command as plain text."""
     rows = [VERIFY_HEADER, *verify_rows(rep)]
@@ -124,6 +136,7 @@ def verify_text(rep: dict) -> str:
         f"reference: {rep['reference'].get('model', 'unquantized model')} in {rep['reference']['dtype']} on {rep['reference']['device']}; "
         f"{sample['sequences']} sequences of {sample['seq_len']} tokens; FP8 {rep['fp8_format']}, "
         f"{rep.get('backend', 'cuda')} writer",
+        *held_out_text(rep),
         thresholds_text(rep),
         *[f"skipped {name}: {why}" for name, why in rep["skipped"].items()],
         *rep["recommendation"],
@@ -153,6 +166,7 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
         f"Sample: {rep['sample']['sequences']} sequences of {rep['sample']['seq_len']} tokens "
         f"({rep['sample']['tokens']} tokens) from {', '.join(d['source'] for d in rep['data'])}. "
         f"Static schemes quantize {'K and V only (Triton/FlashInfer)' if th['kv_only'] else 'Q, K and V (FA3 on Hopper)'}.",
+        *(f"{line[0].upper()}{line[1:]}." for line in held_out_text(rep)),
         "",
         "## Verdict",
         "",

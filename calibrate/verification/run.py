@@ -24,7 +24,7 @@ from . import fa3, report
 from .config import Thresholds
 from .capacity import LayerKV, per_token, plan
 from ..data.config import DataConfig
-from ..data.stream import iter_sequences
+from ..data.stream import iter_sequences, read_digests
 from ..checkpoint.write import tensor_bytes, weight_files
 from ..fp8 import get_format
 from .kvdtypes import DTYPES
@@ -37,7 +37,7 @@ from .verdict import check_measured, choose, judge, recommend
 from .config import FLOOR, REFERENCE, VerifyConfig
 from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
 from .passes import ApplyScheme, ReferenceProbe, measure, probe_skip_layers, scheme_result
-from ..layout import stats_path
+from ..layout import records_path, stats_path
 from ..loaders import text_part
 
 
@@ -131,14 +131,22 @@ def _load_stats(directory: Path, sig: ModelSignature) -> Stats | None:
     return stats
 
 
-def _sample(data_config: DataConfig, tokenizer, context: int | None) -> tuple[list[torch.Tensor], list[dict]]:
-    """Whole sequences of exactly seq_len tokens (a shorter last one is dropped), and the data manifest."""
-    stream = iter_sequences(data_config, tokenizer, max_context=context)
+def _sample(data_config: DataConfig, tokenizer, context: int | None,
+            exclude: frozenset[str]) -> tuple[list[torch.Tensor], list[dict], int]:
+    """Whole sequences of exactly seq_len tokens (a shorter last one is dropped) of the records not in ``exclude``,
+    the data manifest, and how many records were left out for being in ``exclude``."""
+    stream = iter_sequences(data_config, tokenizer, max_context=context, exclude=exclude)
     sequences = [s for s in stream if s.numel() == data_config.seq_len]
+    manifest = stream.manifest()
+    excluded = sum(source["records_excluded"] for source in manifest)
+    if not sequences and excluded:
+        raise ValueError(f"the data holds {stream.tokens_yielded} tokens outside the {excluded} records calibration used, less "
+                         f"than one sequence of --seq-len {data_config.seq_len}: verify on other text (--data), calibrate "
+                         "with a smaller --max-tokens, or pass --include-calibration-data")
     if not sequences:
         raise ValueError(f"the data gives {stream.tokens_yielded} tokens, less than one sequence of --seq-len "
                          f"{data_config.seq_len}; lower --seq-len or add data")
-    return sequences, stream.manifest()
+    return sequences, manifest, excluded
 
 
 def _position_profile(stats: Stats | None) -> dict | None:
@@ -189,7 +197,14 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     context = max_context(model_config)
     tokenizer = load_tokenizer(config.checkpoint)
     check_tokenizer_fits(config.checkpoint, model_config, tokenizer)
-    sequences, manifest = _sample(config.data, tokenizer, context)
+    # A kvcal output's own calibration records are left out unless asked for: the sample is then held out.
+    path = records_path(config.checkpoint)
+    if config.include_calibration_data:  # counted for the report only, never checked: opting in must always work
+        calibration = frozenset(path.read_text().split()) if path.is_file() else frozenset()
+    else:
+        calibration = read_digests(path)
+    sequences, manifest, excluded = _sample(config.data, tokenizer, context,
+                                            frozenset() if config.include_calibration_data else calibration)
     sampled = time.perf_counter()
 
     # 3. The reference model (float32 on CPU by default, K and V unquantized) and its attention layers.
@@ -253,6 +268,9 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "settings": config.settings(),
         "data": manifest,
         "sample": {"sequences": len(sequences), "seq_len": config.data.seq_len, "tokens": len(sequences) * config.data.seq_len},
+        "held_out": {"calibration_records": len(calibration), "excluded_records": excluded,
+                     "include_calibration_data": config.include_calibration_data,
+                     "calibration_known": records_path(config.checkpoint).is_file()},
         "layers": [vars(layer) for layer in layers],
         "checkpoint_scales": held,
         "floor": floor_result,

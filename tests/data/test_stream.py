@@ -306,6 +306,7 @@ def test_manifest_names_hashes_and_counts(tmp_path, smol_tokenizer):
             "weight": None,
             "records_read": len(TEXTS) + 2,
             "records_empty": 2,
+            "records_excluded": 0,
             "sequences": -(-tokens // 16),
             "tokens": tokens,
             "files": [

@@ -1,9 +1,12 @@
 """verdict.py's rules on plain numbers: the scheme chosen, the layers to keep in bf16, whether a smaller cache pays."""
 
+import re
+
 import pytest
 
 from calibrate.verification.capacity import LayerKV, bf16_bytes, plan
-from calibrate.verification.verdict import choose, pays_lines, rank_correlation, skip_choice
+from calibrate.verification.config import Thresholds
+from calibrate.verification.verdict import check_measured, choose, judge, pays_lines, rank_correlation, skip_choice
 
 
 def result(verdict: str, mode: str = "static") -> dict:
@@ -74,3 +77,68 @@ def test_a_scheme_vllm_refuses_for_the_checkpoint_is_never_chosen():
     results = {"tensor": result("warn"), "fp8_e5m2": {**result("pass"), "servable": False}}
     assert choose(results) == "tensor"
     assert choose({"fp8_e5m2": {**result("pass"), "servable": False}}) is None
+
+
+# Limits as --fixed-limits resolves them: pass up to KL 0.02 and from top-1 95%, fail above KL 0.1 and below top-1 90%.
+FIXED = Thresholds().resolve(None)
+
+
+def measured(kl: float = 0.01, top1: float = 0.97, **extra) -> dict:
+    """One scheme's numbers as verify.run builds them, enough for judge() and check_measured()."""
+    return {"mode": "static", "kl": kl, "top1": top1, "layer_rel_error": [0.02, 0.05], **extra}
+
+
+@pytest.mark.parametrize(
+    "numbers, verdict, reasons",
+    [
+        pytest.param(measured(), "pass", [], id="well-inside"),
+        pytest.param(measured(kl=0.02), "pass", [], id="kl-at-pass-limit"),
+        pytest.param(measured(kl=0.0201), "warn", ["KL 0.0201 > 0.02 nats/token"], id="kl-above-pass-limit"),
+        pytest.param(measured(kl=0.1), "warn", ["KL 0.1 > 0.02 nats/token"], id="kl-at-fail-limit"),
+        pytest.param(measured(kl=0.1001), "fail", ["KL 0.1001 > 0.1 nats/token"], id="kl-above-fail-limit"),
+        pytest.param(measured(top1=0.95), "pass", [], id="top1-at-pass-limit"),
+        pytest.param(measured(top1=0.949), "warn", ["top-1 agreement 94.900% < 95%"], id="top1-below-pass-limit"),
+        pytest.param(measured(top1=0.90), "warn", ["top-1 agreement 90.000% < 95%"], id="top1-at-fail-limit"),
+        pytest.param(measured(top1=0.899), "fail", ["top-1 agreement 89.900% < 90%"], id="top1-below-fail-limit"),
+        pytest.param(measured(needle_lost=0), "pass", [], id="needle-kept"),
+        pytest.param(measured(needle_lost=2), "warn", ["the needle found by the reference was lost in 2 case(s)"], id="needle-lost"),
+        pytest.param(measured(kl=0.2, top1=0.5, needle_lost=1), "fail",
+                     ["KL 0.2 > 0.1 nats/token", "top-1 agreement 50.000% < 90%", "the needle found by the reference was lost in 1 case(s)"],
+                     id="every-reason-at-once"),
+        # Saturation is reported beside the verdict, not judged: what it costs shows up in KL and top-1.
+        pytest.param(measured(saturated={"k": [1.0, 1.0]}), "pass", [], id="saturation-alone-is-not-judged"),
+        pytest.param({**measured(kl=5.0, top1=0.0), "mode": "reference"}, "reference", [], id="reference"),
+    ],
+)
+def test_judge_at_every_limit(numbers, verdict, reasons):
+    assert judge(numbers, FIXED) == (verdict, reasons)
+
+
+def test_judge_uses_limits_derived_from_the_floor():
+    limits = Thresholds().resolve({"kl": 0.001, "top1": 0.99})  # pass ≤ 0.01 / ≥ 90%, fail > 0.1 / < 0%
+    assert (limits.max_kl, limits.fail_kl) == pytest.approx((0.01, 0.1))
+    assert judge(measured(kl=0.01, top1=0.9), limits)[0] == "pass"
+    assert judge(measured(kl=0.011, top1=0.9), limits)[0] == "warn"
+    assert judge(measured(kl=0.011, top1=0.05), limits)[0] == "warn"  # 100 × the floor's 1% disagreement: fail only below 0
+
+
+@pytest.mark.parametrize(
+    "numbers, message",
+    [
+        pytest.param(measured(kl=0.0), "measured a KL of exactly 0", id="kl-zero"),
+        pytest.param(measured(layer_rel_error=[0.02, 0.0, 0.03]), "per-layer error of exactly 0 or 1 at layer rows [1]", id="layer-error-zero"),
+        pytest.param(measured(layer_rel_error=[1.0, 0.02, 1.0]), "per-layer error of exactly 0 or 1 at layer rows [0, 2]", id="layer-error-one"),
+    ],
+)
+def test_numbers_no_real_fp8_emulation_gives_are_refused(numbers, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_measured("tensor", numbers)
+
+
+@pytest.mark.parametrize("mode", ["reference", "floor"])
+def test_the_reference_and_floor_may_measure_nothing(mode):
+    check_measured("bf16", {"mode": mode, "kl": 0.0, "top1": 1.0, "layer_rel_error": [0.0, 1.0]})
+
+
+def test_errors_near_but_not_at_0_or_1_are_accepted():
+    check_measured("tensor", measured(layer_rel_error=[1e-9, 0.999999]))
