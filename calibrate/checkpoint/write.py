@@ -27,7 +27,7 @@ from safetensors import safe_open
 from ..loaders import (
     HF_QUANT_CONFIG, INDEX_FILE, KV_SCALE_PATTERN, STRATEGIES, WRITE_NAMES, checkpoint_form, loaded_multiplier, tensor_names, vllm_files,
 )
-from ..files import save_tensors
+from ..files import apply_umask, save_tensors
 from ..layout import KVCAL_DIR, is_kvcal_output, sibling, sweep
 from ..loaders import check_float_weights
 
@@ -165,8 +165,8 @@ def _link_or_copy(src: Path, dst: Path) -> None:
     into its ``blobs/``, which a link of the link itself would leave dangling in OUT)."""
     try:
         os.link(Path(src).resolve(strict=True), dst)
-    except OSError:  # another filesystem, or links not allowed
-        shutil.copy2(src, dst)
+    except OSError:  # another filesystem, or links not allowed: a new file, with the umask's mode
+        shutil.copyfile(src, dst)
 
 
 def _write_weights(tmp: Path, files: list[Path]) -> dict[str, str]:
@@ -221,15 +221,18 @@ def tensor_bytes(path: Path) -> int:
 def copy_other_files(source: Path, dest: Path, *, skip: set[str], weight_suffixes: tuple[str, ...]) -> None:
     """Copy the source's top-level files and folders (tokenizer, chat template, ...) that are not weights.
 
-    Hidden entries, names in ``skip`` and files ending with ``weight_suffixes`` are left out.
+    Hidden entries, names in ``skip`` and files ending with ``weight_suffixes`` are left out. The copies are new
+    files with the modes the umask gives, not the source's (a 0600 tokenizer would be unreadable to a server
+    running as another user; a 0755 one is no program).
     """
     for item in sorted(source.iterdir()):
         if item.name in skip or item.name.startswith("."):
             continue
         if item.is_dir():
-            shutil.copytree(item, dest / item.name)
+            shutil.copytree(item, dest / item.name, copy_function=shutil.copyfile)
+            apply_umask(dest / item.name)  # copytree gives folders the source's modes
         elif not item.name.endswith(weight_suffixes):
-            shutil.copy2(item, dest / item.name)
+            shutil.copyfile(item, dest / item.name)
 
 
 def check_links(source: Path) -> None:

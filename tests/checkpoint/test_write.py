@@ -242,3 +242,24 @@ def test_kv_cache_scheme_equals_compressed_tensors_own(tiny_dir):
         assert kv_cache_scheme(strategy) == args.model_dump(mode="json", exclude_none=True)
         config = QuantizationConfig(config_groups={}, kv_cache_scheme=args, quantization_status="compressed", format="dense")
         assert quantization_config(None, strategy) == config.model_dump(mode="json", exclude_none=True)
+
+
+@pytest.mark.parametrize("source_mode", [0o600, 0o755])
+def test_copied_files_follow_the_umask_not_the_source(tiny_dir, tmp_path, source_mode):
+    """The tokenizer, chat template and generation config are copied: they get the umask's mode, not the source's."""
+    copied = ["tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"]
+    (tiny_dir / "chat_template.jinja").write_text("{{ messages }}")
+    (tiny_dir / "extra").mkdir()
+    (tiny_dir / "extra" / "notes.txt").write_text("x")
+    for name in [*copied, "extra/notes.txt"]:
+        os.chmod(tiny_dir / name, source_mode)
+    os.chmod(tiny_dir / "extra", 0o700)
+    old = os.umask(0o022)
+    try:
+        scales = {"model.layers.0.self_attn.k_scale": torch.ones(1)}
+        write_checkpoint(tiny_dir, tmp_path / "out", scales=scales, strategy="tensor", write_extras=lambda d: None)
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    modes = {name: oct((out / name).stat().st_mode & 0o777) for name in [*copied, "extra/notes.txt", "extra"]}
+    assert modes == {**{name: oct(0o644) for name in [*copied, "extra/notes.txt"]}, "extra": oct(0o755)}
