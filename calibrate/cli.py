@@ -8,6 +8,7 @@ import argparse
 import json
 import signal
 import sys
+import warnings
 from typing import NoReturn
 
 from dataclasses import asdict
@@ -186,7 +187,20 @@ def _saved_note(args: argparse.Namespace) -> str:
     return f" to {args.out}; the statistics so far are saved in {resume_dir(args.out)}: add --resume to continue"
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as the CLI's one line ``kvcal: warning: MESSAGE``: no source file, line number or code line."""
+    print(f"kvcal: warning: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv: list[str] | None = None) -> int:
+    shown, warnings.showwarning = warnings.showwarning, _show_warning
+    try:
+        return _main(argv)
+    finally:
+        warnings.showwarning = shown
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
     options = {k: v for k, v in vars(args).items() if k != "command"}
