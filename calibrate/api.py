@@ -26,7 +26,7 @@ from .config import LITTLE_DATA_TOKENS, CalibrationConfig, ScaleConfig
 from .run.distributed import Group, session
 from .layout import KVCAL_DIR, PROVENANCE_FILE
 from .checkpoint.write import check_links, prepare_output, scale_tensors, weight_files, write_checkpoint
-from .files import read_json_object
+from .files import file_sha256, read_json_object
 from .fp8 import get_format
 from .loaders import mla_dims
 from .model.layers import signature_of
@@ -197,9 +197,14 @@ def scale_report(scale_set: ScaleSet) -> dict:
     }
 
 
+STATS_SHA256 = "stats_sha256"  # calibration.json's key for the sha256 of kvcal/stats.safetensors
+
+
 def _write_extras(stats: Stats, provenance: dict):
     def write(directory: Path) -> None:
         stats.save(directory / STATS_FILE)  # directory: OUT's KVCAL_DIR, being built
+        # The statistics' digest, so that export and apply refuse a file changed since (load_calibration).
+        provenance[STATS_SHA256] = file_sha256(directory / STATS_FILE)
         (directory / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
 
     return write
@@ -481,6 +486,10 @@ def load_calibration(source: str | Path) -> tuple[Stats, dict]:
         stats = Stats.load(stats_file)
     except SafetensorError as e:
         raise ValueError(f"{stats_file} is not a readable safetensors file ({e}); it is damaged: calibrate again") from None
+    # Outputs of kvcal before the digest was recorded have none: they are read as before.
+    if STATS_SHA256 in provenance and file_sha256(stats_file) != provenance[STATS_SHA256]:
+        raise ValueError(f"{stats_file} is not the file this calibration wrote (its sha256 differs from the one in "
+                         f"{PROVENANCE_FILE}): it was changed or damaged since; calibrate again")
     return stats, provenance
 
 

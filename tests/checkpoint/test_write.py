@@ -84,6 +84,8 @@ def test_provenance_and_statistics_are_saved(tiny_dir, text_file, tmp_path):
     from calibrate import Stats
 
     saved = Stats.load(tmp_path / "out" / "kvcal" / "stats.safetensors")
+    recorded = json.loads((tmp_path / "out" / "kvcal" / "calibration.json").read_text())["stats_sha256"]
+    assert recorded == hashlib.sha256((tmp_path / "out" / "kvcal" / "stats.safetensors").read_bytes()).hexdigest()
     torch.testing.assert_close(saved.kinds["k"].hist, result.stats.kinds["k"].hist, rtol=0, atol=0)
 
 
