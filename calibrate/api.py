@@ -34,7 +34,7 @@ from .scales.observers import ScaleSet, derive_scales, latent_report
 from .verification.report import SERVE_NOTES, kvcal_version, scale_table, serve_command
 from .model.layers import ModelSignature
 from .capture.stats import Stats
-from .layout import STATS_FILE, provenance_path, sibling, stats_path, verify_dir
+from .layout import STATS_FILE, pause_at, provenance_path, sibling, stats_path, verify_dir
 
 # The model, data, capture and verify modules import transformers and datasets (seconds): calibrate imports
 # them when it runs, so that export and inspect, which need none of them, start fast.
@@ -203,6 +203,7 @@ STATS_SHA256 = "stats_sha256"  # calibration.json's key for the sha256 of kvcal/
 def _write_extras(stats: Stats, provenance: dict):
     def write(directory: Path) -> None:
         stats.save(directory / STATS_FILE)  # directory: OUT's KVCAL_DIR, being built
+        pause_at("stats")  # test-only (layout.pause_at)
         # The statistics' digest, so that export and apply refuse a file changed since (load_calibration).
         provenance[STATS_SHA256] = file_sha256(directory / STATS_FILE)
         (directory / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
@@ -458,6 +459,7 @@ def _short_verify(config: CalibrationConfig) -> VerifyResult | None:
     from .verification.run import run_verify
 
     seq_len = min(config.data.seq_len, SHORT_VERIFY_TOKENS)
+    pause_at("short-verify")  # test-only (layout.pause_at): OUT is written and complete here
     try:
         return run_verify(VerifyConfig.from_options(
             config.out, config.data.sources, seq_len=seq_len, max_tokens=SHORT_VERIFY_SEQUENCES * seq_len, text_field=config.data.text_field,

@@ -28,7 +28,7 @@ from ..loaders import (
     HF_QUANT_CONFIG, INDEX_FILE, KV_SCALE_PATTERN, STRATEGIES, WRITE_NAMES, checkpoint_form, loaded_multiplier, tensor_names, vllm_files,
 )
 from ..files import apply_umask, save_tensors
-from ..layout import KVCAL_DIR, is_kvcal_output, sibling, sweep
+from ..layout import KVCAL_DIR, is_kvcal_output, pause_at, sibling, sweep
 from ..loaders import check_float_weights
 
 SCALES_PRODUCER = "kvcal"  # the "producer" metadata of the scales shard
@@ -192,6 +192,7 @@ def _write_weights(tmp: Path, files: list[Path]) -> dict[str, str]:
                 save_tensors({n: f.get_tensor(n) for n in keep}, tmp / name, metadata)
         else:
             _link_or_copy(path, tmp / name)
+            pause_at("weights")  # test-only (layout.pause_at)
         weight_map.update(dict.fromkeys(keep, name))
     return weight_map
 
@@ -255,6 +256,7 @@ def prepare_output(out: Path, inputs: list[Path], overwrite: bool) -> None:
     directory. OUT's parent must be writable (OUT is built there, beside it).
     """
     out = Path(out).resolve()
+    sweep(out)  # what killed runs left (an empty claimed OUT, an OUT moved aside) is cleared or put back first
     for given in inputs:
         path = Path(given).resolve()
         if out == path or path in out.parents:
@@ -358,6 +360,7 @@ def _move_into_place(tmp: Path, out: Path, *, replace: bool) -> None:
         except FileExistsError:
             raise ValueError(f"{out} appeared while this run was working (another run with the same --out?); "
                              "nothing was written: choose another --out, or pass --overwrite to replace it") from None
+        pause_at("rename")  # test-only (layout.pause_at): OUT claimed, still empty
         try:
             os.rename(tmp, out)  # replaces the empty directory just made
         except BaseException:
@@ -366,6 +369,7 @@ def _move_into_place(tmp: Path, out: Path, *, replace: bool) -> None:
         return
     old = sibling(out, "old")
     os.rename(out, old)
+    pause_at("swap")  # test-only (layout.pause_at): between the swap's two renames, OUT missing
     try:
         os.rename(tmp, out)
     except BaseException:

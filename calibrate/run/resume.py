@@ -27,7 +27,7 @@ import torch
 from ..files import file_sha256, read_json_object
 from ..model.layers import ModelSignature
 from ..capture.stats import Stats
-from ..layout import sibling
+from ..layout import pause_at, sibling
 
 if TYPE_CHECKING:
     from ..config import CalibrationConfig
@@ -187,6 +187,7 @@ class Saver:
         for old in self.directory.glob(f"stats-rank{self.rank}-*.safetensors"):
             if old.name != name:
                 old.unlink(missing_ok=True)
+        pause_at("capture")  # test-only (layout.pause_at): a kill mid-capture, with a save to resume from
 
 
 def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
