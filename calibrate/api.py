@@ -352,8 +352,24 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
         warnings.warn(f"the short verify was skipped: this model was placed with a device map; run kvcal verify "
                       f"{config.out} --data ... on a device that holds it", stacklevel=2)
     elif config.verify:
-        result.verification = _short_verify(config)
+        try:
+            result.verification = _short_verify(config)
+        except KeyboardInterrupt:
+            raise VerifyInterrupted(config.out, config.data.sources) from None
     return result
+
+
+class VerifyInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) during the short verify: OUT is written and complete, only the verify was cut short."""
+
+    def __init__(self, out: str, sources: list[str]):
+        super().__init__(out)
+        self.out, self.sources = out, sources
+
+    def message(self) -> str:
+        data = " ".join(f"--data {source}" for source in self.sources)
+        return (f"interrupted in the short verify; {self.out} is written and complete: to verify it, "
+                f"run kvcal verify {self.out} {data}")
 
 
 @dataclass

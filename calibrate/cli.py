@@ -247,8 +247,14 @@ def _main(argv: list[str] | None) -> int:
     except ValueError as e:
         print(f"kvcal: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"kvcal: interrupted; nothing was written{_saved_note(args)}", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        # The short verify runs after OUT is written (api.VerifyInterrupted): then "nothing was written" is untrue.
+        api = sys.modules.get(f"{__package__}.api")  # imported by then, if it was the short verify (no import here)
+        if isinstance(e, getattr(api, "VerifyInterrupted", ())):
+            written = e.message()
+        else:
+            written = f"interrupted; nothing was written{_saved_note(args)}"
+        print(f"kvcal: {written}", file=sys.stderr)
         return 130
     print(result.summary())
     return 0

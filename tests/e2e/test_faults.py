@@ -143,3 +143,21 @@ def test_a_killed_demo_conversion_is_swept_by_the_next(tmp_path):
     publish_dir(target, lambda tmp: (tmp / "config.json").write_text("{}"))
     assert sorted(os.listdir(target.parent)) == ["SmolLM2-135M-Instruct"]
     assert (target / "config.json").is_file()
+
+
+def test_ctrl_c_in_the_short_verify_says_out_is_written_and_complete(inputs, tmp_path):
+    """The short verify runs after OUT is written: an interrupt there must not say "nothing was written"."""
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    out = runs / "out"
+    cmd = [arg for arg in _command(inputs, out) if arg != "--no-verify"]
+    proc = start_paused(cmd, "short-verify", tmp_path)
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait() == 130
+    err = (tmp_path / "short-verify.stderr").read_text()
+    last = err.strip().splitlines()[-1]
+    assert last == (f"kvcal: interrupted in the short verify; {out} is written and complete: to verify it, "
+                    f"run kvcal verify {out} --data {inputs / 'data.jsonl'}"), err
+    assert "nothing was written" not in err and "Traceback" not in err
+    assert sorted(os.listdir(runs)) == ["out"]
+    assert_complete(out)
