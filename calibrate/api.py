@@ -30,7 +30,7 @@ from .files import file_sha256, read_json_object
 from .fp8 import get_format
 from .loaders import mla_dims
 from .model.layers import signature_of
-from .scales.observers import ScaleSet, derive_scales, latent_report
+from .scales.observers import ScaleSet, derive_scales, latent_report, recorded_scales
 from .verification.report import SERVE_NOTES, kvcal_version, scale_table, serve_command
 from .model.layers import ModelSignature
 from .capture.stats import Stats
@@ -532,11 +532,13 @@ def export(
     fp8_format: str = "e4m3fn",
     model: str | None = None,
     overwrite: bool = False,
+    _recorded: bool = False,
 ) -> CalibrationResult:
     """Re-derive scales from a previous kvcal output's statistics and write a new checkpoint.
 
     No model is loaded: the statistics are checked against the target's config.json and the weight
-    files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself).
+    files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself). ``_recorded``
+    (``apply``) writes SOURCE's recorded scales instead of re-deriving them.
     """
     from .loaders import check_loads_scales
     from .model.layers import AttentionLayer
@@ -568,10 +570,14 @@ def export(
     except TypeError as e:
         raise ValueError(f"the layers in {source}/{KVCAL_DIR}/{PROVENANCE_FILE} are not kvcal's ({e}); it was damaged") from None
 
-    # 2. Statistics → scales.
-    scale_set = derive_scales(
-        stats.kinds, observer=observer, granularity=granularity, fmt=fmt, headroom=headroom, query_scale=query_scale
-    )
+    # 2. Statistics → scales (apply: the calibration's own scales, as recorded).
+    if _recorded:
+        scale_set = recorded_scales(stats.kinds, _scales_of(old, source), observer=observer, granularity=granularity,
+                                    fmt=fmt, headroom=headroom)
+    else:
+        scale_set = derive_scales(
+            stats.kinds, observer=observer, granularity=granularity, fmt=fmt, headroom=headroom, query_scale=query_scale
+        )
 
     # 3. Write, carrying the original provenance forward.
     provenance = dict(old)
@@ -591,12 +597,20 @@ def export(
     return CalibrationResult(written, layers, stats, scale_set, provenance)
 
 
+def _scales_of(provenance: dict, source) -> dict[str, torch.Tensor]:
+    """The scales a calibration wrote (``ScaleSet.scales``: its format's own units), from its provenance."""
+    try:
+        return {kind: torch.tensor(values, dtype=torch.float32) for kind, values in provenance["scales"]["scales"].items()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{source}/{KVCAL_DIR}/{PROVENANCE_FILE} holds no readable scales ({e!r}); it was damaged") from None
+
+
 def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False) -> CalibrationResult:
     """Write the scales of one calibration into another checkpoint of the same architecture.
 
-    The scales are re-derived from SOURCE's statistics with SOURCE's own observer, granularity, headroom
-    and format, so they are exactly SOURCE's; ``api.export`` then checks model type, heads and head size
-    against CHECKPOINT's config.json and writes OUT (ModelOpt form when CHECKPOINT is a ModelOpt one).
+    The scales are SOURCE's, exactly as its provenance records them (not re-derived: the output observer's cannot
+    be, from statistics alone); ``api.export`` then checks model type, heads and head size against CHECKPOINT's
+    config.json and writes OUT (ModelOpt form when CHECKPOINT is a ModelOpt one).
 
     Raises:
         ValueError: SOURCE is not a kvcal output, or CHECKPOINT's attention layers are not SOURCE's.
@@ -619,5 +633,5 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False) ->
     s = provenance["scales"]
     return export(
         source, out, model=checkpoint, observer=s["observer"], granularity=s["granularity"], headroom=s["headroom"],
-        query_scale="q" in s["scales"], fp8_format=s["fp8_format"], overwrite=overwrite,
+        query_scale="q" in s["scales"], fp8_format=s["fp8_format"], overwrite=overwrite, _recorded=True,
     )
