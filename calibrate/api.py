@@ -279,8 +279,9 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             check_loads_scales(model_config)
             warn_ignored_scales(model_config)
             check_remote_code(config.model, model_config, config.trust_remote_code)
+            seen = None  # OUT's identity at the start (layout.identity): only that OUT may be replaced at the end
             if group.writes:
-                prepare_output(Path(config.out), [Path(config.model), *local_paths(config.data.sources)], config.overwrite)
+                seen = prepare_output(Path(config.out), [Path(config.model), *local_paths(config.data.sources)], config.overwrite)
             # The data opened with the model's tokenizer (every source's first record: a wrong column, a chat without
             # a template, an unreachable dataset) before a Hub model's weights download and before any model loads.
             offline = hub.fetch(config.model, trust_remote_code=config.trust_remote_code, weights=False)
@@ -339,6 +340,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             fp8_format=fmt.name,
             overwrite=config.overwrite,
             inputs=(Path(config.model), *local_paths(config.data.sources)),
+            seen=seen,
         )
     finally:
         if weights_dir is not None:
@@ -550,7 +552,7 @@ def export(
     fmt = get_format(fp8_format)
     stats, old = load_calibration(source)
     target = Path(model or source)
-    prepare_output(Path(out), [target, Path(source)], overwrite)
+    seen = prepare_output(Path(out), [target, Path(source)], overwrite)
     target_config = read_config(target)
     check_loads_scales(target_config)
     try:
@@ -593,6 +595,7 @@ def export(
         fp8_format=fmt.name,
         overwrite=overwrite,
         inputs=(Path(source),),
+        seen=seen,
     )
     return CalibrationResult(written, layers, stats, scale_set, provenance)
 

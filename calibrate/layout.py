@@ -51,6 +51,15 @@ def sibling(out: str | Path, kind: str, pid: int | None = None) -> Path:
     return out.parent / f".{out.name}.kvcal-{kind}-{os.getpid() if pid is None else pid}"
 
 
+def identity(path: str | Path) -> tuple[int, int] | None:
+    """(st_ino, st_mtime_ns) of ``path`` as it is now, None when it does not exist: which OUT a run started with."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

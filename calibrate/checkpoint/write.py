@@ -28,7 +28,7 @@ from ..loaders import (
     HF_QUANT_CONFIG, INDEX_FILE, KV_SCALE_PATTERN, STRATEGIES, WRITE_NAMES, checkpoint_form, loaded_multiplier, tensor_names, vllm_files,
 )
 from ..files import apply_umask, save_tensors
-from ..layout import KVCAL_DIR, is_kvcal_output, pause_at, sibling, sweep
+from ..layout import KVCAL_DIR, identity, is_kvcal_output, pause_at, sibling, sweep
 from ..loaders import check_float_weights
 
 SCALES_PRODUCER = "kvcal"  # the "producer" metadata of the scales shard
@@ -248,12 +248,16 @@ def check_links(source: Path) -> None:
                 raise ValueError(f"{path} is a link that leads nowhere (dangling, or a loop); remove or fix it")
 
 
-def prepare_output(out: Path, inputs: list[Path], overwrite: bool) -> None:
+def prepare_output(out: Path, inputs: list[Path], overwrite: bool) -> tuple[int, int] | None:
     """Cheap checks on OUT_DIR before any expensive work.
 
     ``--overwrite`` replaces only what kvcal wrote: an earlier kvcal output or an empty directory. No input
     (the source checkpoint, a target, data files) may be OUT, lie inside it, or hold it; nor may the current
     directory. OUT's parent must be writable (OUT is built there, beside it).
+
+    Returns:
+        OUT's identity now (``layout.identity``; None: no OUT), for ``write_checkpoint(seen=...)``: only the OUT a
+        run started with may be replaced at its end.
     """
     out = Path(out).resolve()
     sweep(out)  # what killed runs left (an empty claimed OUT, an OUT moved aside) is cleared or put back first
@@ -278,6 +282,7 @@ def prepare_output(out: Path, inputs: list[Path], overwrite: bool) -> None:
         raise ValueError(f"the parent directory of {out} does not exist; create it first")
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise ValueError(f"{out.parent} is not writable, so --out {out} cannot be created there; choose another --out")
+    return identity(out)
 
 
 def write_checkpoint(
@@ -290,6 +295,7 @@ def write_checkpoint(
     fp8_format: str = "e4m3fn",
     overwrite: bool = False,
     inputs: tuple[Path, ...] = (),
+    seen: tuple[int, int] | None | str = "now",
 ) -> Path:
     """Build the output checkpoint in a temporary directory and move it into place.
 
@@ -302,13 +308,15 @@ def write_checkpoint(
         fp8_format: the format the scales are in (a ModelOpt target gets them in its loader's units).
         overwrite: replace an existing ``out`` (only one kvcal wrote, see ``prepare_output``).
         inputs: the run's other inputs (data files, statistics), none of which ``out`` may be or hold.
+        seen: what ``prepare_output`` returned when the run started ("now": take it here); OUT is replaced only
+            if it is still that one (another run with the same --out may have written it meanwhile).
 
     Returns:
         ``out``, complete.
     """
     source, out = Path(source), Path(out)
-    prepare_output(out, [source, *inputs], overwrite)
-    existed = out.exists()
+    now = prepare_output(out, [source, *inputs], overwrite)
+    seen = now if seen == "now" else seen
     files = weight_files(source)
     check_links(source)
     config = json.loads((source / "config.json").read_text())
@@ -341,20 +349,20 @@ def write_checkpoint(
         (tmp / KVCAL_DIR).mkdir()
         write_extras(tmp / KVCAL_DIR)
         check_index(tmp)
-        _move_into_place(tmp, out, replace=existed)
+        _move_into_place(tmp, out, seen=seen)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
-def _move_into_place(tmp: Path, out: Path, *, replace: bool) -> None:
+def _move_into_place(tmp: Path, out: Path, *, seen: tuple[int, int] | None) -> None:
     """Rename ``tmp`` to ``out``; an old ``out`` is moved aside first and removed only after.
 
-    ``replace`` says OUT existed (and --overwrite allowed it) when the run started: an OUT that appeared
-    while this run worked belongs to another run, and is never replaced.
+    ``seen`` is OUT's identity when the run started (None: there was none; else --overwrite allowed replacing it):
+    an OUT that appeared, or was replaced, while this run worked belongs to another run, and is never replaced.
     """
-    if not replace:
+    if seen is None:
         try:
             out.mkdir()  # claims the name atomically: fails if another run created it meanwhile
         except FileExistsError:
@@ -367,6 +375,9 @@ def _move_into_place(tmp: Path, out: Path, *, replace: bool) -> None:
             out.rmdir()
             raise
         return
+    if identity(out) != seen:
+        raise ValueError(f"{out} was replaced while this run was working (another run with the same --out?); nothing "
+                         "was written: run again to replace the new one, or choose another --out")
     old = sibling(out, "old")
     os.rename(out, old)
     pause_at("swap")  # test-only (layout.pause_at): between the swap's two renames, OUT missing
