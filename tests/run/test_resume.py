@@ -208,3 +208,18 @@ def test_two_ranks_resume_their_own_shares(tiny_dir, text_file, tmp_path):
             exact = want.dtype != torch.float64  # counts and maxima exactly; float64 sums up to their order of addition
             torch.testing.assert_close(got, want, rtol=0 if exact else 1e-12, atol=0, msg=f"{kind}.{f.name}")
     assert not resume_dir(out).exists()
+
+
+def test_a_resume_after_the_weights_changed_in_place_is_refused(tiny_dir, text_file, tmp_path):
+    """Same file names and sizes, other weights (rewritten in place): a resume would mix two models' statistics."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / "out"
+    interrupted(tiny_dir, text_file, out)
+    weights = tiny_dir / "model.safetensors"
+    size, tensors = weights.stat().st_size, load_file(weights)
+    save_file({name: t + 1 for name, t in tensors.items()}, str(weights), metadata={"format": "pt"})
+    assert weights.stat().st_size == size
+    with pytest.raises(ValueError, match="model file model.safetensors differs from the saved run's") as e:
+        calibrate(str(tiny_dir), [str(text_file)], str(out), **BASE, resume=True)
+    assert "\n" not in str(e.value)
