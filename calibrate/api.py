@@ -26,15 +26,15 @@ from .config import LITTLE_DATA_TOKENS, CalibrationConfig, ScaleConfig
 from .run.distributed import Group, session
 from .layout import KVCAL_DIR, PROVENANCE_FILE
 from .checkpoint.write import check_links, prepare_output, scale_tensors, weight_files, write_checkpoint
-from .files import read_json_object
+from .files import file_sha256, read_json_object
 from .fp8 import get_format
 from .loaders import mla_dims
 from .model.layers import signature_of
-from .scales.observers import ScaleSet, derive_scales, latent_report
+from .scales.observers import ScaleSet, derive_scales, latent_report, recorded_scales
 from .verification.report import SERVE_NOTES, kvcal_version, scale_table, serve_command
 from .model.layers import ModelSignature
 from .capture.stats import Stats
-from .layout import RECORDS_FILE, STATS_FILE, provenance_path, records_path, sibling, stats_path, verify_dir
+from .layout import RECORDS_FILE, STATS_FILE, pause_at, provenance_path, records_path, sibling, stats_path, verify_dir
 from .loaders import text_part
 
 # The model, data, capture and verify modules import transformers and datasets (seconds): calibrate imports
@@ -216,10 +216,16 @@ def scale_report(scale_set: ScaleSet) -> dict:
     }
 
 
+STATS_SHA256 = "stats_sha256"  # calibration.json's key for the sha256 of kvcal/stats.safetensors
+
+
 def _write_extras(stats: Stats, provenance: dict, records: list[str] | None):
     """What goes into OUT's KVCAL_DIR: statistics, provenance, and the calibration's record digests (None: none known)."""
     def write(directory: Path) -> None:
         stats.save(directory / STATS_FILE)  # directory: OUT's KVCAL_DIR, being built
+        pause_at("stats")  # test-only (layout.pause_at)
+        # The statistics' digest, so that export and apply refuse a file changed since (load_calibration).
+        provenance[STATS_SHA256] = file_sha256(directory / STATS_FILE)
         (directory / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
         if records is not None:
             (directory / RECORDS_FILE).write_text("".join(d + "\n" for d in records))
@@ -303,8 +309,9 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             source_form(Path(config.model), model_config, config.scales.granularity)
             warn_ignored_scales(model_config)
             check_remote_code(config.model, model_config, config.trust_remote_code)
+            seen = None  # OUT's identity at the start (layout.identity): only that OUT may be replaced at the end
             if group.writes:
-                prepare_output(Path(config.out), [Path(config.model), *local_paths(config.data.sources)], config.overwrite)
+                seen = prepare_output(Path(config.out), [Path(config.model), *local_paths(config.data.sources)], config.overwrite)
             # The data opened with the model's tokenizer (every source's first record: a wrong column, a chat without
             # a template, an unreachable dataset) before a Hub model's weights download and before any model loads.
             offline = hub.fetch(config.model, trust_remote_code=config.trust_remote_code, weights=False)
@@ -363,6 +370,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             fp8_format=fmt.name,
             overwrite=config.overwrite,
             inputs=(Path(config.model), *local_paths(config.data.sources)),
+            seen=seen,
         )
     finally:
         if weights_dir is not None:
@@ -376,8 +384,24 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
         warnings.warn(f"the short verify was skipped: this model was placed with a device map; run kvcal verify "
                       f"{config.out} --data ... on a device that holds it", stacklevel=2)
     elif config.verify:
-        result.verification = _short_verify(config)
+        try:
+            result.verification = _short_verify(config)
+        except KeyboardInterrupt:
+            raise VerifyInterrupted(config.out, config.data.sources) from None
     return result
+
+
+class VerifyInterrupted(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) during the short verify: OUT is written and complete, only the verify was cut short."""
+
+    def __init__(self, out: str, sources: list[str]):
+        super().__init__(out)
+        self.out, self.sources = out, sources
+
+    def message(self) -> str:
+        data = " ".join(f"--data {source}" for source in self.sources)
+        return (f"interrupted in the short verify; {self.out} is written and complete: to verify it, "
+                f"run kvcal verify {self.out} {data}")
 
 
 @dataclass
@@ -484,6 +508,7 @@ def _short_verify(config: CalibrationConfig) -> VerifyResult | None:
     from .verification.run import run_verify
 
     seq_len = min(config.data.seq_len, SHORT_VERIFY_TOKENS)
+    pause_at("short-verify")  # test-only (layout.pause_at): OUT is written and complete here
     try:
         return run_verify(VerifyConfig.from_options(
             config.out, config.data.sources, seq_len=seq_len, max_tokens=SHORT_VERIFY_SEQUENCES * seq_len, text_field=config.data.text_field,
@@ -512,6 +537,10 @@ def load_calibration(source: str | Path) -> tuple[Stats, dict]:
         stats = Stats.load(stats_file)
     except SafetensorError as e:
         raise ValueError(f"{stats_file} is not a readable safetensors file ({e}); it is damaged: calibrate again") from None
+    # Outputs of kvcal before the digest was recorded have none: they are read as before.
+    if STATS_SHA256 in provenance and file_sha256(stats_file) != provenance[STATS_SHA256]:
+        raise ValueError(f"{stats_file} is not the file this calibration wrote (its sha256 differs from the one in "
+                         f"{PROVENANCE_FILE}): it was changed or damaged since; calibrate again")
     return stats, provenance
 
 
@@ -536,11 +565,13 @@ def export(
     fp8_format: str = "e4m3fn",
     model: str | None = None,
     overwrite: bool = False,
+    _recorded: bool = False,
 ) -> CalibrationResult:
     """Re-derive scales from a previous kvcal output's statistics and write a new checkpoint.
 
     No model is loaded: the statistics are checked against the target's config.json and the weight
-    files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself).
+    files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself). ``_recorded``
+    (``apply``) writes SOURCE's recorded scales instead of re-deriving them.
     """
     from .loaders import check_loads_scales, source_form
     from .model.layers import AttentionLayer
@@ -552,7 +583,7 @@ def export(
     fmt = get_format(fp8_format)
     stats, old = load_calibration(source)
     target = Path(model or source)
-    prepare_output(Path(out), [target, Path(source)], overwrite)
+    seen = prepare_output(Path(out), [target, Path(source)], overwrite)
     target_config = read_config(target)
     check_loads_scales(target_config)
     source_form(target, target_config, granularity)  # a quantization method whose scales vLLM would not read
@@ -573,10 +604,14 @@ def export(
     except TypeError as e:
         raise ValueError(f"the layers in {source}/{KVCAL_DIR}/{PROVENANCE_FILE} are not kvcal's ({e}); it was damaged") from None
 
-    # 2. Statistics → scales.
-    scale_set = derive_scales(
-        stats.kinds, observer=observer, granularity=granularity, fmt=fmt, headroom=headroom, query_scale=query_scale
-    )
+    # 2. Statistics → scales (apply: the calibration's own scales, as recorded).
+    if _recorded:
+        scale_set = recorded_scales(stats.kinds, _scales_of(old, source), observer=observer, granularity=granularity,
+                                    fmt=fmt, headroom=headroom)
+    else:
+        scale_set = derive_scales(
+            stats.kinds, observer=observer, granularity=granularity, fmt=fmt, headroom=headroom, query_scale=query_scale
+        )
 
     # 3. Write, carrying the original provenance forward.
     provenance = dict(old)
@@ -592,16 +627,25 @@ def export(
         fp8_format=fmt.name,
         overwrite=overwrite,
         inputs=(Path(source),),
+        seen=seen,
     )
     return CalibrationResult(written, layers, stats, scale_set, provenance)
+
+
+def _scales_of(provenance: dict, source) -> dict[str, torch.Tensor]:
+    """The scales a calibration wrote (``ScaleSet.scales``: its format's own units), from its provenance."""
+    try:
+        return {kind: torch.tensor(values, dtype=torch.float32) for kind, values in provenance["scales"]["scales"].items()}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{source}/{KVCAL_DIR}/{PROVENANCE_FILE} holds no readable scales ({e!r}); it was damaged") from None
 
 
 def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False) -> CalibrationResult:
     """Write the scales of one calibration into another checkpoint of the same architecture.
 
-    The scales are re-derived from SOURCE's statistics with SOURCE's own observer, granularity, headroom
-    and format, so they are exactly SOURCE's; ``api.export`` then checks model type, heads and head size
-    against CHECKPOINT's config.json and writes OUT (ModelOpt form when CHECKPOINT is a ModelOpt one).
+    The scales are SOURCE's, exactly as its provenance records them (not re-derived: the output observer's cannot
+    be, from statistics alone); ``api.export`` then checks model type, heads and head size against CHECKPOINT's
+    config.json and writes OUT (ModelOpt form when CHECKPOINT is a ModelOpt one).
 
     Raises:
         ValueError: SOURCE is not a kvcal output, or CHECKPOINT's attention layers are not SOURCE's.
@@ -626,5 +670,5 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False) ->
     s = provenance["scales"]
     return export(
         source, out, model=checkpoint, observer=s["observer"], granularity=s["granularity"], headroom=s["headroom"],
-        query_scale="q" in s["scales"], fp8_format=s["fp8_format"], overwrite=overwrite,
+        query_scale="q" in s["scales"], fp8_format=s["fp8_format"], overwrite=overwrite, _recorded=True,
     )

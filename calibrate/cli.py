@@ -8,6 +8,7 @@ import argparse
 import json
 import signal
 import sys
+import warnings
 from typing import NoReturn
 
 from dataclasses import asdict
@@ -191,7 +192,20 @@ def _saved_note(args: argparse.Namespace) -> str:
     return f" to {args.out}; the statistics so far are saved in {resume_dir(args.out)}: add --resume to continue"
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as the CLI's one line ``kvcal: warning: MESSAGE``: no source file, line number or code line."""
+    print(f"kvcal: warning: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv: list[str] | None = None) -> int:
+    shown, warnings.showwarning = warnings.showwarning, _show_warning
+    try:
+        return _main(argv)
+    finally:
+        warnings.showwarning = shown
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
     options = {k: v for k, v in vars(args).items() if k != "command"}
@@ -238,8 +252,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"kvcal: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"kvcal: interrupted; nothing was written{_saved_note(args)}", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        # The short verify runs after OUT is written (api.VerifyInterrupted): then "nothing was written" is untrue.
+        api = sys.modules.get(f"{__package__}.api")  # imported by then, if it was the short verify (no import here)
+        if isinstance(e, getattr(api, "VerifyInterrupted", ())):
+            written = e.message()
+        else:
+            written = f"interrupted; nothing was written{_saved_note(args)}"
+        print(f"kvcal: {written}", file=sys.stderr)
         return 130
     print(result.summary())
     return 0

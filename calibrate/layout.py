@@ -12,10 +12,13 @@
     .OUT.kvcal-resume/            periodic saves of a long run (run/resume.py), removed once OUT is written
 
 Siblings named with a PID belong to that process while it lives; ``sweep`` removes those of dead processes.
+
+Test-only: ``pause_at`` holds a run at a named phase so that tests/e2e/test_faults.py can kill it there.
 """
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 KVCAL_DIR = "kvcal"
@@ -55,6 +58,15 @@ def sibling(out: str | Path, kind: str, pid: int | None = None) -> Path:
     return out.parent / f".{out.name}.kvcal-{kind}-{os.getpid() if pid is None else pid}"
 
 
+def identity(path: str | Path) -> tuple[int, int] | None:
+    """(st_ino, st_mtime_ns) of ``path`` as it is now, None when it does not exist: which OUT a run started with."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -65,19 +77,48 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def dead_temporaries(parent: Path, prefix: str) -> list[Path]:
+    """Entries of ``parent`` named ``PREFIX<pid>`` whose process is dead (never this one's)."""
+    found = []
+    for path in sorted(Path(parent).glob(f"{prefix}*")):
+        pid = path.name[len(prefix):]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            found.append(path)
+    return found
+
+
 def sweep(out: str | Path) -> None:
     """Clear what killed runs (SIGKILL, power loss) left beside OUT, keeping what live runs own.
 
     A previous OUT left aside by a swap that died between its two renames is put back when OUT is missing, so an
-    interrupted ``--overwrite`` leaves the old output or the new one, never neither.
+    interrupted ``--overwrite`` leaves the old output or the new one, never neither. An empty OUT beside a dead run's
+    complete temporary is that run's claim on the name (made just before its final rename): it is removed with it.
     """
     out = Path(out)
     for kind in TEMPORARIES:
-        for path in sorted(out.parent.glob(f".{out.name}.kvcal-{kind}-*")):
-            pid = path.name.rsplit("-", 1)[-1]
-            if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
-                continue
+        for path in dead_temporaries(out.parent, f".{out.name}.kvcal-{kind}-"):
             if kind == "old" and not out.exists():
                 os.rename(path, out)
-            else:
-                shutil.rmtree(path, ignore_errors=True)
+                continue
+            if kind == "tmp" and out.is_dir() and not out.is_symlink() and not any(out.iterdir()):
+                out.rmdir()
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# Test-only (tests/e2e/test_faults.py): the phases a run can be held at, named where pause_at is called.
+PAUSE_PHASES = ("capture", "stats", "weights", "rename", "swap", "publish", "short-verify")
+
+
+def pause_at(phase: str) -> None:
+    """Test-only: hold this process at ``phase`` when ``$KVCAL_PAUSE_AT`` names it, so a test can kill it there.
+
+    Writes this process's PID to the file ``$KVCAL_PAUSE_MARKER`` (when set), then sleeps ``$KVCAL_PAUSE_S`` seconds
+    (default 3600) and carries on. Without ``$KVCAL_PAUSE_AT`` it does nothing; no user should set it.
+    """
+    if os.environ.get("KVCAL_PAUSE_AT") != phase:
+        return
+    marker = os.environ.get("KVCAL_PAUSE_MARKER")
+    if marker:
+        Path(marker).with_name(Path(marker).name + ".tmp").write_text(str(os.getpid()))
+        os.replace(Path(marker).with_name(Path(marker).name + ".tmp"), marker)  # the marker appears whole
+    time.sleep(float(os.environ.get("KVCAL_PAUSE_S", "3600")))

@@ -112,6 +112,23 @@ def test_load_calibration_errors_are_one_line(saved, damage, message):
     assert "\n" not in str(e.value)
 
 
+def test_statistics_changed_since_the_calibration_are_refused_in_one_line(saved):
+    """calibration.json records the statistics' sha256: a file re-saved with other values (still a valid statistics
+    file) is refused, where it used to be re-exported without a word."""
+    from calibrate.files import file_sha256
+
+    provenance_file = saved / "kvcal" / "calibration.json"
+    provenance = json.loads(provenance_file.read_text())
+    provenance_file.write_text(json.dumps(provenance | {"stats_sha256": file_sha256(saved / "kvcal" / "stats.safetensors")}))
+    load_calibration(saved)  # the recorded file reads
+    stats = Stats.load(saved / "kvcal" / "stats.safetensors")
+    stats.tokens += 1  # tampered, still well formed
+    stats.save(saved / "kvcal" / "stats.safetensors")
+    with pytest.raises(ValueError, match="stats.safetensors is not the file this calibration wrote .* calibrate again") as e:
+        load_calibration(saved)
+    assert "\n" not in str(e.value)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Checks before anything is written
 

@@ -159,3 +159,15 @@ def test_verify_help_shows_verify_config_defaults(capsys):
     for name in ("seq_len", "max_tokens", "chunk_len", "accum_bits", "fa3_rows", "floor_pass", "floor_fail", "probe_layers"):
         assert f"(default {defaults[name]})" in text, name
     assert "(default: --floor-pass times the floor's KL)" in text  # max_kl: unset by default, relative to the floor
+
+
+def test_warnings_are_one_line_each_without_a_source_line(tiny_dir, text_file, tmp_path):
+    """Through the console script: a warning reads ``kvcal: warning: MESSAGE``, not Python's ``cli.py:211: UserWarning``."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "calibrate", "calibrate", str(tiny_dir), "--data", str(text_file), "--out",
+           str(tmp_path / "out"), "--seq-len", "32", "--max-tokens", "64", "--quiet", "--no-verify", "--recipe", "qwen3", "--force"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": repo}, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "recipe 'qwen3'" in line]
+    assert lines == [lines[0]] and lines[0].startswith("kvcal: warning: recipe 'qwen3' is written for qwen3"), proc.stderr
+    assert "UserWarning" not in proc.stderr and "warnings.warn" not in proc.stderr

@@ -29,8 +29,8 @@ from safetensors import safe_open
 from ..loaders import (
     HF_QUANT_CONFIG, INDEX_FILE, KV_SCALE_PATTERN, STRATEGIES, WRITE_NAMES, checkpoint_form, loaded_multiplier, tensor_names, vllm_files,
 )
-from ..files import save_tensors
-from ..layout import KVCAL_DIR, is_kvcal_output, sibling, sweep
+from ..files import apply_umask, save_tensors
+from ..layout import KVCAL_DIR, identity, is_kvcal_output, pause_at, sibling, sweep
 from ..loaders import check_float_weights
 
 SCALES_PRODUCER = "kvcal"  # the "producer" metadata of the scales shard
@@ -179,8 +179,8 @@ def _link_or_copy(src: Path, dst: Path) -> None:
     into its ``blobs/``, which a link of the link itself would leave dangling in OUT)."""
     try:
         os.link(Path(src).resolve(strict=True), dst)
-    except OSError:  # another filesystem, or links not allowed
-        shutil.copy2(src, dst)
+    except OSError:  # another filesystem, or links not allowed: a new file, with the umask's mode
+        shutil.copyfile(src, dst)
 
 
 def _write_weights(tmp: Path, files: list[Path]) -> dict[str, str]:
@@ -206,6 +206,7 @@ def _write_weights(tmp: Path, files: list[Path]) -> dict[str, str]:
                 save_tensors({n: f.get_tensor(n) for n in keep}, tmp / name, metadata)
         else:
             _link_or_copy(path, tmp / name)
+            pause_at("weights")  # test-only (layout.pause_at)
         weight_map.update(dict.fromkeys(keep, name))
     return weight_map
 
@@ -235,15 +236,18 @@ def tensor_bytes(path: Path) -> int:
 def copy_other_files(source: Path, dest: Path, *, skip: set[str], weight_suffixes: tuple[str, ...]) -> None:
     """Copy the source's top-level files and folders (tokenizer, chat template, ...) that are not weights.
 
-    Hidden entries, names in ``skip`` and files ending with ``weight_suffixes`` are left out.
+    Hidden entries, names in ``skip`` and files ending with ``weight_suffixes`` are left out. The copies are new
+    files with the modes the umask gives, not the source's (a 0600 tokenizer would be unreadable to a server
+    running as another user; a 0755 one is no program).
     """
     for item in sorted(source.iterdir()):
         if item.name in skip or item.name.startswith("."):
             continue
         if item.is_dir():
-            shutil.copytree(item, dest / item.name)
+            shutil.copytree(item, dest / item.name, copy_function=shutil.copyfile)
+            apply_umask(dest / item.name)  # copytree gives folders the source's modes
         elif not item.name.endswith(weight_suffixes):
-            shutil.copy2(item, dest / item.name)
+            shutil.copyfile(item, dest / item.name)
 
 
 def check_links(source: Path) -> None:
@@ -258,14 +262,19 @@ def check_links(source: Path) -> None:
                 raise ValueError(f"{path} is a link that leads nowhere (dangling, or a loop); remove or fix it")
 
 
-def prepare_output(out: Path, inputs: list[Path], overwrite: bool) -> None:
+def prepare_output(out: Path, inputs: list[Path], overwrite: bool) -> tuple[int, int] | None:
     """Cheap checks on OUT_DIR before any expensive work.
 
     ``--overwrite`` replaces only what kvcal wrote: an earlier kvcal output or an empty directory. No input
     (the source checkpoint, a target, data files) may be OUT, lie inside it, or hold it; nor may the current
     directory. OUT's parent must be writable (OUT is built there, beside it).
+
+    Returns:
+        OUT's identity now (``layout.identity``; None: no OUT), for ``write_checkpoint(seen=...)``: only the OUT a
+        run started with may be replaced at its end.
     """
     out = Path(out).resolve()
+    sweep(out)  # what killed runs left (an empty claimed OUT, an OUT moved aside) is cleared or put back first
     for given in inputs:
         path = Path(given).resolve()
         if out == path or path in out.parents:
@@ -287,6 +296,7 @@ def prepare_output(out: Path, inputs: list[Path], overwrite: bool) -> None:
         raise ValueError(f"the parent directory of {out} does not exist; create it first")
     if not os.access(out.parent, os.W_OK | os.X_OK):
         raise ValueError(f"{out.parent} is not writable, so --out {out} cannot be created there; choose another --out")
+    return identity(out)
 
 
 def write_checkpoint(
@@ -299,6 +309,7 @@ def write_checkpoint(
     fp8_format: str = "e4m3fn",
     overwrite: bool = False,
     inputs: tuple[Path, ...] = (),
+    seen: tuple[int, int] | None | str = "now",
 ) -> Path:
     """Build the output checkpoint in a temporary directory and move it into place.
 
@@ -311,13 +322,15 @@ def write_checkpoint(
         fp8_format: the format the scales are in (a ModelOpt target gets them in its loader's units).
         overwrite: replace an existing ``out`` (only one kvcal wrote, see ``prepare_output``).
         inputs: the run's other inputs (data files, statistics), none of which ``out`` may be or hold.
+        seen: what ``prepare_output`` returned when the run started ("now": take it here); OUT is replaced only
+            if it is still that one (another run with the same --out may have written it meanwhile).
 
     Returns:
         ``out``, complete.
     """
     source, out = Path(source), Path(out)
-    prepare_output(out, [source, *inputs], overwrite)
-    existed = out.exists()
+    now = prepare_output(out, [source, *inputs], overwrite)
+    seen = now if seen == "now" else seen
     files = weight_files(source)
     check_links(source)
     config = json.loads((source / "config.json").read_text())
@@ -353,33 +366,38 @@ def write_checkpoint(
         (tmp / KVCAL_DIR).mkdir()
         write_extras(tmp / KVCAL_DIR)
         check_index(tmp)
-        _move_into_place(tmp, out, replace=existed)
+        _move_into_place(tmp, out, seen=seen)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
-def _move_into_place(tmp: Path, out: Path, *, replace: bool) -> None:
+def _move_into_place(tmp: Path, out: Path, *, seen: tuple[int, int] | None) -> None:
     """Rename ``tmp`` to ``out``; an old ``out`` is moved aside first and removed only after.
 
-    ``replace`` says OUT existed (and --overwrite allowed it) when the run started: an OUT that appeared
-    while this run worked belongs to another run, and is never replaced.
+    ``seen`` is OUT's identity when the run started (None: there was none; else --overwrite allowed replacing it):
+    an OUT that appeared, or was replaced, while this run worked belongs to another run, and is never replaced.
     """
-    if not replace:
+    if seen is None:
         try:
             out.mkdir()  # claims the name atomically: fails if another run created it meanwhile
         except FileExistsError:
             raise ValueError(f"{out} appeared while this run was working (another run with the same --out?); "
                              "nothing was written: choose another --out, or pass --overwrite to replace it") from None
+        pause_at("rename")  # test-only (layout.pause_at): OUT claimed, still empty
         try:
             os.rename(tmp, out)  # replaces the empty directory just made
         except BaseException:
             out.rmdir()
             raise
         return
+    if identity(out) != seen:
+        raise ValueError(f"{out} was replaced while this run was working (another run with the same --out?); nothing "
+                         "was written: run again to replace the new one, or choose another --out")
     old = sibling(out, "old")
     os.rename(out, old)
+    pause_at("swap")  # test-only (layout.pause_at): between the swap's two renames, OUT missing
     try:
         os.rename(tmp, out)
     except BaseException:

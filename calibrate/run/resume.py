@@ -15,6 +15,7 @@ them, the model's files, the data's hashes, the number of ranks, device type and
 any difference with one line naming it. The directory is removed once OUT is written.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ import torch
 from ..files import file_sha256, read_json_object
 from ..model.layers import ModelSignature
 from ..capture.stats import Stats
-from ..layout import sibling
+from ..layout import pause_at, sibling
 
 if TYPE_CHECKING:
     from ..config import CalibrationConfig
@@ -35,7 +36,8 @@ if TYPE_CHECKING:
 FORMAT = 1
 # CalibrationConfig fields that change the captured statistics (the model is compared by its files).
 STATS_SETTINGS = ("data", "seq_len", "max_tokens", "chunk_len", "text_field", "pack", "seed", "long_records", "dtype")
-# Model files compared by size only: weights (hashing them would cost minutes on a large model).
+# Model files not hashed whole: weights (hashing them would cost minutes on a large model). They are compared by size,
+# modification time (ns) and, for safetensors, the sha256 of the header (names, dtypes, shapes, offsets, metadata).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _HASH_LIMIT = 64 << 20  # bigger files are compared by size too
 _REDO = "resume with the saved run's settings, model and data, or start over with --overwrite instead of --resume"
@@ -187,6 +189,7 @@ class Saver:
         for old in self.directory.glob(f"stats-rank{self.rank}-*.safetensors"):
             if old.name != name:
                 old.unlink(missing_ok=True)
+        pause_at("capture")  # test-only (layout.pause_at): a kill mid-capture, with a save to resume from
 
 
 def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
@@ -217,11 +220,25 @@ def _read_state(path: Path) -> dict:
 
 
 def _model_files(model: Path) -> dict[str, str]:
-    """The model directory's top-level files: sha256 of the small ones (config, tokenizer), size of weights."""
+    """The model directory's top-level files: sha256 of the small ones (config, tokenizer); of weights and other large
+    files, size and mtime (a file rewritten in place with the same names and sizes changes its mtime) and the sha256
+    of a safetensors header."""
     files = {}
     for f in sorted(model.iterdir()):
         if not f.is_file() or f.name.startswith("."):
             continue
-        size = f.stat().st_size
-        files[f.name] = f"{size} bytes" if f.suffix in _WEIGHT_SUFFIXES or size > _HASH_LIMIT else file_sha256(f)
+        st = f.stat()
+        if f.suffix in _WEIGHT_SUFFIXES or st.st_size > _HASH_LIMIT:
+            header = f", header sha256 {_header_sha256(f)}" if f.suffix == ".safetensors" else ""
+            files[f.name] = f"{st.st_size} bytes, mtime_ns {st.st_mtime_ns}{header}"
+        else:
+            files[f.name] = file_sha256(f)
     return files
+
+
+def _header_sha256(path: Path) -> str:
+    """sha256 of a safetensors file's length prefix and JSON header (the weights are checked whole elsewhere)."""
+    with path.open("rb") as f:
+        prefix = f.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+        return hashlib.sha256(prefix + f.read(min(length, 100 << 20))).hexdigest()

@@ -270,6 +270,27 @@ def derive_scales(
     return ScaleSet(str(spec), granularity, fmt, headroom, scales, predictions, token_err, sinks)
 
 
+def recorded_scales(
+    stats: dict[str, TensorStats], scales: dict[str, torch.Tensor], *, observer: str, granularity: str, fmt: FP8Format,
+    headroom: float,
+) -> ScaleSet:
+    """The ScaleSet of scales chosen before (a calibration's own, as its provenance records them), with their predicted
+    cost on ``stats``: for an observer that cannot be re-derived from statistics alone (output).
+
+    Args:
+        scales: kind → [L] or [L, H] dequantization scales in ``fmt``'s own units (``ScaleSet.scales``).
+    """
+    per_head = parse_granularity(granularity) == "head"
+    predictions, token_err, sinks = {}, {}, {}
+    for kind, scale in scales.items():
+        s = stats[kind]
+        hist, absmax, sumsq = (s.hist, s.absmax, s.sumsq) if per_head else (s.hist.sum(1), s.absmax.amax(1), s.sumsq.sum(1))
+        predictions[kind] = predict(hist, absmax, sumsq, scale, fmt)
+        token_err[kind] = token_rel_mse(s, per_head)
+        sinks[kind] = sink_saturation(s, scale, fmt)
+    return ScaleSet(observer, granularity, fmt, headroom, scales, predictions, token_err, sinks)
+
+
 @torch.no_grad()
 def latent_report(stats: dict[str, TensorStats], latent_dim: int, fmt: FP8Format) -> dict:
     """What an MLA layer's one k scale covers, per layer, as plain lists for JSON.

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -78,6 +79,8 @@ def test_provenance_and_statistics_are_saved(tiny_dir, text_file, tmp_path):
     from calibrate import Stats
 
     saved = Stats.load(tmp_path / "out" / "kvcal" / "stats.safetensors")
+    recorded = json.loads((tmp_path / "out" / "kvcal" / "calibration.json").read_text())["stats_sha256"]
+    assert recorded == hashlib.sha256((tmp_path / "out" / "kvcal" / "stats.safetensors").read_bytes()).hexdigest()
     torch.testing.assert_close(saved.kinds["k"].hist, result.stats.kinds["k"].hist, rtol=0, atol=0)
 
 
@@ -236,3 +239,47 @@ def test_kv_cache_scheme_equals_compressed_tensors_own(tiny_dir):
         assert kv_cache_scheme(strategy) == args.model_dump(mode="json", exclude_none=True)
         config = QuantizationConfig(config_groups={}, kv_cache_scheme=args, quantization_status="compressed", format="dense")
         assert quantization_config(None, strategy) == config.model_dump(mode="json", exclude_none=True)
+
+
+@pytest.mark.parametrize("source_mode", [0o600, 0o755])
+def test_copied_files_follow_the_umask_not_the_source(tiny_dir, tmp_path, source_mode):
+    """The tokenizer, chat template and generation config are copied: they get the umask's mode, not the source's."""
+    copied = ["tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"]
+    (tiny_dir / "chat_template.jinja").write_text("{{ messages }}")
+    (tiny_dir / "extra").mkdir()
+    (tiny_dir / "extra" / "notes.txt").write_text("x")
+    for name in [*copied, "extra/notes.txt"]:
+        os.chmod(tiny_dir / name, source_mode)
+    os.chmod(tiny_dir / "extra", 0o700)
+    old = os.umask(0o022)
+    try:
+        scales = {"model.layers.0.self_attn.k_scale": torch.ones(1)}
+        write_checkpoint(tiny_dir, tmp_path / "out", scales=scales, strategy="tensor", write_extras=lambda d: None)
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    modes = {name: oct((out / name).stat().st_mode & 0o777) for name in [*copied, "extra/notes.txt", "extra"]}
+    assert modes == {**{name: oct(0o644) for name in [*copied, "extra/notes.txt"]}, "extra": oct(0o755)}
+
+
+def test_overwrite_refuses_an_out_replaced_while_the_run_worked(tiny_dir, tmp_path):
+    """Two runs onto one --out with --overwrite: the one finishing second finds another OUT than it started with and
+    refuses (nothing written) instead of replacing the first run's output."""
+    out, scales = tmp_path / "out", {"model.layers.0.self_attn.k_scale": torch.ones(1)}
+    write_checkpoint(tiny_dir, out, scales=scales, strategy="tensor", write_extras=lambda d: None)
+    (out / "kvcal" / "calibration.json").write_text("{}")  # the OUT this run starts with
+    theirs = tmp_path / "theirs"
+    write_checkpoint(tiny_dir, theirs, scales=scales, strategy="tensor", write_extras=lambda d: None)
+    (theirs / "kvcal" / "calibration.json").write_text('{"run": "theirs"}')
+
+    def other_run_swaps_out(directory):  # between this run's checks and its swap
+        shutil.rmtree(out)
+        os.rename(theirs, out)
+
+    with pytest.raises(ValueError, match="was replaced while this run was working .* nothing was written"):
+        write_checkpoint(tiny_dir, out, scales=scales, strategy="tensor", write_extras=other_run_swaps_out, overwrite=True)
+    assert json.loads((out / "kvcal" / "calibration.json").read_text()) == {"run": "theirs"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny"]  # no temporary left behind
+    # Unchanged since the start, OUT is replaced as before.
+    write_checkpoint(tiny_dir, out, scales=scales, strategy="tensor", write_extras=lambda d: None, overwrite=True)
+    assert not (out / "kvcal" / "calibration.json").exists()

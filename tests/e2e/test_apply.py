@@ -55,6 +55,22 @@ def test_apply_to_a_fine_tune_writes_the_calibrated_scales(source, source_scales
     assert inspect(str(out)).ok(strict=True)
 
 
+def test_apply_after_the_output_observer_writes_the_source_s_scales(source, tmp_path, smol_tokenizer, kjv_path):
+    """The output observer's scales cannot be re-derived from statistics: apply writes the recorded ones, exactly."""
+    text = tmp_path / "data.txt"
+    text.write_text("".join(json.loads(line)["text"] + "\n" for _, line in zip(range(200), open(kjv_path))))
+    model = save_llama(tmp_path / "base", smol_tokenizer, seed=0)
+    searched = tmp_path / "searched"
+    calibrate(str(model), [str(text)], str(searched), seq_len=64, max_tokens=192, observer="output", progress=False,
+              verify=False)
+    target = save_llama(tmp_path / "finetune", smol_tokenizer, seed=1)
+    out = tmp_path / "out"
+    assert main(["apply", str(searched), str(target), "--out", str(out)]) == 0
+    written, wanted = load_file(scales_file(out)), load_file(scales_file(searched))
+    assert written.keys() == wanted.keys() and all(torch.equal(written[n], wanted[n]) for n in written)
+    assert json.loads((out / "kvcal" / "calibration.json").read_text())["scales"]["observer"] == "output"
+
+
 @pytest.mark.parametrize(
     "changes, message",
     [
