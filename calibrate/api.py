@@ -94,6 +94,8 @@ class CalibrationResult:
         """For a ``quant_method: fp8`` release: what serving it needs, and the bf16 rounding vLLM applies to the scales."""
         from .loaders import quant_config, quant_method, read_json, stored_dtype
 
+        if not (self.out / "config.json").is_file():  # a result whose OUT was moved or removed since: nothing to read
+            return []
         config = read_json(self.out / "config.json")
         method = quant_method(quant_config(self.out, config))
         if method != "fp8":
