@@ -529,7 +529,7 @@ def test_kv_cache_scheme_never_reaches_the_reference(plain_ckpt):
 
 def test_a_scheme_that_changes_nothing_is_an_error(plain_ckpt, data_file, monkeypatch):
     """A KL of exactly 0 cannot come from FP8: plant a quantizer that does nothing and see verify refuse."""
-    monkeypatch.setattr(sys.modules["calibrate.verification.schemes"], "quantize_dequantize", lambda x, scale, fmt: x)
+    monkeypatch.setattr(sys.modules["calibrate.verification.schemes"], "quantize_dequantize", lambda x, scale, fmt, backend=None: x)
     with pytest.raises(ValueError, match="KL of exactly 0"):
         verify(str(plain_ckpt), [str(data_file)], schemes="scale1,tensor", seq_len=64, max_tokens=64, **QUIET)
 
