@@ -56,6 +56,10 @@ if TYPE_CHECKING:
 
 # Hex digits kept of a record's sha256: 64 bits, no collision expected below billions of records.
 DIGEST_HEX = 16
+# Text longer than this many characters is tokenized a piece at a time, each piece cut before a space or newline:
+# a fast tokenizer holds offsets and token strings for all it encodes (a 32 MiB record took 7 GB whole), and only
+# the first max_tokens ids of a record can ever be used.
+TOKENIZE_CHARS = 1 << 18
 
 
 def record_digest(ids: list[int]) -> str:
@@ -64,7 +68,13 @@ def record_digest(ids: list[int]) -> str:
     Token ids rather than text: chats, text and pre-tokenized records all end as ids, and an id list is what
     the model saw (the same text under another tokenizer is other data to it).
     """
-    return hashlib.sha256(b"".join(t.to_bytes(8, "little") for t in ids)).hexdigest()[:DIGEST_HEX]
+    return _digest_update(hashlib.sha256(), ids).hexdigest()[:DIGEST_HEX]
+
+
+def _digest_update(hasher: "hashlib._Hash", ids: list[int]) -> "hashlib._Hash":
+    """``hasher`` fed ``ids`` as record_digest encodes them, so a record hashed piece by piece gets the same digest."""
+    hasher.update(b"".join(t.to_bytes(8, "little") for t in ids))
+    return hasher
 
 
 def read_digests(path: Path) -> frozenset[str]:
@@ -286,26 +296,29 @@ class SequenceStream:
         for part in random.Random(seed).sample(source.parts, len(source.parts)):
             for row in read_rows(part, shuffle_seed=seed):
                 source.records_read += 1
-                ids = self._encode(row[part.column], source.kind, part)
-                if not ids:
+                ids, length, digest = self._encode(row[part.column], source.kind, part)
+                if not length:
                     source.records_empty += 1
                     continue
-                digest = record_digest(ids)
                 if digest in self.exclude:
                     source.records_excluded += 1
                     continue
                 extra = 0 if source.kind == "input_ids" else len(self._prefix)
-                if self.config.long_records == "error" and len(ids) + extra > self.config.seq_len:
+                if self.config.long_records == "error" and length + extra > self.config.seq_len:
                     raise ValueError(
-                        f"{part_label(part)}: a record of {len(ids) + extra} tokens does not fit in "
+                        f"{part_label(part)}: a record of {length + extra} tokens does not fit in "
                         f"seq_len={self.config.seq_len}; raise seq_len or pass long_records='split'"
                     )
                 # Read only when the next sequence needs it: every record read lands (at least in part) in one.
                 self._consumed.add(digest)
                 yield ids
 
-    def _encode(self, value: object, kind: str, part: Part) -> list[int]:
-        """One record → token ids, without special tokens except those the data itself holds."""
+    def _encode(self, value: object, kind: str, part: Part) -> tuple[list[int], int, str]:
+        """One record → (its first ``max_tokens`` token ids, its length in tokens, its ``record_digest``).
+
+        No special tokens except those the data itself holds. Long text is tokenized in pieces of TOKENIZE_CHARS
+        (the digest still covers the whole record), so memory stays bounded by the budget, not the record.
+        """
         if kind == "input_ids":
             if not isinstance(value, list) or not all(isinstance(t, int) for t in value):
                 raise ValueError(f"{part_label(part)}: 'input_ids' must be lists of integers, got {_short(value)}")
@@ -314,16 +327,16 @@ class SequenceStream:
                     f"{part_label(part)}: token ids outside [0, {self._vocab_size}) of this "
                     "tokenizer; were they made with another model's tokenizer?"
                 )
-            return value
+            return value, len(value), record_digest(value)
         if kind == "messages":
             if not value:
-                return []
+                return [], 0, ""
             try:
                 text = self.tokenizer.apply_chat_template(value, tokenize=False)
             except Exception as e:  # jinja errors, malformed messages: name the file, keep the template's words
                 raise ValueError(f"{part_label(part)}: chat template failed on {_short(value)}: {e}") from e
         elif value is None:
-            return []
+            return [], 0, ""
         elif not isinstance(value, str):
             raise ValueError(
                 f"{part_label(part)}: column '{part.column}' should hold text, got {_short(value)}; "
@@ -331,10 +344,29 @@ class SequenceStream:
             )
         else:
             text = value.strip()
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids if text else []
-        if kind == "messages" and self._prefix and ids[:1] == self._prefix:
-            ids = ids[1:]  # the template's own BOS: every sequence gets one at its start instead
-        return ids
+        kept: list[int] = []
+        length, hasher = 0, hashlib.sha256()
+        for start, end in _pieces(text, TOKENIZE_CHARS):
+            ids = self.tokenizer(text[start:end], add_special_tokens=False).input_ids
+            if start == 0 and kind == "messages" and self._prefix and ids[:1] == self._prefix:
+                ids = ids[1:]  # the template's own BOS: every sequence gets one at its start instead
+            _digest_update(hasher, ids)
+            length += len(ids)
+            kept += ids[: self.config.max_tokens - len(kept)]
+        return kept, length, hasher.hexdigest()[:DIGEST_HEX]
+
+
+def _pieces(text: str, size: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of ``text`` in pieces of at most ``size`` characters, each cut before a space or newline when one
+    is in reach (so no word is split); the whole text as one piece when it fits."""
+    start = 0
+    while start < len(text):
+        end = min(start + size, len(text))
+        if end < len(text):
+            cut = max(text.rfind(" ", start + 1, end), text.rfind("\n", start + 1, end))
+            end = cut if cut > start else end
+        yield start, end
+        start = end
 
 
 def _chunks(ids: list[int], size: int) -> Iterator[list[int]]:

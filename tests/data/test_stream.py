@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 from calibrate.data.config import DataConfig
+from calibrate.data import stream
 from calibrate.data.stream import iter_sequences
 
 
@@ -175,6 +176,32 @@ def test_unpacked_long_record_is_split_with_bos_on_each_piece(tmp_path, bos_toke
 def test_long_record_refused_when_asked(tmp_path, smol_tokenizer, pack):
     with pytest.raises(ValueError, match=r"a record of \d+ tokens does not fit in seq_len=8.*long_records='split'"):
         read_all(smol_tokenizer, [write_jsonl(tmp_path)], seq_len=8, pack=pack, long_records="error")
+
+
+def test_a_huge_record_is_tokenized_in_pieces_and_kept_to_the_budget(tmp_path, smol_tokenizer, monkeypatch):
+    """A record far longer than the budget: the tokenizer never sees more than TOKENIZE_CHARS at once, the stream keeps
+    only the ids the budget can use, and yet the sequences and the digest are those of tokenizing the record whole."""
+    words = [f"w{i % 977}x" for i in range(3 * stream.TOKENIZE_CHARS // 5)]  # ~3 pieces of text, no word twice in a row
+    text = " ".join(words)
+    path = tmp_path / "huge.jsonl"
+    path.write_text(json.dumps({"text": text}) + "\n")
+    whole = encode(smol_tokenizer, text)
+    seen: list[int] = []
+    original = type(smol_tokenizer).__call__
+    monkeypatch.setattr(type(smol_tokenizer), "__call__", lambda self, t, **kw: seen.append(len(t)) or original(self, t, **kw))
+    kept: list[int] = []
+    monkeypatch.setattr(stream, "_digest_update", lambda h, ids: kept.append(len(ids)) or h.update(b"".join(t.to_bytes(8, "little") for t in ids)) or h)
+    returned: list[int] = []
+    encode_record = stream.SequenceStream._encode
+    monkeypatch.setattr(stream.SequenceStream, "_encode", lambda *a: (r := encode_record(*a)) and returned.append(len(r[0])) or r)
+    config = DataConfig(sources=[str(path)], seq_len=64, max_tokens=256)
+    s = iter_sequences(config, smol_tokenizer)
+    sequences = [t.tolist() for t in s]
+    assert len(seen) >= 3 and max(seen) <= stream.TOKENIZE_CHARS  # in pieces (one more call is the BOS probe)
+    assert returned == [256]  # of ~10^5 tokens, the budget's worth is kept
+    assert sum(kept) == len(whole)  # every token of the record went into its digest
+    assert [t for q in sequences for t in q] == whole[:256]  # cut before a space: the same ids as whole
+    assert s.consumed() == [stream.record_digest(whole)]
 
 
 def test_input_ids_used_exactly(tmp_path, bos_tokenizer):
