@@ -15,9 +15,11 @@ from dataclasses import dataclass, replace
 from ..choices import SIZE_UNITS
 from ..data.config import check_int
 
-# Nominal memory of one GPU, GB = 10**9 bytes: the vendors' sales figures. The total vLLM takes its utilization of
-# (torch.cuda.mem_get_info) can differ; pass that size instead for a tight estimate.
-GPUS = {"H100": 80 * 10**9, "H200": 141 * 10**9, "B200": 180 * 10**9}
+MIB, GIB = 2**20, 2**30
+# Memory of one GPU as nvidia-smi reports its total (SXM parts; docs/vllm-notes.md "GPU memory"), not the vendors' sales
+# figure (an H100 sold as "80 GB" reports 79.6 GiB; counting 80 * 10**9 bytes was 6% low). vLLM takes its utilization of the total CUDA reports
+# (torch.cuda.mem_get_info()[1]), a few hundred MiB less again: pass that size with --gpu for a tight estimate.
+GPUS = {"H100": 81559 * MIB, "H200": 143771 * MIB, "B200": 183359 * MIB}
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization: the share of a GPU it lets itself use
 # Quoted beside kvcal's own arithmetic for comparison; nothing here derives them. They are the figures kvcal's planning
 # started from, unmeasured here; README.md ("Does it pay") says so.
@@ -215,18 +217,18 @@ def plan(layers: list[LayerKV], weight_bytes: float, context: int, memory: str |
 
 
 def plan_text(result: dict) -> str:
-    """``plan``'s dict as a fixed-width table for the terminal (sizes in GB = 10**9 bytes, per GPU)."""
-    gb, tp = 1e9, result["tp"]
-    lines = [f"{result['memory_bytes'] / gb:.1f} GB per GPU × {result['utilization']}, weights "
-             f"{result['weight_bytes'] / tp / gb:.2f} GB per GPU (tp={tp}), context {result['context']} tokens",
-             f"{'dtype':<22}{'B/token':>10}{'KV/seq GB':>11}{'seqs':>7}{'×seqs':>7}{'B/decoded tok':>15}"
+    """``plan``'s dict as a fixed-width table for the terminal (sizes in GiB = 2**30 bytes, per GPU)."""
+    gb, tp = GIB, result["tp"]
+    lines = [f"{result['memory_bytes'] / gb:.1f} GiB per GPU × {result['utilization']}, weights "
+             f"{result['weight_bytes'] / tp / gb:.2f} GiB per GPU (tp={tp}), context {result['context']} tokens",
+             f"{'dtype':<22}{'B/token':>10}{'KV/seq GiB':>11}{'seqs':>7}{'×seqs':>7}{'B/decoded tok':>15}"
              f"{'×bytes':>7}{'at max batch':>14}"]
     for name, row in result["dtypes"].items():
         ratio = "-" if row["capacity_ratio"] is None else f"{row['capacity_ratio']:.2f}"
         batch = row["decode_bytes_per_token_at_max_batch"]
         lines.append(f"{name:<22}{row['bytes_per_token']:>10,.0f}{row['kv_bytes_per_sequence'] / gb:>11.3f}"
-                     f"{row['max_sequences']:>7}{ratio:>7}{row['decode_bytes_per_token'] / gb:>12.2f} GB"
-                     f"{row['decode_ratio']:>7.2f}{'-' if batch is None else f'{batch / gb:.3f} GB':>14}")
+                     f"{row['max_sequences']:>7}{ratio:>7}{row['decode_bytes_per_token'] / gb:>11.2f} GiB"
+                     f"{row['decode_ratio']:>7.2f}{'-' if batch is None else f'{batch / gb:.3f} GiB':>14}")
     even, quoted = result["kvcal_figures"]["break_even_context_tokens"], result["quoted_figures"]
     lines += [f"bf16 KV read = weight read at {'no context' if even is None else f'{even:,} tokens'} (kvcal's arithmetic)",
               f"{quoted['note']}: fp8 decode cost {quoted['fp8_decode_cost_vs_bf16']}× bf16, "

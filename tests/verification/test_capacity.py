@@ -13,6 +13,7 @@ from calibrate.verification.capacity import (
 )
 
 GB, GIB = 10**9, 2**30
+H100 = 81559 * 2**20  # nvidia-smi's total, written out here rather than read from GPUS
 
 
 def auto(layer: LayerKV) -> int:
@@ -109,10 +110,11 @@ def test_tensor_parallel_splits_heads_and_replicates_below_one_per_gpu():
 
 
 def test_parse_memory_names_and_sizes():
-    assert GPUS == {"H100": 80 * GB, "H200": 141 * GB, "B200": 180 * GB}
-    assert parse_memory("H100") == parse_memory("h100") == 80_000_000_000
-    assert parse_memory(" h200 ") == 141_000_000_000
-    assert parse_memory("B200") == 180_000_000_000
+    # nvidia-smi's totals in MiB, not the sales figures in GB (80 GB would undercount an H100 by 6%)
+    assert GPUS == {"H100": 81559 * 1024**2, "H200": 143771 * 1024**2, "B200": 183359 * 1024**2}
+    assert parse_memory("H100") == parse_memory("h100") == 85_520_809_984
+    assert parse_memory(" h200 ") == 150_754_820_096
+    assert parse_memory("B200") == 192_265_846_784
     assert parse_memory("80GB") == parse_memory("80 gb") == 80_000_000_000
     assert parse_memory("141GiB") == 141 * 1024**3
     assert parse_memory("24000MiB") == 24000 * 1024**2
@@ -178,17 +180,17 @@ def test_break_even_context_with_sliding_layers():
 def test_plan_llama3_8b_on_h100():
     result = plan(LLAMA3_8B, 16 * GB, 8192, "H100", {"auto": auto, "fp8": fp8})
     json.dumps(result)  # JSON-able
-    assert (result["memory_bytes"], result["weight_bytes"], result["context"], result["utilization"]) == (80 * GB, 16 * GB, 8192, 0.9)
+    assert (result["memory_bytes"], result["weight_bytes"], result["context"], result["utilization"]) == (H100, 16 * GB, 8192, 0.9)
     rows = result["dtypes"]
-    # room 72 − 16 = 56 GB; 56e9 / 2**30 = 52.2 → 52 bf16 sequences, 56e9 / 2**29 = 104.3 → 104 fp8
-    assert rows["auto"]["max_sequences"] == 52 and rows["fp8"]["max_sequences"] == 104
-    assert rows["fp8"]["capacity_ratio"] == 2.0 and rows["auto"]["capacity_ratio"] == 1.0
+    # room 0.9 · 85,520,809,984 − 16e9 = 60,968,728,985.6 B; / 2**30 = 56.8 → 56 bf16 sequences, / 2**29 = 113.6 → 113 fp8
+    assert rows["auto"]["max_sequences"] == 56 and rows["fp8"]["max_sequences"] == 113
+    assert rows["fp8"]["capacity_ratio"] == pytest.approx(113 / 56) and rows["auto"]["capacity_ratio"] == 1.0
     assert rows["auto"]["bytes_per_token"] == 131072 and rows["fp8"]["kv_bytes_per_sequence"] == 2**29
     assert rows["fp8"]["decode_bytes_per_token"] == 16e9 + 2**29
-    assert rows["fp8"]["decode_bytes_per_token_at_max_batch"] == pytest.approx(16e9 / 104 + 2**29)
+    assert rows["fp8"]["decode_bytes_per_token_at_max_batch"] == pytest.approx(16e9 / 113 + 2**29)
     fp8_read = (16e9 + 2**29) / (16e9 + 2**30)  # 0.9686
     assert rows["fp8"]["decode_ratio"] == pytest.approx(fp8_read)
-    assert rows["fp8"]["verdict"] == ("at 8192 tokens fp8 holds 2.00× the sequences of auto (104 vs 52) "
+    assert rows["fp8"]["verdict"] == ("at 8192 tokens fp8 holds 2.02× the sequences of auto (113 vs 56) "
                                       "and reads 0.97× the bytes per decoded token at batch 1")
     assert result["kvcal_figures"]["fp8_decode_bytes_vs_bf16"] == pytest.approx(fp8_read)
     assert result["kvcal_figures"]["break_even_context_tokens"] == 122071
@@ -208,9 +210,10 @@ def test_plan_when_the_weights_do_not_fit_and_with_tp():
     assert result["dtypes"]["fp8"]["decode_bytes_per_token_at_max_batch"] is None
     assert "fits no sequence" in result["dtypes"]["fp8"]["verdict"]
     plan_text(result)
-    # tp=8: 162 bf16 sequences per GPU (test above); fp8: 54.5e9 / 167772160 = 324.8 → 324
+    # tp=8 on an H100: 0.9 · 85,520,809,984 − 17.5e9 = 59,468,728,985.6 B per GPU; 335,544,320 B per bf16 sequence
+    # per GPU → 177.2 → 177, 167,772,160 per fp8 one → 354.5 → 354
     rows = plan(LLAMA3_70B, 140 * GB, 8192, "H100", {"auto": auto, "fp8": fp8}, tp=8)["dtypes"]
-    assert (rows["auto"]["max_sequences"], rows["fp8"]["max_sequences"]) == (162, 324)
+    assert (rows["auto"]["max_sequences"], rows["fp8"]["max_sequences"]) == (177, 354)
     assert rows["fp8"]["decode_bytes_per_token"] == 17.5e9 + 167_772_160
 
 

@@ -55,10 +55,10 @@ def llama_8b_plan(memory: str, context: int) -> dict:
 
 
 def test_pays_lines_say_when_bf16_already_fits():
-    p = llama_8b_plan("H100", 8192)  # 0.9 · 80 GB − 16 GB = 56 GB: 52 sequences of 1 GiB in bf16, 104 in fp8
-    assert (p["dtypes"]["auto"]["max_sequences"], p["dtypes"]["fp8"]["max_sequences"]) == (52, 104)
+    p = llama_8b_plan("H100", 8192)  # 0.9 · 81559 MiB − 16 GB = 56.8 GiB: 56 sequences of 1 GiB in bf16, 113 in fp8
+    assert (p["dtypes"]["auto"]["max_sequences"], p["dtypes"]["fp8"]["max_sequences"]) == (56, 113)
     warn = pays_lines(p, "fp8", "warn")
-    assert warn[0].startswith("At 8,192 tokens per sequence on H100: fp8 holds 104 full-length sequences where bf16 holds 52")
+    assert warn[0].startswith("At 8,192 tokens per sequence on H100: fp8 holds 113 full-length sequences where bf16 holds 56")
     assert "keep bf16 then" in warn[1]
     assert len(pays_lines(p, "fp8", "pass")) == 1  # a pass costs nothing worth weighing against the memory
 
