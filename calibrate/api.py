@@ -147,12 +147,11 @@ class CalibrationResult:
 
 
 def _check_finite(stats: Stats, layers: list[AttentionLayer]) -> None:
-    """NaN/Inf in activations is an error naming the layers; all-zero layers get the floor and a warning."""
+    """NaN/Inf in activations (of any rank) is an error naming the layers; all-zero layers get the floor and a warning."""
+    from .capture.hooks import refuse_nonfinite
+
+    refuse_nonfinite(stats, layers)
     for kind, s in stats.kinds.items():
-        bad = (s.nonfinite.sum(1) > 0).nonzero().flatten().tolist()
-        if bad:
-            names = ", ".join(layers[i].prefix for i in bad)
-            raise ValueError(f"{kind} holds NaN or Inf in {names}; the model produces non-finite activations on this data (try --dtype float32)")
         zero = (s.absmax.amax(1) == 0).nonzero().flatten().tolist()
         if zero:
             names = ", ".join(layers[i].prefix for i in zero)

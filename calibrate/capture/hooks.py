@@ -330,6 +330,15 @@ def forward_chunked(model: nn.Module, input_ids: torch.Tensor, chunk_len: int) -
             pass
 
 
+def refuse_nonfinite(stats: Stats, layers: list[AttentionLayer]) -> None:
+    """NaN or Inf in a captured Q, K or V is an error naming the layers: no scale can cover it."""
+    for kind, s in stats.kinds.items():
+        bad = (s.nonfinite.sum(1) > 0).nonzero().flatten().tolist()
+        if bad:
+            names = ", ".join(layers[i].prefix for i in bad)
+            raise ValueError(f"{kind} holds NaN or Inf in {names}; the model produces non-finite activations on this data (try --dtype float32)")
+
+
 def run_capture(
     model: nn.Module,
     layers: list[AttentionLayer],
@@ -346,7 +355,7 @@ def run_capture(
 
     Sequences run one at a time (batch 1, no padding), each as chunked prefill when longer than
     ``chunk_len``. Token ids go to the embedding's device (``input_device``: with a device map, where the
-    embedding runs). Raises when any layer saw nothing.
+    embedding runs). Raises when any layer saw nothing, and at the first sequence whose Q, K or V is not finite.
 
     Args:
         done_tokens: tokens ``stats`` already holds (a resumed run), where the progress bar starts.
@@ -360,6 +369,7 @@ def run_capture(
         for seq in sequences:
             forward_chunked(model, seq.to(device).unsqueeze(0), chunk_len)  # [1, S]
             collector.flush()
+            refuse_nonfinite(stats, layers)  # at the sequence that made it, not after the whole run
             bar.update(seq.numel())
             if after_sequence is not None:
                 after_sequence(seq.numel())

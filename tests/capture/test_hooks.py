@@ -92,3 +92,23 @@ def test_layers_that_see_nothing_are_an_error_not_a_scale():
     attn.forward = lambda hidden_states, *a, **k: (torch.zeros_like(hidden_states), None)
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn"):
         run_capture(model, layers, [torch.arange(8)], Stats.empty(signature(model, layers)), chunk_len=64, progress=False)
+
+
+def test_a_non_finite_activation_stops_the_capture_at_its_sequence():
+    """The last layer's V turns to Inf on the second sequence (the last, so no later layer inherits it): the capture
+    refuses there, naming that layer, without reading the rest."""
+    model = tiny_model("llama")
+    layers = attention_layers(model)
+    calls = []
+
+    def overflow(module, args, output):
+        calls.append(1)
+        return output * float("inf") if len(calls) == 2 else output
+
+    last = len(layers) - 1
+    model.model.layers[last].self_attn.v_proj.register_forward_hook(overflow)
+    read = []
+    sequences = (read.append(i) or torch.arange(8) + i for i in range(5))
+    with pytest.raises(ValueError, match=rf"^v holds NaN or Inf in model\.layers\.{last}\.self_attn;.*--dtype float32"):
+        run_capture(model, layers, sequences, Stats.empty(signature(model, layers)), chunk_len=64, progress=False)
+    assert read == [0, 1]
