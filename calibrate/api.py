@@ -220,8 +220,11 @@ def scale_report(scale_set: ScaleSet) -> dict:
 STATS_SHA256 = "stats_sha256"  # calibration.json's key for the sha256 of kvcal/stats.safetensors
 
 
-def _write_extras(stats: Stats, provenance: dict, records: list[str] | None):
-    """What goes into OUT's KVCAL_DIR: statistics, provenance, and the calibration's record digests (None: none known)."""
+def _write_extras(stats: Stats, provenance: dict, records: list[str] | None, out: str):
+    """What goes into OUT's KVCAL_DIR: statistics, provenance, and the calibration's record digests (None: none known);
+    and OUT's model card, not verified yet (the short verify or ``kvcal verify --report`` adds its table)."""
+    from .verification.card import write_card
+
     def write(directory: Path) -> None:
         stats.save(directory / STATS_FILE)  # directory: OUT's KVCAL_DIR, being built
         pause_at("stats")  # test-only (layout.pause_at)
@@ -230,6 +233,7 @@ def _write_extras(stats: Stats, provenance: dict, records: list[str] | None):
         (directory / PROVENANCE_FILE).write_text(json.dumps(provenance, indent=2) + "\n")
         if records is not None:
             (directory / RECORDS_FILE).write_text("".join(d + "\n" for d in records))
+        write_card(directory.parent, provenance, out=out)
 
     return write
 
@@ -367,7 +371,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             source, Path(config.out),
             scales=scale_tensors([layer.prefix for layer in layers], scale_set.checkpoint_scales()),
             strategy="head" if scale_set.per_head else "tensor",
-            write_extras=_write_extras(stats, provenance, captured.records),
+            write_extras=_write_extras(stats, provenance, captured.records, config.out),
             fp8_format=fmt.name,
             overwrite=config.overwrite,
             inputs=(Path(config.model), *local_paths(config.data.sources)),
@@ -618,13 +622,13 @@ def export(
     provenance = dict(old)
     provenance.update(
         exported_from=str(Path(source).resolve()), export_time_s=round(time.perf_counter() - start, 3),
-        scales=scale_report(scale_set),
+        scales=scale_report(scale_set), target=str(Path(target).resolve()),
     )
     written = write_checkpoint(
         target, Path(out),
         scales=scale_tensors([layer.prefix for layer in layers], scale_set.checkpoint_scales()),
         strategy="head" if scale_set.per_head else "tensor",
-        write_extras=_write_extras(stats, provenance, _records_of(source)),
+        write_extras=_write_extras(stats, provenance, _records_of(source), out),
         fp8_format=fmt.name,
         overwrite=overwrite,
         inputs=(Path(source),),

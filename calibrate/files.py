@@ -69,6 +69,17 @@ def save_tensors(tensors: dict[str, "torch.Tensor"], path: Path, metadata: dict[
     os.chmod(path, file_mode())
 
 
+def write_text_replacing(path: Path, text: str) -> None:
+    """Write ``text`` to a new file beside ``path`` and rename it over ``path``: a reader sees the old file or the new,
+    never half of one, and a link at ``path`` is replaced, never written through (its target may be a source's)."""
+    tmp = path.with_name(f".{path.name}.kvcal-tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def check_model_dir(model_dir: str | Path) -> None:
     """Refuse a model path that is a file or does not exist."""
     if Path(model_dir).is_file():

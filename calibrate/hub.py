@@ -13,7 +13,8 @@ from pathlib import Path
 
 # What a run reads: configs, the tokenizer (and chat template), safetensors weights and their index; not .bin,
 # .pth, GGUF, ONNX or "original/" copies of the weights. Modeling code only with --trust-remote-code.
-SMALL_FILES = ["*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"]  # enough to open the data
+# README.md: the source's model card, kept below kvcal's in OUT's (verification/card.py).
+SMALL_FILES = ["*.json", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja", "README.md"]  # enough to open the data
 NEEDED = SMALL_FILES + ["*.safetensors"]
 REMOTE_CODE = ["*.py"]
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -56,6 +57,12 @@ def resolve(name: str, revision: str | None = None) -> str:
         return str(Path(hf_hub_download(name, "config.json", revision=commit)).parent)
     except Exception as e:  # noqa: BLE001 — every failure becomes one line that says what to do
         raise ValueError(_explain(e, name, revision)) from None
+
+
+def snapshot_repo(model_dir: str | Path) -> str | None:
+    """``org/name`` of a Hub snapshot directory (what ``resolve`` returns for a Hub model); None for any other path."""
+    match = _SNAPSHOT.search(Path(model_dir).as_posix())
+    return None if match is None else f"{match['org']}/{match['name']}"
 
 
 def fetch(model_dir: str, *, trust_remote_code: bool = False, weights: bool = True, offline: bool | None = None) -> bool:

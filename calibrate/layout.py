@@ -1,6 +1,7 @@
 """The layout of a kvcal output directory (OUT) and of the hidden siblings a run keeps beside it.
 
     OUT/                          a checkpoint vLLM and transformers load (checkpoint/write.py builds it)
+      README.md                   the model card (verification/card.py): kvcal's section, then the source's card
       kvcal/calibration.json      provenance: settings, data manifest, scales; its presence marks a kvcal output
       kvcal/stats.safetensors     the mergeable statistics (capture/stats.py), for export, apply and verify
       kvcal/records.txt           the calibration's records, one digest a line (data/stream.py record_digest): verify
@@ -26,11 +27,16 @@ PROVENANCE_FILE = "calibration.json"
 STATS_FILE = "stats.safetensors"
 RECORDS_FILE = "records.txt"
 VERIFY_DIR = "verify"
+CARD_FILE = "README.md"  # where the Hugging Face Hub looks for a model card
 TEMPORARIES = ("tmp", "weights", "old")  # siblings named with their writer's PID
 
 
 def provenance_path(out: str | Path) -> Path:
     return Path(out) / KVCAL_DIR / PROVENANCE_FILE
+
+
+def card_path(out: str | Path) -> Path:
+    return Path(out) / CARD_FILE
 
 
 def stats_path(out: str | Path) -> Path:

@@ -148,7 +148,7 @@ def verify_text(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
@@ -170,7 +170,7 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
         "",
         "## Verdict",
         "",
-        _table(VERIFY_HEADER, verify_rows(rep)),
+        markdown_table(VERIFY_HEADER, verify_rows(rep)),
         "",
         thresholds_text(rep)
         + (" or when a needle the reference found is lost" if rep["needle"] else "")
@@ -200,7 +200,7 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
     if "layer_error" in plots:
         out += [f"![per-layer error]({plots['layer_error']})", ""]
     names = [n for n, r in s.items() if r["mode"] != "reference"]
-    out += [_table(["layer", *names], [[str(idx), *(f"{s[n]['layer_rel_error'][i]:.3e}" for n in names)] for i, idx in enumerate(layers)]), ""]
+    out += [markdown_table(["layer", *names], [[str(idx), *(f"{s[n]['layer_rel_error'][i]:.3e}" for n in names)] for i, idx in enumerate(layers)]), ""]
     out += ["## Saturation and underflow", "",
             "Fraction of values beyond the format's max (saturated) and below its smallest normal (stored as subnormal "
             "or zero), mean over layers / worst layer; — = not quantized by that scheme.", ""]
@@ -213,7 +213,7 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
                              f"{_pct(sum(f['underflow']) / len(layers), 4)} / {_pct(max(f['underflow']), 4)}"])
             else:
                 rows.append([n, kind, "—", "—"])
-    out += [_table(["scheme", "kind", "saturated", "underflow"], rows), ""]
+    out += [markdown_table(["scheme", "kind", "saturated", "underflow"], rows), ""]
     if rep["fa3"]:
         out += _fa3_markdown(rep["fa3"])
     if rep["needle"]:
@@ -250,7 +250,7 @@ def _skip_markdown(probe: dict | None) -> list[str]:
             f"Scheme {probe['scheme']} (KL {probe['kl']:.4g} nats/token with every layer quantized). Estimate: the layer's own "
             "attention-output error; measured: KL with that one layer left unquantized, and the gain paired by sequence. "
             f"Kept: a significant gain above {probe['share_limit']:.3g} (twice an average layer's share).", "",
-            _table(["layer", "estimate", "KL without it", "gain", "keep"], rows), ""]
+            markdown_table(["layer", "estimate", "KL without it", "gain", "keep"], rows), ""]
 
 
 def _fa3_markdown(f: dict) -> list[str]:
@@ -269,7 +269,7 @@ def _fa3_markdown(f: dict) -> list[str]:
     for layer, r in f["layers"].items():
         for name, modes in r["schemes"].items():
             rows.append([str(layer), name, *(f"{modes[m]['rel_error']:.3e} ({modes[m]['bias']:+.2e})" for m in ("fp8_inputs", "two_level", "single_chain"))])
-    out += [_table(["layer", "scheme", "FP8 inputs, exact arithmetic", "two_level", "single_chain"], rows), ""]
+    out += [markdown_table(["layer", "scheme", "FP8 inputs, exact arithmetic", "two_level", "single_chain"], rows), ""]
     v = f["validation"]
     out += ["Validation:", "",
             f"- the emulator with exact accumulation and unquantized P reproduces float64 attention on the same FP8 inputs to "
@@ -291,7 +291,7 @@ def _needle_markdown(n: dict) -> list[str]:
            "log-probability of its tokens (✓ = every answer token is the greedy choice).", ""]
     rows = [[str(c["length"]), f"{c['depth']:g}", c["code"], *(f"{c['schemes'][m]['logprob']:.2f} {'✓' if c['schemes'][m]['greedy'] else '✗'}" for m in names)]
             for c in n["cases"]]
-    out += [_table(["length", "depth", "code", *names], rows), ""]
+    out += [markdown_table(["length", "depth", "code", *names], rows), ""]
     for m, r in n["summary"].items():
         if "lost" in r:
             out.append(f"- {m}: found {r['found']}/{len(n['cases'])}, lost {r['lost']} the reference found, mean log-prob change {r['mean_logprob_change']:+.3f}")

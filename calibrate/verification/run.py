@@ -15,6 +15,7 @@ recommendation, is ``verdict.py``'s; the memory arithmetic ``capacity.py``'s.
 """
 
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from ..fp8 import get_format
 from .kvdtypes import DTYPES
 from ..model.layers import AttentionLayer, attention_layers, checkpoint_named, max_context, signature
 from ..model.load import check_tokenizer_fits, load_model, load_tokenizer, read_config, resolve_device
+from .card import write_card
 from .needle import needle_probe
 from ..capture.stats import Stats, position_bucket_starts
 from ..model.layers import ModelSignature
@@ -37,7 +39,8 @@ from .verdict import check_measured, choose, judge, recommend
 from .config import FLOOR, REFERENCE, VerifyConfig
 from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
 from .passes import ApplyScheme, ReferenceProbe, measure, probe_skip_layers, scheme_result
-from ..layout import records_path, stats_path
+from ..files import read_json_object
+from ..layout import is_kvcal_output, provenance_path, records_path, stats_path
 from ..loaders import text_part
 
 
@@ -292,9 +295,20 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
             "skip_probe_s": skip_probe["seconds"] if skip_probe else 0.0, "fa3_s": probed - measured, "needle_s": time.perf_counter() - probed, "total_s": time.perf_counter() - start,
         },
     }
-    # 7. Report files.
+    # 7. Report files; a kvcal output's model card gets this table.
     out = None
     if config.report_dir is not None:
         out = Path(config.report_dir)
         report.write_verify_report(out, rep)
+        _refresh_card(config.checkpoint, rep)
     return VerifyResult(rep, out)
+
+
+def _refresh_card(checkpoint: str, rep: dict) -> None:
+    """Rewrite the verify table in the card of a kvcal output (a checkpoint kvcal did not write is left alone)."""
+    if not is_kvcal_output(checkpoint):
+        return
+    try:
+        write_card(checkpoint, read_json_object(provenance_path(checkpoint), "calibrate it again"), rep)
+    except OSError as e:
+        warnings.warn(f"{checkpoint}/README.md keeps its old verify table: {e.strerror or e}", stacklevel=3)

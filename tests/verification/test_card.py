@@ -1,0 +1,107 @@
+"""OUT's model card: a card huggingface_hub parses, kvcal's evidence in it, the source's own card kept below."""
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+from huggingface_hub import ModelCard, ModelCardData
+
+from references import QUIET
+from calibrate import api
+from calibrate.verification.card import MARKER, base_model
+from calibrate.verification.run import verify
+
+SOURCE_CARD = """---
+license: apache-2.0
+language:
+- en
+tags:
+- tiny
+---
+
+# The source's card
+
+Trained on {{ nothing }} at all; {% this is not a template %}.
+"""
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def carded(tiny_dir, data_file):
+    """A tiny model with a card of its own and a Hub name in its config, calibrated without the short verify."""
+    config = json.loads((tiny_dir / "config.json").read_text())
+    (tiny_dir / "config.json").write_text(json.dumps({**config, "_name_or_path": "org/tiny-base"}))
+    (tiny_dir / "README.md").write_text(SOURCE_CARD)
+    out = tiny_dir.parent / "out"
+    api.calibrate(str(tiny_dir), [str(data_file)], str(out), seq_len=64, max_tokens=512, verify=False, **QUIET)
+    return tiny_dir, out
+
+
+def table_rows(card: str) -> dict[str, list[str]]:
+    """The verify table's rows in the card's Markdown, by scheme (the first column)."""
+    section = card.split("## Verification", 1)[1].split("## Not measured", 1)[0]
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| ")]
+    return {row[0]: row for row in rows[1:]}  # rows[0]: the header
+
+
+def test_the_card_parses_names_its_base_and_keeps_the_source_card(carded, data_file):
+    source, out = carded
+    before = hashlib.sha256((source / "README.md").read_bytes()).hexdigest()
+    card = ModelCard.load(out / "README.md")
+    meta = card.data.to_dict()
+    assert meta["base_model"] == "org/tiny-base" and meta["base_model_relation"] == "quantized"
+    assert meta["license"] == "apache-2.0" and meta["language"] == ["en"]  # the source's, carried over
+    assert {"kvcal", "fp8", "kv-cache", "vllm", "tiny"} <= set(meta["tags"])
+    assert ModelCardData(**meta).to_dict() == meta  # the metadata round-trips through the Hub's own class
+    provenance = json.loads((out / "kvcal" / "calibration.json").read_text())
+    assert f"vllm serve {out} --kv-cache-dtype fp8" in card.text
+    assert f"{provenance['tokens']:,}" in card.text and provenance["scales"]["observer"] in card.text
+    sha = provenance["data"][0]["files"][0]["sha256"]
+    assert sha[:16] in card.text and "Not verified yet" in card.text
+    # The source's card, its Jinja-like braces included, follows the marker unchanged; the source is untouched.
+    assert card.text.split(MARKER, 1)[1].strip() == SOURCE_CARD.split("---\n", 2)[2].strip()
+    assert hashlib.sha256((source / "README.md").read_bytes()).hexdigest() == before
+
+
+def test_verify_report_writes_its_table_into_the_card(carded, data_file, tmp_path):
+    _, out = carded
+    for round in range(2):  # twice: the second refresh replaces the first, the source card stays once
+        verify(str(out), [str(data_file)], schemes="scale1,tensor", seq_len=64, max_tokens=128,
+               report_dir=str(tmp_path / f"report{round}"), **QUIET)
+    text = (out / "README.md").read_text()
+    assert text.count(MARKER) == 1 and text.count("# The source's card") == 1 and "Not verified yet" not in text
+    rep = json.loads((tmp_path / "report1" / "report.json").read_text())
+    rows = table_rows(ModelCard.load(out / "README.md").text)
+    assert set(rows) == set(rep["schemes"])
+    for name, r in rep["schemes"].items():
+        kl = float(re.match(r"[-+0-9.e]+", rows[name][1]).group())
+        assert kl == pytest.approx(r["kl"], rel=1e-3, abs=1e-12) and rows[name][7] == r["verdict"]
+    assert f"{rep['floor']['kl']:.3g}" in text and rep["serve_command"] in text
+
+
+def test_verify_without_report_or_of_another_checkpoint_leaves_cards_alone(carded, data_file, tmp_path):
+    source, out = carded
+    card = (out / "README.md").read_bytes()
+    verify(str(out), [str(data_file)], schemes="scale1", seq_len=64, max_tokens=64, **QUIET)
+    verify(str(source), [str(data_file)], schemes="scale1", seq_len=64, max_tokens=64, report_dir=str(tmp_path / "r"), **QUIET)
+    assert (out / "README.md").read_bytes() == card and (source / "README.md").read_text() == SOURCE_CARD
+
+
+def test_base_model_from_a_hub_snapshot_or_a_repo_name_only():
+    snapshot = f"/cache/hub/models--HuggingFaceTB--SmolLM2-135M/snapshots/{COMMIT}"
+    assert base_model({"model": snapshot}, {"_name_or_path": "else/where"}) == "HuggingFaceTB/SmolLM2-135M"
+    assert base_model({"model": "/m", "target": snapshot}, {}) == "HuggingFaceTB/SmolLM2-135M"  # export's target
+    assert base_model({"model": "/m"}, {"_name_or_path": "org/name"}) == "org/name"
+    for local in ("/home/me/model", "./model", "~/m/x", "model"):
+        assert base_model({"model": "/m"}, {"_name_or_path": local}) is None
+    assert base_model({"model": "/m"}, {}) is None
+
+
+def test_a_source_without_a_card_gets_kvcal_section_only(tiny_dir, data_file):
+    out = tiny_dir.parent / "out"
+    api.calibrate(str(tiny_dir), [str(data_file)], str(out), seq_len=64, max_tokens=512, verify=False, **QUIET)
+    card = ModelCard.load(out / "README.md")
+    assert MARKER not in card.text and "base_model" not in card.data.to_dict()
+    assert card.text.lstrip().startswith("# tiny: FP8 KV-cache scales calibrated by kvcal")
