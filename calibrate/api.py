@@ -423,23 +423,18 @@ class _Captured:
     searched: tuple[ScaleSet, dict] | None = None  # the output observer's scales and search, when it ran
 
 
-# Sequences the output observer searches on: those that follow the calibration budget in the same stream.
+# Sequences the output observer searches on: the data's next ones, made of records the statistics never saw.
 HELD_BACK_SEQUENCES = 4
 
 
-def _held_back(config: CalibrationConfig, tokenizer, context: int | None) -> list[torch.Tensor]:
-    """Up to HELD_BACK_SEQUENCES sequences of the data stream past ``max_tokens``, none of which the statistics saw."""
+def _held_back(config: CalibrationConfig, tokenizer, context: int | None, consumed: list[str]) -> list[torch.Tensor]:
+    """Up to HELD_BACK_SEQUENCES sequences of the data without the ``consumed`` records (``SequenceStream.consumed``):
+    not even the rest of a record the budget cut short, so the search scores scales on text they were not made from."""
     from .data.stream import iter_sequences
 
-    budget = config.data.max_tokens
-    stream = iter_sequences(replace(config.data, max_tokens=budget + HELD_BACK_SEQUENCES * config.data.seq_len),
-                            tokenizer, max_context=context)
-    held, start = [], 0
-    for sequence in stream:
-        if start >= budget and sequence.numel() >= 2:
-            held.append(sequence)
-        start += sequence.numel()
-    return held
+    stream = iter_sequences(replace(config.data, max_tokens=HELD_BACK_SEQUENCES * config.data.seq_len), tokenizer,
+                            max_context=context, exclude=frozenset(consumed))
+    return [sequence for sequence in stream if sequence.numel() >= 2]
 
 
 def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | None, stream: SequenceStream) -> _Captured:
@@ -492,7 +487,7 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
         from .scales.search import output_observer
 
         s = config.scales
-        held = _held_back(config, tokenizer, max_context(model_config))
+        held = _held_back(config, tokenizer, max_context(model_config), stream.consumed())
         searched = output_observer(model, layers, stats, held, config.data.chunk_len, granularity=s.granularity,
                                    fmt=get_format(s.fp8_format), headroom=s.headroom, query_scale=s.query_scale)
     return _Captured(layers, sig, stats, stream.manifest(), stream.consumed(), device, model.dtype, searched)

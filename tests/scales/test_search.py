@@ -1,4 +1,4 @@
-"""output_observer.py: scales picked by attention-output error on held-back data, against a float64 search of our own."""
+"""scales/search.py: scales picked by attention-output error on held-back data, against a float64 search of our own."""
 
 import json
 
@@ -11,8 +11,8 @@ from references import QUIET, ref_attention, ref_qdq, save_planted
 from calibrate import api, cli
 from calibrate.capture.hooks import hooked_attention
 from calibrate.data.config import DataConfig
-from calibrate.data.stream import iter_sequences
-from calibrate.layout import KVCAL_DIR
+from calibrate.data.stream import iter_sequences, read_digests
+from calibrate.layout import KVCAL_DIR, records_path
 from calibrate.fp8 import FORMATS
 from calibrate.model.load import load_model
 from calibrate.scales.observers import derive_scales
@@ -39,15 +39,11 @@ def searched(tmp_path_factory, tokenizer, data_file):
 
 
 def held_back(ckpt, data_file) -> list[torch.Tensor]:
-    """The sequences after the calibration budget in the same stream (the statistics never saw them)."""
+    """The data without the records the calibration read (OUT's records.txt): what the search must have run on."""
     tok = AutoTokenizer.from_pretrained(ckpt)
-    stream = iter_sequences(DataConfig([str(data_file)], seq_len=SEQ_LEN, max_tokens=BUDGET + 4 * SEQ_LEN), tok)
-    sequences, start = [], 0
-    for s in stream:
-        if start >= BUDGET:
-            sequences.append(s)
-        start += s.numel()
-    return sequences
+    stream = iter_sequences(DataConfig([str(data_file)], seq_len=SEQ_LEN, max_tokens=4 * SEQ_LEN), tok,
+                            exclude=read_digests(records_path(ckpt)))
+    return list(stream)
 
 
 def test_each_layer_gets_the_candidate_with_the_least_attention_output_error(searched, data_file):
