@@ -91,19 +91,24 @@ def hooked_attention(model: nn.Module, hook: AttentionHook) -> Iterator[None]:
             finally:
                 _latents.reset(latent_token)
     finally:
-        model.set_attn_implementation(base)
+        _switch(model, base)
         _active_hook.reset(token)
+
+
+def _switch(model: nn.Module, name: str) -> None:
+    """``model.set_attn_implementation(name)`` without transformers' warnings (a second line beside kvcal's error)."""
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model.set_attn_implementation(name)
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def _set_implementation(model: nn.Module, name: str) -> None:
     """Make ``name`` the model's attention implementation; a model whose attention bypasses transformers' interface
     keeps its own (transformers only warns), and is refused before any data runs."""
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # transformers' warning would be a second line beside kvcal's error
-    try:
-        model.set_attn_implementation(name)
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    _switch(model, name)
     if model.config._attn_implementation != name:
         raise ValueError(
             f"no attention call reaches kvcal's hook: {type(model).__name__} computes attention itself, not through "

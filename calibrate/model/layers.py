@@ -76,12 +76,24 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
     return sorted(layers, key=lambda layer: layer.layer_idx)
 
 
+def standard_names(cfg: dict) -> dict:
+    """``cfg`` with transformers' standard field names added where the family spells them its own way (Bloom's
+    ``n_head``, MPT's ``n_heads``, GPT-2's ``n_embd``): the config class's ``attribute_map`` says which is which."""
+    from transformers import CONFIG_MAPPING
+
+    if cfg.get("model_type") not in CONFIG_MAPPING:
+        return cfg
+    aliases = CONFIG_MAPPING[cfg["model_type"]].attribute_map
+    return {**{name: cfg[own] for name, own in aliases.items() if name not in cfg and own in cfg}, **cfg}
+
+
 def signature_of(cfg: dict, layers: list[int]) -> ModelSignature:
     """The shape facts that statistics and scales must agree with, from the text model's config as a dict.
 
     For MLA the cached "KV head" is the latent row (one head, kv_lora_rank + qk_rope_head_dim wide) and the query is
     compared with it in the latent space (vLLM's absorbed decode query, as wide): every kind has that width.
     """
+    cfg = standard_names(cfg)
     num_heads = cfg["num_attention_heads"]
     mla = mla_dims(cfg)
     if mla is not None:

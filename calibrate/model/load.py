@@ -51,8 +51,8 @@ def read_config(model_dir: str | Path) -> dict:
     architectures = config.get("architectures") or []
     if architectures and not any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
         raise ValueError(
-            f"{model_dir} holds a {', '.join(architectures)}, not a causal language model; "
-            "kvcal calibrates decoder models that vLLM serves with a KV cache"
+            f"{model_dir} holds a {', '.join(architectures)}; kvcal calibrates the decoders vLLM serves with a KV cache "
+            "whose architecture is a ...ForCausalLM or ...ForConditionalGeneration"
         )
     text = text_part(config)
     if text.get("model_type") in ENCODER_MODEL_TYPES:

@@ -183,7 +183,7 @@ def test_not_a_causal_lm_and_missing_dir(tiny_dir, text_file, tmp_path):
     config = json.loads((tiny_dir / "config.json").read_text())
     config["architectures"] = ["BertModel"]
     (tiny_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="not a causal language model"):
+    with pytest.raises(ValueError, match="kvcal calibrates the decoders vLLM serves with a KV cache"):
         run(tiny_dir, text_file, tmp_path / "out")
 
 

@@ -69,7 +69,7 @@ def root(tmp_path_factory, smol_tokenizer, kjv_path):
     """One directory of inputs shared by the rows: models, data, a calibrated output, broken copies of each."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM, BertConfig, BertForMaskedLM, FalconConfig, FalconForCausalLM
+    from transformers import AutoModelForCausalLM, BertConfig, BertForMaskedLM, BloomConfig, FalconConfig, FalconForCausalLM, MptConfig
 
     root = tmp_path_factory.mktemp("bad-cli")
     save_tiny_checkpoint(root / "llama", "llama", smol_tokenizer)
@@ -130,6 +130,11 @@ def root(tmp_path_factory, smol_tokenizer, kjv_path):
     FalconForCausalLM(FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    vocab_size=len(smol_tokenizer))).save_pretrained(root / "falcon")
     smol_tokenizer.save_pretrained(root / "falcon")
+    # Families whose configs spell the head count their own way (n_head, n_heads): read through attribute_map.
+    for name, config in (("bloom", BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=len(smol_tokenizer))),
+                         ("mpt", MptConfig(d_model=64, n_layers=2, n_heads=4, vocab_size=len(smol_tokenizer)))):
+        AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
+        smol_tokenizer.save_pretrained(root / name)
 
     # Damaged configs, tokenizers and weights.
     _edit_config(_link_copy(root / "llama", root / "heads-not-int"), num_attention_heads="eight")
@@ -309,10 +314,12 @@ NEW = {
     "calibrate-data-name-like-a-glob": _calibrate("{root}/llama", "--data", "{root}/glob/x[1].jsonl", *TINY,
                                                   fragments=["x[1].jsonl has no 'input_ids' / 'messages' / 'text' column"]),
     # Models vLLM serves without a KV cache, or whose attention kvcal cannot see.
-    "calibrate-bert": _calibrate("{root}/bert", *DATA, *TINY, fragments=["not a causal language model"]),
+    "calibrate-bert": _calibrate("{root}/bert", *DATA, *TINY, fragments=["kvcal calibrates the decoders vLLM serves with a KV cache"]),
     "calibrate-bert-without-architectures": _calibrate("{root}/bert-no-architectures", *DATA, *TINY, fragments=["bert", "encoder"]),
     "verify-bert-without-architectures": _verify("{root}/bert-no-architectures", *DATA, *SHORT, fragments=["bert", "encoder"]),
     "calibrate-attention-outside-the-interface": _calibrate("{root}/falcon", *DATA, *TINY, fragments=["no attention call reaches kvcal's hook", "FalconForCausalLM"]),
+    "calibrate-bloom-n-head": _calibrate("{root}/bloom", *DATA, *TINY, fragments=["no attention call reaches kvcal's hook", "BloomForCausalLM"]),
+    "calibrate-mpt-n-heads": _calibrate("{root}/mpt", *DATA, *TINY, fragments=["no attention call reaches kvcal's hook", "MptForCausalLM"]),
     # config.json, tokenizer and weights that do not agree with each other.
     "calibrate-heads-not-an-integer": _calibrate("{root}/heads-not-int", *DATA, *TINY, fragments=["num_attention_heads", "'eight'"]),
     "export-model-heads-not-an-integer": _export("{root}/out", "--model", "{root}/heads-not-int", fragments=["num_attention_heads", "'eight'"]),

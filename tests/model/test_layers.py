@@ -10,7 +10,7 @@ import transformers as T
 from references import reference_qkv
 
 from calibrate.capture.hooks import run_capture
-from calibrate.model.layers import attention_layers, signature
+from calibrate.model.layers import attention_layers, signature, signature_of
 from calibrate.capture.stats import Stats
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
@@ -71,3 +71,14 @@ def test_only_layers_with_a_kv_cache_are_captured_as_they_are_computed(family):
 def test_gpt_oss_sliding_layers_are_marked_for_skip_layers():
     layers = attention_layers(model_of("gpt_oss"))
     assert [layer.sliding_window for layer in layers] == [True, False, True, False]
+
+
+@pytest.mark.parametrize("config", [
+    {"model_type": "bloom", "n_head": 4, "hidden_size": 64},
+    {"model_type": "mpt", "n_heads": 4, "d_model": 64},
+    {"model_type": "gpt2", "n_head": 4, "n_embd": 64},
+    {"model_type": "llama", "num_attention_heads": 4, "hidden_size": 64},
+], ids=["bloom", "mpt", "gpt2", "llama"])
+def test_signature_reads_the_head_count_however_the_family_names_it(config):
+    sig = signature_of(config, [0, 1])
+    assert (sig.num_heads, sig.num_kv_heads, sig.head_dim) == (4, 4, 16)

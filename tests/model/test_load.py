@@ -132,7 +132,7 @@ def test_read_config_refuses_what_is_not_a_causal_lm(tmp_path, architectures, ac
     if accepted:
         assert read_config(tmp_path / "m") == config
     else:
-        with pytest.raises(ValueError, match=f"holds a {architectures[0]}, not a causal language model"):
+        with pytest.raises(ValueError, match=f"holds a {architectures[0]}; kvcal calibrates the decoders vLLM serves with a KV cache"):
             read_config(tmp_path / "m")
     assert read_config_file(tmp_path / "m") == config  # the plain reader never judges the architecture
 
