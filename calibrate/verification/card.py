@@ -19,7 +19,8 @@ from ..hub import is_repo_id, snapshot_repo
 from ..layout import card_path
 from .report import SERVE_NOTES, VERIFY_HEADER, held_out_text, markdown_table, serve_command, thresholds_text, verify_rows
 
-MARKER = "<!-- kvcal: the source model's own card follows, unchanged -->"
+# Ends kvcal's section in every card kvcal writes, the source's card or nothing after it: a refresh keeps what follows.
+MARKER = "<!-- kvcal's section ends here; what follows is the source model's own card, unchanged -->"
 TAGS = ["kvcal", "fp8", "kv-cache", "vllm"]
 # Kept from the source card's metadata: what says who may use the weights and in what language they work.
 KEPT_METADATA = ("license", "license_name", "license_link", "language", "pipeline_tag", "library_name")
@@ -56,7 +57,7 @@ def _metadata(text: str) -> dict:
 
 
 def card_text(out: str, provenance: dict, config: dict, report: dict | None, source_card: str | None) -> str:
-    """The whole README.md: front matter, kvcal's section, MARKER and the source's card (if any)."""
+    """The whole README.md: front matter, kvcal's section, MARKER and the source's card (if it has one)."""
     metadata, source_body = split_source_card(source_card)
     base = base_model(provenance, config)
     data = ModelCardData(
@@ -64,9 +65,7 @@ def card_text(out: str, provenance: dict, config: dict, report: dict | None, sou
         tags=sorted(set(TAGS) | set(metadata.get("tags") or [])),
         **({"base_model": base, "base_model_relation": "quantized"} if base else {}),
     )
-    body = "\n".join(_section(out, provenance, report, base))
-    if source_body:
-        body += f"\n\n{MARKER}\n\n{source_body}"
+    body = "\n".join(_section(out, provenance, report, base)) + f"\n\n{MARKER}\n\n{source_body}"
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body.rstrip()}\n"))
 
 

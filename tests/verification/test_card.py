@@ -99,9 +99,13 @@ def test_base_model_from_a_hub_snapshot_or_a_repo_name_only():
     assert base_model({"model": "/m"}, {}) is None
 
 
-def test_a_source_without_a_card_gets_kvcal_section_only(tiny_dir, data_file):
+def test_a_source_without_a_card_gets_kvcal_section_only_however_often_refreshed(tiny_dir, data_file, tmp_path):
     out = tiny_dir.parent / "out"
     api.calibrate(str(tiny_dir), [str(data_file)], str(out), seq_len=64, max_tokens=512, verify=False, **QUIET)
-    card = ModelCard.load(out / "README.md")
-    assert MARKER not in card.text and "base_model" not in card.data.to_dict()
-    assert card.text.lstrip().startswith("# tiny: FP8 KV-cache scales calibrated by kvcal")
+    for round in range(2):
+        card = ModelCard.load(out / "README.md")
+        assert "base_model" not in card.data.to_dict() and card.text.count("FP8 KV-cache scales calibrated by kvcal") == 1
+        assert card.text.lstrip().startswith("# tiny: FP8 KV-cache scales calibrated by kvcal")
+        assert card.text.rstrip().endswith(MARKER)  # nothing of a source's below it
+        verify(str(out), [str(data_file)], schemes="scale1", seq_len=64, max_tokens=64, report_dir=str(tmp_path / "r"), **QUIET)
+    assert card.text.count("## Verification") == 1 and "Not verified yet" not in card.text

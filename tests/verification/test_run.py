@@ -419,6 +419,8 @@ def test_calibrate_runs_a_short_verify_unless_disabled(tmp_path, tokenizer, data
     assert set(result.verification.schemes) == {"scale1", "tensor", *SHORT_VERIFY_SCHEMES}  # the default recipe states null: these
     assert (tmp_path / "a" / "kvcal" / "verify" / "report.md").is_file()
     assert "short verify" in result.summary()
+    card = (tmp_path / "a" / "README.md").read_text()  # the model card carries the short verify's table
+    assert "Not verified yet" not in card and all(f"| {name} |" in card for name in result.verification.schemes)
     result = api.calibrate(str(model), [str(data_file)], str(tmp_path / "b"), seq_len=128, max_tokens=512, verify=False, **QUIET)
     assert result.verification is None and not (tmp_path / "b" / "kvcal" / "verify").exists()
 
