@@ -167,7 +167,7 @@ def session(device: str, timeout_s: float) -> Iterator[Group]:
     # torch.distributed.nn's functions take ``group=group.WORLD`` as a default argument: imported after the join
     # (transformers imports it when it loads a tokenizer), they would hold the process group forever, so that
     # leaving could not free it and its worker threads would still run while Python shuts down (SIGABRT).
-    import torch.distributed.nn  # noqa: F401
+    import torch.distributed.nn as _  # noqa: F401  (bound as _: a bare `import torch...` would make torch local here)
     try:
         with _native_stderr_kept_on_success():
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))

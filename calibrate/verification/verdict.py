@@ -186,7 +186,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
                          f"prefer it if that matters more than backend support: {SCHEME_NOTES.get(name, other['source'])}.")
     smaller = [n for n, o in usable.items() if o["bytes_per_token"] < r["bytes_per_token"] and o["verdict"] == r["verdict"]]
     if smaller:
-        lines.append(f"Smaller caches with the same verdict: " + "; ".join(
+        lines.append("Smaller caches with the same verdict: " + "; ".join(
             f"{n} ({usable[n]['bytes_per_token'] / r['bytes_per_token']:.2f}× the bytes, KL {usable[n]['kl']:.4g})" for n in smaller) + ".")
     target = checkpoint
     if r["mode"] != "token" and r["granularity"] in ("tensor", "head") and r["source"] not in ("checkpoint", "1.0"):

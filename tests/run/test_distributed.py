@@ -153,3 +153,25 @@ def test_leaving_the_session_stops_the_process_groups_threads(tiny_dir, text_fil
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["0", "0"]
     assert (tmp_path / "out" / "kvcal" / "calibration.json").is_file()
+
+
+def test_a_gpu_rank_sets_its_device_then_joins(monkeypatch):
+    """The NCCL path without GPUs: the rank's GPU is made current before the join (NCCL's object collectives use it),
+    and a join that fails is one DistributedError. (A function-local `import torch...` once made `torch` unbound here.)"""
+    from calibrate.run import distributed
+
+    for name, value in rank_env(1, 2, 1).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
+
+    def init(backend, **kwargs):
+        calls.append(("init", backend))
+        raise RuntimeError("no NCCL here")
+
+    monkeypatch.setattr(distributed.dist, "init_process_group", init)
+    with pytest.raises(distributed.DistributedError, match=r"rank 1 could not join the other 1 ranks .*\(no NCCL here\)"):
+        with distributed.session("cuda", timeout_s=1):
+            pass
+    assert calls == [("set_device", "cuda:1"), ("init", "nccl")]

@@ -3,7 +3,6 @@
 import hashlib
 import json
 import re
-from pathlib import Path
 
 import pytest
 from huggingface_hub import ModelCard, ModelCardData
