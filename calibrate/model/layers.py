@@ -79,6 +79,8 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
 def standard_names(cfg: dict) -> dict:
     """``cfg`` with transformers' standard field names added where the family spells them its own way (Bloom's
     ``n_head``, MPT's ``n_heads``, GPT-2's ``n_embd``): the config class's ``attribute_map`` says which is which."""
+    if "num_attention_heads" in cfg:  # the usual spelling: export and inspect stay free of transformers' import
+        return cfg
     from transformers import CONFIG_MAPPING
 
     if cfg.get("model_type") not in CONFIG_MAPPING:
