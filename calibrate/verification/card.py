@@ -1,5 +1,7 @@
 """OUT's model card (README.md): how the scales were made, how to serve them, and what verify measured.
 
+The Hub facts this relies on (front matter, base_model_relation, the snapshot path) are in docs/model-card.md.
+
 A checkpoint shared on the Hub is read through its card. kvcal's section comes first: metadata (``base_model``
 with ``base_model_relation: quantized``, tags, the source card's license and language), the serve line, the
 scales' scheme and observer, the data manifest, the verify table with its floor and verdicts, and what nothing
