@@ -58,7 +58,9 @@ def output_observer(
     if granularity not in ("tensor", "head"):
         raise ValueError(f"the output observer picks static scales: use --granularity tensor or head, not {granularity}")
     if not sequences:
-        raise ValueError("the output observer needs held-back sequences to search on: add data beyond --max-tokens")
+        raise ValueError("the output observer needs held-back sequences to search on, and every record of the data went "
+                         "into the statistics (a record the budget cut counts whole): add records beyond --max-tokens "
+                         "(in a .txt, a blank line separates records)")
     sets = [derive_scales(stats.kinds, observer=name, granularity=granularity, fmt=fmt, headroom=headroom,
                           query_scale=query_scale) for name in CANDIDATES]
     search = _Search(sets, {layer.layer_idx: row for row, layer in enumerate(layers)}, fmt)

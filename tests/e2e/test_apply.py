@@ -58,7 +58,7 @@ def test_apply_to_a_fine_tune_writes_the_calibrated_scales(source, source_scales
 def test_apply_after_the_output_observer_writes_the_source_s_scales(source, tmp_path, smol_tokenizer, kjv_path):
     """The output observer's scales cannot be re-derived from statistics: apply writes the recorded ones, exactly."""
     text = tmp_path / "data.txt"
-    text.write_text("".join(json.loads(line)["text"] + "\n" for _, line in zip(range(200), open(kjv_path))))
+    text.write_text("".join(json.loads(line)["text"] + "\n\n" for _, line in zip(range(200), open(kjv_path))))  # a record a verse
     model = save_llama(tmp_path / "base", smol_tokenizer, seed=0)
     searched = tmp_path / "searched"
     calibrate(str(model), [str(text)], str(searched), seq_len=64, max_tokens=192, observer="output", progress=False,
