@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,15 +70,24 @@ def save_tensors(tensors: dict[str, "torch.Tensor"], path: Path, metadata: dict[
     os.chmod(path, file_mode())
 
 
-def write_text_replacing(path: Path, text: str) -> None:
-    """Write ``text`` to a new file beside ``path`` and rename it over ``path``: a reader sees the old file or the new,
-    never half of one, and a link at ``path`` is replaced, never written through (its target may be a source's)."""
-    tmp = path.with_name(f".{path.name}.kvcal-tmp-{os.getpid()}")
+def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """``write`` a temporary file beside ``path``, flush it to disk and rename it to ``path``: all or nothing. A reader
+    sees the old file or the new, never half of one, and a link at ``path`` is replaced, never written through (its
+    target may be a source's)."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(text)
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
-    finally:
+    except BaseException:
         tmp.unlink(missing_ok=True)
+        raise
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself survives a power cut too
+    finally:
+        os.close(fd)
 
 
 def check_model_dir(model_dir: str | Path) -> None:

@@ -17,15 +17,13 @@ any difference with one line naming it. The directory is removed once OUT is wri
 
 import hashlib
 import json
-import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..files import file_sha256, read_json_object
+from ..files import file_sha256, read_json_object, write_atomically
 from ..model.layers import ModelSignature
 from ..capture.stats import Stats
 from ..layout import pause_at, sibling
@@ -182,32 +180,14 @@ class Saver:
         self.directory.mkdir(exist_ok=True)
         self.saves += 1
         name = f"stats-rank{self.rank}-{self.saves}.safetensors"
-        _write_atomically(self.directory / name, self.stats.save)
+        write_atomically(self.directory / name, self.stats.save)
         state = {"format": FORMAT, "rank": self.rank, **self.identity, "sequences": self.sequences,
                  "tokens": self.tokens, "saves": self.saves, "stats": name}
-        _write_atomically(_state_path(self.directory, self.rank), lambda p: p.write_text(json.dumps(state, indent=2) + "\n"))
+        write_atomically(_state_path(self.directory, self.rank), lambda p: p.write_text(json.dumps(state, indent=2) + "\n"))
         for old in self.directory.glob(f"stats-rank{self.rank}-*.safetensors"):
             if old.name != name:
                 old.unlink(missing_ok=True)
         pause_at("capture")  # test-only (layout.pause_at): a kill mid-capture, with a save to resume from
-
-
-def _write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """``write`` a temporary file beside ``path``, flush it to disk and rename it to ``path``: all or nothing."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself survives a power cut too
-    finally:
-        os.close(fd)
 
 
 def _read_state(path: Path) -> dict:

@@ -15,11 +15,10 @@ from dataclasses import dataclass, replace
 from ..choices import SIZE_UNITS
 from ..data.config import check_int
 
-MIB, GIB = 2**20, 2**30
 # Memory of one GPU as nvidia-smi reports its total (SXM parts; docs/vllm-notes.md "GPU memory"), not the vendors' sales
 # figure (an H100 sold as "80 GB" reports 79.6 GiB; counting 80 * 10**9 bytes was 6% low). vLLM takes its utilization of the total CUDA reports
 # (torch.cuda.mem_get_info()[1]), a few hundred MiB less again: pass that size with --gpu for a tight estimate.
-GPUS = {"H100": 81559 * MIB, "H200": 143771 * MIB, "B200": 183359 * MIB}
+GPUS = {"H100": 81559 * SIZE_UNITS["MIB"], "H200": 143771 * SIZE_UNITS["MIB"], "B200": 183359 * SIZE_UNITS["MIB"]}
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization: the share of a GPU it lets itself use
 # Quoted beside kvcal's own arithmetic for comparison; nothing here derives them. They are the figures kvcal's planning
 # started from, unmeasured here; README.md ("Does it pay") says so.
@@ -218,7 +217,7 @@ def plan(layers: list[LayerKV], weight_bytes: float, context: int, memory: str |
 
 def plan_text(result: dict) -> str:
     """``plan``'s dict as a fixed-width table for the terminal (sizes in GiB = 2**30 bytes, per GPU)."""
-    gb, tp = GIB, result["tp"]
+    gb, tp = SIZE_UNITS["GIB"], result["tp"]
     lines = [f"{result['memory_bytes'] / gb:.1f} GiB per GPU × {result['utilization']}, weights "
              f"{result['weight_bytes'] / tp / gb:.2f} GiB per GPU (tp={tp}), context {result['context']} tokens",
              f"{'dtype':<22}{'B/token':>10}{'KV/seq GiB':>11}{'seqs':>7}{'×seqs':>7}{'B/decoded tok':>15}"

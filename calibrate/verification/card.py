@@ -16,7 +16,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from ..files import write_text_replacing
+from ..files import write_atomically
 from ..hub import is_repo_id, snapshot_repo
 from ..layout import card_path
 from .report import SERVE_NOTES, VERIFY_HEADER, held_out_text, markdown_table, serve_command, thresholds_text, verify_rows
@@ -37,17 +37,15 @@ def base_model(provenance: dict, config: dict) -> str | None:
     if repo is not None:
         return repo
     name = config.get("_name_or_path")
-    return name if isinstance(name, str) and not name.startswith((".", "/", "~")) and is_repo_id(name) else None
+    return name if isinstance(name, str) and is_repo_id(name) else None
 
 
 def split_source_card(text: str | None) -> tuple[dict, str]:
     """(the source card's metadata, its text without front matter); a card kvcal wrote gives what follows MARKER."""
     if not text:
         return {}, ""
-    if MARKER in text:
-        metadata = _metadata(text)
-        return metadata, text.split(MARKER, 1)[1].lstrip("\n")
-    return _metadata(text), _FRONT_MATTER.sub("", text, count=1).lstrip("\n")
+    body = text.split(MARKER, 1)[1] if MARKER in text else _FRONT_MATTER.sub("", text, count=1)
+    return _metadata(text), body.lstrip("\n")
 
 
 def _metadata(text: str) -> dict:
@@ -148,4 +146,5 @@ def write_card(directory: str | Path, provenance: dict, report: dict | None = No
     path = card_path(directory)
     previous = path.read_text(errors="replace") if path.is_file() else None
     config = json.loads((Path(directory) / "config.json").read_text())
-    write_text_replacing(path, card_text(out or str(directory), provenance, config, report, previous))
+    text = card_text(out or str(directory), provenance, config, report, previous)
+    write_atomically(path, lambda tmp: tmp.write_text(text))
