@@ -573,7 +573,7 @@ def export(
     files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself). ``_recorded``
     (``apply``) writes SOURCE's recorded scales instead of re-deriving them.
     """
-    from .loaders import check_loads_scales, source_form
+    from .loaders import check_loads_scales, check_scale_prefixes, source_form
     from .model.layers import AttentionLayer
     from .model.load import read_config
 
@@ -603,6 +603,8 @@ def export(
         layers = [AttentionLayer(**layer) for layer in old["layers"]]
     except TypeError as e:
         raise ValueError(f"the layers in {source}/{KVCAL_DIR}/{PROVENANCE_FILE} are not kvcal's ({e}); it was damaged") from None
+    # The names the scales go under must be attention modules of the target, or vLLM drops them without a word.
+    check_scale_prefixes(target, {layer.layer_idx: layer.prefix for layer in layers}, f"{source}/{KVCAL_DIR}/{PROVENANCE_FILE}")
 
     # 2. Statistics → scales (apply: the calibration's own scales, as recorded).
     if _recorded:

@@ -446,3 +446,24 @@ def checkpoint_prefixes(checkpoint: str | Path) -> dict[int, str]:
     """Layer index → attention prefix of a checkpoint directory, from the headers of the files vLLM loads."""
     directory = Path(checkpoint)
     return attention_prefixes([n for path in vllm_files(directory)[0] for n in tensor_names(path)])
+
+
+def check_scale_prefixes(checkpoint: str | Path, prefixes: dict[int, str], origin: str) -> None:
+    """Refuse to write scales under attention prefixes the checkpoint does not have: vLLM maps a scale onto the module
+    its name starts with, so a name under no module of the checkpoint (a renamed or edited calibration) is dropped and
+    that layer runs at 1.0.
+
+    Args:
+        checkpoint: the directory the scales go into.
+        prefixes: layer index → attention prefix the scales would be written under.
+        origin: where ``prefixes`` come from, for the message.
+    """
+    names = [n for path in vllm_files(Path(checkpoint))[0] for n in tensor_names(path)]
+    modules = {name[:i] for name in names for i, char in enumerate(name) if char == "."}  # every module holding a tensor
+    found = attention_prefixes(names)
+    for index, prefix in sorted(prefixes.items()):
+        if prefix not in modules or found.get(index, prefix) != prefix:
+            where = f" (its layer {index} is {found[index]})" if index in found else ""
+            raise ValueError(f"{origin} names layer {index}'s attention {prefix!r}, which is not an attention module of "
+                             f"{checkpoint}{where}: vLLM would drop scales written there and use 1.0; it was edited or "
+                             "belongs to another model: calibrate again")

@@ -251,15 +251,28 @@ def copy_other_files(source: Path, dest: Path, *, skip: set[str], weight_suffixe
 
 
 def check_links(source: Path) -> None:
-    """Refuse a link that leads nowhere (dangling, or a loop) among the files ``copy_other_files`` copies from the
-    source into OUT, where it would fail the write at the end of a run."""
-    for item in sorted(source.iterdir()):
-        if item.name.startswith("."):
-            continue
-        inside = [Path(d) / name for d, dirs, files in os.walk(item) for name in dirs + files] if item.is_dir() else []
-        for path in [item, *inside]:
-            if path.is_symlink() and not path.exists():
-                raise ValueError(f"{path} is a link that leads nowhere (dangling, or a loop); remove or fix it")
+    """Refuse a link that leads nowhere (dangling, or a loop) or back into a folder that holds it (``loop -> .``) among
+    the files ``copy_other_files`` copies from the source into OUT: copying follows links, so either would fail the
+    write at the end of a run (or copy forever)."""
+
+    def walk(path: Path, above: tuple[Path, ...]) -> None:
+        """Check ``path`` and, following links as copying does, everything under it; ``above``: the real folders
+        that hold it."""
+        if path.is_symlink() and not path.exists():
+            raise ValueError(f"{path} is a link that leads nowhere (dangling, or a loop); remove or fix it")
+        if not path.is_dir():
+            return
+        real = path.resolve()
+        if real in above:
+            raise ValueError(f"{path} is a link back to {real}, a folder that holds it: copying the model would never "
+                             "end; remove the link")
+        for child in sorted(path.iterdir()):
+            walk(child, (*above, real))
+
+    root = Path(source).resolve()
+    for item in sorted(Path(source).iterdir()):
+        if not item.name.startswith("."):
+            walk(item, (root,))
 
 
 def prepare_output(out: Path, inputs: list[Path], overwrite: bool) -> tuple[int, int] | None:

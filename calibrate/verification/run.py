@@ -35,7 +35,7 @@ from .card import write_card
 from .needle import needle_probe
 from ..capture.stats import Stats, position_bucket_starts
 from ..model.layers import ModelSignature
-from .verdict import check_measured, choose, judge, recommend
+from .verdict import check_measured, check_reference, choose, judge, recommend
 from .config import FLOOR, REFERENCE, VerifyConfig
 from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
 from .passes import ApplyScheme, ReferenceProbe, measure, probe_skip_layers, scheme_result
@@ -237,6 +237,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     results = {s.name: scheme_result(s, tallies[s.name], probe.ref_sq, ref_nll) for s in schemes + floor}
     for name, r in results.items():
         check_measured(name, r)
+    check_reference(ref_nll, results.get(FLOOR))  # NaN or Inf there: nothing can be judged against it
     floor_result = results.pop(FLOOR, None)
     limits = config.thresholds.resolve(floor_result)
     for name, r in results.items():

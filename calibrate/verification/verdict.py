@@ -51,10 +51,43 @@ def check_measured(name: str, result: dict) -> None:
                          "those layers were not quantized or lost their output; this verify cannot be trusted")
 
 
+# The measurements a verdict rests on: each must be a finite number, or there is no verdict.
+JUDGED = ("kl", "top1", "nll")
+NOT_FINITE = "not finite"  # the verdict of a scheme whose measurements are NaN or Inf: never chosen nor recommended
+
+
+def non_finite(result: dict, layer_ids: list[int] | None = None) -> str | None:
+    """Which of a scheme's measurements are NaN or Inf, and at which layers (``layer_ids``: the index of each row of
+    ``layer_rel_error``; None: rows), for a person; None when all are finite.
+
+    Every comparison with NaN is false, so a NaN KL would pass every threshold: it must be caught before judging.
+    """
+    bad = [f"{name} {result[name]}" for name in JUDGED if name in result and not math.isfinite(result[name])]
+    rows = [i for i, e in enumerate(result.get("layer_rel_error", [])) if not math.isfinite(e)]
+    if rows:
+        named = [layer_ids[i] for i in rows] if layer_ids is not None else rows
+        bad.append(f"per-layer error at {'layers' if layer_ids is not None else 'layer rows'} {named[:5]}")
+    return ", ".join(bad) or None
+
+
+def check_reference(ref_nll: list[float], floor: dict | None) -> None:
+    """Refuse a verify whose unquantized model itself computed NaN or Inf (an fp16 overflow, damaged weights): every
+    scheme is measured against it, so no verdict would mean anything."""
+    if not all(math.isfinite(x) for x in ref_nll):
+        raise ValueError("the unquantized reference model computed a non-finite loss (NaN or Inf), so no scheme can be "
+                         "judged against it: an fp16 overflow? run verify with --dtype float32 (or bfloat16)")
+    if floor is not None and (why := non_finite(floor)):
+        raise ValueError(f"the floor (the unquantized model computed in another precision) went non-finite ({why}): an "
+                         "fp16 overflow? run verify with --dtype float32, or without the floor (--fixed-limits)")
+
+
 def judge(result: dict, limits: Thresholds) -> tuple[str, list[str]]:
-    """pass / warn / fail against the thresholds; the reference scheme is "reference"."""
+    """pass / warn / fail against the thresholds; the reference scheme is "reference"; NOT_FINITE when a measurement
+    is NaN or Inf (it would pass every comparison)."""
     if result["mode"] == "reference":
         return "reference", []
+    if (why := non_finite(result)) is not None:
+        return NOT_FINITE, [f"measured non-finite numbers: {why}; this scheme has no verdict and is never recommended"]
     reasons, verdict = [], "pass"
     kl, top1 = result["kl"], result["top1"]
     if kl > limits.fail_kl or top1 < limits.fail_top1:
@@ -169,10 +202,14 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
         test = "one sequence: not tested" if se is None else ("significant" if sig else "within noise") + f", paired over {len(results[a]['kl_per_sequence'])} sequences"
         return f"{a} vs {b}: KL {ka:.4g} vs {kb:.4g} nats/token; {change} ({test})"
 
+    broken = {n: r for n, r in ranked.items() if r["verdict"] == NOT_FINITE}
+    for name, r in broken.items():
+        lines.append(f"{name} measured non-finite numbers ({non_finite(r, [layer.layer_idx for layer in layers])}): it has "
+                     "no verdict and is never recommended.")
     for a, b in (("token", "tensor"), ("tensor", "scale1"), ("head", "tensor"), ("tensor", "max"), ("tensor", "mse")):
-        if a in ranked and b in ranked:
+        if a in ranked and b in ranked and a not in broken and b not in broken:
             lines.append(versus(a, b))
-    usable = {n: r for n, r in ranked.items() if r["verdict"] != "fail" and r.get("servable", True)}
+    usable = {n: r for n, r in ranked.items() if r["verdict"] in ("pass", "warn") and r.get("servable", True)}
     choice = choose(results)
     if choice is None:
         lines.append("Every quantized scheme measured fails the thresholds: keep this model's KV cache in bf16.")

@@ -6,7 +6,9 @@ import pytest
 
 from calibrate.verification.capacity import LayerKV, bf16_bytes, plan
 from calibrate.verification.config import Thresholds
-from calibrate.verification.verdict import check_measured, choose, judge, pays_lines, rank_correlation, skip_choice
+from calibrate.verification.verdict import (
+    NOT_FINITE, check_measured, check_reference, choose, judge, pays_lines, rank_correlation, recommend, skip_choice,
+)
 
 
 def result(verdict: str, mode: str = "static") -> dict:
@@ -142,3 +144,55 @@ def test_the_reference_and_floor_may_measure_nothing(mode):
 
 def test_errors_near_but_not_at_0_or_1_are_accepted():
     check_measured("tensor", measured(layer_rel_error=[1e-9, 0.999999]))
+
+
+# Issue 36: every comparison with NaN is false, so a NaN KL passed every threshold and could be recommended.
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    "numbers, named",
+    [
+        pytest.param(measured(kl=NAN), "kl nan", id="kl-nan"),
+        pytest.param(measured(kl=INF), "kl inf", id="kl-inf"),
+        pytest.param(measured(top1=NAN), "top1 nan", id="top1-nan"),
+        pytest.param(measured(nll=INF), "nll inf", id="nll-inf"),
+        pytest.param(measured(layer_rel_error=[0.02, NAN]), "per-layer error at layer rows [1]", id="layer-error-nan"),
+    ],
+)
+def test_a_non_finite_measurement_is_never_a_verdict(numbers, named):
+    verdict, reasons = judge(numbers, FIXED)
+    assert verdict == NOT_FINITE and len(reasons) == 1 and named in reasons[0]
+    assert choose({"tensor": {**numbers, "verdict": verdict}}) is None
+
+
+def test_a_non_finite_scheme_is_named_with_its_layer_and_never_recommended():
+    from calibrate.model.layers import AttentionLayer
+
+    layers = [AttentionLayer(layer_idx=i, prefix=f"model.layers.{i}.self_attn", sliding_window=False) for i in (3, 7)]
+    common = {"kl_per_sequence": [0.01, 0.012], "ppl_change": 0.01, "bytes_per_token": 100, "granularity": "tensor",
+              "source": "checkpoint", "quantizes_query": True, "kv_dtype": "fp8"}
+    results = {"bf16": {"mode": "reference", "verdict": "reference"},
+               "tensor": {**measured(kl=NAN, layer_rel_error=[0.02, NAN]), **common, "kl_per_sequence": [NAN, NAN]},
+               "token": {**measured(kl=0.05), **common, "mode": "token", "granularity": "token", "source": "computed",
+                         "quantizes_query": False, "kv_dtype": "fp8_per_token_head"}}
+    for r in results.values():
+        if r["mode"] != "reference":
+            r["verdict"], r["reasons"] = judge(r, FIXED)
+    assert (results["tensor"]["verdict"], results["token"]["verdict"]) == (NOT_FINITE, "warn")
+    lines, serve = recommend(results, {"notes": [], "granularity": "tensor"}, layers, "ckpt")
+    text = "\n".join(lines)
+    assert "tensor measured non-finite numbers (kl nan, per-layer error at layers [7])" in text
+    assert "Recommended: token" in text and "tensor vs" not in text and "token vs tensor" not in text
+    assert "fp8_per_token_head" in serve
+
+
+@pytest.mark.parametrize("ref_nll, floor, fragment", [
+    pytest.param([2.0, NAN], None, "reference model computed a non-finite loss", id="reference-nan"),
+    pytest.param([2.0, 2.1], {**measured(kl=INF), "mode": "floor"}, "the floor", id="floor-inf"),
+])
+def test_a_non_finite_reference_or_floor_is_refused_in_one_message(ref_nll, floor, fragment):
+    with pytest.raises(ValueError, match=fragment) as e:
+        check_reference(ref_nll, floor)
+    assert "\n" not in str(e.value) and "--dtype float32" in str(e.value)
+    check_reference([2.0, 2.1], {**measured(), "mode": "floor"})  # finite ones pass
