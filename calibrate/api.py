@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import json
 import platform
+import shlex
 import shutil
 import time
 import warnings
@@ -25,6 +26,7 @@ from .run import resume
 from .config import LITTLE_DATA_TOKENS, CalibrationConfig, ScaleConfig
 from .run.distributed import Group, session
 from .layout import KVCAL_DIR, PROVENANCE_FILE
+from .checkpoint.space import NoRoom, check_room, keep_statistics, output_room, stats_bytes
 from .checkpoint.write import check_links, prepare_output, scale_tensors, weight_files, write_checkpoint
 from .files import file_sha256, read_json_object
 from .fp8 import get_format
@@ -324,8 +326,13 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             check_tokenizer_fits(config.model, model_config, tokenizer)
             stream = iter_sequences(config.data, tokenizer, max_context=max_context(model_config))
             hub.fetch(config.model, trust_remote_code=config.trust_remote_code, offline=offline)
-            weight_files(Path(config.model))
+            files = weight_files(Path(config.model))
             check_links(Path(config.model))
+            # Room on OUT's file system, and under ulimit -f, for everything this run writes (checkpoint/space.py).
+            statistics = _stats_bytes(model_config)
+            if group.writes:
+                check_room(output_room(Path(config.model), Path(config.out), files, statistics,
+                                       resume_saves=bool(config.checkpoint_every), quantized=bool(config.weights)))
             check_export_form(Path(config.model), config.form, config.scales.granularity)
             if config.weights:
                 check_available(Path(config.model), config.weights)
@@ -376,7 +383,10 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             overwrite=config.overwrite,
             inputs=(Path(config.model), *local_paths(config.data.sources)),
             seen=seen,
+            statistics=statistics,
         )
+    except NoRoom as e:  # the disk filled during the run: keep what was computed, say how to finish
+        raise ValueError(f"{e}; {_keep_statistics(config, stats, provenance, captured.records)}") from None
     finally:
         if weights_dir is not None:
             shutil.rmtree(weights_dir, ignore_errors=True)
@@ -521,6 +531,34 @@ def _short_verify(config: CalibrationConfig) -> VerifyResult | None:
         return None
 
 
+def _stats_bytes(model_config: dict) -> int:
+    """Bytes of the statistics a calibration of this model saves (``space.stats_bytes``), from config.json alone."""
+    layers = list(range(_layer_count(model_config) or 0))
+    try:
+        return stats_bytes(signature_from_config(model_config, layers))
+    except KeyError:  # a config kvcal cannot size: the model load refuses it in its own words
+        return 0
+
+
+def _keep_statistics(config: CalibrationConfig, stats: Stats, provenance: dict, records: list[str]) -> str:
+    """Save the statistics of a calibration whose OUT could not be written (``space.keep_statistics``), and say how
+    to finish from them: ``kvcal apply`` writes the recorded scales into the model without running it again."""
+    from .loaders import read_json
+
+    def write(directory: Path) -> None:
+        (directory / "config.json").write_text(json.dumps(read_json(Path(config.model) / "config.json"), indent=2) + "\n")
+        (directory / KVCAL_DIR).mkdir()
+        _write_extras(stats, dict(provenance), records, str(directory))(directory / KVCAL_DIR)
+
+    kept = keep_statistics(Path(config.out), write)
+    if kept is None:
+        return "the statistics could not be saved either (no room beside it nor in $TMPDIR): free space and run again"
+    shutil.rmtree(resume.resume_dir(config.out), ignore_errors=True)  # the kept statistics are whole: the saves have served
+    command = shlex.join(["kvcal", "apply", str(kept), config.model, "--out", config.out, *(["--overwrite"] if config.overwrite else [])])
+    weights = "; it writes the scales beside the unquantized weights (--weights fp8: calibrate again)" if config.weights else ""
+    return f"the statistics are saved in {kept}: once there is room, finish with: {command}{weights}"
+
+
 def load_calibration(source: str | Path) -> tuple[Stats, dict]:
     """Statistics and provenance saved in a kvcal output directory."""
     from safetensors import SafetensorError
@@ -630,6 +668,7 @@ def export(
         overwrite=overwrite,
         inputs=(Path(source),),
         seen=seen,
+        statistics=stats_bytes(stats.signature),
     )
     return CalibrationResult(written, layers, stats, scale_set, provenance)
 

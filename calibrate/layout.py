@@ -11,6 +11,8 @@
     .OUT.kvcal-weights-PID/       quantized weights being built (--weights fp8)
     .OUT.kvcal-old-PID/           the previous OUT, moved aside during an --overwrite swap
     .OUT.kvcal-resume/            periodic saves of a long run (run/resume.py), removed once OUT is written
+    .OUT.kvcal-statistics/        a run's statistics, kept when OUT could not be written for lack of room
+                                  (checkpoint/space.py); ``kvcal apply`` writes OUT from it
 
 Siblings named with a PID belong to that process while it lives; ``sweep`` removes those of dead processes.
 
@@ -57,10 +59,11 @@ def is_kvcal_output(directory: str | Path) -> bool:
 
 
 def sibling(out: str | Path, kind: str, pid: int | None = None) -> Path:
-    """The hidden directory of ``kind`` (TEMPORARIES, or "resume") beside OUT; temporaries are this process's."""
+    """The hidden directory of ``kind`` (TEMPORARIES, "resume" or "statistics") beside OUT; temporaries are this
+    process's."""
     out = Path(out)
-    if kind == "resume":
-        return out.parent / f".{out.name}.kvcal-resume"
+    if kind in ("resume", "statistics"):
+        return out.parent / f".{out.name}.kvcal-{kind}"
     return out.parent / f".{out.name}.kvcal-{kind}-{os.getpid() if pid is None else pid}"
 
 

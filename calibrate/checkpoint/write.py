@@ -32,6 +32,7 @@ from ..loaders import (
 from ..files import apply_umask, save_tensors
 from ..layout import KVCAL_DIR, identity, is_kvcal_output, pause_at, sibling, sweep
 from ..loaders import check_float_weights
+from .space import NoRoom, check_room, no_room, output_room, room_error
 
 SCALES_PRODUCER = "kvcal"  # the "producer" metadata of the scales shard
 
@@ -323,6 +324,7 @@ def write_checkpoint(
     overwrite: bool = False,
     inputs: tuple[Path, ...] = (),
     seen: tuple[int, int] | None | str = "now",
+    statistics: int = 0,
 ) -> Path:
     """Build the output checkpoint in a temporary directory and move it into place.
 
@@ -337,6 +339,11 @@ def write_checkpoint(
         inputs: the run's other inputs (data files, statistics), none of which ``out`` may be or hold.
         seen: what ``prepare_output`` returned when the run started ("now": take it here); OUT is replaced only
             if it is still that one (another run with the same --out may have written it meanwhile).
+        statistics: bytes of the statistics ``write_extras`` adds (``space.stats_bytes``), for the room check.
+
+    Raises:
+        ValueError: OUT's file system or the file-size limit cannot take the output (checked first; ``space.NoRoom``
+            when the disk filled while writing: the partial output is removed).
 
     Returns:
         ``out``, complete.
@@ -346,6 +353,8 @@ def write_checkpoint(
     seen = now if seen == "now" else seen
     files = weight_files(source)
     check_links(source)
+    room = output_room(source, out, files, statistics)
+    check_room(room)
     config = json.loads((source / "config.json").read_text())
     quant_files: dict[str, dict] = {}  # other quantization config files to write (ModelOpt form)
     form = checkpoint_form(source)  # refuses the quantization methods whose scales vLLM would not read
@@ -380,8 +389,10 @@ def write_checkpoint(
         write_extras(tmp / KVCAL_DIR)
         check_index(tmp)
         _move_into_place(tmp, out, seen=seen)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if no_room(e):  # the disk filled (or a file hit ulimit -f) since the check: one line, nothing left
+            raise NoRoom(room_error(e, room, out)) from None
         raise
     return out
 
