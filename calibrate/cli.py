@@ -15,6 +15,7 @@ from dataclasses import asdict
 
 from .verification.capacity import GPUS
 from .config import CalibrationConfig, ScaleConfig
+from .files import no_room
 
 from .demo import DEMO_SEQ_LEN, DEMO_TOKENS
 from .choices import (
@@ -252,6 +253,12 @@ def _main(argv: list[str] | None) -> int:
             result = run_demo(**options)
     except ValueError as e:
         print(f"kvcal: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a disk that filled where no step expected it (a verify report, a model card): one line
+        if (why := no_room(e)) is None:
+            raise
+        print(f"kvcal: error: writing {e.filename or 'a file'} failed: {why}; free space there (or raise ulimit -f) "
+              "and run again", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         # The short verify runs after OUT is written (api.VerifyInterrupted): then "nothing was written" is untrue.

@@ -1,8 +1,10 @@
 """Files as kvcal writes them: modes that follow the umask, whoever writes the bytes."""
 
+import errno
 import hashlib
 import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -96,3 +98,18 @@ def check_model_dir(model_dir: str | Path) -> None:
         raise ValueError(f"{model_dir} is a file; pass the model's directory (the one holding config.json)")
     if not Path(model_dir).is_dir():
         raise ValueError(f"model directory {model_dir} does not exist; pass a local Hugging Face model directory")
+
+
+# The errors that mean "no room": the disk (or the user's quota) is full, or a file outgrew RLIMIT_FSIZE.
+NO_ROOM = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is used up",
+           errno.EFBIG: "a file outgrew the file-size limit (ulimit -f)"}
+_OS_ERROR = re.compile(r"os error (\d+)")  # how safetensors (Rust) reports an I/O error
+
+
+def no_room(error: BaseException) -> str | None:
+    """Why ``error`` is a disk that filled or a file-size limit hit (an OSError, or safetensors' error wrapping one),
+    for a person; None for any other error."""
+    code = getattr(error, "errno", None)
+    if code is None and (m := _OS_ERROR.search(str(error))):
+        code = int(m[1])
+    return NO_ROOM.get(code)

@@ -9,9 +9,7 @@ full disk is refused in one line before the compute rather than after it; ``room
 fails (the disk filled meanwhile) into the same line.
 """
 
-import errno
 import os
-import re
 import resource
 import shutil
 import tempfile
@@ -20,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..capture.stats import Stats
+from ..files import no_room
 from ..layout import KVCAL_DIR, sibling
 from ..loaders import INDEX_FILE, KV_SCALE_PATTERN, tensor_names
 from ..model.layers import ModelSignature
@@ -30,10 +29,6 @@ HEADER_BYTES = 1 << 20
 METADATA_BYTES = 4 << 20
 # A source's files that the output writes anew rather than copies (write.write_checkpoint's skip).
 OWN_FILES = (INDEX_FILE, "config.json", KVCAL_DIR)
-# The errors that mean "no room": the disk (or the user's quota) is full, or a file outgrew RLIMIT_FSIZE.
-NO_ROOM = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is used up",
-           errno.EFBIG: "a file outgrew the file-size limit (ulimit -f)"}
-
 
 class NoRoom(ValueError):
     """A write that failed for lack of room (``no_room``) after the checks passed; the message is ``room_error``'s."""
@@ -149,18 +144,6 @@ def check_room(room: Room) -> None:
         raise ValueError(f"the file-size limit (ulimit -f) is {size_text(limit)}, but this run writes a file of "
                          f"{size_text(room.largest)} under {room.where}; nothing was written: raise the limit "
                          "(ulimit -f unlimited) and run again")
-
-
-_OS_ERROR = re.compile(r"os error (\d+)")  # how safetensors (Rust) reports an I/O error
-
-
-def no_room(error: BaseException) -> str | None:
-    """Why ``error`` is a disk that filled or a file-size limit hit (an OSError, or safetensors' error wrapping one),
-    for a person; None for any other error."""
-    code = getattr(error, "errno", None)
-    if code is None and (m := _OS_ERROR.search(str(error))):
-        code = int(m[1])
-    return NO_ROOM.get(code)
 
 
 def room_error(error: BaseException, room: Room | None, out: Path) -> str:
