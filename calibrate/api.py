@@ -94,11 +94,11 @@ class CalibrationResult:
 
     def _release_note(self) -> list[str]:
         """For a ``quant_method: fp8`` release: what serving it needs, and the bf16 rounding vLLM applies to the scales."""
-        from .loaders import quant_config, quant_method, read_json, stored_dtype
+        from .loaders import quant_config, quant_method, read_config_json, stored_dtype
 
         if not (self.out / "config.json").is_file():  # a result whose OUT was moved or removed since: nothing to read
             return []
-        config = read_json(self.out / "config.json")
+        config = read_config_json(self.out)
         method = quant_method(quant_config(self.out, config))
         if method != "fp8":
             return []
@@ -543,10 +543,10 @@ def _stats_bytes(model_config: dict) -> int:
 def _keep_statistics(config: CalibrationConfig, stats: Stats, provenance: dict, records: list[str]) -> str:
     """Save the statistics of a calibration whose OUT could not be written (``space.keep_statistics``), and say how
     to finish from them: ``kvcal apply`` writes the recorded scales into the model without running it again."""
-    from .loaders import read_json
+    from .loaders import read_config_json
 
     def write(directory: Path) -> None:
-        (directory / "config.json").write_text(json.dumps(read_json(Path(config.model) / "config.json"), indent=2) + "\n")
+        (directory / "config.json").write_text(json.dumps(read_config_json(config.model), indent=2) + "\n")
         (directory / KVCAL_DIR).mkdir()
         _write_extras(stats, dict(provenance), records, str(directory))(directory / KVCAL_DIR)
 
@@ -691,7 +691,7 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False) ->
     Raises:
         ValueError: SOURCE is not a kvcal output, or CHECKPOINT's attention layers are not SOURCE's.
     """
-    from .loaders import checkpoint_prefixes, read_json, source_form
+    from .loaders import checkpoint_prefixes, read_config_json, source_form
 
     # 1. The calibrated attention layers must be exactly the target's (export checks heads and head size), and
     # its quantization method one whose scales vLLM reads (loaders.QUANT_METHODS), decided from its configs alone.
@@ -699,7 +699,7 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False) ->
     calibrated = {layer["layer_idx"]: layer["prefix"] for layer in provenance["layers"]}
     if not (Path(checkpoint) / "config.json").is_file():
         raise ValueError(f"{checkpoint} is not a checkpoint: it has no config.json")
-    source_form(Path(checkpoint), read_json(Path(checkpoint) / "config.json"), provenance["scales"]["granularity"])
+    source_form(Path(checkpoint), read_config_json(checkpoint), provenance["scales"]["granularity"])
     target = checkpoint_prefixes(checkpoint)
     if target != calibrated:
         differ = sorted(set(target.items()) ^ set(calibrated.items()))[:3]

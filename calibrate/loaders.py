@@ -73,7 +73,7 @@ INTEGER_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
 def check_float_weights(directory: Path, files: list[Path]) -> None:
     """Refuse a ``*.weight`` that the headers of an unquantized checkpoint label as integers: transformers would load
     the integers as the weight's values without a word. (Quantized checkpoints pack weights into integers on purpose.)"""
-    if quant_config(directory, read_json(directory / "config.json")) is not None:
+    if quant_config(directory, read_config_json(directory)) is not None:
         return
     for path in files:
         with safe_open(str(path), "pt") as f:
@@ -91,6 +91,40 @@ def read_tensor(path: Path, name: str) -> torch.Tensor:
 
 def read_json(path: Path) -> dict:
     return read_json_object(path, "restore it from the original checkpoint")
+
+
+CONFIG_FILE = "config.json"
+# Every config.json field kvcal reads, at the top level or in a multimodal model's text_config, with the JSON type it
+# must have where present (null counts as absent). Positivity of the shape fields: model/load.SHAPE_FIELDS.
+CONFIG_FIELDS: dict[str, type] = {
+    "text_config": dict, "model_type": str, "architectures": list, "auto_map": dict, "quantization_config": dict,
+    "dtype": str, "torch_dtype": str, "_name_or_path": str, "layer_types": list,
+    "num_hidden_layers": int, "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int,
+    "hidden_size": int, "max_position_embeddings": int, "vocab_size": int, "kv_lora_rank": int, "qk_rope_head_dim": int,
+}
+_JSON_NAMES = {dict: "an object", str: "a string", list: "a list", int: "an integer"}
+
+
+def read_config_json(directory: str | Path) -> dict:
+    """A checkpoint's config.json, every field in ``CONFIG_FIELDS`` checked for its type: the one way kvcal reads it,
+    so that a field of the wrong shape (``text_config`` a string, a head count in words) is one line naming the file
+    and the field, never a crash where it is used."""
+    path = Path(directory) / CONFIG_FILE
+    config = read_json_object(path, "fix or replace it")
+    text = config.get("text_config")
+    for prefix, part in (("", config), ("text_config.", text if isinstance(text, dict) else {})):
+        for name, kind in CONFIG_FIELDS.items():
+            value = part.get(name)
+            if value is not None and (not isinstance(value, kind) or kind is int and isinstance(value, bool)):
+                raise ValueError(f"{path} has {prefix}{name} {_short(value)}, {_JSON_NAMES[type(value)] if type(value) in _JSON_NAMES else type(value).__name__}, "
+                                 f"where {_JSON_NAMES[kind]} belongs; fix config.json (or restore it from the original checkpoint)")
+    return config
+
+
+def _short(value) -> str:
+    """A JSON value for a one-line message: at most 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def index_files(directory: Path) -> list[str] | None:
@@ -203,7 +237,7 @@ def checkpoint_form(directory: Path) -> str:
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{directory} has no config.json, so it is not a Hugging Face model directory")
-    return source_form(directory, read_json(config_path))
+    return source_form(directory, read_config_json(directory))
 
 
 def loaded_multiplier(method: str | None, fp8_format: str) -> float:

@@ -22,7 +22,7 @@ from ..fp8 import FORMATS
 from ..layout import is_kvcal_output
 from ..loaders import (
     LEGACY_KV_SCALE, SINGLE_FILE, WRITE_NAMES, LoadedScale, attention_prefixes, ignored_scales, mla_dims, quant_config,
-    quant_method, read_json, stored_dtype, tensor_names, text_part, transformers_files, vllm_files,
+    quant_method, read_config_json, stored_dtype, tensor_names, text_part, transformers_files, vllm_files,
 )
 from .read import load_scales
 
@@ -185,7 +185,7 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     # 1. config.json and the quantization config vLLM would use.
     if not (directory / "config.json").is_file():
         raise ValueError(f"{checkpoint} is not a checkpoint: it has no config.json; pass a Hugging Face model directory")
-    config = read_json(directory / "config.json")
+    config = read_config_json(directory)
     text = text_part(config)
     model_type = text.get("model_type") or config.get("model_type", "unknown")
     problems: list[Problem] = []

@@ -8,13 +8,12 @@ merges its ``kv_cache_scheme`` and scale tensors like into any other compressed-
 llm-compressor pins transformers<=5.17, so install it in a virtual environment of its own.
 """
 
-import json
 from pathlib import Path
 
 from ..choices import check_weights
 from .write import copy_other_files
 from ..files import apply_umask
-from ..loaders import text_part
+from ..loaders import read_config_json, text_part
 
 SCHEMES = {"fp8": "FP8_DYNAMIC"}  # --weights value → llm-compressor preset scheme
 PROVENANCE = {"fp8": "fp8 (llm-compressor FP8_DYNAMIC, data-free)"}
@@ -30,7 +29,7 @@ _SKIP = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index
 def check_available(model_dir: Path, scheme: str) -> None:
     """Cheap checks before any model is loaded: llm-compressor imports and the source is not quantized already."""
     check_weights(scheme)
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = read_config_json(model_dir)
     quant = config.get("quantization_config") or text_part(config).get("quantization_config")
     if quant is not None:
         raise ValueError(

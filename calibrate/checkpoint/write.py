@@ -31,7 +31,7 @@ from ..loaders import (
 )
 from ..files import apply_umask, save_tensors
 from ..layout import KVCAL_DIR, identity, is_kvcal_output, pause_at, sibling, sweep
-from ..loaders import check_float_weights
+from ..loaders import check_float_weights, read_config_json
 from .space import NoRoom, check_room, no_room, output_room, room_error
 
 SCALES_PRODUCER = "kvcal"  # the "producer" metadata of the scales shard
@@ -355,7 +355,7 @@ def write_checkpoint(
     check_links(source)
     room = output_room(source, out, files, statistics)
     check_room(room)
-    config = json.loads((source / "config.json").read_text())
+    config = read_config_json(source)
     quant_files: dict[str, dict] = {}  # other quantization config files to write (ModelOpt form)
     form = checkpoint_form(source)  # refuses the quantization methods whose scales vLLM would not read
     if form == "modelopt":

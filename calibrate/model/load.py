@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from ..loaders import KV_SCALE_PATTERN
-from ..files import read_json_object
 from ..files import check_model_dir
 from ..loaders import quant_config
+from ..loaders import read_config_json
 from ..loaders import text_part
 
 if TYPE_CHECKING:
@@ -77,6 +77,27 @@ def check_remote_code(model_dir: str | Path, config: dict, trust: bool) -> None:
     if "auto_map" in config and model_type not in CONFIG_MAPPING and not trust:
         raise ValueError(f"{model_dir} ({model_type}) ships its own modeling code (auto_map in config.json), which "
                          "transformers runs only when asked: pass --trust-remote-code if you trust it")
+    check_known_type(model_dir, config)
+
+
+def check_known_type(model_dir: str | Path, config: dict) -> None:
+    """Refuse a model type that transformers does not know and no code of the model's own (auto_map) defines, before
+    transformers prints its paragraphs about it."""
+    from transformers import CONFIG_MAPPING, __version__
+
+    model_type = config.get("model_type")
+    if "auto_map" not in config and model_type is not None and model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{model_dir}/config.json has model_type {model_type!r}, which transformers {__version__} does "
+                         "not know (transformers: 'does not recognize this architecture'): fix model_type, or upgrade "
+                         "transformers (pip install -U transformers) if the model is newer than it")
+
+
+def transformers_reason(error: BaseException) -> str:
+    """The first sentence of a transformers error, at most 160 characters: its reason, without the paragraphs of
+    advice that follow it, so that kvcal's refusal stays one line."""
+    text = " ".join(str(error).split())
+    first = text.split(". ")[0].rstrip(".:")
+    return first if len(first) <= 160 else first[:157] + "..."
 
 
 def read_config_file(model_dir: str | Path) -> dict:
@@ -86,7 +107,7 @@ def read_config_file(model_dir: str | Path) -> dict:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ValueError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")
-    return read_json_object(config_path, "fix or replace it")
+    return read_config_json(model_dir)
 
 
 @dataclass(frozen=True)
@@ -229,7 +250,8 @@ def load_model(
     try:
         hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"could not load {model_dir} as a causal language model: {e}") from e
+        raise ValueError(f"could not load {model_dir} as a causal language model (transformers: {transformers_reason(e)}); "
+                         "check its config.json") from None
     without_kv_quantization(hf_config)
     place = {}
     if mapped:
@@ -252,7 +274,8 @@ def load_model(
                              "free space there or pass a directory on a larger disk") from None
         if isinstance(e, SafetensorError):
             raise ValueError(f"a weight file of {model_dir} is damaged ({e}); re-download or re-save the checkpoint") from None
-        raise ValueError(f"could not load {model_dir} as a causal language model: {e}") from e
+        raise ValueError(f"could not load {model_dir} as a causal language model (transformers: {transformers_reason(e)}); "
+                         "check its config.json and weight files") from None
     check_loaded(model_dir, info)
     check_finite_weights(model_dir, model)
     check_no_kv_quantization(model)
@@ -273,14 +296,23 @@ def _quiet_accelerate() -> Iterator[None]:
         logger.setLevel(level)
 
 
+# Files a tokenizer is loaded from, any one of which a model directory needs (fast, SentencePiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "spiece.model", "vocab.txt",
+                   "tiktoken.model", "merges.txt")
+
+
 def load_tokenizer(model_dir: str | Path, trust_remote_code: bool = False):
-    """The checkpoint's tokenizer, with an error naming the directory."""
+    """The checkpoint's tokenizer, with an error naming the directory and saying what to do."""
     from transformers import AutoTokenizer
 
+    if Path(model_dir).is_dir() and not any((Path(model_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{model_dir} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...): copy the "
+                         "original model's tokenizer files into it")
     try:
         return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ValueError(f"could not load a tokenizer from {model_dir}: {e}") from e
+        raise ValueError(f"could not load a tokenizer from {model_dir} (transformers: {transformers_reason(e)}): check "
+                         "its tokenizer files, or copy the original model's into it") from None
 
 
 def check_tokenizer_fits(model_dir: str | Path, config: dict, tokenizer) -> None:

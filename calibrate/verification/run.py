@@ -30,7 +30,7 @@ from ..checkpoint.write import tensor_bytes, weight_files
 from ..fp8 import get_format
 from .kvdtypes import DTYPES
 from ..model.layers import AttentionLayer, attention_layers, checkpoint_named, max_context, signature
-from ..model.load import check_tokenizer_fits, load_model, load_tokenizer, read_config, resolve_device
+from ..model.load import check_known_type, check_tokenizer_fits, load_model, load_tokenizer, read_config, resolve_device
 from .card import write_card
 from .needle import needle_probe
 from ..capture.stats import Stats, position_bucket_starts
@@ -197,6 +197,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     # 2. The sample, before the model is loaded: data too short for one sequence is refused cheaply.
     device = resolve_device(config.device)
     model_config = read_config(config.checkpoint)
+    check_known_type(config.checkpoint, model_config)
     context = max_context(model_config)
     tokenizer = load_tokenizer(config.checkpoint)
     check_tokenizer_fits(config.checkpoint, model_config, tokenizer)

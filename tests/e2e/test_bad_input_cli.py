@@ -153,6 +153,21 @@ def root(tmp_path_factory, smol_tokenizer, kjv_path):
     weights.unlink()
     save_file(tensors, weights, metadata={"format": "pt"})
     os.symlink("loop", _link_copy(root / "llama", root / "link-loop") / "loop")
+    # Issue 36: configs of the wrong shape, a link back into the model's own folder, refusals in transformers' words,
+    # a calibration whose layer names were edited.
+    _edit_config(_link_copy(root / "llama", root / "text-config-string"), text_config="llama")
+    _edit_config(_link_copy(root / "llama", root / "text-config-list"), text_config=[1, 2])
+    _edit_config(_link_copy(root / "llama", root / "layer-types-a-string"), layer_types="full_attention")
+    os.symlink(".", _link_copy(root / "llama", root / "link-dot") / "loop")
+    _edit_config(_link_copy(root / "llama", root / "unknown-type"), model_type="foollama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (_link_copy(root / "llama", root / "no-tokenizer") if name == "tokenizer.json" else root / "no-tokenizer").joinpath(name).unlink()
+    _replace(_link_copy(root / "llama", root / "tokenizer-damaged") / "tokenizer.json", b"{")
+    provenance = _link_copy(root / "out", root / "tampered") / "kvcal" / "calibration.json"
+    edited = json.loads(provenance.read_text())
+    for layer in edited["layers"]:
+        layer["prefix"] = layer["prefix"].replace("model.layers", "foo.layers").replace("self_attn", "attn")
+    _replace(provenance, json.dumps(edited).encode())
     stats_path = _link_copy(root / "out", root / "stats-no-field") / "kvcal" / "stats.safetensors"
     with safe_open(str(stats_path), "pt") as f:
         header = json.loads(f.metadata()["kvcal"])
@@ -334,6 +349,22 @@ NEW = {
     "inspect-quantization-config-a-string": Case(["inspect", "{root}/quant-string"], ["quantization_config"]),
     "calibrate-link-loop-in-the-model": _calibrate("{root}/link-loop", *DATA, *TINY, fragments=["link-loop/loop"]),
     "export-link-loop-in-the-model": _export("{root}/out", "--model", "{root}/link-loop", fragments=["link-loop/loop"]),
+    # Issue 36: the last faults.
+    "calibrate-text-config-a-string": _calibrate("{root}/text-config-string", *DATA, *TINY,
+                                                 fragments=["text-config-string/config.json has text_config 'llama', a string"]),
+    "inspect-text-config-a-list": Case(["inspect", "{root}/text-config-list"], ["text-config-list/config.json has text_config [1, 2], a list"]),
+    "export-model-text-config-a-list": _export("{root}/out", "--model", "{root}/text-config-list", fragments=["text_config [1, 2]"]),
+    "inspect-layer-types-a-string": Case(["inspect", "{root}/layer-types-a-string"], ["layer_types 'full_attention', a string", "a list"]),
+    "calibrate-link-to-its-own-folder": _calibrate("{root}/link-dot", *DATA, *TINY, fragments=["link-dot/loop is a link back to"]),
+    "export-link-to-its-own-folder": _export("{root}/out", "--model", "{root}/link-dot", fragments=["link-dot/loop is a link back to"]),
+    "calibrate-model-type-unknown": _calibrate("{root}/unknown-type", *DATA, *TINY, fragments=["model_type 'foollama'", "does not know", "upgrade transformers"]),
+    "verify-model-type-unknown": _verify("{root}/unknown-type", *DATA, *SHORT, fragments=["model_type 'foollama'", "does not know"]),
+    "calibrate-no-tokenizer-files": _calibrate("{root}/no-tokenizer", *DATA, *TINY, fragments=["holds no tokenizer files", "copy the original"]),
+    "verify-no-tokenizer-files": _verify("{root}/no-tokenizer", *DATA, *SHORT, fragments=["holds no tokenizer files"]),
+    "calibrate-tokenizer-damaged": _calibrate("{root}/tokenizer-damaged", *DATA, *TINY, fragments=["could not load a tokenizer", "(transformers: "]),
+    "export-calibration-layer-names-edited": _export("{root}/tampered", fragments=["'foo.layers.0.attn'", "not an attention module"]),
+    "export-model-calibration-layer-names-edited": _export("{root}/tampered", "--model", "{root}/llama", fragments=["'foo.layers.0.attn'"]),
+    "apply-calibration-layer-names-edited": _apply("{root}/tampered", "{root}/llama", fragments=["foo.layers.0.attn"]),
     # Scales that overflow float32.
     "export-headroom-overflows": _export("{root}/out", "--headroom", "1e39", fragments=["--headroom"]),
     "calibrate-headroom-overflows": _calibrate("{root}/llama", *DATA, *TINY, "--headroom", "1e39", fragments=["--headroom"]),
