@@ -28,7 +28,7 @@ from .run.distributed import Group, session
 from .layout import KVCAL_DIR, PROVENANCE_FILE
 from .checkpoint.space import NoRoom, check_room, keep_statistics, output_room, stats_bytes
 from .checkpoint.write import check_links, prepare_output, scale_tensors, weight_files, write_checkpoint
-from .files import file_sha256, read_json_object
+from .files import file_sha256, no_room, read_json_object
 from .fp8 import get_format
 from .loaders import mla_dims
 from .model.layers import signature_of
@@ -385,8 +385,11 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             seen=seen,
             statistics=statistics,
         )
-    except NoRoom as e:  # the disk filled during the run: keep what was computed, say how to finish
-        raise ValueError(f"{e}; {_keep_statistics(config, stats, provenance, captured.records)}") from None
+    except Exception as e:  # no room (the disk filled during the run): keep what was computed, say how to finish
+        if not (isinstance(e, NoRoom) or no_room(e)):
+            raise
+        why = e if isinstance(e, NoRoom) else f"writing the FP8 weights beside {config.out} failed: {no_room(e)}"
+        raise ValueError(f"{why}; {_keep_statistics(config, stats, provenance, captured.records)}") from None
     finally:
         if weights_dir is not None:
             shutil.rmtree(weights_dir, ignore_errors=True)

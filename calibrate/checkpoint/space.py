@@ -31,7 +31,8 @@ METADATA_BYTES = 4 << 20
 OWN_FILES = (INDEX_FILE, "config.json", KVCAL_DIR)
 
 class NoRoom(ValueError):
-    """A write that failed for lack of room (``no_room``) after the checks passed; the message is ``room_error``'s."""
+    """No room for an output: refused by ``check_room``, or a write that failed for lack of room (``room_error``).
+    A calibration that meets it after its compute keeps its statistics (``keep_statistics``)."""
 
 
 def stats_bytes(signature: ModelSignature) -> int:
@@ -136,12 +137,12 @@ def check_room(room: Room) -> None:
     """Refuse, in one line saying how much is needed and where, a write the disk or the file-size limit cannot take."""
     free = shutil.disk_usage(room.where).free
     if room.total > free:
-        raise ValueError(f"{room.where} has {size_text(free)} free, but this run writes {size_text(room.total)} there "
+        raise NoRoom(f"{room.where} has {size_text(free)} free, but this run writes {size_text(room.total)} there "
                          f"({room.describe()}); nothing was written: free space there, or choose an --out on another "
                          "file system")
     limit = file_size_limit()
     if limit is not None and room.largest > limit:
-        raise ValueError(f"the file-size limit (ulimit -f) is {size_text(limit)}, but this run writes a file of "
+        raise NoRoom(f"the file-size limit (ulimit -f) is {size_text(limit)}, but this run writes a file of "
                          f"{size_text(room.largest)} under {room.where}; nothing was written: raise the limit "
                          "(ulimit -f unlimited) and run again")
 
