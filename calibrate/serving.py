@@ -221,6 +221,23 @@ def skip_entries(skip: Sequence[str | int]) -> list[str]:
     return out
 
 
+# Explicit unquantized cache dtypes: ``auto`` turns into fp8 for a checkpoint that declares a compressed-tensors
+# ``kv_cache_scheme`` (every kvcal output), so keeping such a checkpoint's cache unquantized needs the dtype spelled out.
+UNQUANTIZED = ("bfloat16", "float16")
+
+
+def unquantized_dtype(config: dict) -> str:
+    """The ``--kv-cache-dtype`` that keeps ``config.json``'s checkpoint's cache unquantized: ``auto``, or, where a
+    declared ``kv_cache_scheme`` would make ``auto`` fp8, the model's dtype by name (bfloat16 when it names none)."""
+    parts = [config, config.get("text_config") or {}]
+    declared = any(isinstance(p.get("quantization_config"), dict) and p["quantization_config"].get("kv_cache_scheme")
+                   for p in parts)
+    if not declared:
+        return "auto"
+    named = next((str(p.get("torch_dtype") or p.get("dtype")) for p in parts if p.get("torch_dtype") or p.get("dtype")), "")
+    return named if named in UNQUANTIZED else "bfloat16"
+
+
 def serve_command(checkpoint: str, dtype: str, *, target: str = DEFAULT_TARGET, per_head: bool = False,
                   skip_layers: Sequence[str | int] = ()) -> str:
     """The exact ``vllm serve`` line: ``--kv-cache-dtype dtype``, the attention backend per-head scales need, and the
@@ -230,8 +247,8 @@ def serve_command(checkpoint: str, dtype: str, *, target: str = DEFAULT_TARGET, 
         ValueError: ``dtype`` (or per-head scales) is one ``target``'s vLLM does not serve as it says (``refusal``):
             kvcal never prints such a line.
     """
-    if dtype not in CACHE_DTYPES:
-        raise ValueError(f"unknown --kv-cache-dtype {dtype!r}; kvcal knows {', '.join(CACHE_DTYPES)}")
+    if dtype not in CACHE_DTYPES + UNQUANTIZED:
+        raise ValueError(f"unknown --kv-cache-dtype {dtype!r}; kvcal knows {', '.join(CACHE_DTYPES + UNQUANTIZED)}")
     refused = refusal(target, dtype, per_head=per_head)
     if refused is not None:
         raise ValueError(f"kvcal prints no serve line with {dtype}{' and per-head scales' if per_head else ''} for "
@@ -240,7 +257,7 @@ def serve_command(checkpoint: str, dtype: str, *, target: str = DEFAULT_TARGET, 
     if per_head:
         line += f" --attention-backend {PER_HEAD_BACKEND[target]}"
     skip = skip_entries(skip_layers)
-    if skip and dtype != "auto":  # with an unquantized cache every layer is bf16 already
+    if skip and dtype not in ("auto", *UNQUANTIZED):  # with an unquantized cache every layer is unquantized already
         line += f" {SKIP_FLAG} " + " ".join(skip)
     return line
 
@@ -249,7 +266,7 @@ def with_skip_layers(line: str, skip: Sequence[str | int]) -> str:
     """A ``serve_command`` line with ``skip`` added to its skip-layer entries (a recipe's, to a verify's line); a line
     with an unquantized cache stays as it is."""
     base, _, existing = line.partition(f" {SKIP_FLAG} ")
-    if not skip or shlex.split(base)[-1] == "auto":
+    if not skip or shlex.split(base)[-1] in ("auto", *UNQUANTIZED):
         return line
     return f"{base} {skip_flag([*existing.split(), *skip])}"
 

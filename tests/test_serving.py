@@ -113,3 +113,13 @@ def test_check_serve_text_finds_comma_joined_skips_and_broken_dtypes():
     assert serving.check_serve_text(serving.serve_command("m", "fp8", target="cpu", skip_layers=[0, 3]), ["cpu"]) == []
     # a recipe note: the flag inside a sentence
     assert serving.check_serve_text("keep them in bf16 (--kv-cache-dtype-skip-layers 0,3), it helps")
+
+
+def test_unquantized_dtype_is_explicit_where_auto_would_be_fp8():
+    """vLLM turns ``auto`` into fp8 for a checkpoint declaring a kv_cache_scheme (every kvcal output)."""
+    scheme = {"quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8}}}
+    assert serving.unquantized_dtype({"torch_dtype": "bfloat16"}) == "auto"
+    assert serving.unquantized_dtype({**scheme, "torch_dtype": "float16"}) == "float16"
+    assert serving.unquantized_dtype({**scheme, "torch_dtype": "bfloat16"}) == "bfloat16"
+    assert serving.unquantized_dtype({"text_config": {**scheme, "dtype": "float16"}}) == "float16"
+    assert serving.serve_command("m", "bfloat16", target="cpu", skip_layers=[0]) == "vllm serve m --kv-cache-dtype bfloat16"

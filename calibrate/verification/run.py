@@ -266,8 +266,10 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     pays = does_it_pay(config, kv_layers, files, results, context or config.data.seq_len)
     if skip_probe is not None:
         skip_probe["bytes_per_token"] = skip_cost(kv_layers, results[skip_probe["scheme"]]["kv_dtype"], skip_probe["skip"], pays["context"])
-    recommendation, serve = recommend(results, held, layers, config.checkpoint, skip_probe, pays, target=config.target)
-    per_target = serve_lines(results, held, layers, config.checkpoint, skip_probe)
+    plain = serving.unquantized_dtype(model_config)  # auto, unless a kv_cache_scheme would make auto fp8
+    recommendation, serve = recommend(results, held, layers, config.checkpoint, skip_probe, pays, target=config.target,
+                                      unquantized=plain)
+    per_target = serve_lines(results, held, layers, config.checkpoint, skip_probe, unquantized=plain)
     dtype = str(model.dtype).removeprefix("torch.")
     rep = {
         "kvcal_version": report.kvcal_version(),

@@ -95,16 +95,16 @@ def target_refusals(results: dict[str, dict], target: str) -> dict[str, serving.
 
 
 def serve_lines(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
-                skip_probe: dict | None = None) -> dict[str, dict]:
+                skip_probe: dict | None = None, *, unquantized: str = "auto") -> dict[str, dict]:
     """The serve line for every target, each chosen among the schemes that target's vLLM serves as measured:
     target → {"scheme": name or None (bf16), "kv_dtype", "line", "build": the vLLM build its facts were read in}."""
     out = {}
     for target in TARGETS:
         refused = target_refusals(results, target)
         judged = {n: {**r, "target_refusal": refused[n].short if n in refused else None} for n, r in results.items()}
-        _, line = recommend(judged, held, layers, checkpoint, skip_probe, target=target)
+        _, line = recommend(judged, held, layers, checkpoint, skip_probe, target=target, unquantized=unquantized)
         scheme = choose(judged)
-        out[target] = {"scheme": scheme, "kv_dtype": judged[scheme]["kv_dtype"] if scheme else "auto", "line": line,
+        out[target] = {"scheme": scheme, "kv_dtype": judged[scheme]["kv_dtype"] if scheme else unquantized, "line": line,
                        "build": serving.build_name(target)}
     return out
 
@@ -181,9 +181,11 @@ def pays_lines(pays: dict, dtype: str, verdict: str) -> list[str]:
 
 
 def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
-              skip_probe: dict | None = None, pays: dict | None = None, *, target: str = DEFAULT_TARGET) -> tuple[list[str], str]:
+              skip_probe: dict | None = None, pays: dict | None = None, *, target: str = DEFAULT_TARGET,
+              unquantized: str = "auto") -> tuple[list[str], str]:
     """What to serve on ``target``, from the measured numbers only: (sentences, vllm serve line). A scheme with a
-    ``target_refusal`` is never recommended; ``skip_probe`` counts only when it probed the scheme chosen."""
+    ``target_refusal`` is never recommended; ``skip_probe`` counts only when it probed the scheme chosen;
+    ``unquantized``: the dtype that keeps this checkpoint's cache unquantized (``serving.unquantized_dtype``)."""
     lines = [*held.get("serving", []), *(n for n in held["notes"] if "no KV scales" in n)]
     ranked = {n: r for n, r in results.items() if r["mode"] != "reference"}
     if "token" in ranked and any(r["quantizes_query"] for r in ranked.values()):
@@ -207,7 +209,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
         lines.append("Every quantized scheme measured fails the thresholds"
                      + (f" or is not served as measured on target {target} ({', '.join(refused)})" if refused else "")
                      + ": keep this model's KV cache in bf16.")
-        return lines, serving.serve_command(checkpoint, "auto", target=target)
+        return lines, serving.serve_command(checkpoint, unquantized, target=target)
     if skip_probe is not None and skip_probe["scheme"] != choice:
         skip_probe = None
     r = usable[choice]

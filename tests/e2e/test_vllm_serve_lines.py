@@ -48,6 +48,8 @@ def _lines() -> list[tuple[str, dict]]:
         for dtype in serving.printable(target):
             out.append((serving.serve_command(model, dtype, target=target), {"kv_cache_dtype": dtype, "attention_backend": None,
                                                                              "kv_cache_dtype_skip_layers": []}))
+    for dtype in serving.UNQUANTIZED:  # the explicit bf16 line of a checkpoint whose kv_cache_scheme makes auto fp8
+        out.append((serving.serve_command(model, dtype, target="cpu"), {"kv_cache_dtype": dtype}))
     out.append((serving.serve_command(model, "fp8", per_head=True), {"kv_cache_dtype": "fp8", "attention_backend": "FLASH_ATTN"}))
     out.append((serving.serve_command("OUT", "fp8", target="cpu", skip_layers=["sliding_window", 0, 11]),
                 {"kv_cache_dtype": "fp8", "kv_cache_dtype_skip_layers": ["sliding_window", "0", "11"]}))
