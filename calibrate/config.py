@@ -25,7 +25,8 @@ from pathlib import Path
 
 from .data.config import DataConfig, as_sources, check_int
 from .choices import (
-    DEVICE_MAPS, MODEL_DTYPES, SIZE_UNITS, check_form_name, check_fp8_format, check_granularity, check_observer, check_verify_schemes, check_weights,
+    DEFAULT_TARGET, DEVICE_MAPS, MODEL_DTYPES, SIZE_UNITS, check_form_name, check_fp8_format, check_granularity, check_observer,
+    check_target, check_verify_schemes, check_weights,
 )
 from .files import check_model_dir
 from .verification.config import Thresholds
@@ -166,6 +167,7 @@ class CalibrationConfig:
         thresholds: the verdict limits of the short verify after calibration.
         verify: run that short verify of the written checkpoint.
         verify_schemes: the schemes it compares besides scale 1.0; None: the written granularity and SHORT_VERIFY_SCHEMES.
+        target: where the checkpoint will be served (``choices.TARGETS``); the serve line printed is for it.
         form: checkpoint form to write (EXPORT_FORMS); ``auto`` follows the source checkpoint.
         weights: ``None`` (weights untouched) or ``"fp8"``: also quantize the weights with llm-compressor's
             data-free FP8_DYNAMIC scheme (needs the ``llmcompressor`` extra).
@@ -195,6 +197,7 @@ class CalibrationConfig:
     thresholds: Thresholds = field(default_factory=Thresholds)
     verify: bool = True
     verify_schemes: list[str] | None = None
+    target: str = DEFAULT_TARGET
     form: str = "auto"
     weights: str | None = None
     min_tokens: int | None = None
@@ -218,7 +221,7 @@ class CalibrationConfig:
     SETTINGS = ["sources", "seq_len", "max_tokens", "chunk_len", "text_field", "pack", "seed", "long_records", "device",
                 "dtype", "observer", "granularity", "headroom", "query_scale", "fp8_format", "weights", "min_tokens",
                 "device_map", "max_memory", "offload_folder", "dist_timeout", "checkpoint_every", "resume", "overwrite",
-                "verify", "progress", "revision", "trust_remote_code"]
+                "verify", "target", "progress", "revision", "trust_remote_code"]
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, DataConfig):
@@ -245,6 +248,7 @@ class CalibrationConfig:
         if self.verify_schemes is not None:
             check_verify_schemes(self.verify_schemes)
         check_form_name(self.form)
+        check_target(self.target)
         check_weights(self.weights)
         if self.min_tokens is not None:
             check_int("min_tokens", self.min_tokens, 1)

@@ -13,6 +13,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from .choices import DEFAULT_TARGET, check_target
 from .files import apply_umask
 from .layout import dead_temporaries, pause_at
 
@@ -104,11 +105,13 @@ def kjv_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "data" / "kjv.jsonl"
 
 
-def run_demo(*, out: str = "demo-out", max_tokens: int = DEMO_TOKENS, seq_len: int = DEMO_SEQ_LEN):
-    """Calibrate SmolLM2 on KJV text into ``out`` (replacing an earlier demo output)."""
+def run_demo(*, out: str = "demo-out", max_tokens: int = DEMO_TOKENS, seq_len: int = DEMO_SEQ_LEN, target: str = DEFAULT_TARGET):
+    """Calibrate SmolLM2 on KJV text into ``out`` (replacing an earlier demo output), recommending for ``target``."""
     from .api import calibrate
     from .checkpoint.write import prepare_output
 
+    check_target(target)
     # OUT checked before the model's first-use conversion (a minute): a directory kvcal did not write is refused at once.
     prepare_output(Path(out), [cache_dir() / SMOLLM2_NAME, kjv_path()], overwrite=True)
-    return calibrate(str(smollm2_dir()), [str(kjv_path())], out, seq_len=seq_len, max_tokens=max_tokens, overwrite=True)
+    return calibrate(str(smollm2_dir()), [str(kjv_path())], out, seq_len=seq_len, max_tokens=max_tokens, overwrite=True,
+                     target=target)

@@ -30,6 +30,8 @@ STATS_FILE = "stats.safetensors"
 RECORDS_FILE = "records.txt"
 VERIFY_DIR = "verify"
 CARD_FILE = "README.md"  # where the Hugging Face Hub looks for a model card
+# Ends kvcal's section in every card kvcal writes, the source's card or nothing after it: a refresh keeps what follows.
+CARD_MARKER = "<!-- kvcal's section ends here; what follows is the source model's own card, unchanged -->"
 TEMPORARIES = ("tmp", "weights", "old")  # siblings named with their writer's PID
 
 

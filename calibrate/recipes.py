@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from . import hub
+from . import hub, serving
 from .config import CalibrationConfig, ScaleConfig
 from .verification.config import Thresholds
 from .choices import check_form_name
@@ -319,12 +319,13 @@ def calibration_config(*, recipe: str | None, model: str, out: str, force: bool 
 
 
 def serve_notes(recipe: dict) -> list[str]:
-    """What the recipe asks of the ``vllm serve`` command and of the user, one line each."""
+    """What the recipe asks of the ``vllm serve`` command and of the user, one line each (its skip layers are in the
+    serve line kvcal prints after them, ``serving.with_skip_layers``)."""
     lines = [f"recipe {recipe['name']}: {note}" for note in recipe.get("notes", [])]
     skip = recipe.get("skip_layers", [])
     if skip:
-        value = ",".join(str(s) for s in skip)
-        lines.append(f"recipe {recipe['name']}: keep these layers in bf16 when serving: add --kv-cache-dtype-skip-layers {value}")
+        lines.append(f"recipe {recipe['name']}: keep these layers in bf16 when serving ({serving.skip_flag(skip)}; "
+                     "in the serve line below)")
     return lines
 
 

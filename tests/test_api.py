@@ -28,7 +28,7 @@ from calibrate.fp8 import FORMATS, quantize, quantize_dequantize
 from calibrate.model.layers import AttentionLayer, attention_layers, signature
 from calibrate.model.load import read_config
 from calibrate.scales.observers import derive_scales
-from calibrate.verification.report import SERVE_NOTES
+from calibrate.serving import SERVE_NOTES
 from calibrate.capture.stats import SINK_POSITIONS, Stats
 from calibrate.model.layers import ModelSignature
 

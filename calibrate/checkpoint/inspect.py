@@ -18,8 +18,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .. import serving
 from ..fp8 import FORMATS
-from ..layout import is_kvcal_output
+from ..layout import CARD_MARKER, card_path, is_kvcal_output, provenance_path
 from ..loaders import (
     LEGACY_KV_SCALE, SINGLE_FILE, WRITE_NAMES, LoadedScale, attention_prefixes, ignored_scales, mla_dims, quant_config,
     quant_method, read_config_json, stored_dtype, tensor_names, text_part, transformers_files, vllm_files,
@@ -237,9 +238,40 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     if check_weights and sources:
         _weight_checks(layers, where, text, model_type, problems)
     loaders = _loader_checks(directory, files, quant, sources, problems)
+    if is_kvcal_output(directory):
+        _serve_line_checks(directory, problems)
     problems.sort(key=lambda p: -1 if p.layer is None else p.layer)  # checkpoint-wide first, then by layer
     return Inspection(str(directory), model_type, _producer(directory, quant), method, strategy, list(layers.values()), problems,
                       loaders, notes)
+
+
+def _serve_line_checks(directory: Path, problems: list[Problem]) -> None:
+    """Warn about serve flags in kvcal's section of the card and in the recipe's notes that the target's vLLM would not
+    apply as written (``serving.check_serve_text``): a comma-joined skip list, a dtype the target serves wrongly or not
+    at all. A card line labelled for a target is checked for that target, an unlabelled one (older cards) for every
+    target; the recipe's notes for the run's target."""
+    card = card_path(directory)
+    if card.is_file():
+        section = card.read_text(errors="replace").split(CARD_MARKER, 1)[0]
+        for target, line in serving.serve_lines_in(section):
+            for message in serving.check_serve_text(line, [target] if target else serving.TARGETS):
+                problems.append(Problem("warning", f"{card.name}'s serve line `{line}`: {message}"))
+    try:
+        provenance = read_json(provenance_path(directory))
+    except (OSError, ValueError):
+        return  # a damaged provenance is load_calibration's to report; inspect reads scales, not statistics
+    recipe = provenance.get("recipe") if isinstance(provenance, dict) else None
+    if not isinstance(recipe, dict):
+        return
+    settings = provenance.get("settings") if isinstance(provenance.get("settings"), dict) else {}
+    target = settings.get("target")
+    notes = [note for note in recipe.get("notes") or [] if isinstance(note, str)]
+    for message in serving.check_serve_text("\n".join(notes), [target] if target in serving.TARGETS else serving.TARGETS):
+        problems.append(Problem("warning", f"recipe {recipe.get('name', '?')}'s notes: {message}"))
+    try:
+        serving.skip_entries(recipe.get("skip_layers") or [])
+    except ValueError as e:
+        problems.append(Problem("warning", f"recipe {recipe.get('name', '?')}'s skip_layers: {e}"))
 
 
 def _loader_notes(method: str | None, rounded: torch.dtype | None) -> list[str]:

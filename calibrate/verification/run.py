@@ -16,6 +16,7 @@ recommendation, is ``verdict.py``'s; the memory arithmetic ``capacity.py``'s.
 
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,8 @@ from .card import write_card
 from .needle import needle_probe
 from ..capture.stats import Stats, position_bucket_starts
 from ..model.layers import ModelSignature
-from .verdict import check_measured, check_reference, choose, judge, recommend
+from .verdict import check_measured, check_reference, choose, judge, recommend, serve_lines, target_refusals
+from .. import serving
 from .config import FLOOR, REFERENCE, VerifyConfig
 from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
 from .passes import ApplyScheme, ReferenceProbe, measure, probe_skip_layers, scheme_result
@@ -118,10 +120,11 @@ class VerifyResult:
     def schemes(self) -> dict[str, dict]:
         return self.report["schemes"]
 
-    def summary(self) -> str:
-        """The verdict table, the recommendation and the serve command, for a person."""
-        text = report.verify_text(self.report)
-        return text + (f"\nreport: {self.report_dir / 'report.md'}" if self.report_dir else "")
+    def summary(self, skip_layers: Sequence[str | int] = ()) -> str:
+        """The verdict table, the recommendation and the serve command (last), for a person; ``skip_layers`` (a
+        recipe's) are added to the serve line."""
+        rep = {**self.report, "serve_command": serving.with_skip_layers(self.report["serve_command"], skip_layers)}
+        return report.verify_text(rep, report_md=self.report_dir / "report.md" if self.report_dir else None)
 
 
 def _load_stats(directory: Path, sig: ModelSignature) -> Stats | None:
@@ -248,19 +251,27 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         r["servable"] = name not in held["not_servable"]
         if not r["servable"]:
             r["reasons"].append(held["not_servable"][name])
+        r["kv_dtype"] = scheme_dtype(next(s for s in schemes if s.name == name))
+    # The serving target's vLLM: a dtype it lacks or serves wrongly is marked so instead of a verdict, never chosen.
+    for name, why in target_refusals(results, config.target).items():
+        results[name]["target_refusal"] = why.short
+        results[name]["reasons"].append(f"{why.note} ({'measured' if why.evidence == 'measured' else 'read in the source'}, "
+                                        f"{serving.build_name(config.target)})")
     choice = choose(results)
     skip_probe = None
     if choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
         skip_probe = probe_skip_layers(model, layers, next(s for s in schemes if s.name == choice), results[choice], sequences, config)
     for name, r in results.items():
-        r["kv_dtype"] = scheme_dtype(next(s for s in schemes if s.name == name))
         r["bytes_per_token"] = len(layers) * DTYPES[r["kv_dtype"]].bytes_per_token(sig.num_kv_heads, sig.head_dim, _value_dim(sig))
         r["bytes_vs_bf16"] = DTYPES[r["kv_dtype"]].bytes_per_token(1, sig.head_dim, _value_dim(sig)) / DTYPES["auto"].bytes_per_token(1, sig.head_dim, _value_dim(sig))
     kv_layers = _kv_layers(model.config, layers, sig)
     pays = does_it_pay(config, kv_layers, files, results, context or config.data.seq_len)
     if skip_probe is not None:
         skip_probe["bytes_per_token"] = skip_cost(kv_layers, results[skip_probe["scheme"]]["kv_dtype"], skip_probe["skip"], pays["context"])
-    recommendation, serve = recommend(results, held, layers, config.checkpoint, skip_probe, pays)
+    plain = serving.unquantized_dtype(model_config)  # auto, unless a kv_cache_scheme would make auto fp8
+    recommendation, serve = recommend(results, held, layers, config.checkpoint, skip_probe, pays, target=config.target,
+                                      unquantized=plain)
+    per_target = serve_lines(results, held, layers, config.checkpoint, skip_probe, unquantized=plain)
     dtype = str(model.dtype).removeprefix("torch.")
     rep = {
         "kvcal_version": report.kvcal_version(),
@@ -289,7 +300,9 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "fa3": fa3_result,
         "needle": needle_result,
         "recommendation": recommendation,
-        "serve_command": serve,
+        "target": config.target,
+        "serve_command": serve,  # the line for ``target``, printed last
+        "serve_lines": per_target,  # every target's line, with the vLLM build it was checked against
         "position_profile": _position_profile(stats),
         "timings": {
             "sample_s": sampled - start, "load_s": loaded - sampled, "passes_s": measured - loaded,

