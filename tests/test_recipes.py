@@ -267,8 +267,8 @@ def test_families_whose_vllm_drops_scales_warn_before_calibrating(tmp_path, text
     model_dir = tmp_path / model_type
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["XForCausalLM"]}))
-    # Warned in the run's first step, before anything is loaded (the directory has no weights: the run then stops).
-    with pytest.warns(UserWarning, match=r"vllm#(54623|25047)"), pytest.raises(ValueError, match="no .safetensors weight files"):
+    # Warned in the run's first step, before anything is loaded (the directory has no tokenizer: the run then stops).
+    with pytest.warns(UserWarning, match=r"vllm#(54623|25047)"), pytest.raises(ValueError, match="holds no tokenizer files"):
         api.calibrate(str(model_dir), [str(text_file)], str(tmp_path / "o"))
 
 
