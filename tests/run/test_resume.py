@@ -4,6 +4,7 @@ and resumes that would not be exact (other settings, data, ranks; no save) refus
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,39 +132,49 @@ def long_text(tmp_path):
 
 @pytest.mark.slow
 def test_a_sigkilled_run_resumes_to_the_uninterrupted_result(tiny_dir, long_text, tmp_path):
-    """SIGKILL after the second save, --resume, and the statistics and scales are those of a run never killed."""
-    out, whole = tmp_path / "out", tmp_path / "whole"
+    """SIGKILL mid-capture, --resume, and the statistics and scales are those of a run never killed; a copy of the
+    save with one statistic altered shows the resumed run loaded the save (it carries the alteration) and captured
+    only the rest (its other sums equal the uninterrupted run's, which a recount from the start would double)."""
+    out, whole, altered = tmp_path / "out", tmp_path / "whole", tmp_path / "altered"
     base = [sys.executable, "-m", "calibrate", "calibrate", str(tiny_dir), "--data", str(long_text), "--seq-len", "64",
             "--max-tokens", "65536", "--quiet", "--no-verify"]
     state = resume_dir(out) / "state-rank0.json"
-    log = tmp_path / "killed.log"
+    log, marker = tmp_path / "killed.log", tmp_path / "paused"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))  # this checkout's code
+    pause = {"KVCAL_PAUSE_AT": "capture", "KVCAL_PAUSE_MARKER": str(marker)}  # layout.pause_at: held after a save
     with log.open("w") as err:
         proc = subprocess.Popen([*base, "--out", str(out), "--checkpoint-every", "2048"], stdout=subprocess.DEVNULL,
-                                stderr=err, env=env)
+                                stderr=err, env=env | pause)
     try:
-        # Keyed on progress, not the clock (a loaded machine is slow, never wrong): kill once the second save is
-        # written; a run that ends first fails the returncode assertion below.
-        while proc.poll() is None:
-            if state.is_file() and json.loads(state.read_text())["saves"] >= 2:  # replaced atomically: never half
-                break
+        deadline = time.monotonic() + 300  # against a hang only: the test goes on as soon as the marker appears
+        while not marker.exists():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"no save within 300 s: {log.read_text()[-3000:]}"
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]  # killed, not finished
     assert not out.exists()
     saved = json.loads(state.read_text())
-    assert saved["saves"] >= 2 and 0 < saved["tokens"] < 65536 and (resume_dir(out) / saved["stats"]).is_file()
+    assert saved["saves"] == 1 and 0 < saved["tokens"] < 65536 and (resume_dir(out) / saved["stats"]).is_file()
 
-    done = subprocess.run([*base, "--out", str(out), "--checkpoint-every", "2048", "--resume"], check=False,
-                          capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = subprocess.run([*base, "--out", str(whole), "--checkpoint-every", "0"], check=False, capture_output=True,
-                          text=True, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # The same save beside another OUT (a save names no OUT), with every kind's sum of squares raised by BUMP.
+    BUMP = 1e6
+    shutil.copytree(resume_dir(out), resume_dir(altered))
+    bumped = Stats.load(resume_dir(altered) / saved["stats"])
+    for s in bumped.kinds.values():
+        s.sumsq += BUMP
+    bumped.save(resume_dir(altered) / saved["stats"])
+
+    for target, extra in ((out, ["--resume"]), (altered, ["--resume"]), (whole, [])):
+        every = "0" if target == whole else "2048"
+        done = subprocess.run([*base, "--out", str(target), "--checkpoint-every", every, *extra], check=False,
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
 
     (stats, provenance), (want, reference) = load_calibration(out), load_calibration(whole)
     assert int(stats.tokens.max()) == 65536
@@ -171,6 +182,12 @@ def test_a_sigkilled_run_resumes_to_the_uninterrupted_result(tiny_dir, long_text
     assert provenance["scales"]["scales"] == reference["scales"]["scales"]
     assert provenance["data"] == reference["data"]
     assert not resume_dir(out).exists()
+
+    loaded, _ = load_calibration(altered)
+    assert torch.equal(loaded.tokens, want.tokens)  # the saved count plus the rest, not the rest twice
+    for kind, s in loaded.kinds.items():
+        torch.testing.assert_close(s.sumsq, want.kinds[kind].sumsq + BUMP, rtol=1e-12, atol=1e-6, msg=kind)
+        assert torch.equal(s.absmax, want.kinds[kind].absmax), kind
 
 
 @pytest.mark.slow
