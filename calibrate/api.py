@@ -130,7 +130,7 @@ class CalibrationResult:
         if mla is None:
             return []
         latent, pe = max(mla["latent_absmax"]), max(mla["k_pe_absmax"])
-        clipped = sum(p > l for l, p in zip(mla["latent_absmax"], mla["k_pe_absmax"]))
+        clipped = sum(p > c for c, p in zip(mla["latent_absmax"], mla["k_pe_absmax"]))
         at_one = mla["saturated_at_scale_1"]
         return [f"MLA latent cache (kv_c_normed | k_pe under one k scale): absmax latent {latent:.4g}, k_pe {pe:.4g}; a "
                 f"latent-only scale would saturate k_pe in {clipped} of {len(mla['k_pe_absmax'])} layers",

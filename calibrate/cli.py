@@ -32,7 +32,8 @@ def _scale_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     p.add_argument("--observer", default=defaults["observer"], help=f"how statistics become scales: {', '.join(OBSERVERS)} (default {_DEFAULTS['observer']})")
     p.add_argument("--granularity", default=defaults["granularity"], choices=GRANULARITIES, help="one scale per layer, per KV head, or per token at serve time")
     p.add_argument("--headroom", type=float, default=defaults["headroom"], help="multiply every scale by this (≥ 1) to leave range for unseen data")
-    p.add_argument("--no-query-scale", dest="query_scale", action="store_false", default=defaults["query_scale"], help="do not write q_scale (vLLM then uses 1.0 for queries)")
+    p.add_argument("--no-query-scale", dest="query_scale", action="store_false", default=defaults["query_scale"],
+                   help="do not write q_scale (vLLM then uses 1.0 for queries)")
     p.add_argument("--fp8-format", default=defaults["fp8_format"], choices=FP8_FORMATS, help="e4m3fn (NVIDIA, CPU) or e4m3fnuz (ROCm MI300)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists (calibrate: and a killed run's save)")
 

@@ -29,8 +29,8 @@ Two settings: ``short`` (``--sequences`` of ``--seq-len`` tokens) and ``long`` (
 skips it), which kvcal and ``bare`` run as chunked prefill of ``--chunk-len`` tokens and llm-compressor, having no
 chunked prefill, in one forward. Rounds rotate the contenders' order so that machine noise hits all of them; one
 untimed process first imports every library and reads the weights, so that no contender pays the cold page cache.
-Prints each run, the medians with their ratio to ``bare``, and, outside the timing, how far each llm-compressor pipeline's scales are from kvcal's ``max`` per-tensor
-scales (with static_minmax both are amax / 448; llm-compressor's default minmax is a moving average).
+Prints each run, the medians with their ratio to ``bare``, and, outside the timing, how far each llm-compressor
+pipeline's scales are from kvcal's ``max`` per-tensor scales (with static_minmax both are amax / 448; llm-compressor's default minmax is a moving average).
 Targets: kvcal ≤ 1.05× bare in both settings, and never slower than llm-compressor's basic pipeline.
 
 Run it alone on the machine: other jobs make the timings worthless. With the defaults it takes about half an hour on

@@ -318,7 +318,7 @@ def test_merge_of_halves_equals_whole(split):
     whole.update(1, q * 2, k * 2, v * 2, positions)
     halves = []
     for part in (slice(0, 32), slice(32, 64)) if split == "along_sequence" else (slice(0, 1), slice(1, 2)):
-        cut = (lambda t: t[..., part, :]) if split == "along_sequence" else (lambda t: t[part])
+        cut = (lambda t, p=part: t[..., p, :]) if split == "along_sequence" else (lambda t, p=part: t[p])
         cut_pos = positions[:, part] if split == "along_sequence" else positions[part]
         stats = Stats.empty(_signature())
         stats.update(0, cut(q), cut(k), cut(v), cut_pos)
