@@ -8,6 +8,7 @@ argument error answer at once.
 """
 
 import difflib
+import re
 
 OBSERVERS = ("max", "percentile:P", "mse", "sink-aware", "output")
 GRANULARITIES = ("tensor", "head", "token")
@@ -32,9 +33,33 @@ LONG_RECORDS = ("split", "error")  # --long-records: a record longer than one se
 EXPORT_FORMS = ("auto", "compressed-tensors", "modelopt", "fp8")
 WEIGHT_SCHEMES = ("fp8",)  # --weights: llm-compressor's data-free FP8_DYNAMIC
 DEVICE_MAPS = ("auto",)
-# Size units of --max-memory, as accelerate spells them (all in bytes; case does not matter).
+# Size units of --max-memory and --gpu, as accelerate spells them (all in bytes; case does not matter).
 SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+# The largest --headroom: FP8's largest over its smallest normal value (e4m3fn 448 / 2**-6, the smaller of fp8.FORMATS';
+# tests/test_config.py checks it against them). Past it the largest value seen is stored as a subnormal, and the data
+# keeps no FP8 precision at all.
+MAX_HEADROOM = 448 * 2**6
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)")
+
+
+def parse_size(text: str | int) -> int | None:
+    """Bytes in a size such as ``70GiB``, ``500MB``, ``1.5GB`` or ``3 B`` (an int ≥ 0 is bytes already); None when
+    ``text`` is not a size, for the caller to refuse in its own flag's words."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text if text >= 0 else None
+    match = _SIZE.fullmatch(text.strip()) if isinstance(text, str) else None
+    unit = match and SIZE_UNITS.get(match.group(2).upper())
+    return round(float(match.group(1)) * unit) if unit else None
+
+
+def check_headroom(value: float) -> None:
+    """Refuse a headroom below 1 (the scales would clip more) or above MAX_HEADROOM (the data would keep no FP8
+    precision, and a large enough headroom makes the scales overflow float32). The one rule: the configuration checks
+    it before a run, ``scales.observers.observe`` before it multiplies."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 1.0 <= value <= MAX_HEADROOM):
+        raise ValueError(f"--headroom must be a number ≥ 1.0 (1.0 = none) and at most {MAX_HEADROOM} (beyond it even the "
+                         f"largest value seen is stored as an FP8 subnormal), got {value!r}")
 
 
 def check_observer(text: str) -> None:

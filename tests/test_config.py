@@ -168,8 +168,8 @@ def test_config_imports_neither_torch_nor_transformers():
 
 
 def test_the_headroom_limit_is_where_the_largest_value_seen_would_become_subnormal():
-    """MAX_HEADROOM (torch-free, in config) is the smallest ratio of a format's largest value to its smallest normal one."""
-    from calibrate.config import MAX_HEADROOM
+    """MAX_HEADROOM (torch-free, in choices) is the smallest ratio of a format's largest value to its smallest normal one."""
+    from calibrate.choices import MAX_HEADROOM
     from calibrate.fp8 import FORMATS
 
     assert MAX_HEADROOM == min(f.max / f.min_normal for f in FORMATS.values()) == 448 * 2**6

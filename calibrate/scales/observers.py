@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..loaders import loaded_multiplier
-from ..choices import check_granularity, check_observer
+from ..choices import check_granularity, check_headroom, check_observer
 from ..fp8 import SATURATION_SLACK, SCALE_FLOOR, FP8Format, amax_to_scale
 from ..capture.stats import NUM_BINS, SINK_POSITIONS, TensorStats, bin_edges
 
@@ -172,8 +172,7 @@ def observe(
     Returns:
         (scales float32, strictly positive and finite; Prediction for those scales).
     """
-    if not headroom > 0:
-        raise ValueError(f"--headroom must be positive (1.0 = none), got {headroom}")
+    check_headroom(headroom)
     hist, absmax, sumsq = stats.hist, stats.absmax, stats.sumsq  # [L, H, NB], [L, H], [L, H]
     non_sink_absmax = stats.pos_absmax[..., SINK_POSITIONS:].amax(-1)  # [L, H]
     if not per_head:
