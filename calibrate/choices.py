@@ -10,8 +10,14 @@ argument error answer at once.
 import difflib
 import re
 
-OBSERVERS = ("max", "percentile:P", "mse", "sink-aware", "output")
+# The observer that runs the model (scales/search.py): it searches each layer's scales on held-back sequences, so it
+# needs the model loaded in one process (not torchrun), picks static scales (OUTPUT_GRANULARITIES), is not defined for
+# MLA's one latent scale, and cannot be re-derived from saved statistics (export refuses it; apply copies its scales).
+# Every such rule asks ``runs_the_model``, never the name.
+OUTPUT_OBSERVER = "output"
+OBSERVERS = ("max", "percentile:P", "mse", "sink-aware", OUTPUT_OBSERVER)
 GRANULARITIES = ("tensor", "head", "token")
+OUTPUT_GRANULARITIES = ("tensor", "head")
 FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the model's, for the capture and the reference
 # vLLM's --kv-cache-dtype values that kvcal sizes (verification/kvdtypes.py gives each its meaning, in this order).
@@ -60,6 +66,17 @@ def check_headroom(value: float) -> None:
     if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 1.0 <= value <= MAX_HEADROOM):
         raise ValueError(f"--headroom must be a number ≥ 1.0 (1.0 = none) and at most {MAX_HEADROOM} (beyond it even the "
                          f"largest value seen is stored as an FP8 subnormal), got {value!r}")
+
+
+def runs_the_model(observer: str) -> bool:
+    """Whether ``observer`` (a name as typed, or an ObserverSpec's) is the one that runs the model (OUTPUT_OBSERVER)."""
+    return str(observer).strip() == OUTPUT_OBSERVER
+
+
+def check_output_granularity(granularity: str) -> None:
+    """Refuse a granularity the output observer cannot search (it picks static scales)."""
+    if granularity not in OUTPUT_GRANULARITIES:
+        raise ValueError(f"the output observer picks static scales: use --granularity tensor or head, not {granularity}")
 
 
 def check_observer(text: str) -> None:

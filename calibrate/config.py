@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .data.config import DataConfig, as_sources, check_int
-from .choices import check_headroom, parse_size
+from .choices import check_headroom, check_output_granularity, parse_size, runs_the_model
 from .choices import (
     DEVICE_MAPS, MODEL_DTYPES, check_form_name, check_fp8_format, check_granularity, check_observer, check_verify_schemes, check_weights,
 )
@@ -129,6 +129,8 @@ class ScaleConfig:
         """Every field checked; returns self."""
         check_observer(self.observer)
         check_granularity(self.granularity)
+        if runs_the_model(self.observer):
+            check_output_granularity(self.granularity)
         check_headroom(self.headroom)
         if not isinstance(self.query_scale, bool):
             raise ValueError(f"query_scale must be True or False, got {self.query_scale!r}")

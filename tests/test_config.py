@@ -187,3 +187,12 @@ def test_the_short_verify_compares_the_same_schemes_from_python_and_from_the_def
     assert plain.written_schemes() == recipe.written_schemes() == ["scale1", "tensor", "token", "int8_per_token_head"]
     per_head = calibration_config(recipe=None, model=str(model), out=str(tmp_path / "o"), data=[str(text_file)], granularity="head")
     assert per_head.written_schemes() == ["scale1", "head", "token", "int8_per_token_head"]
+
+
+def test_the_output_observers_granularity_is_checked_with_the_settings():
+    """Before any model loads, in the one wording scales/search.py uses too (choices.check_output_granularity)."""
+    with pytest.raises(ValueError, match="the output observer picks static scales: use --granularity tensor or head, not token"):
+        ScaleConfig(observer="output", granularity="token").validate()
+    for granularity in ("tensor", "head"):
+        ScaleConfig(observer="output", granularity=granularity).validate()
+    ScaleConfig(observer="max", granularity="token").validate()  # the rule is the output observer's alone
