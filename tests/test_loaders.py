@@ -1,4 +1,4 @@
-"""checkpoint.py: what vLLM reads, and what it multiplies loaded scales by, for every form kvcal writes.
+"""loaders.py: what vLLM reads, and what it multiplies loaded scales by, for every form kvcal writes.
 
 Every form × FP8 format goes through write (calibrate, apply) → read (inspect, as vLLM would) → the value vLLM
 uses after its loader's adjustment, which must be the calibrated scale in the format's own units.

@@ -327,7 +327,7 @@ def test_merge_of_halves_equals_whole(split):
     merged = halves[0].merge_(halves[1])
     assert merged is halves[0]
     # Counts and maxima exactly; float64 moments up to the order of additions. pos_sumsq is summed over the
-    # tokens of one update in float32 (stats.py trades that for speed), so it merges to float32 precision only.
+    # tokens of one update in float32 (capture/stats.py trades that for speed), so it merges to float32 precision only.
     _assert_stats_equal(merged, whole, rtol=1e-12, pos_sumsq_rtol=positions.numel() * F32_EPS)
 
 

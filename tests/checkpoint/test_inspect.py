@@ -1,4 +1,4 @@
-"""Tests for calibrate/inspector.py (``kvcal inspect``): every checkpoint form vLLM reads, and every way one goes wrong.
+"""Tests for calibrate/checkpoint/inspect.py (``kvcal inspect``): every checkpoint form vLLM reads, and every way one goes wrong.
 
 Checkpoints are built by hand here (config.json + safetensors with known scale values), so each expected value and
 tensor name is written in the test; one real kvcal output of a tiny model checks the kvcal form end to end.

@@ -1,4 +1,4 @@
-"""Tests for calibrate/model.py: finding attention layers, the model signature, config reading, sizes, placement,
+"""Tests for calibrate/model/load.py: finding attention layers, the model signature, config reading, sizes, placement,
 and refusing models that quantize K/V themselves.
 
 Expected values come from elsewhere than the code under test: attention modules are found through the decoder's

@@ -1,4 +1,4 @@
-"""Tests for calibrate/observers.py: every observer and prediction against brute force on the actual samples.
+"""Tests for calibrate/scales/observers.py: every observer and prediction against brute force on the actual samples.
 
 Statistics are collected with the real ``TensorStats.update`` from synthetic tensors of known
 distributions; every expected number is computed here from the samples themselves, in float64, with

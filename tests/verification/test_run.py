@@ -1,4 +1,4 @@
-"""verify.py: the FP8 schemes, metrics, verdicts and report, against independent float64 computations."""
+"""verification/run.py (``kvcal verify``): the FP8 schemes, metrics, verdicts and report, against independent float64 computations."""
 
 import hashlib
 import json
