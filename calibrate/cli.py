@@ -18,7 +18,7 @@ from .config import CalibrationConfig, ScaleConfig
 
 from .demo import DEMO_SEQ_LEN, DEMO_TOKENS
 from .choices import (
-    BACKENDS, DEFAULT_VERIFY_SCHEMES, DEVICE_MAPS, FP8_FORMATS, GRANULARITIES, LONG_RECORDS, MODEL_DTYPES, OBSERVERS, VERIFY_SCHEMES, WEIGHT_SCHEMES,
+    BACKENDS, DEFAULT_VERIFY_SCHEMES, DEVICE_MAPS, FP8_FORMATS, GRANULARITIES, LONG_RECORDS, MODEL_DTYPES, OBSERVERS, VERIFY_SCHEMES, VLLM_SCHEME_NAMES, WEIGHT_SCHEMES,
 )
 
 # The scale flags' defaults for ``export``: ScaleConfig's. Under ``calibrate`` every flag defaults to None
@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                        argument_default=argparse.SUPPRESS, formatter_class=_VerifyHelp)
     p.add_argument("checkpoint", help="model directory: a kvcal output, or any checkpoint (scales are read from it when present)")
     p.add_argument("--data", action="append", required=True, help="data source (repeatable), as for calibrate")
-    p.add_argument("--schemes", help=f"comma-separated: {', '.join(VERIFY_SCHEMES)} or a .safetensors scales file "
+    p.add_argument("--schemes", help=f"comma-separated: {', '.join(VERIFY_SCHEMES)}, vLLM's --kv-cache-dtype names "
+                   f"{', '.join(f'{n} (= {s})' for n, s in VLLM_SCHEME_NAMES.items())}, or a .safetensors scales file "
                    f"(default {','.join(DEFAULT_VERIFY_SCHEMES)})")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default {seq_len})")
     p.add_argument("--max-tokens", type=int, help="sample size in tokens: max-tokens // seq-len sequences (default {max_tokens})")

@@ -9,22 +9,14 @@ import math
 import torch
 
 from . import report
-from ..choices import VERIFY_SCHEMES
-from .config import Thresholds
+from ..choices import SCHEMES, VERIFY_SCHEMES
+from .config import FLOOR, Thresholds
 from .kvdtypes import DTYPES
 from ..model.layers import AttentionLayer
 
-SCHEME_NOTES = {
-    "bf16": "reference: no quantization",
-    "floor": "the unquantized model computed in another precision: what the verdicts are measured against",
-    "scale1": "scale 1.0 everywhere: what vLLM uses when a checkpoint has no scales (ModelOpt's fp8_cast)",
-    "tensor": "one static scale per layer (--kv-cache-dtype fp8, every backend)",
-    "head": "one static scale per layer and head (FA3 on Hopper only)",
-    "token": "dynamic scale per token and KV head (--kv-cache-dtype fp8_per_token_head, Triton; queries stay unquantized)",
-    "max": "per-tensor scales of the max observer (absmax / 448), from the checkpoint's statistics",
-    "mse": "per-tensor scales of the mse observer (least expected FP8 error of K or V), from the checkpoint's statistics",
-}
-SCHEME_NOTES |= {name: f"--kv-cache-dtype {name}: {DTYPES[name].note}" for name in VERIFY_SCHEMES if name in DTYPES}
+# Each scheme's note, from the one table (choices.SCHEMES; a cache dtype's from kvdtypes.DTYPES), and the floor's.
+SCHEME_NOTES = {name: note or f"--kv-cache-dtype {name}: {DTYPES[name].note}" for name, note in SCHEMES.items()}
+SCHEME_NOTES[FLOOR] = "the unquantized model computed in another precision: what the verdicts are measured against"
 
 
 def mean_stderr(values: list[float]) -> tuple[float, float | None]:
