@@ -23,6 +23,7 @@ import torch
 
 from . import hub
 from .run import resume
+from .choices import runs_the_model
 from .config import LITTLE_DATA_TOKENS, CalibrationConfig, ScaleConfig
 from .run.distributed import Group, session
 from .layout import KVCAL_DIR, PROVENANCE_FILE
@@ -163,7 +164,7 @@ class CalibrationResult:
         if mla is None:
             return []
         latent, pe = max(mla["latent_absmax"]), max(mla["k_pe_absmax"])
-        clipped = sum(p > l for l, p in zip(mla["latent_absmax"], mla["k_pe_absmax"]))
+        clipped = sum(p > c for c, p in zip(mla["latent_absmax"], mla["k_pe_absmax"]))
         at_one = mla["saturated_at_scale_1"]
         return [f"MLA latent cache (kv_c_normed | k_pe under one k scale): absmax latent {latent:.4g}, k_pe {pe:.4g}; a "
                 f"latent-only scale would saturate k_pe in {clipped} of {len(mla['k_pe_absmax'])} layers",
@@ -333,13 +334,13 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             if group.active and config.mapped():
                 raise ValueError("--device-map/--max-memory/--offload-folder spread one model over several devices; under "
                                  "torchrun each rank holds the whole model on its own GPU: use one or the other")
-            if group.active and config.scales.observer == "output":
+            if group.active and runs_the_model(config.scales.observer):
                 raise ValueError("the output observer searches on one process: run it without torchrun, or use "
                                  "--observer max or mse under torchrun")
             # A config.json that is missing, not JSON or not a causal LM's; a family whose vLLM loader drops scales;
             # modeling code shipped with the model and not trusted.
             model_config = read_config(config.model)
-            if mla_dims(model_config) and (config.scales.granularity == "head" or config.scales.observer == "output"):
+            if mla_dims(model_config) and (config.scales.granularity == "head" or runs_the_model(config.scales.observer)):
                 raise ValueError(f"{config.model} uses latent attention (MLA), whose cache holds one latent row per token "
                                  "under one k scale: use --granularity tensor or token, and --observer max or mse")
             check_loads_scales(model_config)
@@ -527,7 +528,7 @@ def _load_and_capture(config: CalibrationConfig, group: Group, saved: dict | Non
             after_sequence=saver, progress=config.progress and group.writes,
         )
     searched = None
-    if config.scales.observer == "output":
+    if runs_the_model(config.scales.observer):
         from .scales.search import output_observer
 
         s = config.scales

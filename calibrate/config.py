@@ -17,15 +17,15 @@ second.
 """
 
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .data.config import DataConfig, as_sources, check_int
+from .choices import check_headroom, check_output_granularity, parse_size, runs_the_model
 from .choices import (
-    DEFAULT_TARGET, DEVICE_MAPS, MODEL_DTYPES, SIZE_UNITS, check_form_name, check_fp8_format, check_granularity, check_observer,
+    DEFAULT_TARGET, DEVICE_MAPS, MODEL_DTYPES, check_form_name, check_fp8_format, check_granularity, check_observer,
     check_target, check_verify_schemes, check_weights,
 )
 from .files import check_model_dir
@@ -34,7 +34,6 @@ from .settings import flat_settings
 
 # The short verify after calibration compares these beside the written scales (recipes may name others).
 SHORT_VERIFY_SCHEMES = ("token", "int8_per_token_head")
-_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)")
 _MAX_MEMORY_EXAMPLE = "e.g. --max-memory 0=70GiB,cpu=200GiB (devices 0, 1, cuda:0, cpu, disk)"
 # A run whose layers saw fewer tokens than this says so in its summary and in calibration.json.
 LITTLE_DATA_TOKENS = 100_000
@@ -43,28 +42,14 @@ LITTLE_DATA_TOKENS = 100_000
 # while a save writes the statistics once (about 76 MB for an 8B model; not yet timed on a GPU machine). A kill
 # then loses minutes of work at most, and the default 500K-token run never saves.
 CHECKPOINT_EVERY = 2_000_000
-# The largest --headroom: FP8's largest over its smallest normal value (e4m3fn 448 / 2**-6, the smaller of fp8.FORMATS').
-# Past it the largest value seen is stored as a subnormal, and the data keeps no FP8 precision at all.
-MAX_HEADROOM = 448 * 2**6
 
 
-def check_headroom(value: float) -> None:
-    """Refuse a headroom below 1 (the scales would clip more) or above MAX_HEADROOM (the data would keep no FP8
-    precision, and a large enough headroom makes the scales overflow float32)."""
-    if not (isinstance(value, (int, float)) and 1.0 <= value <= MAX_HEADROOM):
-        raise ValueError(f"--headroom must be a number ≥ 1.0 (1.0 = none) and at most {MAX_HEADROOM} (beyond it even the "
-                         f"largest value seen is stored as an FP8 subnormal), got {value!r}")
-
-
-def parse_size(text: str | int) -> int:
-    """Bytes in a size such as ``70GiB``, ``500MB`` or ``1.5GB`` (an int is bytes already)."""
-    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
-        return text
-    match = _SIZE.fullmatch(text.strip()) if isinstance(text, str) else None
-    unit = match and SIZE_UNITS.get(match.group(2).upper())
-    if not unit:
+def parse_max_memory_size(text: str | int) -> int:
+    """Bytes in one --max-memory size (``choices.parse_size``), refused in --max-memory's words."""
+    size = parse_size(text)
+    if size is None:
         raise ValueError(f"--max-memory size {text!r} is not a size; write a number and a unit, e.g. 70GiB, 500MB, 1.5GB")
-    return round(float(match.group(1)) * unit)
+    return size
 
 
 def parse_device(name: str | int) -> int | str:
@@ -98,7 +83,7 @@ def parse_max_memory(value: str | dict) -> dict[int | str, int]:
         key = parse_device(device)
         if key in budgets:
             raise ValueError(f"--max-memory names device {key} twice; give each device one size")
-        budgets[key] = parse_size(size)
+        budgets[key] = parse_max_memory_size(size)
     return budgets
 
 
@@ -145,6 +130,8 @@ class ScaleConfig:
         """Every field checked; returns self."""
         check_observer(self.observer)
         check_granularity(self.granularity)
+        if runs_the_model(self.observer):
+            check_output_granularity(self.granularity)
         check_headroom(self.headroom)
         if not isinstance(self.query_scale, bool):
             raise ValueError(f"query_scale must be True or False, got {self.query_scale!r}")

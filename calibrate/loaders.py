@@ -225,10 +225,21 @@ def source_form(directory: Path, config: dict, granularity: str = "tensor") -> s
     form, why = QUANT_METHODS[method]
     if form is None:
         raise ValueError(f"{directory} is quantized with {method}: {why}")
-    if form in ("fp8", "modelopt") and granularity == "head":
-        raise ValueError(f"{directory} is a {method} checkpoint, whose vLLM loader takes per-tensor KV scales only (one "
-                         "scalar per layer: 'KV-cache scale expects a scalar weight'); use --granularity tensor (or token)")
+    check_scalar_scales(directory, form, granularity)
     return form
+
+
+# Forms whose vLLM loader takes one scalar KV scale per layer (the base KV method, 'KV-cache scale expects a scalar
+# weight'); per-head scales are compressed-tensors only (docs/vllm-notes.md).
+SCALAR_SCALE_FORMS = {"fp8": "quant_method fp8", "modelopt": "ModelOpt"}
+
+
+def check_scalar_scales(directory: Path, form: str, granularity: str) -> None:
+    """The one refusal of per-head scales for a source whose loader takes a scalar (SCALAR_SCALE_FORMS): calibrate,
+    export, apply and the checkpoint writer all ask it, before any weights load where they can."""
+    if form in SCALAR_SCALE_FORMS and granularity == "head":
+        raise ValueError(f"{directory} is a {SCALAR_SCALE_FORMS[form]} checkpoint, whose vLLM loader takes one scalar KV "
+                         "scale per layer ('KV-cache scale expects a scalar weight'); use --granularity tensor (or token)")
 
 
 def checkpoint_form(directory: Path) -> str:
@@ -247,8 +258,9 @@ def loaded_multiplier(method: str | None, fp8_format: str) -> float:
     return 2.0 if fp8_format == "e4m3fnuz" and method != "compressed-tensors" else 1.0
 
 
-# Quantization methods whose KV scales vLLM 0.32 loads through BaseKVCacheMethod, into placeholders created in the
-# model's dtype: a float32 scale is rounded to bf16 (or fp16) as it loads (compressed-tensors makes float32 ones).
+# Quantization methods whose every Attention gets vLLM 0.32's base KV method, BaseKVCacheMethod (scalar k/v/q scales,
+# docs/vllm-notes.md), which loads them into placeholders created in the model's dtype: a float32 scale is rounded to
+# bf16 (or fp16) as it loads (compressed-tensors makes float32 ones).
 BASE_PATH_METHODS = ("fp8", "modelopt", "quark")
 
 
@@ -376,10 +388,6 @@ MLA_SCALES_IGNORED = ("warning", "vLLM 0.32 loads no checkpoint KV scales into M
                       "cache runs at k_scale 1.0 there, so check the calibration's saturation at 1.0 before serving")
 
 
-# Quantization methods whose every Attention gets vLLM's base KV method (scalar k/v/q scales; docs/vllm-notes.md).
-BASE_PATH_METHODS = ("fp8", "modelopt", "quark")
-
-
 @dataclass(frozen=True)
 class Servable:
     """What decides which ``--kv-cache-dtype`` vLLM 0.32 accepts for a checkpoint (``refusal``)."""
@@ -449,17 +457,15 @@ def warn_ignored_scales(config: dict) -> None:
 
 
 def check_export_form(directory: Path, wanted: str, granularity: str) -> None:
-    """A named export form must be the one the checkpoint can take (ModelOpt cannot hold KV-only scales), and a
-    ModelOpt checkpoint's KV scales are per tensor."""
+    """A named export form must be the one the checkpoint can take (ModelOpt cannot hold KV-only scales), and its
+    loader must take scales of this granularity (``check_scalar_scales``)."""
     form = checkpoint_form(directory)
     if wanted != "auto" and wanted != form:
         raise ValueError(
             f"the {wanted} form was asked for, but {directory} is a {form} checkpoint (ModelOpt's form exists only "
             "inside a ModelOpt-quantized checkpoint); set export.form: auto"
         )
-    if form in ("modelopt", "fp8") and granularity == "head":
-        raise ValueError(f"{directory} is a {'ModelOpt' if form == 'modelopt' else 'quant_method fp8'} checkpoint, whose "
-                         "KV scales are per tensor; use granularity tensor")
+    check_scalar_scales(directory, form, granularity)
 
 
 # Attention modules of the decoder: "...layers.N.self_attn.<anything>"; towers and MTP heads are not.

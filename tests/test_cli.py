@@ -13,6 +13,8 @@ import pytest
 
 from calibrate.cli import build_parser, main
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout whose code subprocesses run
+
 
 def test_calibrate_then_export_from_the_command_line(tiny_dir, text_file, tmp_path, capsys):
     out = tmp_path / "out"
@@ -81,23 +83,32 @@ def test_every_subcommand_has_help():
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["ctrl-c", "term", "kill"])
 def test_interrupted_run_leaves_no_output(tiny_dir, text_file, tmp_path, sig):
-    out = tmp_path / "out"
+    """Interrupted mid-capture (held there by layout.pause_at after its first save, so no clock decides where the
+    signal lands): no OUT, nothing beside it but the save, and the one line says how to continue."""
+    out, marker = tmp_path / "out", tmp_path / "paused"
     cmd = [sys.executable, "-m", "calibrate", "calibrate", str(tiny_dir), "--data", str(text_file), "--out", str(out),
-           "--seq-len", "32", "--max-tokens", "100000", "--no-verify"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    line = ""
-    while "calibrating" not in line and time.time() < deadline:  # wait until the model is running
-        line = proc.stderr.read(64)
-        if proc.poll() is not None:
-            pytest.fail(f"kvcal exited early: {proc.stderr.read()}")
-    os.kill(proc.pid, sig)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0
+           "--seq-len", "32", "--max-tokens", "100000", "--checkpoint-every", "32", "--no-verify"]
+    env = {**os.environ, "PYTHONPATH": REPO, "KVCAL_PAUSE_AT": "capture", "KVCAL_PAUSE_MARKER": str(marker)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 300  # against a hang only: the test goes on as soon as the marker appears
+        while not marker.exists():
+            assert proc.poll() is None, f"kvcal exited before its first save: {proc.stderr.read()}"
+            assert time.monotonic() < deadline, "kvcal did not reach its first save within 300 s"
+            time.sleep(0.05)
+        assert int(marker.read_text()) == proc.pid
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
+    assert proc.returncode == (-signal.SIGKILL if sig == signal.SIGKILL else 130), err
     assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == [".out.kvcal-resume"]  # the save only
     if sig != signal.SIGKILL:
-        assert "interrupted; nothing was written" in err
-        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+        assert err.strip().splitlines()[-1] == (f"kvcal: interrupted; nothing was written to {out}; the statistics so far "
+                                                f"are saved in {tmp_path / '.out.kvcal-resume'}: add --resume to continue")
 
 
 # ---- start-up cost: what each command imports --------------------------------------------------------------------
@@ -182,10 +193,9 @@ def test_verify_help_shows_verify_config_defaults(capsys):
 
 def test_warnings_are_one_line_each_without_a_source_line(tiny_dir, text_file, tmp_path):
     """Through the console script: a warning reads ``kvcal: warning: MESSAGE``, not Python's ``cli.py:211: UserWarning``."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "calibrate", "calibrate", str(tiny_dir), "--data", str(text_file), "--out",
            str(tmp_path / "out"), "--seq-len", "32", "--max-tokens", "64", "--quiet", "--no-verify", "--recipe", "qwen3", "--force"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": repo}, timeout=600)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO}, timeout=600)
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if "recipe 'qwen3'" in line]
     assert lines == [lines[0]] and lines[0].startswith("kvcal: warning: recipe 'qwen3' is written for qwen3"), proc.stderr

@@ -160,15 +160,16 @@ def test_limits_follow_the_floor_unless_set():
 
 
 def test_config_imports_neither_torch_nor_transformers():
-    """The CLI checks settings with this module before any heavy import (data.py too, which it holds a part of)."""
+    """The CLI checks settings with this module before any heavy import (data/config.py too, which it holds a part of)."""
     code = "import sys, calibrate.config; print(sorted(m for m in ('torch', 'transformers', 'datasets') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=300).stdout
     assert out.strip() == "[]"
 
 
 def test_the_headroom_limit_is_where_the_largest_value_seen_would_become_subnormal():
-    """MAX_HEADROOM (torch-free, in config) is the smallest ratio of a format's largest value to its smallest normal one."""
-    from calibrate.config import MAX_HEADROOM
+    """MAX_HEADROOM (torch-free, in choices) is the smallest ratio of a format's largest value to its smallest normal one."""
+    from calibrate.choices import MAX_HEADROOM
     from calibrate.fp8 import FORMATS
 
     assert MAX_HEADROOM == min(f.max / f.min_normal for f in FORMATS.values()) == 448 * 2**6
@@ -186,3 +187,12 @@ def test_the_short_verify_compares_the_same_schemes_from_python_and_from_the_def
     assert plain.written_schemes() == recipe.written_schemes() == ["scale1", "tensor", "token", "int8_per_token_head"]
     per_head = calibration_config(recipe=None, model=str(model), out=str(tmp_path / "o"), data=[str(text_file)], granularity="head")
     assert per_head.written_schemes() == ["scale1", "head", "token", "int8_per_token_head"]
+
+
+def test_the_output_observers_granularity_is_checked_with_the_settings():
+    """Before any model loads, in the one wording scales/search.py uses too (choices.check_output_granularity)."""
+    with pytest.raises(ValueError, match="the output observer picks static scales: use --granularity tensor or head, not token"):
+        ScaleConfig(observer="output", granularity="token").validate()
+    for granularity in ("tensor", "head"):
+        ScaleConfig(observer="output", granularity=granularity).validate()
+    ScaleConfig(observer="max", granularity="token").validate()  # the rule is the output observer's alone

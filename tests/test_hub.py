@@ -20,7 +20,8 @@ COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 def kvcal(*args: str, env: dict) -> subprocess.CompletedProcess:
     """The CLI in a fresh process (huggingface_hub reads HF_HOME and HF_HUB_OFFLINE when imported)."""
-    return subprocess.run([sys.executable, "-m", "calibrate", *args], capture_output=True, text=True, env={**os.environ, **env})
+    return subprocess.run([sys.executable, "-m", "calibrate", *args], capture_output=True, text=True, env={**os.environ, **env},
+                          timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ from calibrate.layout import is_kvcal_output, provenance_path, sibling, sweep
 
 def dead_pid() -> int:
     """The PID of a process that has exited (and been reaped)."""
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          timeout=120)
     return int(proc.stdout)
 
 

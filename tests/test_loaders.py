@@ -1,4 +1,4 @@
-"""checkpoint.py: what vLLM reads, and what it multiplies loaded scales by, for every form kvcal writes.
+"""loaders.py: what vLLM reads, and what it multiplies loaded scales by, for every form kvcal writes.
 
 Every form × FP8 format goes through write (calibrate, apply) → read (inspect, as vLLM would) → the value vLLM
 uses after its loader's adjustment, which must be the calibrated scale in the format's own units.
@@ -178,3 +178,19 @@ def test_export_and_apply_refuse_the_same_sources(tmp_path, smol_tokenizer, text
     with pytest.raises(ValueError, match=REFUSED[name][1]):
         export(str(out), str(tmp_path / "exported"), model=str(target))
     assert not (tmp_path / "applied").exists() and not (tmp_path / "exported").exists()
+
+
+@pytest.mark.parametrize("form, granularity, refused", [
+    ("fp8", "head", True), ("modelopt", "head", True), ("compressed-tensors", "head", False),
+    ("fp8", "tensor", False), ("modelopt", "token", False),
+])
+def test_per_head_scales_are_refused_where_the_loader_takes_a_scalar(form, granularity, refused):
+    """One rule, one wording (loaders.check_scalar_scales) for calibrate, export, apply and the writer."""
+    from calibrate.loaders import check_scalar_scales
+
+    if not refused:
+        check_scalar_scales("src", form, granularity)
+        return
+    with pytest.raises(ValueError, match=r"^src is a .* checkpoint, whose vLLM loader takes one scalar KV scale per layer "
+                                         r"\('KV-cache scale expects a scalar weight'\); use --granularity tensor \(or token\)$"):
+        check_scalar_scales("src", form, granularity)

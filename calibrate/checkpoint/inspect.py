@@ -307,7 +307,7 @@ def _family_checks(config: dict, strategy: str, layers: dict[int, LayerScales], 
     if strategy == "attn_head":
         problems.append(Problem("warning", "per-head scales: only vLLM's FlashAttention-3 backend (Hopper) uses them; Triton "
                                 "and FlashInfer refuse them (serve with --attention-backend FLASH_ATTN)"))
-    if any(l.scales["k"].tensor and l.scales["k"].tensor.endswith(f".{LEGACY_KV_SCALE}") for l in layers.values()):
+    if any(a.scales["k"].tensor and a.scales["k"].tensor.endswith(f".{LEGACY_KV_SCALE}") for a in layers.values()):
         problems.append(Problem("warning", "legacy kv_scale: vLLM uses it for both K and V; re-calibrate for separate k/v scales"))
 
 

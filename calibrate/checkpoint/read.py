@@ -50,7 +50,9 @@ def load_scales(where: dict[str, Path], prefixes: dict[int, str], method: str | 
     return CheckpointScales(sources, ignored, tensors, loaded, gaps)
 
 
-def read_scales(files: list[Path], layers: list[AttentionLayer], sig: ModelSignature, method: str | None) -> tuple[dict[str, torch.Tensor], str | None, list[str]]:
+def read_scales(
+    files: list[Path], layers: list[AttentionLayer], sig: ModelSignature, method: str | None
+) -> tuple[dict[str, torch.Tensor], str | None, list[str]]:
     """KV scales stored in safetensors ``files`` as vLLM would use them for each attention layer, for verify.
 
     Returns:

@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from ..loaders import (
-    HF_QUANT_CONFIG, INDEX_FILE, KV_SCALE_PATTERN, STRATEGIES, WRITE_NAMES, checkpoint_form, loaded_multiplier, tensor_names, vllm_files,
+    HF_QUANT_CONFIG, INDEX_FILE, KV_SCALE_PATTERN, STRATEGIES, WRITE_NAMES, check_scalar_scales, checkpoint_form, loaded_multiplier, tensor_names, vllm_files,
 )
 from ..files import apply_umask, save_tensors
 from ..layout import KVCAL_DIR, identity, is_kvcal_output, pause_at, sibling, sweep
@@ -110,26 +110,21 @@ def modelopt_scales(scales: dict[str, torch.Tensor], fp8_format: str) -> dict[st
     return renamed
 
 
-def fp8_release_scales(scales: dict[str, torch.Tensor], strategy: str, fp8_format: str) -> dict[str, torch.Tensor]:
+def fp8_release_scales(scales: dict[str, torch.Tensor], fp8_format: str) -> dict[str, torch.Tensor]:
     """kvcal's scale tensors for a ``quant_method: fp8`` checkpoint: the same names (vLLM's fp8 loader maps
     ``self_attn.{k,v,q}_scale`` onto the attention), one value each, in the units its base KV loader expects
     (it doubles loaded scales on e4m3fnuz platforms, so they are divided by that factor here)."""
-    if strategy != "tensor":
-        raise ValueError("vLLM's fp8 loader takes one scalar KV scale per layer ('KV-cache scale expects a scalar "
-                         "weight'); use --granularity tensor")
     factor = loaded_multiplier("fp8", fp8_format)
     return {name: value / factor for name, value in scales.items()}
 
 
-def modelopt_quant_configs(source: Path, config: dict, strategy: str) -> dict[str, dict]:
+def modelopt_quant_configs(source: Path, config: dict) -> dict[str, dict]:
     """Declare an FP8 KV cache in a ModelOpt checkpoint's own quantization config(s), keeping the rest.
 
     Edits ``config["quantization_config"]`` in place when config.json has one (ModelOpt ≥ 0.31: vLLM reads
     ``kv_cache_scheme`` there, or ``quantization.kv_cache_quant_algo`` in the nested form), and returns
     the updated hf_quant_config.json (file name → content) when the source has that file.
     """
-    if strategy != "tensor":
-        raise ValueError("a ModelOpt checkpoint holds per-tensor KV scales only; use --granularity tensor")
     out = {}
     quant = config.get("quantization_config")
     if quant is not None:
@@ -358,11 +353,12 @@ def write_checkpoint(
     config = read_config_json(source)
     quant_files: dict[str, dict] = {}  # other quantization config files to write (ModelOpt form)
     form = checkpoint_form(source)  # refuses the quantization methods whose scales vLLM would not read
+    check_scalar_scales(source, form, strategy)  # per-head scales only where the loader takes them
     if form == "modelopt":
         scales = modelopt_scales(scales, fp8_format)
-        quant_files = modelopt_quant_configs(source, config, strategy)
+        quant_files = modelopt_quant_configs(source, config)
     elif form == "fp8":
-        scales = fp8_release_scales(scales, strategy, fp8_format)
+        scales = fp8_release_scales(scales, fp8_format)
     else:
         config["quantization_config"] = quantization_config(config.get("quantization_config"), strategy)
 

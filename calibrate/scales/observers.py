@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..loaders import loaded_multiplier
-from ..choices import check_granularity, check_observer
+from ..choices import check_granularity, check_headroom, check_observer, runs_the_model
 from ..fp8 import SATURATION_SLACK, SCALE_FLOOR, FP8Format, amax_to_scale
 from ..capture.stats import NUM_BINS, SINK_POSITIONS, TensorStats, bin_edges
 
@@ -172,8 +172,7 @@ def observe(
     Returns:
         (scales float32, strictly positive and finite; Prediction for those scales).
     """
-    if not headroom > 0:
-        raise ValueError(f"--headroom must be positive (1.0 = none), got {headroom}")
+    check_headroom(headroom)
     hist, absmax, sumsq = stats.hist, stats.absmax, stats.sumsq  # [L, H, NB], [L, H], [L, H]
     non_sink_absmax = stats.pos_absmax[..., SINK_POSITIONS:].amax(-1)  # [L, H]
     if not per_head:
@@ -257,7 +256,7 @@ def derive_scales(
     mode) and reports the exact per-token error measured during capture beside them.
     """
     spec = parse_observer(observer)
-    if spec.name == "output":
+    if runs_the_model(spec.name):
         raise ValueError("the output observer runs the model on held-back data (kvcal calibrate --observer output); "
                          "from saved statistics alone choose max, mse, percentile:P or sink-aware")
     per_head = parse_granularity(granularity) == "head"

@@ -14,6 +14,7 @@ from dataclasses import fields
 import torch
 
 from ..capture.hooks import prefill_chunks
+from ..choices import OUTPUT_OBSERVER, check_output_granularity
 from ..fp8 import FP8Format, quantize_dequantize
 from ..model.layers import AttentionLayer
 from .observers import Prediction, ScaleSet, derive_scales
@@ -55,8 +56,7 @@ def output_observer(
         (the scales, as any observer's, with the chosen candidates' predictions; the search: per kind, the
         candidate chosen per layer and every candidate's relative RMS error of the attention output).
     """
-    if granularity not in ("tensor", "head"):
-        raise ValueError(f"the output observer picks static scales: use --granularity tensor or head, not {granularity}")
+    check_output_granularity(granularity)
     if not sequences:
         raise ValueError("the output observer needs held-back sequences to search on, and every record of the data went "
                          "into the statistics (a record the budget cut counts whole): add records beyond --max-tokens "
@@ -86,7 +86,7 @@ def output_observer(
     predictions = {**best.predictions, **{kind: Prediction(**{f.name: by_row(kind, lambda s, k=kind, n=f.name: getattr(s.predictions[k], n))
                                                              for f in fields(Prediction)}) for kind in SEARCHED}}
     sinks = {**best.sink_saturated, **{kind: by_row(kind, lambda s, k=kind: s.sink_saturated[k]) for kind in SEARCHED}}
-    result = ScaleSet("output", granularity, fmt, headroom, scales, predictions, best.token_rel_mse, sinks)
+    result = ScaleSet(OUTPUT_OBSERVER, granularity, fmt, headroom, scales, predictions, best.token_rel_mse, sinks)
     report = {kind: {"chosen": [CANDIDATES[c] for c in chosen[kind].tolist()],
                      "rel_error": (search.err[kind] / ref_sq[:, None].clamp(min=1e-300)).sqrt().tolist()}  # [L][C]
               for kind in SEARCHED}

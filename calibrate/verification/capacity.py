@@ -8,11 +8,10 @@ serves every sequence. Imports neither torch nor transformers.
 """
 
 import math
-import re
 from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, replace
 
-from ..choices import SIZE_UNITS
+from ..choices import SIZE_UNITS, parse_size
 from ..data.config import check_int
 
 # Memory of one GPU as nvidia-smi reports its total (SXM parts; docs/vllm-notes.md "GPU memory"), not the vendors' sales
@@ -24,7 +23,6 @@ GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization: the sha
 # started from, unmeasured here; README.md ("Does it pay") says so.
 QUOTED_FIGURES = {"fp8_decode_cost_vs_bf16": 0.54, "break_even_context_tokens": 7000}
 QUOTED_NOTE = "quoted figures, not measured by kvcal (README: Does it pay)"
-_SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Z]+)")
 
 
 @dataclass(frozen=True)
@@ -55,13 +53,9 @@ def bf16_bytes(layer: LayerKV) -> float:
 def parse_memory(text: str | int) -> int:
     """Bytes of one GPU's memory: a name in ``GPUS`` (any case), a size (``80GB``, ``141GiB``, ``24000MiB``,
     ``1.5TB``; GB = 10**9, GiB = 2**30) or an int of bytes."""
-    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
-        return text
     name = text.strip().upper() if isinstance(text, str) else ""
-    match = _SIZE.fullmatch(name)
-    unit = match and SIZE_UNITS.get(match.group(2))
-    size = round(float(match.group(1)) * unit) if unit else GPUS.get(name, 0)
-    if size <= 0:
+    size = GPUS.get(name) or parse_size(text)
+    if not size:
         raise ValueError(f"memory {text!r} is neither a GPU ({', '.join(GPUS)}) nor a positive size; "
                          "write a GPU name or a number and unit, e.g. 80GB, 141GiB, 24000MiB, 1.5TB")
     return size

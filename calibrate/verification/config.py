@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
-from ..choices import CACHE_DTYPES, DEFAULT_TARGET, check_backend, check_target, DEFAULT_VERIFY_SCHEMES, VERIFY_SCHEMES, check_fp8_format
+from ..choices import CACHE_DTYPES, DEFAULT_TARGET, check_backend, check_target, DEFAULT_VERIFY_SCHEMES, VERIFY_SCHEMES, check_fp8_format, verify_scheme
 from ..data.config import DataConfig, as_sources, check_int
 from ..settings import flat_settings, route_options
 from .capacity import parse_memory
@@ -17,6 +17,12 @@ NEEDLE_DEPTHS = (0.1, 0.5, 0.9)  # where the needle probe hides its line, as fra
 
 REFERENCE = "bf16"  # the name users know; the reference runs in the dtype the report states
 FLOOR = "floor"
+
+
+def canonical_schemes(names: list[str]) -> list[str]:
+    """The schemes ``names`` ask for, by kvcal's names (``choices.verify_scheme``: vLLM's --kv-cache-dtype names mapped),
+    each once, in order."""
+    return list(dict.fromkeys(verify_scheme(name) for name in names))
 
 
 @dataclass
@@ -195,9 +201,7 @@ class VerifyConfig:
         self.schemes = _split(self.schemes)
         if not self.schemes:
             raise ValueError(f"--schemes names no scheme; choose from {', '.join(VERIFY_SCHEMES)} or name a .safetensors scales file")
-        for name in self.schemes:
-            if name not in VERIFY_SCHEMES and not (name.endswith(".safetensors") and Path(name).is_file()):
-                raise ValueError(f"unknown scheme {name!r}: choose from {', '.join(VERIFY_SCHEMES)} or name an existing .safetensors scales file")
+        self.schemes = canonical_schemes(self.schemes)
         if not 1 <= self.accum_bits <= 40:
             raise ValueError(f"--accum-bits must be between 1 and 40 (13 models Hopper, 25 B200), got {self.accum_bits}")
         if isinstance(self.probe_layers, bool) or not isinstance(self.probe_layers, int) or self.probe_layers < 0:

@@ -189,7 +189,8 @@ def scheme_result(scheme: Scheme, tally: Tally, ref_sq: torch.Tensor, ref_nll: l
     kl, kl_se = mean_stderr(tally.seq_kl)
     nll, ref_mean_nll = sum(tally.seq_nll) / len(tally.seq_nll), sum(ref_nll) / len(ref_nll)
     top1 = sum(tally.seq_top1) / len(tally.seq_top1)
-    frac = {k: {"saturated": (c[:, 0] / c[:, 2].clamp(min=1)).tolist(), "underflow": (c[:, 1] / c[:, 2].clamp(min=1)).tolist()} for k, c in tally.counts.items()}
+    frac = {k: {"saturated": (c[:, 0] / c[:, 2].clamp(min=1)).tolist(), "underflow": (c[:, 1] / c[:, 2].clamp(min=1)).tolist()}
+            for k, c in tally.counts.items()}
     result = {
         "mode": scheme.mode, "granularity": scheme.granularity, "source": scheme.source, "quantizes_query": scheme.quantize_query,
         "note": SCHEME_NOTES.get(scheme.name, "static scales from a file"),
@@ -224,7 +225,7 @@ def probe_skip_layers(model, layers, scheme: Scheme, result: dict, sequences: li
     for row, variant in zip(rows, variants):
         gain = [a - b for a, b in zip(result["kl_per_sequence"], tallies[variant.name].seq_kl)]
         mean, se = mean_stderr(gain)
-        measured.append({"layer": layers[row].layer_idx, "row": row, "estimate": estimate[row], "kl_without": sum(tallies[variant.name].seq_kl) / len(sequences),
-                         "gain": mean, "gain_stderr": se})
+        measured.append({"layer": layers[row].layer_idx, "row": row, "estimate": estimate[row],
+                         "kl_without": sum(tallies[variant.name].seq_kl) / len(sequences), "gain": mean, "gain_stderr": se})
     return {"scheme": scheme.name, "kl": result["kl"], "estimate": estimate, "layers": [layer.layer_idx for layer in layers],
             "measured": measured, "seconds": time.perf_counter() - start, **skip_choice(result["kl"], measured, len(layers))}

@@ -71,7 +71,8 @@ def thresholds_text(rep: dict) -> str:
     """The limits the verdicts used and where they came from (the floor, or set)."""
     th, floor = rep["thresholds"], rep["floor"]
     fixed = not th["relative_to_floor"] and "floor" in th["origin"].values()
-    text = (f"Thresholds{' (fixed: no floor measured)' if fixed else ''}: pass when KL ≤ {th['max_kl']:.3g} nats/token and top-1 agreement ≥ {100 * th['min_top1']:.3g}%; "
+    text = (f"Thresholds{' (fixed: no floor measured)' if fixed else ''}: pass when KL ≤ {th['max_kl']:.3g} nats/token "
+            f"and top-1 agreement ≥ {100 * th['min_top1']:.3g}%; "
             f"fail when KL > {th['fail_kl']:.3g} or top-1 < {100 * th['fail_top1']:.3g}%; warn in between")
     if floor is None:
         return text
@@ -245,9 +246,12 @@ def _skip_markdown(probe: dict | None) -> list[str]:
     if probe is None:
         return []
     measured = {m["layer"]: m for m in probe["measured"]}
+    def gain(m: dict) -> str:
+        return f"{m['gain']:+.3g}" + (f" ± {m['gain_stderr']:.2g}" if m["gain_stderr"] is not None else "")
+
     rows = [[str(layer), f"{probe['estimate'][row]:.3e}",
-             *((f"{measured[layer]['kl_without']:.4g}", f"{measured[layer]['gain']:+.3g}" + (f" ± {measured[layer]['gain_stderr']:.2g}" if measured[layer]["gain_stderr"] is not None else ""))
-               if layer in measured else ("—", "—")), "yes" if layer in probe["skip"] else ""]
+             *((f"{measured[layer]['kl_without']:.4g}", gain(measured[layer])) if layer in measured else ("—", "—")),
+             "yes" if layer in probe["skip"] else ""]
             for row, layer in enumerate(probe["layers"])]
     return ["## Layers to keep in bf16", "",
             f"Scheme {probe['scheme']} (KL {probe['kl']:.4g} nats/token with every layer quantized). Estimate: the layer's own "
@@ -297,7 +301,8 @@ def _needle_markdown(n: dict) -> list[str]:
     out += [markdown_table(["length", "depth", "code", *names], rows), ""]
     for m, r in n["summary"].items():
         if "lost" in r:
-            out.append(f"- {m}: found {r['found']}/{len(n['cases'])}, lost {r['lost']} the reference found, mean log-prob change {r['mean_logprob_change']:+.3f}")
+            out.append(f"- {m}: found {r['found']}/{len(n['cases'])}, lost {r['lost']} the reference found, "
+                       f"mean log-prob change {r['mean_logprob_change']:+.3f}")
     return out + [""]
 
 

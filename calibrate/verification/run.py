@@ -263,7 +263,8 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         skip_probe = probe_skip_layers(model, layers, next(s for s in schemes if s.name == choice), results[choice], sequences, config)
     for name, r in results.items():
         r["bytes_per_token"] = len(layers) * DTYPES[r["kv_dtype"]].bytes_per_token(sig.num_kv_heads, sig.head_dim, _value_dim(sig))
-        r["bytes_vs_bf16"] = DTYPES[r["kv_dtype"]].bytes_per_token(1, sig.head_dim, _value_dim(sig)) / DTYPES["auto"].bytes_per_token(1, sig.head_dim, _value_dim(sig))
+        r["bytes_vs_bf16"] = (DTYPES[r["kv_dtype"]].bytes_per_token(1, sig.head_dim, _value_dim(sig))
+                              / DTYPES["auto"].bytes_per_token(1, sig.head_dim, _value_dim(sig)))
     kv_layers = _kv_layers(model.config, layers, sig)
     pays = does_it_pay(config, kv_layers, files, results, context or config.data.seq_len)
     if skip_probe is not None:
@@ -307,7 +308,8 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "timings": {
             "sample_s": sampled - start, "load_s": loaded - sampled, "passes_s": measured - loaded,
             "reference_pass_s": ref_seconds, "scheme_pass_s": {n: t.seconds for n, t in tallies.items()},
-            "skip_probe_s": skip_probe["seconds"] if skip_probe else 0.0, "fa3_s": probed - measured, "needle_s": time.perf_counter() - probed, "total_s": time.perf_counter() - start,
+            "skip_probe_s": skip_probe["seconds"] if skip_probe else 0.0, "fa3_s": probed - measured,
+            "needle_s": time.perf_counter() - probed, "total_s": time.perf_counter() - start,
         },
     }
     # 7. Report files; a kvcal output's model card gets this table.

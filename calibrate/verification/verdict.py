@@ -9,22 +9,14 @@ import math
 import torch
 
 from .. import serving
-from ..choices import DEFAULT_TARGET, TARGETS, VERIFY_SCHEMES
-from .config import Thresholds
+from ..choices import DEFAULT_TARGET, SCHEMES, TARGETS, VERIFY_SCHEMES
+from .config import FLOOR, Thresholds
 from .kvdtypes import DTYPES
 from ..model.layers import AttentionLayer
 
-SCHEME_NOTES = {
-    "bf16": "reference: no quantization",
-    "floor": "the unquantized model computed in another precision: what the verdicts are measured against",
-    "scale1": "scale 1.0 everywhere: what vLLM uses when a checkpoint has no scales (ModelOpt's fp8_cast)",
-    "tensor": "one static scale per layer (--kv-cache-dtype fp8, every backend)",
-    "head": "one static scale per layer and head (FA3 on Hopper only)",
-    "token": "dynamic scale per token and KV head (--kv-cache-dtype fp8_per_token_head, Triton; queries stay unquantized)",
-    "max": "per-tensor scales of the max observer (absmax / 448), from the checkpoint's statistics",
-    "mse": "per-tensor scales of the mse observer (least expected FP8 error of K or V), from the checkpoint's statistics",
-}
-SCHEME_NOTES |= {name: f"--kv-cache-dtype {name}: {DTYPES[name].note}" for name in VERIFY_SCHEMES if name in DTYPES}
+# Each scheme's note, from the one table (choices.SCHEMES; a cache dtype's from kvdtypes.DTYPES), and the floor's.
+SCHEME_NOTES = {name: note or f"--kv-cache-dtype {name}: {DTYPES[name].note}" for name, note in SCHEMES.items()}
+SCHEME_NOTES[FLOOR] = "the unquantized model computed in another precision: what the verdicts are measured against"
 
 
 def mean_stderr(values: list[float]) -> tuple[float, float | None]:
@@ -229,7 +221,8 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
         mean, se, sig = compare(results[a], results[b])
         ka, kb = results[a]["kl"], results[b]["kl"]
         change = f"{a} is {'lower' if ka < kb else 'higher'} by {abs(ka / kb - 1):.0%}" if kb > 0 else ""
-        test = "one sequence: not tested" if se is None else ("significant" if sig else "within noise") + f", paired over {len(results[a]['kl_per_sequence'])} sequences"
+        paired = f", paired over {len(results[a]['kl_per_sequence'])} sequences"
+        test = "one sequence: not tested" if se is None else ("significant" if sig else "within noise") + paired
         return f"{a} vs {b}: KL {ka:.4g} vs {kb:.4g} nats/token; {change} ({test})"
 
     broken = {n: r for n, r in ranked.items() if r["verdict"] == NOT_FINITE}

@@ -1,4 +1,4 @@
-"""capture.py: kvcal sees exactly the Q, K and V that vLLM caches, for every decoder family."""
+"""capture/hooks.py: kvcal sees exactly the Q, K and V that vLLM caches, for every decoder family."""
 
 
 import pytest

@@ -318,7 +318,7 @@ def test_merge_of_halves_equals_whole(split):
     whole.update(1, q * 2, k * 2, v * 2, positions)
     halves = []
     for part in (slice(0, 32), slice(32, 64)) if split == "along_sequence" else (slice(0, 1), slice(1, 2)):
-        cut = (lambda t: t[..., part, :]) if split == "along_sequence" else (lambda t: t[part])
+        cut = (lambda t, p=part: t[..., p, :]) if split == "along_sequence" else (lambda t, p=part: t[p])
         cut_pos = positions[:, part] if split == "along_sequence" else positions[part]
         stats = Stats.empty(_signature())
         stats.update(0, cut(q), cut(k), cut(v), cut_pos)
@@ -327,7 +327,7 @@ def test_merge_of_halves_equals_whole(split):
     merged = halves[0].merge_(halves[1])
     assert merged is halves[0]
     # Counts and maxima exactly; float64 moments up to the order of additions. pos_sumsq is summed over the
-    # tokens of one update in float32 (stats.py trades that for speed), so it merges to float32 precision only.
+    # tokens of one update in float32 (capture/stats.py trades that for speed), so it merges to float32 precision only.
     _assert_stats_equal(merged, whole, rtol=1e-12, pos_sumsq_rtol=positions.numel() * F32_EPS)
 
 

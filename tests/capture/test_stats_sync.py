@@ -112,9 +112,9 @@ def _selecting_reference(x: torch.Tensor, positions: torch.Tensor) -> dict[str, 
 
     Lb, H = by_head.shape[:2]
     return {
-        "hist": torch.stack([torch.stack([hist(by_head[l, h]) for h in range(H)]) for l in range(Lb)]),
-        "sink_hist": torch.stack([torch.stack([hist(by_head[l, h][sink]) for h in range(H)]) for l in range(Lb)]),
-        "token_hist": torch.stack([torch.stack([hist(by_head[l, h].amax(-1)) for h in range(H)]) for l in range(Lb)]),
+        "hist": torch.stack([torch.stack([hist(by_head[i, h]) for h in range(H)]) for i in range(Lb)]),
+        "sink_hist": torch.stack([torch.stack([hist(by_head[i, h][sink]) for h in range(H)]) for i in range(Lb)]),
+        "token_hist": torch.stack([torch.stack([hist(by_head[i, h].amax(-1)) for h in range(H)]) for i in range(Lb)]),
     }
 
 

@@ -1,4 +1,4 @@
-"""Tests for calibrate/inspector.py (``kvcal inspect``): every checkpoint form vLLM reads, and every way one goes wrong.
+"""Tests for calibrate/checkpoint/inspect.py (``kvcal inspect``): every checkpoint form vLLM reads, and every way one goes wrong.
 
 Checkpoints are built by hand here (config.json + safetensors with known scale values), so each expected value and
 tensor name is written in the test; one real kvcal output of a tiny model checks the kvcal form end to end.
@@ -220,16 +220,22 @@ def test_shapes_must_match_the_strategy(tmp_path):
 def test_files_duplicates_and_index(tmp_path):
     scales = generic_scales()
     # A tensor name in two files (no index: vLLM loads both files).
-    dup = make_checkpoint(tmp_path / "dup", {"model.safetensors": weights() | scales, "extra.safetensors": {"model.layers.0.self_attn.k_scale": torch.tensor([0.5])}})
-    assert messages(inspect(str(dup)), "error") == ["None: model.layers.0.self_attn.k_scale is stored in both extra.safetensors and model.safetensors; vLLM keeps one of them silently"]
+    dup = make_checkpoint(tmp_path / "dup", {"model.safetensors": weights() | scales,
+                                             "extra.safetensors": {"model.layers.0.self_attn.k_scale": torch.tensor([0.5])}})
+    assert messages(inspect(str(dup)), "error") == [
+        "None: model.layers.0.self_attn.k_scale is stored in both extra.safetensors and model.safetensors; "
+        "vLLM keeps one of them silently"]
     # A scales file the index does not list: vLLM ignores it, so every layer loads 1.0.
     unlisted = make_checkpoint(tmp_path / "unlisted", {"model.safetensors": weights(), "scales.safetensors": scales}, index=["model.safetensors"])
     found = inspect(str(unlisted))
     assert loaded(found, "k") == [1.0] * LAYERS
-    assert messages(found, "error")[:2] == ["None: scales.safetensors holds KV scales but is not listed in model.safetensors.index.json, so vLLM ignores it; add its tensors to the index",
-                                            "None: no KV-cache scales: vLLM uses 1.0 for every layer; calibrate with kvcal calibrate"]
+    assert messages(found, "error")[:2] == [
+        "None: scales.safetensors holds KV scales but is not listed in model.safetensors.index.json, so vLLM ignores it; "
+        "add its tensors to the index",
+        "None: no KV-cache scales: vLLM uses 1.0 for every layer; calibrate with kvcal calibrate"]
     # Listed, but beside a model.safetensors: transformers reads that file alone and misses every scale.
-    listed = make_checkpoint(tmp_path / "listed", {"model.safetensors": weights(), "scales.safetensors": scales}, index=["model.safetensors", "scales.safetensors"])
+    listed = make_checkpoint(tmp_path / "listed", {"model.safetensors": weights(), "scales.safetensors": scales},
+                             index=["model.safetensors", "scales.safetensors"])
     found = inspect(str(listed))
     assert found.loaders == {"vllm": ["model.safetensors", "scales.safetensors"], "transformers": ["model.safetensors"]}
     assert not found.ok() and "transformers reads only model.safetensors" in messages(found, "error")[0]
@@ -242,7 +248,9 @@ def test_files_duplicates_and_index(tmp_path):
 
 def test_scales_without_a_quantization_config_are_ignored_by_vllm(tmp_path):
     found = inspect(str(make_checkpoint(tmp_path / "n", {"model.safetensors": weights() | generic_scales()}, quant=None)))
-    assert messages(found, "error") == ["None: scales are present but config.json has no quantization_config, so vLLM creates no scale parameters and ignores them; re-export with kvcal export"]
+    assert messages(found, "error") == [
+        "None: scales are present but config.json has no quantization_config, so vLLM creates no scale parameters "
+        "and ignores them; re-export with kvcal export"]
     found = inspect(str(make_checkpoint(tmp_path / "none", {"model.safetensors": weights()}, quant=None)))
     assert not found.ok() and "no KV-cache scales" in messages(found, "error")[0]
 
@@ -275,13 +283,15 @@ def test_not_a_checkpoint(tmp_path, capsys):
 
 def test_json_output_for_machines(tmp_path, capsys):
     scales = generic_scales(k=[0.01, 0.0, 0.03])
-    directory = make_checkpoint(tmp_path / "j", {"model.safetensors": weights() | scales}, layer_types=["sliding_attention", "full_attention", "full_attention"])
+    directory = make_checkpoint(tmp_path / "j", {"model.safetensors": weights() | scales},
+                                layer_types=["sliding_attention", "full_attention", "full_attention"])
     assert main(["inspect", str(directory), "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and report["strategy"] == "tensor" and report["model_type"] == "llama"
     assert [layer["sliding_window"] for layer in report["layers"]] == [True, False, False]
     assert report["layers"][2]["scales"]["k"] == {"value": [pytest.approx(0.03)], "tensor": "model.layers.2.self_attn.k_scale", "file": "model.safetensors"}
-    assert report["problems"] == [{"severity": "error", "message": "model.layers.1.self_attn.k_scale is zero or negative (0); vLLM treats it as absent or fails", "layer": 1}]
+    assert report["problems"] == [{"severity": "error", "layer": 1, "message": "model.layers.1.self_attn.k_scale is zero or "
+                                   "negative (0); vLLM treats it as absent or fails"}]
 
 
 def test_text_output_lists_layers_and_problems(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""export.py and api.calibrate: the checkpoint vLLM loads, written atomically, the source untouched."""
+"""checkpoint/write.py and api.calibrate: the checkpoint vLLM loads, written atomically, the source untouched."""
 
 import hashlib
 import json

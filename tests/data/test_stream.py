@@ -1,4 +1,4 @@
-"""Tests for calibrate/data.py: every format, record kind, mixture, budget and bad input, on the SmolLM2 tokenizer.
+"""Tests for calibrate/data/stream.py: every format, record kind, mixture, budget and bad input, on the SmolLM2 tokenizer.
 
 Expected sequences are computed here independently: the test tokenizes the texts itself and packs them by hand.
 """

@@ -196,4 +196,4 @@ def test_modelopt_refuses_per_head_scales(source, tmp_path, smol_tokenizer, caps
     export(str(source), str(per_head), granularity="head")
     mo = modelopt_fp8(save_llama(tmp_path / "t", smol_tokenizer, seed=1), tmp_path / "mo", in_config=False)
     assert main(["apply", str(per_head), str(mo), "--out", str(tmp_path / "o")]) == 2
-    assert "per-tensor KV scales only" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    assert "whose vLLM loader takes one scalar KV scale per layer" in capsys.readouterr().err and not (tmp_path / "o").exists()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import kjv_jsonl, save_tiny_checkpoint, tiny_config
+from conftest import hardware_skip, kjv_jsonl, save_tiny_checkpoint, tiny_config
 
 from calibrate import calibrate
 
@@ -223,12 +223,15 @@ KNOWN = {
     "calibrate-unknown-granularity": _calibrate("{root}/llama", *DATA, "--granularity", "channel", fragments=["invalid choice: 'channel'"]),
     "calibrate-headroom-inf": _calibrate("{root}/llama", *DATA, "--headroom", "inf", fragments=["--headroom must be a number ≥ 1.0"]),
     "calibrate-min-tokens-zero": _calibrate("{root}/llama", *DATA, "--min-tokens", "0", fragments=["--min-tokens must be a positive integer"]),
-    "calibrate-min-tokens-above-budget": _calibrate("{root}/llama", *DATA, "--min-tokens", "999999", fragments=["--min-tokens 999999 is more than --max-tokens"]),
+    "calibrate-min-tokens-above-budget": _calibrate("{root}/llama", *DATA, "--min-tokens", "999999",
+                                                    fragments=["--min-tokens 999999 is more than --max-tokens"]),
     "calibrate-empty-data": _calibrate("{root}/llama", "--data", "{root}/empty.jsonl", fragments=["empty.jsonl is empty"]),
     "calibrate-data-dir-without-data": _calibrate("{root}/llama", "--data", "{root}/no-data", fragments=["holds no .txt/.jsonl"]),
     "calibrate-bad-weight": _calibrate("{root}/llama", "--data", "{root}/data.jsonl::heavy", fragments=["must be a positive number"]),
-    "calibrate-recipe-not-yaml": _calibrate("{root}/llama", *DATA, "--recipe", "{root}/recipe-not-yaml.yaml", fragments=["is not valid YAML", "(line 2, column 1)"]),
-    "calibrate-recipe-unknown-key": _calibrate("{root}/llama", *DATA, "--recipe", "{root}/recipe-unknown-key.yaml", fragments=["unknown key 'scales.observr'; did you mean 'observer'?"]),
+    "calibrate-recipe-not-yaml": _calibrate("{root}/llama", *DATA, "--recipe", "{root}/recipe-not-yaml.yaml",
+                                            fragments=["is not valid YAML", "(line 2, column 1)"]),
+    "calibrate-recipe-unknown-key": _calibrate("{root}/llama", *DATA, "--recipe", "{root}/recipe-unknown-key.yaml",
+                                               fragments=["unknown key 'scales.observr'; did you mean 'observer'?"]),
     "calibrate-recipe-not-a-mapping": _calibrate("{root}/llama", *DATA, "--recipe", "{root}/recipe-list.yaml", fragments=["must be a mapping of keys"]),
     "calibrate-recipe-misspelt": _calibrate("{root}/llama", *DATA, "--recipe", "lama3", fragments=["no recipe named 'lama3'; did you mean 'llama3'?"]),
     "calibrate-recipe-other-family": _calibrate("{root}/llama", *DATA, "--recipe", "qwen3", fragments=["written for qwen3"]),
@@ -286,7 +289,7 @@ KNOWN = {
     "verify-checkpoint-is-a-file": _verify("{root}/a-file", *DATA, fragments=["a-file is a file"]),
     "verify-data-missing": _verify("{root}/out", "--data", "{root}/missing.jsonl", fragments=["missing.jsonl: no such file"]),
     "verify-data-empty": _verify("{root}/out", "--data", "{root}/empty.jsonl", fragments=["empty.jsonl is empty"]),
-    "verify-unknown-scheme": _verify("{root}/out", *DATA, "--schemes", "fp4", fragments=["unknown scheme 'fp4'"]),
+    "verify-unknown-scheme": _verify("{root}/out", *DATA, "--schemes", "fp4", fragments=["unknown verify scheme 'fp4'"]),
     "verify-empty-scheme-list": _verify("{root}/out", *DATA, "--schemes", ",", *SHORT, fragments=["--schemes"]),
     "verify-seq-len-zero": _verify("{root}/out", *DATA, "--seq-len", "0", fragments=["--seq-len must be an integer"]),
     "verify-budget-below-a-sequence": _verify("{root}/out", *DATA, "--seq-len", "64", "--max-tokens", "10", fragments=["less than one sequence"]),
@@ -332,7 +335,8 @@ NEW = {
     "calibrate-bert": _calibrate("{root}/bert", *DATA, *TINY, fragments=["kvcal calibrates the decoders vLLM serves with a KV cache"]),
     "calibrate-bert-without-architectures": _calibrate("{root}/bert-no-architectures", *DATA, *TINY, fragments=["bert", "encoder"]),
     "verify-bert-without-architectures": _verify("{root}/bert-no-architectures", *DATA, *SHORT, fragments=["bert", "encoder"]),
-    "calibrate-attention-outside-the-interface": _calibrate("{root}/falcon", *DATA, *TINY, fragments=["no attention call reaches kvcal's hook", "FalconForCausalLM"]),
+    "calibrate-attention-outside-the-interface": _calibrate("{root}/falcon", *DATA, *TINY,
+                                                            fragments=["no attention call reaches kvcal's hook", "FalconForCausalLM"]),
     "calibrate-bloom-n-head": _calibrate("{root}/bloom", *DATA, *TINY, fragments=["no attention call reaches kvcal's hook", "BloomForCausalLM"]),
     "calibrate-mpt-n-heads": _calibrate("{root}/mpt", *DATA, *TINY, fragments=["no attention call reaches kvcal's hook", "MptForCausalLM"]),
     # config.json, tokenizer and weights that do not agree with each other.
@@ -417,7 +421,7 @@ def test_bad_input_is_one_line_and_changes_nothing(root, name):
     prefix = []
     if case.read_only and os.geteuid() == 0:  # root writes anywhere unless it drops the capability to
         if shutil.which("setpriv") is None:
-            pytest.skip("running as root, and no setpriv to drop CAP_DAC_OVERRIDE: a read-only directory is writable")
+            hardware_skip("setpriv", "as root a read-only directory is writable")
         caps = "-dac_override,-dac_read_search"
         prefix = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"]
     inputs = _inputs(argv, cwd, env, root)

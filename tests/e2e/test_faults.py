@@ -2,7 +2,8 @@
 
 Each test starts the real command in a process of its own (PYTHONPATH: this checkout) with ``KVCAL_PAUSE_AT=PHASE``:
 ``layout.pause_at`` writes the marker file when the run reaches PHASE and holds it there, and the test kills it then.
-Nothing waits on the clock: the test goes on when the marker appears (or fails when the process exits first).
+Nothing waits on the clock: the test goes on when the marker appears (or fails when the process exits first, or
+when REACH_S pass without it: a deadline against a hang, never a timing).
 After the rerun, OUT is complete and nothing from the killed run is left beside it; the only thing a killed run may
 leave for the rerun is its save, ``.OUT.kvcal-resume``, which ``--resume`` uses; an interrupted ``--overwrite``
 leaves the old OUT intact (moved aside, and put back by the next run) or the new one, never neither.
@@ -23,6 +24,8 @@ from calibrate.checkpoint.write import check_index
 from calibrate.layout import is_kvcal_output, provenance_path
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout whose code the subprocesses run
+REACH_S = 300  # deadline for a run to reach its pause (a tiny model: seconds, unless the machine is hung)
+RUN_S = 600  # deadline for a whole tiny run
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +52,14 @@ def start_paused(cmd: list[str], phase: str, tmp_path: Path) -> subprocess.Popen
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
                             env=_env(KVCAL_PAUSE_AT=phase, KVCAL_PAUSE_MARKER=str(marker)))
     log.close()
+    deadline = time.monotonic() + REACH_S
     while not marker.exists():
         if proc.poll() is not None:
             pytest.fail(f"kvcal exited ({proc.returncode}) before reaching {phase}: {(tmp_path / f'{phase}.stderr').read_text()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait(timeout=RUN_S)
+            pytest.fail(f"kvcal did not reach {phase} within {REACH_S} s: {(tmp_path / f'{phase}.stderr').read_text()}")
         time.sleep(0.05)
     assert int(marker.read_text()) == proc.pid
     return proc
@@ -59,12 +67,12 @@ def start_paused(cmd: list[str], phase: str, tmp_path: Path) -> subprocess.Popen
 
 def kill(proc: subprocess.Popen) -> None:
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc.wait(timeout=RUN_S)
     assert proc.returncode == -signal.SIGKILL
 
 
 def rerun(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=RUN_S)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -153,7 +161,7 @@ def test_ctrl_c_in_the_short_verify_says_out_is_written_and_complete(inputs, tmp
     cmd = [arg for arg in _command(inputs, out) if arg != "--no-verify"]
     proc = start_paused(cmd, "short-verify", tmp_path)
     os.kill(proc.pid, signal.SIGINT)
-    assert proc.wait() == 130
+    assert proc.wait(timeout=RUN_S) == 130
     err = (tmp_path / "short-verify.stderr").read_text()
     last = err.strip().splitlines()[-1]
     assert last == (f"kvcal: interrupted in the short verify; {out} is written and complete: to verify it, "

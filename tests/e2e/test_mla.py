@@ -145,7 +145,7 @@ def test_verify_quantizes_the_latent_as_a_cache_holding_fp8_would():
     scales = [0.004, 0.006, 0.005]  # small enough that a few latent values saturate, as well as rounding
     scheme = Scheme("t", Mode.STATIC, "test", get_format("e4m3fn"), "tensor", {k: torch.tensor(scales)[:, None] for k in "kv"})
     ids = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(3))
-    hooked = torch.cat(list(prefill_chunks(model, ids, 64, hook=ApplyScheme(scheme, {l.layer_idx: r for r, l in enumerate(layers)}), keep_from=0)))
+    hooked = torch.cat(list(prefill_chunks(model, ids, 64, hook=ApplyScheme(scheme, {a.layer_idx: r for r, a in enumerate(layers)}), keep_from=0)))
     with torch.no_grad():
         expected = model(input_ids=ids, cache=QuantizingCache(scales, config=model.config), use_cache=True).logits[0]
         plain = model(input_ids=ids).logits[0]
@@ -157,9 +157,10 @@ def test_verify_runs_on_an_mla_checkpoint(smol_tokenizer, kjv_path, tmp_path):
     from calibrate import calibrate, verify
 
     torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(T.DeepseekV3Config(**COMMON | {"vocab_size": len(smol_tokenizer)}, **MOE, num_attention_heads=4, num_key_value_heads=4,
-                                                                  kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
-                                                                  qk_nope_head_dim=16, v_head_dim=16))
+    config = T.DeepseekV3Config(**COMMON | {"vocab_size": len(smol_tokenizer)}, **MOE, num_attention_heads=4,
+                                num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+                                qk_nope_head_dim=16, v_head_dim=16)
+    model = T.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(tmp_path / "model")
     smol_tokenizer.save_pretrained(tmp_path / "model")
     with pytest.warns(UserWarning, match="MLA layers"):

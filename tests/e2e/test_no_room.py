@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import kjv_jsonl, save_tiny_checkpoint
+from conftest import hardware_reason, kjv_jsonl, save_tiny_checkpoint
 from safetensors.torch import load_file
 
 from calibrate import calibrate
@@ -49,8 +49,7 @@ def _unshare_works() -> bool:
 
 
 UNSHARE = _unshare_works()
-needs_unshare = pytest.mark.skipif(not UNSHARE, reason="unshare -rm is not allowed here: the *_injected tests run instead")
-injected = pytest.mark.skipif(UNSHARE, reason="unshare -rm works here: the tmpfs tests run instead of this fallback")
+needs_unshare = pytest.mark.skipif(not UNSHARE, reason=hardware_reason("userns", "the *_injected tests cover the same paths"))
 
 
 def _kvcal() -> str:
@@ -209,9 +208,8 @@ def test_a_disk_that_fills_after_the_compute_keeps_the_statistics_in_tmpdir(root
         f"./llama/{p.name}" for p in (root / "llama").iterdir())]
 
 
-# --- The fallback where unshare is not allowed --------------------------------------------------------------------
+# --- The same paths with the disk faked: these run everywhere, unshare or not ---------------------------------------
 
-@injected
 def test_a_disk_too_small_is_refused_injected(root, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("shutil.disk_usage", lambda path: shutil._ntuple_diskusage(20 << 20, 20 << 20, 0))
     code, err = kvcal(capsys, "export", str(root / "out"), "--out", str(tmp_path / "new"))
@@ -219,7 +217,6 @@ def test_a_disk_too_small_is_refused_injected(root, tmp_path, capsys, monkeypatc
     assert os.listdir(tmp_path) == []
 
 
-@injected
 def test_a_disk_that_fills_after_the_compute_keeps_the_statistics_injected(root, tmp_path, capsys, monkeypatch):
     import calibrate.checkpoint.write as write
 

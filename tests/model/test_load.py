@@ -1,4 +1,4 @@
-"""Tests for calibrate/model.py: finding attention layers, the model signature, config reading, sizes, placement,
+"""Tests for calibrate/model/load.py: finding attention layers, the model signature, config reading, sizes, placement,
 and refusing models that quantize K/V themselves.
 
 Expected values come from elsewhere than the code under test: attention modules are found through the decoder's
@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import save_tiny_checkpoint, tiny_config
+from conftest import hardware_reason, save_tiny_checkpoint, tiny_config
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
@@ -199,7 +199,7 @@ def test_resolve_device_errors(name, message):
         resolve_device(name)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason=hardware_reason("no-gpu"))
 def test_cuda_without_a_gpu_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="no CUDA GPU is visible; use --device cpu or auto"):
         resolve_device("cuda")
@@ -209,7 +209,7 @@ def test_resolve_placement_without_a_map_is_the_device():
     assert resolve_placement("cpu") == Placement(torch.device("cpu"))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason=hardware_reason("no-gpu"))
 def test_resolve_placement_on_a_cpu_machine():
     budget = {"cpu": 2**30, "disk": 2**32}
     assert resolve_placement("auto", max_memory=budget) == Placement(torch.device("cpu"), "auto", budget, None)

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 import calibrate.model.load
 from calibrate import calibrate as run
 from calibrate.cli import main
-from calibrate.config import parse_max_memory, parse_size
+from calibrate.choices import parse_size
+from calibrate.config import parse_max_memory
 from calibrate.checkpoint.write import scales_file
 
 OPTIONS = {"seq_len": 64, "max_tokens": 256, "progress": False, "verify": False}
@@ -132,6 +133,19 @@ def test_max_memory_parses_accelerates_names(text, expected):
 def test_sizes():
     assert parse_size("70GiB") == 70 * 2**30 and parse_size("500MB") == 500 * 10**6 and parse_size("1.5GB") == 1.5e9
     assert parse_size(".5KiB") == 512 and parse_size("3 B") == 3 and parse_size(7) == 7
+    assert [parse_size(bad) for bad in ("70", "GiB", "1.5 parsecs", -1, True, None)] == [None] * 6
+
+
+def test_max_memory_and_gpu_read_sizes_alike():
+    """One parser (choices.parse_size): --max-memory's sizes and verify's --gpu agree, each refusing in its words."""
+    from calibrate.verification.capacity import parse_memory
+
+    for text in ("80GB", "141gib", "24000 MiB", ".5TB"):
+        assert parse_memory(text) == parse_max_memory({"cpu": text})["cpu"] == parse_size(text)
+    with pytest.raises(ValueError, match="--max-memory size '8 parsecs' is not a size"):
+        parse_max_memory("cpu=8 parsecs")
+    with pytest.raises(ValueError, match="memory '8 parsecs' is neither a GPU"):
+        parse_memory("8 parsecs")
 
 
 def kvcal(capsys, root, out, *argv: str) -> tuple[int, str]:

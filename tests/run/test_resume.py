@@ -4,6 +4,7 @@ and resumes that would not be exact (other settings, data, ranks; no save) refus
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from calibrate import CalibrationConfig, calibrate
 from calibrate.api import load_calibration
 from calibrate.cli import main
 from calibrate.layout import sweep
-from calibrate.run.resume import resume_dir
+from calibrate.run.resume import STATS_SETTINGS, resume_dir
 from calibrate.capture.stats import Stats
 
 BASE = {"seq_len": 64, "max_tokens": 100_000, "progress": False, "verify": False}
@@ -59,21 +60,75 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tiny_dir, text_file, tmp_path
     assert not resume_dir(tmp_path / "out").exists()  # removed once OUT was written
 
 
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        ({"seq_len": 32}, "seq_len is 32 now but was 64 in the saved run"),
-        ({"seed": 1}, "seed is 1 now but was 0 in the saved run"),
-        ({"dtype": "bfloat16"}, "dtype is 'bfloat16' now but was None in the saved run"),
-    ],
-    ids=["seq_len", "seed", "dtype"],
-)
-def test_a_resume_with_other_settings_is_refused(tiny_dir, text_file, tmp_path, change, message):
+# One change per setting in resume.STATS_SETTINGS but data (its own test below), and what the refusal names.
+SETTING_CHANGES = {
+    "seq_len": ({"seq_len": 32}, "seq_len is 32 now but was 64 in the saved run"),
+    "max_tokens": ({"max_tokens": 50_000}, "max_tokens is 50000 now but was 100000 in the saved run"),
+    "chunk_len": ({"chunk_len": 32}, "chunk_len is 32 now but was 2048 in the saved run"),
+    "text_field": ({"text_field": "text"}, "text_field is 'text' now but was None in the saved run"),
+    "pack": ({"pack": False}, "pack is False now but was True in the saved run"),
+    "seed": ({"seed": 1}, "seed is 1 now but was 0 in the saved run"),
+    "long_records": ({"long_records": "error"}, "long_records is 'error' now but was 'split' in the saved run"),
+    "dtype": ({"dtype": "bfloat16"}, "dtype is 'bfloat16' now but was None in the saved run"),
+}
+
+
+def test_the_matrix_covers_every_setting_and_the_docs_name_each():
+    """Every setting resume compares has a refusal case here, and the docs' list of them is that list."""
+    assert set(SETTING_CHANGES) | {"data"} == set(STATS_SETTINGS)
+    repo = Path(__file__).resolve().parents[2]
+    pages = [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]
+    text = next(" ".join(p.read_text().split()) for p in pages if "A resume is refused" in p.read_text())
+    listed = text[text.index("A resume is refused"):].split(")", 1)[0]
+    flags = set(re.findall(r"`(--[a-z-]+)`", listed))
+    assert flags == {"--no-pack" if s == "pack" else "--" + s.replace("_", "-") for s in STATS_SETTINGS}, listed
+
+
+@pytest.mark.parametrize("setting", SETTING_CHANGES)
+def test_a_resume_with_other_settings_is_refused(tiny_dir, text_file, tmp_path, setting):
+    change, message = SETTING_CHANGES[setting]
     interrupted(tiny_dir, text_file, tmp_path / "out")
     with pytest.raises(ValueError, match="cannot resume from .*kvcal-resume: ") as e:
         calibrate(str(tiny_dir), [str(text_file)], str(tmp_path / "out"), **(BASE | change), resume=True)
     assert message in str(e.value) and "\n" not in str(e.value)
     assert resume_dir(tmp_path / "out").is_dir()  # a refused resume keeps the save
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda model: (model / "config.json").write_text((model / "config.json").read_text().replace("{", '{"x": 1, ', 1)),
+     "model file config.json differs from the saved run's"),
+    (lambda model: (model / "tokenizer_config.json").write_text((model / "tokenizer_config.json").read_text() + "\n"),
+     "model file tokenizer_config.json differs from the saved run's"),
+], ids=["config", "tokenizer"])
+def test_a_resume_after_the_config_or_tokenizer_changed_is_refused(tiny_dir, text_file, tmp_path, change, message):
+    interrupted(tiny_dir, text_file, tmp_path / "out")
+    change(tiny_dir)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        calibrate(str(tiny_dir), [str(text_file)], str(tmp_path / "out"), **BASE, resume=True)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda state: state | {"device": "cuda"}, "device is 'cpu' now but was 'cuda' in the saved run"),
+    (lambda state: state | {"data": [state["data"][0] | {"revision": "0123abc"}]}, "differs from the saved run's (its contents, size or revision changed)"),
+], ids=["device-type", "hub-revision"])
+def test_a_resume_on_another_device_type_or_data_revision_is_refused(tiny_dir, text_file, tmp_path, edit, message):
+    """The save as another machine (device type) or another revision of a hub dataset would have written it."""
+    out = tmp_path / "out"
+    interrupted(tiny_dir, text_file, out)
+    state = resume_dir(out) / "state-rank0.json"
+    state.write_text(json.dumps(edit(json.loads(state.read_text()))))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        calibrate(str(tiny_dir), [str(text_file)], str(out), **BASE, resume=True)
+
+
+def test_observer_and_granularity_may_change_on_resume(tiny_dir, text_file, tmp_path):
+    """The scales come from the statistics at the end: a resume may choose others, and gets the statistics unchanged."""
+    interrupted(tiny_dir, text_file, tmp_path / "out")
+    resumed = calibrate(str(tiny_dir), [str(text_file)], str(tmp_path / "out"), **BASE, min_tokens=64, resume=True,
+                        observer="mse", granularity="head")
+    whole = calibrate(str(tiny_dir), [str(text_file)], str(tmp_path / "whole"), **BASE, min_tokens=64, checkpoint_every=0)
+    assert_same_stats(resumed.stats, whole.stats)
+    assert resumed.provenance["scales"]["observer"] == "mse" and resumed.provenance["scales"]["granularity"] == "head"
 
 
 def test_a_resume_on_other_data_or_ranks_is_refused(tiny_dir, text_file, tmp_path, monkeypatch):
@@ -130,40 +185,51 @@ def long_text(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # four runs of 65,536 tokens: over 600 s each on a loaded 2-core machine
 def test_a_sigkilled_run_resumes_to_the_uninterrupted_result(tiny_dir, long_text, tmp_path):
-    """SIGKILL after the second save, --resume, and the statistics and scales are those of a run never killed."""
-    out, whole = tmp_path / "out", tmp_path / "whole"
+    """SIGKILL mid-capture, --resume, and the statistics and scales are those of a run never killed; a copy of the
+    save with one statistic altered shows the resumed run loaded the save (it carries the alteration) and captured
+    only the rest (its other sums equal the uninterrupted run's, which a recount from the start would double)."""
+    out, whole, altered = tmp_path / "out", tmp_path / "whole", tmp_path / "altered"
     base = [sys.executable, "-m", "calibrate", "calibrate", str(tiny_dir), "--data", str(long_text), "--seq-len", "64",
             "--max-tokens", "65536", "--quiet", "--no-verify"]
     state = resume_dir(out) / "state-rank0.json"
-    log = tmp_path / "killed.log"
+    log, marker = tmp_path / "killed.log", tmp_path / "paused"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))  # this checkout's code
+    pause = {"KVCAL_PAUSE_AT": "capture", "KVCAL_PAUSE_MARKER": str(marker)}  # layout.pause_at: held after a save
     with log.open("w") as err:
         proc = subprocess.Popen([*base, "--out", str(out), "--checkpoint-every", "2048"], stdout=subprocess.DEVNULL,
-                                stderr=err, env=env)
+                                stderr=err, env=env | pause)
     try:
-        # Keyed on progress, not the clock (a loaded machine is slow, never wrong): kill once the second save is
-        # written; a run that ends first fails the returncode assertion below.
-        while proc.poll() is None:
-            if state.is_file() and json.loads(state.read_text())["saves"] >= 2:  # replaced atomically: never half
-                break
+        deadline = time.monotonic() + 300  # against a hang only: the test goes on as soon as the marker appears
+        while not marker.exists():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"no save within 300 s: {log.read_text()[-3000:]}"
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]  # killed, not finished
     assert not out.exists()
     saved = json.loads(state.read_text())
-    assert saved["saves"] >= 2 and 0 < saved["tokens"] < 65536 and (resume_dir(out) / saved["stats"]).is_file()
+    assert saved["saves"] == 1 and 0 < saved["tokens"] < 65536 and (resume_dir(out) / saved["stats"]).is_file()
 
-    done = subprocess.run([*base, "--out", str(out), "--checkpoint-every", "2048", "--resume"], check=False,
-                          capture_output=True, text=True, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = subprocess.run([*base, "--out", str(whole), "--checkpoint-every", "0"], check=False, capture_output=True,
-                          text=True, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    # The same save beside another OUT (a save names no OUT), with every kind's sum of squares raised by BUMP.
+    BUMP = 1e6
+    shutil.copytree(resume_dir(out), resume_dir(altered))
+    bumped = Stats.load(resume_dir(altered) / saved["stats"])
+    for s in bumped.kinds.values():
+        s.sumsq += BUMP
+    bumped.save(resume_dir(altered) / saved["stats"])
+
+    for target, extra in ((out, ["--resume"]), (altered, ["--resume"]), (whole, [])):
+        every = "0" if target == whole else "2048"
+        done = subprocess.run([*base, "--out", str(target), "--checkpoint-every", every, *extra], check=False,
+                              capture_output=True, text=True, env=env, timeout=1200)
+        assert done.returncode == 0, done.stderr[-3000:]
 
     (stats, provenance), (want, reference) = load_calibration(out), load_calibration(whole)
     assert int(stats.tokens.max()) == 65536
@@ -171,6 +237,12 @@ def test_a_sigkilled_run_resumes_to_the_uninterrupted_result(tiny_dir, long_text
     assert provenance["scales"]["scales"] == reference["scales"]["scales"]
     assert provenance["data"] == reference["data"]
     assert not resume_dir(out).exists()
+
+    loaded, _ = load_calibration(altered)
+    assert torch.equal(loaded.tokens, want.tokens)  # the saved count plus the rest, not the rest twice
+    for kind, s in loaded.kinds.items():
+        torch.testing.assert_close(s.sumsq, want.kinds[kind].sumsq + BUMP, rtol=1e-12, atol=1e-6, msg=kind)
+        assert torch.equal(s.absmax, want.kinds[kind].absmax), kind
 
 
 @pytest.mark.slow

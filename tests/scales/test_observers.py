@@ -1,4 +1,4 @@
-"""Tests for calibrate/observers.py: every observer and prediction against brute force on the actual samples.
+"""Tests for calibrate/scales/observers.py: every observer and prediction against brute force on the actual samples.
 
 Statistics are collected with the real ``TensorStats.update`` from synthetic tensors of known
 distributions; every expected number is computed here from the samples themselves, in float64, with
@@ -307,9 +307,10 @@ def test_headroom_multiplies(observer, headroom):
     np.testing.assert_array_equal(pred.saturated.numpy(), again.saturated.numpy())
 
 
-@pytest.mark.parametrize("headroom", [0.0, -1.0, float("nan")])
-def test_headroom_must_be_positive(headroom):
-    with pytest.raises(ValueError, match="--headroom must be positive"):
+@pytest.mark.parametrize("headroom", [0.5, 0.0, -1.0, float("nan"), 448 * 2**6 + 1])
+def test_headroom_outside_the_configurations_rule_is_refused(headroom):
+    """The same rule as the configuration's (choices.check_headroom), not a looser one of its own."""
+    with pytest.raises(ValueError, match="--headroom must be a number ≥ 1.0"):
         _observe(_collect(_data("gaussian")), "max", per_head=False, headroom=headroom)
 
 

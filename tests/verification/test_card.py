@@ -101,7 +101,7 @@ def test_base_model_from_a_hub_snapshot_or_a_repo_name_only():
 def test_a_source_without_a_card_gets_kvcal_section_only_however_often_refreshed(tiny_dir, data_file, tmp_path):
     out = tiny_dir.parent / "out"
     api.calibrate(str(tiny_dir), [str(data_file)], str(out), seq_len=64, max_tokens=512, verify=False, **QUIET)
-    for round in range(2):
+    for _ in range(2):  # a second refresh changes nothing
         card = ModelCard.load(out / "README.md")
         assert "base_model" not in card.data.to_dict() and card.text.count("FP8 KV-cache scales calibrated by kvcal") == 1
         assert card.text.lstrip().startswith("# tiny: FP8 KV-cache scales calibrated by kvcal")

@@ -1,4 +1,4 @@
-"""Tests for calibrate/report.py: the per-layer scale table, and verify's report as text,
+"""Tests for calibrate/verification/report.py: the per-layer scale table, and verify's report as text,
 Markdown, JSON and plots.
 
 The report dict is built here by hand with numbers chosen so that every printed value can be checked against

@@ -1,4 +1,4 @@
-"""verify.py: the FP8 schemes, metrics, verdicts and report, against independent float64 computations."""
+"""verification/run.py (``kvcal verify``): the FP8 schemes, metrics, verdicts and report, against independent float64 computations."""
 
 import hashlib
 import json
@@ -366,7 +366,7 @@ def test_scales_file_is_a_scheme(tmp_path, plain_ckpt, data_file):
     [
         (dict(seq_len=4096, max_tokens=4096), "less than one sequence"),
         (dict(seq_len=16, max_tokens=16, needle="2048"), "needle 2048 needs a haystack"),
-        (dict(schemes="bf16,fp4"), "unknown scheme 'fp4'"),
+        (dict(schemes="bf16,fp4"), "unknown verify scheme 'fp4'"),
         (dict(max_tokens=10, seq_len=64), "less than one sequence"),
         (dict(max_kl=0.5, fail_kl=0.1), "thresholds"),
     ],

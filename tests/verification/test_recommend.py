@@ -1,0 +1,140 @@
+"""verdict.recommend: every branch of what verify tells the user to serve, from hand-made numbers (no model).
+
+Each case builds the measured results the way verification/passes.py reports them, and checks the sentences and the
+serve line against what each rule says, written out here independently of the code."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from calibrate.verification.verdict import recommend
+
+CKPT = "/models/ckpt"
+BYTES = {"fp8": 64, "fp8_per_token_head": 72, "int8_per_token_head": 72, "auto": 128}
+
+
+def scheme(verdict: str, kl: float, *, mode: str = "static", granularity: str = "tensor", source: str = "checkpoint",
+           dtype: str = "fp8", query: bool = True, spread: float = 0.0, errors=(0.01, 0.01, 0.01, 0.01)) -> dict:
+    """One scheme's measured numbers; ``spread`` varies its per-sequence KL (0: the same on every sequence)."""
+    return {"mode": mode, "verdict": verdict, "kl": kl, "kl_per_sequence": [kl - spread, kl + spread, kl - spread, kl + spread],
+            "ppl_change": kl / 2, "top1": 1 - kl, "granularity": granularity, "source": source, "kv_dtype": dtype,
+            "quantizes_query": query and mode == "static", "bytes_per_token": BYTES[dtype], "layer_rel_error": list(errors)}
+
+
+REFERENCE = scheme("pass", 0.0, mode="reference", source="none", dtype="auto")
+
+
+def layers(sliding: tuple[int, ...] = ()) -> list:
+    return [SimpleNamespace(sliding_window=4096 if i in sliding else None) for i in range(4)]
+
+
+def held(granularity: str | None = "tensor", notes: tuple[str, ...] = ()) -> dict:
+    return {"granularity": granularity, "notes": list(notes), "serving": []}
+
+
+def test_every_scheme_failing_recommends_the_unquantized_cache():
+    results = {"bf16": REFERENCE, "tensor": scheme("fail", 0.5), "token": scheme("fail", 0.3, mode="token",
+                                                                                  granularity="token", dtype="fp8_per_token_head")}
+    lines, serve = recommend(results, held(), layers(), CKPT)
+    assert lines[-1] == "Every quantized scheme measured fails the thresholds: keep this model's KV cache in bf16."
+    assert serve == f"vllm serve {CKPT} --kv-cache-dtype auto"
+    assert not any(line.startswith("Recommended") for line in lines)
+
+
+def test_the_checkpoints_own_scales_pass_and_are_served_as_they_are():
+    results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01), "scale1": scheme("warn", 0.05, source="1.0")}
+    lines, serve = recommend(results, held(), layers(), CKPT)
+    assert any(line.startswith("Recommended: tensor (one static scale per layer") for line in lines)
+    assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
+    assert not any("not in the checkpoint" in line for line in lines)
+    assert lines[-1].startswith("per-tensor scales: read by every vLLM attention backend")
+    assert any(line.startswith("tensor vs scale1: KL 0.01 vs 0.05 nats/token; tensor is lower by 80%") for line in lines)
+
+
+def test_scales_not_in_the_checkpoint_are_exported_first_and_out_is_served():
+    derived = "derived from the checkpoint's kvcal statistics (max observer; not in the checkpoint: export them)"
+    results = {"bf16": REFERENCE, "head": scheme("pass", 0.01, granularity="head", source=derived),
+               "tensor": scheme("warn", 0.04), "scale1": scheme("fail", 0.5, source="1.0")}
+    lines, serve = recommend(results, held(), layers(), CKPT)
+    assert f"These head scales are not in the checkpoint: write them with `kvcal export {CKPT} --out OUT --granularity head` and serve OUT." in lines
+    assert serve == "vllm serve OUT --kv-cache-dtype fp8 --attention-backend FLASH_ATTN"
+
+
+def test_another_observers_scales_are_exported_with_that_observer():
+    results = {"bf16": REFERENCE, "tensor": scheme("warn", 0.04), "max": scheme("pass", 0.01, source="the max observer")}
+    lines, serve = recommend(results, held(), layers(), CKPT)
+    assert f"write them with `kvcal export {CKPT} --out OUT --granularity tensor --observer max`" in " ".join(lines)
+    assert serve.startswith("vllm serve OUT ")
+
+
+def test_a_scales_file_is_written_into_a_copy():
+    results = {"bf16": REFERENCE, "mine": scheme("pass", 0.01, source="/tmp/mine.safetensors")}
+    lines, serve = recommend(results, held(), layers(), CKPT)
+    assert "These mine scales are not in the checkpoint: write /tmp/mine.safetensors into a copy of the checkpoint and serve OUT." in lines
+    assert serve == "vllm serve OUT --kv-cache-dtype fp8"
+
+
+def test_scale1_chosen_though_the_checkpoint_has_scales_says_vllm_would_use_them():
+    results = {"bf16": REFERENCE, "tensor": scheme("fail", 0.5), "scale1": scheme("warn", 0.05, source="1.0")}
+    lines, serve = recommend(results, held("tensor"), layers(), CKPT)
+    assert any(line.startswith("Recommended: scale1") for line in lines)
+    assert "Scale 1.0 needs a checkpoint without KV scales; this one has scales, which vLLM would use instead." in lines
+    assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
+
+
+def test_scale1_on_a_checkpoint_without_scales_passes_its_note_on():
+    note = "the checkpoint has no KV scales: vLLM would load it with 1.0 for every layer (scheme scale1)"
+    results = {"bf16": REFERENCE, "scale1": scheme("pass", 0.01, source="1.0")}
+    lines, _ = recommend(results, held(None, (note, "another note")), layers(), CKPT)
+    assert lines[0] == note and "another note" not in lines
+    assert not any(line.startswith("Scale 1.0 needs") for line in lines)
+
+
+@pytest.mark.parametrize("sliding_error, skipped", [(0.1, True), (0.014, False)], ids=["worse-sliding", "alike"])
+def test_sliding_window_layers_are_kept_in_bf16_when_their_error_is_over_1_5_times_the_full_layers(sliding_error, skipped):
+    errors = (sliding_error, sliding_error, 0.01, 0.01)  # rows 0 and 1 slide; threshold: 1.5 × 0.01
+    results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01, errors=errors)}
+    lines, serve = recommend(results, held(), layers(sliding=(0, 1)), CKPT)
+    line = next(line for line in lines if line.startswith("Sliding-window layers"))
+    assert line.startswith(f"Sliding-window layers: mean per-layer error {sliding_error:.3g} vs 0.01 on full layers; ")
+    assert ("keeping them in bf16" in line) == skipped and ("skipping them is not indicated" in line) == (not skipped)
+    assert serve.endswith(" --kv-cache-dtype-skip-layers sliding_window") == skipped
+
+
+def test_all_sliding_or_no_sliding_layers_say_nothing_of_them():
+    results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01)}
+    for sliding in ((), (0, 1, 2, 3)):
+        lines, _ = recommend(results, held(), layers(sliding=sliding), CKPT)
+        assert not any(line.startswith("Sliding-window") for line in lines)
+
+
+def test_token_chosen_serves_per_token_head_and_says_q_is_left_out():
+    results = {"bf16": REFERENCE, "tensor": scheme("warn", 0.04),
+               "token": scheme("pass", 0.01, mode="token", granularity="token", source="computed", dtype="fp8_per_token_head")}
+    lines, serve = recommend(results, held(), layers(), CKPT)
+    assert any(line.startswith("The static schemes here quantize Q as well") for line in lines)
+    assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8_per_token_head"
+    assert lines[-1].startswith("per-token-head mode: vLLM computes scales as it writes the cache")
+
+
+def test_a_significantly_lower_kl_and_a_smaller_cache_with_the_same_verdict_are_named():
+    results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.010, spread=0.0001),
+               "int8_per_token_head": scheme("pass", 0.004, mode="cache", granularity="token", source="computed",
+                                             dtype="int8_per_token_head", spread=0.0001),
+               "token": scheme("pass", 0.011, mode="token", granularity="token", source="computed",
+                               dtype="fp8_per_token_head", spread=0.0001)}
+    results["tensor"]["bytes_per_token"] = 80  # so that a smaller cache exists beside it
+    lines, _ = recommend(results, held(), layers(), CKPT)
+    assert any(line.startswith("Recommended: tensor") for line in lines)  # the most portable among the passes
+    assert any(line.startswith("int8_per_token_head has significantly lower KL than tensor (0.004 vs 0.01)") for line in lines)
+    assert not any(line.startswith("token has significantly lower KL") for line in lines)  # higher, not lower
+    smaller = next(line for line in lines if line.startswith("Smaller caches with the same verdict: "))
+    assert "int8_per_token_head (0.90× the bytes, KL 0.004)" in smaller and "token (0.90× the bytes, KL 0.011)" in smaller
+
+
+def test_a_scheme_vllm_refuses_is_measured_but_never_recommended():
+    results = {"bf16": REFERENCE, "head": scheme("pass", 0.005, granularity="head"), "tensor": scheme("warn", 0.04)}
+    results["head"]["servable"] = False
+    lines, serve = recommend(results, held("head"), layers(), CKPT)
+    assert any(line.startswith("Recommended: tensor") for line in lines)
+    assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
