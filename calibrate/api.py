@@ -21,26 +21,32 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import hub
-from .run import resume
-from .choices import runs_the_model
-from .config import LITTLE_DATA_TOKENS, CalibrationConfig, ScaleConfig
-from .run.distributed import Group, session
-from .layout import KVCAL_DIR, PROVENANCE_FILE
+from . import hub, serving
+from .capture.stats import Stats
 from .checkpoint.space import NoRoom, check_room, keep_statistics, output_room, stats_bytes
 from .checkpoint.write import check_links, prepare_output, scale_tensors, weight_files, write_checkpoint
+from .choices import DEFAULT_TARGET, runs_the_model
+from .config import LITTLE_DATA_TOKENS, CalibrationConfig, ScaleConfig
 from .files import file_sha256, no_room, read_json_object
 from .fp8 import get_format
-from .loaders import mla_dims
-from .model.layers import signature_of
+from .layout import (
+    KVCAL_DIR,
+    PROVENANCE_FILE,
+    RECORDS_FILE,
+    STATS_FILE,
+    pause_at,
+    provenance_path,
+    records_path,
+    sibling,
+    stats_path,
+    verify_dir,
+)
+from .loaders import mla_dims, text_part
+from .model.layers import ModelSignature, signature_of
+from .run import resume
+from .run.distributed import Group, session
 from .scales.observers import ScaleSet, derive_scales, latent_report, recorded_scales
-from . import serving
-from .choices import DEFAULT_TARGET
 from .verification.report import kvcal_version, scale_table
-from .model.layers import ModelSignature
-from .capture.stats import Stats
-from .layout import RECORDS_FILE, STATS_FILE, pause_at, provenance_path, records_path, sibling, stats_path, verify_dir
-from .loaders import text_part
 
 # The model, data, capture and verify modules import transformers and datasets (seconds): calibrate imports
 # them when it runs, so that export and inspect, which need none of them, start fast.
@@ -318,13 +324,13 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     ``config.resume`` each rank continues from its save (``calibrate.run.resume``), and the statistics, and so the
     scales, are exactly those of an uninterrupted run. The saves are removed once OUT is written.
     """
-    from .loaders import check_export_form, check_loads_scales, source_form, warn_ignored_scales
-    from .data.stream import iter_sequences
-    from .data.sources import local_paths
-    from .model.load import check_remote_code, check_tokenizer_fits, load_tokenizer, read_config
-    from .model.layers import max_context
     from .checkpoint.weights import PROVENANCE as WEIGHTS_PROVENANCE
     from .checkpoint.weights import check_available, quantize_weights
+    from .data.sources import local_paths
+    from .data.stream import iter_sequences
+    from .loaders import check_export_form, check_loads_scales, source_form, warn_ignored_scales
+    from .model.layers import max_context
+    from .model.load import check_remote_code, check_tokenizer_fits, load_tokenizer, read_config
 
     start = time.perf_counter()
     config.validate()

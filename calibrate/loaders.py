@@ -116,7 +116,8 @@ def read_config_json(directory: str | Path) -> dict:
         for name, kind in CONFIG_FIELDS.items():
             value = part.get(name)
             if value is not None and (not isinstance(value, kind) or kind is int and isinstance(value, bool)):
-                raise ValueError(f"{path} has {prefix}{name} {_short(value)}, {_JSON_NAMES[type(value)] if type(value) in _JSON_NAMES else type(value).__name__}, "
+                found = _JSON_NAMES.get(type(value), type(value).__name__)
+                raise ValueError(f"{path} has {prefix}{name} {_short(value)}, {found}, "
                                  f"where {_JSON_NAMES[kind]} belongs; fix config.json (or restore it from the original checkpoint)")
     return config
 

@@ -22,11 +22,10 @@ from pathlib import Path
 import yaml
 
 from . import hub, serving
+from .choices import check_form_name, check_verify_schemes, check_weights
 from .config import CalibrationConfig, ScaleConfig
-from .verification.config import Thresholds
-from .choices import check_form_name
-from .choices import check_verify_schemes, check_weights
 from .data.config import DataConfig
+from .verification.config import Thresholds
 
 DEFAULT_RECIPE = "default"
 # Where shipped recipes are found: a source checkout first, then the installed package's data.

@@ -4,7 +4,6 @@ flattened back for JSON (calibration.json, report.json)."""
 from dataclasses import fields, is_dataclass
 
 
-
 def route_options(options: dict, parts: dict[str, type]) -> tuple[dict[str, dict], dict]:
     """Flat keyword options → one dict per part (by the part's field names) and the rest, for the owner itself.
 

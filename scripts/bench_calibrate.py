@@ -21,12 +21,12 @@ import time
 import torch
 
 from calibrate.capture.hooks import forward_chunked, run_capture
+from calibrate.capture.stats import Stats
 from calibrate.data.config import DataConfig
 from calibrate.data.stream import iter_sequences
 from calibrate.demo import kjv_path, smollm2_dir
 from calibrate.model.layers import attention_layers, signature
 from calibrate.model.load import load_model
-from calibrate.capture.stats import Stats
 
 # Llama-3.2-1B's shape (vocabulary cut to 32K): 16 layers, 32 query and 8 KV heads of 64.
 SHAPES = {

@@ -28,8 +28,8 @@ def one_length(length: int, layers: int, chunk_len: int, device: str) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from calibrate.capture.hooks import run_capture
-    from calibrate.model.layers import attention_layers, signature
     from calibrate.capture.stats import Stats
+    from calibrate.model.layers import attention_layers, signature
 
     torch.manual_seed(0)
     config = LlamaConfig(

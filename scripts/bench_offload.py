@@ -18,13 +18,13 @@ import time
 import torch
 
 from calibrate.capture.hooks import run_capture
+from calibrate.capture.stats import Stats
 from calibrate.config import parse_max_memory
 from calibrate.data.config import DataConfig
 from calibrate.data.stream import iter_sequences
 from calibrate.demo import kjv_path, smollm2_dir
 from calibrate.model.layers import attention_layers, signature
 from calibrate.model.load import load_model, resolve_placement
-from calibrate.capture.stats import Stats
 
 
 def main() -> None:

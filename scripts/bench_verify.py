@@ -16,17 +16,17 @@ from pathlib import Path
 import torch
 
 from calibrate.api import load_calibration
+from calibrate.checkpoint.write import weight_files
+from calibrate.choices import VERIFY_SCHEMES
 from calibrate.data.config import DataConfig
 from calibrate.data.stream import iter_sequences
 from calibrate.demo import kjv_path, smollm2_dir
-from calibrate.checkpoint.write import weight_files
 from calibrate.fp8 import get_format
 from calibrate.model.layers import attention_layers, signature
 from calibrate.model.load import load_model
-from calibrate.choices import VERIFY_SCHEMES
-from calibrate.verification.schemes import build_schemes
-from calibrate.verification.passes import measure
 from calibrate.verification.config import VerifyConfig
+from calibrate.verification.passes import measure
+from calibrate.verification.schemes import build_schemes
 
 
 @torch.no_grad()

@@ -17,7 +17,6 @@ from transformers import AutoModelForCausalLM, Gemma3Config, LlamaConfig, Qwen2C
 
 from calibrate.cli import main
 
-
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=256, max_position_embeddings=4096)
 GEMMA3_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]

@@ -15,22 +15,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import kjv_jsonl, save_tiny_checkpoint
-from safetensors.torch import load_file, save_file
 from references import CONFIGS
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import calibrate.api as api
 from calibrate.api import CalibrationResult, load_calibration, scale_report, signature_from_config
+from calibrate.capture.stats import SINK_POSITIONS, Stats
+from calibrate.checkpoint.write import scales_file
 from calibrate.config import CalibrationConfig
 from calibrate.data.config import DataConfig
-from calibrate.checkpoint.write import scales_file
 from calibrate.fp8 import FORMATS, quantize, quantize_dequantize
-from calibrate.model.layers import AttentionLayer, attention_layers, signature
+from calibrate.model.layers import AttentionLayer, ModelSignature, attention_layers, signature
 from calibrate.model.load import read_config
 from calibrate.scales.observers import derive_scales
 from calibrate.serving import SERVE_NOTES
-from calibrate.capture.stats import SINK_POSITIONS, Stats
-from calibrate.model.layers import ModelSignature
 
 E4M3_MAX = 448.0
 

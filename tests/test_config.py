@@ -8,13 +8,11 @@ from dataclasses import asdict, fields
 import pytest
 
 from calibrate import recipes
+from calibrate.choices import WEIGHT_SCHEMES, check_form_name, check_verify_schemes
 from calibrate.config import CalibrationConfig, ScaleConfig, parse_max_memory
-from calibrate.verification.config import Thresholds
-from calibrate.settings import flat_settings, route_options
-from calibrate.choices import check_form_name
-from calibrate.choices import check_verify_schemes, WEIGHT_SCHEMES
 from calibrate.data.config import DataConfig
-from calibrate.verification.config import VerifyConfig
+from calibrate.settings import flat_settings, route_options
+from calibrate.verification.config import Thresholds, VerifyConfig
 
 
 def test_route_options_sends_each_name_to_its_owner():

@@ -10,10 +10,18 @@ test_observers.py.
 import numpy as np
 import pytest
 import torch
-
 from references import BIAS, e4m3_codes, e4m3_quantize_dequantize, e4m3_round, tie_and_neighbour_values
+
 from calibrate.fp8 import (
-    E5M2, FORMATS, SCALE_FLOOR, WRITERS, amax_to_scale, get_format, per_token_head_round_trip, per_token_scale, quantize,
+    E5M2,
+    FORMATS,
+    SCALE_FLOOR,
+    WRITERS,
+    amax_to_scale,
+    get_format,
+    per_token_head_round_trip,
+    per_token_scale,
+    quantize,
     quantize_dequantize,
 )
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from calibrate.checkpoint.write import scales_file
-from calibrate.hub import NEEDED, REMOTE_CODE, _SNAPSHOT, fetch, is_repo_id, resolve
+from calibrate.hub import _SNAPSHOT, NEEDED, REMOTE_CODE, fetch, is_repo_id, resolve
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

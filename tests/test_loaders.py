@@ -59,10 +59,9 @@ def test_verify_and_inspect_complete_a_missing_v_scale_alike(tmp_path, smol_toke
     """vLLM copies k_scale into a missing v_scale: verify must emulate what inspect reports, not 1.0."""
     from safetensors.torch import load_file, save_file
 
-    from calibrate.checkpoint.write import scales_file
-    from calibrate.model.layers import AttentionLayer
-    from calibrate.model.layers import ModelSignature
     from calibrate.checkpoint.read import read_scales
+    from calibrate.checkpoint.write import scales_file
+    from calibrate.model.layers import AttentionLayer, ModelSignature
 
     source = save_llama(tmp_path / "model", smol_tokenizer, seed=0)
     out = calibrate(str(source), [str(text_file)], str(tmp_path / "ct"), seq_len=64, max_tokens=192,

@@ -18,12 +18,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from calibrate import api, recipes
+from calibrate.checkpoint.write import scales_file
 from calibrate.cli import main
 from calibrate.config import CalibrationConfig, ScaleConfig
-from calibrate.verification.config import Thresholds
 from calibrate.data.config import DataConfig
 from calibrate.data.stream import iter_sequences
-from calibrate.checkpoint.write import scales_file
+from calibrate.verification.config import Thresholds
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 SEQ_LEN, MAX_TOKENS = 64, 192

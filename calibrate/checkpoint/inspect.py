@@ -22,8 +22,22 @@ from .. import serving
 from ..fp8 import FORMATS
 from ..layout import CARD_MARKER, card_path, is_kvcal_output, provenance_path
 from ..loaders import (
-    LEGACY_KV_SCALE, SINGLE_FILE, WRITE_NAMES, LoadedScale, attention_prefixes, ignored_scales, mla_dims, quant_config,
-    quant_method, read_config_json, read_json, stored_dtype, tensor_names, text_part, transformers_files, vllm_files,
+    LEGACY_KV_SCALE,
+    SINGLE_FILE,
+    WRITE_NAMES,
+    LoadedScale,
+    attention_prefixes,
+    ignored_scales,
+    mla_dims,
+    quant_config,
+    quant_method,
+    read_config_json,
+    read_json,
+    stored_dtype,
+    tensor_names,
+    text_part,
+    transformers_files,
+    vllm_files,
 )
 from .read import load_scales
 

@@ -11,9 +11,9 @@ llm-compressor pins transformers<=5.17, so install it in a virtual environment o
 from pathlib import Path
 
 from ..choices import check_weights
-from .write import copy_other_files
 from ..files import apply_umask
 from ..loaders import read_config_json, text_part
+from .write import copy_other_files
 
 SCHEMES = {"fp8": "FP8_DYNAMIC"}  # --weights value → llm-compressor preset scheme
 PROVENANCE = {"fp8": "fp8 (llm-compressor FP8_DYNAMIC, data-free)"}

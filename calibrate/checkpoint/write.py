@@ -26,12 +26,22 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..loaders import (
-    HF_QUANT_CONFIG, INDEX_FILE, KV_SCALE_PATTERN, STRATEGIES, WRITE_NAMES, check_scalar_scales, checkpoint_form, loaded_multiplier, tensor_names, vllm_files,
-)
 from ..files import apply_umask, save_tensors
 from ..layout import KVCAL_DIR, identity, is_kvcal_output, pause_at, sibling, sweep
-from ..loaders import check_float_weights, read_config_json
+from ..loaders import (
+    HF_QUANT_CONFIG,
+    INDEX_FILE,
+    KV_SCALE_PATTERN,
+    STRATEGIES,
+    WRITE_NAMES,
+    check_float_weights,
+    check_scalar_scales,
+    checkpoint_form,
+    loaded_multiplier,
+    read_config_json,
+    tensor_names,
+    vllm_files,
+)
 from .space import NoRoom, check_room, no_room, output_room, room_error
 
 SCALES_PRODUCER = "kvcal"  # the "producer" metadata of the scales shard

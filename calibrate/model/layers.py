@@ -5,8 +5,7 @@ from pathlib import Path
 
 from torch import nn
 
-from ..loaders import mla_dims
-from ..loaders import is_decoder_module, text_part
+from ..loaders import is_decoder_module, mla_dims, text_part
 
 
 @dataclass(frozen=True)

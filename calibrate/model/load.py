@@ -11,11 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..loaders import KV_SCALE_PATTERN
 from ..files import check_model_dir
-from ..loaders import quant_config
-from ..loaders import read_config_json
-from ..loaders import text_part
+from ..loaders import KV_SCALE_PATTERN, quant_config, read_config_json, text_part
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

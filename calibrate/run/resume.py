@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..files import file_sha256, read_json_object, write_atomically
-from ..model.layers import ModelSignature
 from ..capture.stats import Stats
+from ..files import file_sha256, read_json_object, write_atomically
 from ..layout import pause_at, sibling
+from ..model.layers import ModelSignature
 
 if TYPE_CHECKING:
     from ..config import CalibrationConfig

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..loaders import loaded_multiplier
+from ..capture.stats import NUM_BINS, SINK_POSITIONS, TensorStats, bin_edges
 from ..choices import check_granularity, check_headroom, check_observer, runs_the_model
 from ..fp8 import SATURATION_SLACK, SCALE_FLOOR, FP8Format, amax_to_scale
-from ..capture.stats import NUM_BINS, SINK_POSITIONS, TensorStats, bin_edges
+from ..loaders import loaded_multiplier
 
 # Samples per histogram bin when integrating the quantization error (stratified, uniform in the bin).
 _SAMPLES_PER_BIN = 4

@@ -14,11 +14,11 @@ from dataclasses import fields
 import torch
 
 from ..capture.hooks import prefill_chunks
+from ..capture.stats import Stats
 from ..choices import OUTPUT_OBSERVER, check_output_granularity
 from ..fp8 import FP8Format, quantize_dequantize
 from ..model.layers import AttentionLayer
 from .observers import Prediction, ScaleSet, derive_scales
-from ..capture.stats import Stats
 
 CANDIDATES = ("max", "mse", "percentile:99.999", "percentile:99.99", "percentile:99.9")
 SEARCHED = ("k", "v")

@@ -16,10 +16,11 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .. import serving
 from ..files import write_atomically
 from ..hub import is_repo_id, snapshot_repo
-from ..layout import CARD_MARKER as MARKER, card_path
-from .. import serving
+from ..layout import CARD_MARKER as MARKER
+from ..layout import card_path
 from .report import VERIFY_HEADER, held_out_text, markdown_table, target_serve_markdown, thresholds_text, verify_rows
 
 TAGS = ["kvcal", "fp8", "kv-cache", "vllm"]

@@ -7,7 +7,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
-from ..choices import CACHE_DTYPES, DEFAULT_TARGET, check_backend, check_target, DEFAULT_VERIFY_SCHEMES, VERIFY_SCHEMES, check_fp8_format, verify_scheme
+from ..choices import (
+    CACHE_DTYPES,
+    DEFAULT_TARGET,
+    DEFAULT_VERIFY_SCHEMES,
+    VERIFY_SCHEMES,
+    check_backend,
+    check_fp8_format,
+    check_target,
+    verify_scheme,
+)
 from ..data.config import DataConfig, as_sources, check_int
 from ..settings import flat_settings, route_options
 from .capacity import parse_memory

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field, replace
 import torch
 from tqdm.auto import tqdm
 
-from . import fa3
 from ..capture.hooks import cached_latent, latent_view, prefill_chunks
 from ..fp8 import SATURATION_SLACK, FP8Format
 from ..model.layers import is_latent
-from .verdict import SCHEME_NOTES, mean_stderr, skip_choice
+from . import fa3
 from .config import VerifyConfig
 from .schemes import Scheme, absorbed_attention
+from .verdict import SCHEME_NOTES, mean_stderr, skip_choice
 
 
 class ApplyScheme:

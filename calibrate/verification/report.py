@@ -7,9 +7,10 @@ from pathlib import Path
 
 import torch
 
-from .capacity import plan_text
 from .. import serving
 from ..capture.stats import KINDS
+from .capacity import plan_text
+
 
 def kvcal_version() -> str:
     """kvcal's installed version, for provenance; a source checkout on PYTHONPATH has none."""

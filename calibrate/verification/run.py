@@ -22,30 +22,26 @@ from pathlib import Path
 
 import torch
 
-from . import fa3, report
-from .config import Thresholds
-from .capacity import LayerKV, per_token, plan
+from .. import serving
+from ..capture.stats import Stats, position_bucket_starts
+from ..checkpoint.write import tensor_bytes, weight_files
 from ..data.config import DataConfig
 from ..data.stream import iter_sequences, read_digests
-from ..checkpoint.write import tensor_bytes, weight_files
-from ..fp8 import get_format
-from .kvdtypes import DTYPES
-from ..model.layers import AttentionLayer, attention_layers, checkpoint_named, max_context, signature
-from ..model.load import check_known_type, check_tokenizer_fits, load_model, load_tokenizer, read_config, resolve_device
-from .card import write_card
-from .needle import needle_probe
-from ..capture.stats import Stats, position_bucket_starts
-from ..model.layers import ModelSignature
-from .verdict import check_measured, check_reference, choose, judge, recommend, serve_lines, target_refusals
-from .. import serving
-from .config import FLOOR, REFERENCE, VerifyConfig
-from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
-from .passes import ApplyScheme, ReferenceProbe, measure, probe_skip_layers, scheme_result
 from ..files import read_json_object
+from ..fp8 import get_format
 from ..layout import is_kvcal_output, provenance_path, records_path, stats_path
 from ..loaders import text_part
-
-
+from ..model.layers import AttentionLayer, ModelSignature, attention_layers, checkpoint_named, max_context, signature
+from ..model.load import check_known_type, check_tokenizer_fits, load_model, load_tokenizer, read_config, resolve_device
+from . import fa3, report
+from .capacity import LayerKV, per_token, plan
+from .card import write_card
+from .config import FLOOR, REFERENCE, Thresholds, VerifyConfig
+from .kvdtypes import DTYPES
+from .needle import needle_probe
+from .passes import ApplyScheme, ReferenceProbe, measure, probe_skip_layers, scheme_result
+from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
+from .verdict import check_measured, check_reference, choose, judge, recommend, serve_lines, target_refusals
 
 # ---- scales: from the checkpoint, its statistics, or a file --------------------------------------------------------
 
@@ -261,7 +257,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     skip_probe = None
     if choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
         skip_probe = probe_skip_layers(model, layers, next(s for s in schemes if s.name == choice), results[choice], sequences, config)
-    for name, r in results.items():
+    for r in results.values():
         r["bytes_per_token"] = len(layers) * DTYPES[r["kv_dtype"]].bytes_per_token(sig.num_kv_heads, sig.head_dim, _value_dim(sig))
         r["bytes_vs_bf16"] = (DTYPES[r["kv_dtype"]].bytes_per_token(1, sig.head_dim, _value_dim(sig))
                               / DTYPES["auto"].bytes_per_token(1, sig.head_dim, _value_dim(sig)))

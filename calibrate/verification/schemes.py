@@ -10,14 +10,14 @@ from pathlib import Path
 import torch
 
 from ..capture.hooks import latent_view
-from ..loaders import MLA_SCALES_IGNORED, Servable, loaded_multiplier, quant_config, quant_method, refusal, stored_dtype
+from ..capture.stats import Stats
+from ..checkpoint.read import read_scales
 from ..fp8 import E5M2, FP8Format, per_token_head_round_trip, per_token_scale, quantize_dequantize
-from .kvdtypes import DTYPES, CacheDtype
+from ..loaders import MLA_SCALES_IGNORED, Servable, loaded_multiplier, quant_config, quant_method, refusal, stored_dtype
 from ..model.load import read_config
 from ..scales.observers import derive_scales
-from ..capture.stats import Stats
 from .config import FLOOR, REFERENCE, VerifyConfig
-from ..checkpoint.read import read_scales
+from .kvdtypes import DTYPES, CacheDtype
 
 
 class Mode(StrEnum):

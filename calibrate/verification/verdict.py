@@ -10,9 +10,9 @@ import torch
 
 from .. import serving
 from ..choices import DEFAULT_TARGET, SCHEMES, TARGETS, VERIFY_SCHEMES
+from ..model.layers import AttentionLayer
 from .config import FLOOR, Thresholds
 from .kvdtypes import DTYPES
-from ..model.layers import AttentionLayer
 
 # Each scheme's note, from the one table (choices.SCHEMES; a cache dtype's from kvdtypes.DTYPES), and the floor's.
 SCHEME_NOTES = {name: note or f"--kv-cache-dtype {name}: {DTYPES[name].note}" for name, note in SCHEMES.items()}

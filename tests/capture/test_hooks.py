@@ -4,11 +4,11 @@
 import pytest
 import torch
 from conftest import FAMILIES, tiny_model
-
 from references import reference_qkv
+
 from calibrate.capture.hooks import hooked_attention, run_capture
-from calibrate.model.layers import attention_layers, signature
 from calibrate.capture.stats import Stats
+from calibrate.model.layers import attention_layers, signature
 
 
 @pytest.mark.parametrize("family", FAMILIES)

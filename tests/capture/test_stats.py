@@ -12,15 +12,27 @@ import math
 import numpy as np
 import pytest
 import torch
+from references import e4m3_codes, e4m3_round, tie_and_neighbour_values
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from calibrate.fp8 import FORMATS
 from calibrate.capture.stats import (
-    HIST_BINS_PER_OCTAVE, HIST_MAX_EXP, HIST_MIN_EXP, KINDS, NUM_BINS, NUM_POS_BUCKETS, SINK_POSITIONS, Stats, bin_edges, bin_index, position_bucket, position_bucket_starts, round_to_e4m3,
+    HIST_BINS_PER_OCTAVE,
+    HIST_MAX_EXP,
+    HIST_MIN_EXP,
+    KINDS,
+    NUM_BINS,
+    NUM_POS_BUCKETS,
+    SINK_POSITIONS,
+    Stats,
+    bin_edges,
+    bin_index,
+    position_bucket,
+    position_bucket_starts,
+    round_to_e4m3,
 )
+from calibrate.fp8 import FORMATS
 from calibrate.model.layers import ModelSignature
-from references import tie_and_neighbour_values, e4m3_codes, e4m3_round
 
 F32_EPS = 2.0**-24  # unit roundoff of float32
 

@@ -14,11 +14,17 @@ from torch.overrides import TorchFunctionMode
 
 from calibrate.capture import stats as stats_module
 from calibrate.capture.hooks import Collector
-from calibrate.model.layers import AttentionLayer
 from calibrate.capture.stats import (
-    KINDS, NUM_BINS, NUM_POS_BUCKETS, SINK_POSITIONS, Stats, bin_index, position_bucket, round_to_e4m3,
+    KINDS,
+    NUM_BINS,
+    NUM_POS_BUCKETS,
+    SINK_POSITIONS,
+    Stats,
+    bin_index,
+    position_bucket,
+    round_to_e4m3,
 )
-from calibrate.model.layers import ModelSignature
+from calibrate.model.layers import AttentionLayer, ModelSignature
 
 # Tensor methods and torch functions whose result needs the data on the host (or is sized by it).
 _HOST_READS = {

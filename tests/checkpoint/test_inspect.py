@@ -14,10 +14,10 @@ from conftest import save_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 from calibrate import calibrate
+from calibrate.checkpoint.inspect import inspect
+from calibrate.checkpoint.write import scales_file
 from calibrate.cli import main
 from calibrate.loaders import INDEX_FILE
-from calibrate.checkpoint.write import scales_file
-from calibrate.checkpoint.inspect import inspect
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 3, 4, 2, 4, 16
 COMPRESSED = {

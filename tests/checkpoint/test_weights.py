@@ -14,16 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import client_python, save_tiny_checkpoint
 from safetensors import safe_open
 
 from calibrate import calibrate
-from calibrate.config import CalibrationConfig
-from calibrate.loaders import INDEX_FILE
-from calibrate.checkpoint.write import check_index, scales_file
-from calibrate.files import file_mode
 from calibrate.checkpoint.weights import check_available
-
-from conftest import client_python, save_tiny_checkpoint
+from calibrate.checkpoint.write import check_index, scales_file
+from calibrate.config import CalibrationConfig
+from calibrate.files import file_mode
+from calibrate.loaders import INDEX_FILE
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

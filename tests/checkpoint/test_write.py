@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from calibrate import calibrate
-from calibrate.loaders import INDEX_FILE, tensor_names
 from calibrate.checkpoint.write import check_index, scales_file, shard_name, write_checkpoint
+from calibrate.loaders import INDEX_FILE, tensor_names
 
 
 def digest(directory) -> dict[str, str]:

@@ -29,14 +29,13 @@ import json
 import re
 import time
 
+import llmcompressor
 import torch
 from datasets import Dataset
-from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-import llmcompressor
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import QuantizationModifier
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 def main() -> None:

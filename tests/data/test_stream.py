@@ -14,10 +14,9 @@ import datasets
 import pandas as pd
 import pytest
 
-from calibrate.data.config import DataConfig
 from calibrate.data import stream
+from calibrate.data.config import DataConfig
 from calibrate.data.stream import iter_sequences
-
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from references import LINEARS, fp8, modelopt_fp8, save_llama
 from safetensors.torch import load_file, save_file
 
-from references import LINEARS, fp8, modelopt_fp8, save_llama
 from calibrate import calibrate, export
+from calibrate.checkpoint.inspect import inspect
+from calibrate.checkpoint.write import check_index, scales_file, shard_name
 from calibrate.cli import main
 from calibrate.loaders import INDEX_FILE, tensor_names
-from calibrate.checkpoint.write import check_index, scales_file, shard_name
-from calibrate.checkpoint.inspect import inspect
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import json
 
 import pytest
 from conftest import save_tiny_checkpoint
-
 from references import assert_refused, kvcal
+
 from calibrate.cli import main
 
 

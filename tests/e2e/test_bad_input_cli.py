@@ -69,7 +69,15 @@ def root(tmp_path_factory, smol_tokenizer, kjv_path):
     """One directory of inputs shared by the rows: models, data, a calibrated output, broken copies of each."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM, BertConfig, BertForMaskedLM, BloomConfig, FalconConfig, FalconForCausalLM, MptConfig
+    from transformers import (
+        AutoModelForCausalLM,
+        BertConfig,
+        BertForMaskedLM,
+        BloomConfig,
+        FalconConfig,
+        FalconForCausalLM,
+        MptConfig,
+    )
 
     root = tmp_path_factory.mktemp("bad-cli")
     save_tiny_checkpoint(root / "llama", "llama", smol_tokenizer)
@@ -361,7 +369,8 @@ NEW = {
     "inspect-layer-types-a-string": Case(["inspect", "{root}/layer-types-a-string"], ["layer_types 'full_attention', a string", "a list"]),
     "calibrate-link-to-its-own-folder": _calibrate("{root}/link-dot", *DATA, *TINY, fragments=["link-dot/loop is a link back to"]),
     "export-link-to-its-own-folder": _export("{root}/out", "--model", "{root}/link-dot", fragments=["link-dot/loop is a link back to"]),
-    "calibrate-model-type-unknown": _calibrate("{root}/unknown-type", *DATA, *TINY, fragments=["model_type 'foollama'", "does not know", "upgrade transformers"]),
+    "calibrate-model-type-unknown": _calibrate("{root}/unknown-type", *DATA, *TINY,
+                                               fragments=["model_type 'foollama'", "does not know", "upgrade transformers"]),
     "verify-model-type-unknown": _verify("{root}/unknown-type", *DATA, *SHORT, fragments=["model_type 'foollama'", "does not know"]),
     "calibrate-no-tokenizer-files": _calibrate("{root}/no-tokenizer", *DATA, *TINY, fragments=["holds no tokenizer files", "copy the original"]),
     "verify-no-tokenizer-files": _verify("{root}/no-tokenizer", *DATA, *SHORT, fragments=["holds no tokenizer files"]),

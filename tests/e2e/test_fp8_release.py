@@ -25,9 +25,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from references import run_client
 import torch
-from references import FP8_BLOCK, FP8_RELEASE_CONFIG, LINEARS, fp8_release
+from references import FP8_BLOCK, FP8_RELEASE_CONFIG, LINEARS, fp8_release, run_client
 from safetensors.torch import load_file, save_file
 
 from calibrate import calibrate, inspect

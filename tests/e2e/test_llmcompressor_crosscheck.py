@@ -12,18 +12,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import client_python
 import torch
+from conftest import client_python
 from safetensors.torch import save_file
 
 from calibrate.capture.hooks import run_capture
+from calibrate.capture.stats import Stats
 from calibrate.data.config import DataConfig
 from calibrate.data.stream import iter_sequences
 from calibrate.fp8 import FORMATS
 from calibrate.model.layers import attention_layers, signature
 from calibrate.model.load import load_model
 from calibrate.scales.observers import derive_scales
-from calibrate.capture.stats import Stats
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

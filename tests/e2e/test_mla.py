@@ -12,10 +12,10 @@ import transformers as T
 from references import forward_with_attention_pre_hook
 
 from calibrate.capture.hooks import run_capture
+from calibrate.capture.stats import Stats
 from calibrate.fp8 import get_format
 from calibrate.model.layers import attention_layers, signature
 from calibrate.scales.observers import derive_scales
-from calibrate.capture.stats import Stats
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, max_position_embeddings=4096, num_hidden_layers=3)
 MOE = dict(moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
@@ -137,8 +137,8 @@ class QuantizingCache(T.DynamicCache):
 
 def test_verify_quantizes_the_latent_as_a_cache_holding_fp8_would():
     from calibrate.capture.hooks import prefill_chunks
-    from calibrate.verification.schemes import Mode, Scheme
     from calibrate.verification.passes import ApplyScheme
+    from calibrate.verification.schemes import Mode, Scheme
 
     model = model_of("deepseek_v3")
     layers = attention_layers(model)
@@ -223,8 +223,7 @@ def test_an_mla_config_with_an_unexpected_latent_layout_is_refused(kjv_path, tmp
 
 
 def test_the_deepseek_recipe_fits_mla_models_and_compares_with_vllm_s_scale_one(smol_tokenizer, kjv_path, tmp_path):
-    from calibrate import calibrate
-    from calibrate import recipes
+    from calibrate import calibrate, recipes
 
     config = FAMILIES["kimi_k2"]()
     config.vocab_size = len(smol_tokenizer)

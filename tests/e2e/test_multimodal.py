@@ -10,14 +10,14 @@ mistral3.py also map the new one in ``hf_to_vllm_mapper``); kvcal writes the che
 import pytest
 import torch
 import transformers as T
-from safetensors import safe_open
 from references import reference_qkv
+from safetensors import safe_open
 
 from calibrate import calibrate, verify
 from calibrate.capture.hooks import run_capture
+from calibrate.capture.stats import Stats
 from calibrate.loaders import checkpoint_prefixes, tensor_names, vllm_files
 from calibrate.model.layers import attention_layers, signature
-from calibrate.capture.stats import Stats
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 FAMILIES = {
@@ -84,8 +84,8 @@ def test_multimodal_scales_go_under_the_checkpoint_names_and_the_vision_tower_is
 
 
 def test_a_multimodal_checkpoint_without_its_language_model_is_refused(smol_tokenizer, kjv_path, tmp_path, capsys):
-    from safetensors.torch import load_file, save_file
     from references import assert_refused, kvcal
+    from safetensors.torch import load_file, save_file
 
     torch.manual_seed(0)
     T.AutoModelForImageTextToText.from_config(FAMILIES["gemma3"][0](len(smol_tokenizer))).save_pretrained(tmp_path / "model")

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 from conftest import hardware_reason, kjv_jsonl, save_tiny_checkpoint
+from references import assert_refused, kvcal
 from safetensors.torch import load_file
 
 from calibrate import calibrate
-from references import assert_refused, kvcal
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout whose code the subprocesses run
 TIMEOUT_S = 300

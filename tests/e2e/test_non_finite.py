@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import kjv_jsonl, save_tiny_checkpoint
+from references import assert_refused
 from safetensors.torch import load_file, save_file
 
-from references import assert_refused
 from calibrate import calibrate
 from calibrate.cli import main
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from references import client, modelopt_fp8, run_client
 from safetensors.torch import load_file, save_file
 
 from calibrate import apply, calibrate, export
 from calibrate.checkpoint.write import scales_file
-from references import client, modelopt_fp8, run_client
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

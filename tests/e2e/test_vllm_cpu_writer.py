@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import client_python, hardware_skip
 import torch
-
+from conftest import client_python, hardware_skip
 from references import e4m3_codes
+
 from calibrate.fp8 import E5M2, FORMATS, quantize
 
 pytestmark = pytest.mark.slow

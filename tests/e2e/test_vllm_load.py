@@ -12,8 +12,8 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import client_python
 import torch
+from conftest import client_python
 
 from calibrate import calibrate
 

@@ -10,8 +10,8 @@ import transformers as T
 from references import reference_qkv
 
 from calibrate.capture.hooks import run_capture
-from calibrate.model.layers import attention_layers, signature, signature_of
 from calibrate.capture.stats import Stats
+from calibrate.model.layers import attention_layers, signature, signature_of
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
               max_position_embeddings=4096)

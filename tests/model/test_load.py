@@ -11,14 +11,26 @@ import json
 import pytest
 import torch
 from conftest import hardware_reason, save_tiny_checkpoint, tiny_config
+from references import COMMON, CONFIGS, multimodal_config
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
-from references import COMMON, CONFIGS, multimodal_config
-from calibrate.model.load import (
-    Placement, check_fits_one_layer, check_loaded, check_no_kv_quantization, decoder_layer_bytes, default_dtype, input_device, load_model, read_config, read_config_file, resolve_device, resolve_placement, without_kv_quantization,
-)
 from calibrate.model.layers import attention_layers, max_context, signature
+from calibrate.model.load import (
+    Placement,
+    check_fits_one_layer,
+    check_loaded,
+    check_no_kv_quantization,
+    decoder_layer_bytes,
+    default_dtype,
+    input_device,
+    load_model,
+    read_config,
+    read_config_file,
+    resolve_device,
+    resolve_placement,
+    without_kv_quantization,
+)
 
 
 def build(case: str) -> nn.Module:

@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 
 import calibrate.model.load
 from calibrate import calibrate as run
-from calibrate.cli import main
-from calibrate.choices import parse_size
-from calibrate.config import parse_max_memory
 from calibrate.checkpoint.write import scales_file
+from calibrate.choices import parse_size
+from calibrate.cli import main
+from calibrate.config import parse_max_memory
 
 OPTIONS = {"seq_len": 64, "max_tokens": 256, "progress": False, "verify": False}
 EXACT = ("absmax", "hist", "token_hist", "sink_hist", "pos_absmax", "channel_absmax", "nonfinite")

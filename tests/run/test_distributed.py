@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from references import TORCHRUN, free_port
+
 from calibrate import calibrate
 from calibrate.api import load_calibration
 from calibrate.data.config import DataConfig

@@ -19,10 +19,10 @@ from references import TORCHRUN, free_port
 
 from calibrate import CalibrationConfig, calibrate
 from calibrate.api import load_calibration
+from calibrate.capture.stats import Stats
 from calibrate.cli import main
 from calibrate.layout import sweep
 from calibrate.run.resume import STATS_SETTINGS, resume_dir
-from calibrate.capture.stats import Stats
 
 BASE = {"seq_len": 64, "max_tokens": 100_000, "progress": False, "verify": False}
 

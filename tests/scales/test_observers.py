@@ -26,14 +26,21 @@ import math
 import numpy as np
 import pytest
 import torch
-
-from calibrate.fp8 import FORMATS, SCALE_FLOOR
-from calibrate.choices import GRANULARITIES, OBSERVERS
-from calibrate.scales.observers import (
-    ObserverSpec, derive_scales, observe, parse_granularity, parse_observer, predict, sink_saturation, token_rel_mse,
-)
-from calibrate.capture.stats import SINK_POSITIONS, TensorStats, bin_index, position_bucket
 from references import e4m3_quantize_dequantize
+
+from calibrate.capture.stats import SINK_POSITIONS, TensorStats, bin_index, position_bucket
+from calibrate.choices import GRANULARITIES, OBSERVERS
+from calibrate.fp8 import FORMATS, SCALE_FLOOR
+from calibrate.scales.observers import (
+    ObserverSpec,
+    derive_scales,
+    observe,
+    parse_granularity,
+    parse_observer,
+    predict,
+    sink_saturation,
+    token_rel_mse,
+)
 
 E4M3 = FORMATS["e4m3fn"]
 H, S, D = 2, 512, 32  # heads, positions, head_dim: 16384 values per head

@@ -4,20 +4,20 @@ import json
 
 import pytest
 import torch
+from references import QUIET, ref_attention, ref_qdq, save_planted
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
-from references import QUIET, ref_attention, ref_qdq, save_planted
 
 from calibrate import api, cli
 from calibrate.capture.hooks import hooked_attention
+from calibrate.capture.stats import Stats
 from calibrate.data.config import DataConfig
 from calibrate.data.stream import iter_sequences, read_digests
-from calibrate.layout import KVCAL_DIR, records_path
 from calibrate.fp8 import FORMATS
+from calibrate.layout import KVCAL_DIR, records_path
 from calibrate.model.load import load_model
 from calibrate.scales.observers import derive_scales
 from calibrate.scales.search import CANDIDATES
-from calibrate.capture.stats import Stats
 from calibrate.verification.run import verify
 
 SEQ_LEN, BUDGET = 64, 1024

@@ -9,7 +9,20 @@ import json
 import pytest
 
 from calibrate.verification.capacity import (
-    GPU_MEMORY_UTILIZATION, GPUS, QUOTED_FIGURES, LayerKV, break_even_context, decode_bytes_per_token, decode_ratio, fit, kv_bytes, parse_memory, per_gpu, per_token, plan, plan_text,
+    GPU_MEMORY_UTILIZATION,
+    GPUS,
+    QUOTED_FIGURES,
+    LayerKV,
+    break_even_context,
+    decode_bytes_per_token,
+    decode_ratio,
+    fit,
+    kv_bytes,
+    parse_memory,
+    per_gpu,
+    per_token,
+    plan,
+    plan_text,
 )
 
 GB, GIB = 10**9, 2**30

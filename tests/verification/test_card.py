@@ -6,8 +6,8 @@ import re
 
 import pytest
 from huggingface_hub import ModelCard, ModelCardData
-
 from references import QUIET
+
 from calibrate import api
 from calibrate.verification.card import MARKER, base_model
 from calibrate.verification.run import verify

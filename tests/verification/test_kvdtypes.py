@@ -14,14 +14,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import client_python
 import torch
+from conftest import client_python
+from references import e4m3_round
 
 from calibrate import fp8
 from calibrate.verification.kvdtypes import (
-    DTYPES, int4_round_trip_rotated, rht, rht_block, rht_signs, round_e2m1, round_half_away,
+    DTYPES,
+    int4_round_trip_rotated,
+    rht,
+    rht_block,
+    rht_signs,
+    round_e2m1,
+    round_half_away,
 )
-from references import e4m3_round
 
 REPO = Path(__file__).resolve().parents[2]
 E2M1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])  # index == code of the magnitude

@@ -13,10 +13,15 @@ import pytest
 import torch
 
 import calibrate.verification.report
-from calibrate.verification.report import (
-    kvcal_version, scale_table, thresholds_text, verify_markdown, verify_text, write_verify_report,
-)
 from calibrate.capture.stats import NUM_POS_BUCKETS, position_bucket_starts
+from calibrate.verification.report import (
+    kvcal_version,
+    scale_table,
+    thresholds_text,
+    verify_markdown,
+    verify_text,
+    write_verify_report,
+)
 
 E4M3_MAX = 448.0
 

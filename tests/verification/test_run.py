@@ -10,24 +10,24 @@ import sys
 import pytest
 import torch
 from conftest import tiny_config
+from references import QUIET, ref_attention, ref_qdq, save_planted
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from references import QUIET, ref_attention, ref_qdq, save_planted
 from calibrate import api, cli
 from calibrate.capture.hooks import hooked_attention
+from calibrate.checkpoint.write import scales_file, shard_name
+from calibrate.config import SHORT_VERIFY_SCHEMES
 from calibrate.data.config import DataConfig
 from calibrate.data.stream import iter_sequences
+from calibrate.fp8 import FORMATS
 from calibrate.layout import records_path
 from calibrate.loaders import INDEX_FILE
-from calibrate.verification.config import Thresholds
-from calibrate.checkpoint.write import scales_file, shard_name
-from calibrate.fp8 import FORMATS
 from calibrate.model.load import load_model
+from calibrate.verification.config import Thresholds
 from calibrate.verification.needle import needle_prompt
-from calibrate.config import SHORT_VERIFY_SCHEMES
-from calibrate.verification.schemes import Scheme
 from calibrate.verification.run import verify
+from calibrate.verification.schemes import Scheme
 
 E4M3 = FORMATS["e4m3fn"]
 

@@ -4,12 +4,21 @@ import re
 
 import pytest
 
+from calibrate.model.layers import AttentionLayer
 from calibrate.verification.capacity import LayerKV, bf16_bytes, plan
 from calibrate.verification.config import Thresholds
-from calibrate.model.layers import AttentionLayer
 from calibrate.verification.verdict import (
-    NOT_FINITE, check_measured, check_reference, choose, judge, pays_lines, rank_correlation, recommend, serve_lines,
-    skip_choice, target_refusals,
+    NOT_FINITE,
+    check_measured,
+    check_reference,
+    choose,
+    judge,
+    pays_lines,
+    rank_correlation,
+    recommend,
+    serve_lines,
+    skip_choice,
+    target_refusals,
 )
 
 
