@@ -20,14 +20,18 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import calibrate.api as api
-from calibrate.api import CalibrationResult, load_calibration, scale_report, signature_from_config
+from calibrate.capture.checks import check_enough_tokens, check_finite
 from calibrate.capture.stats import SINK_POSITIONS, Stats
+from calibrate.checkpoint.kvcal_dir import load_calibration
 from calibrate.checkpoint.write import scales_file
 from calibrate.config import CalibrationConfig
 from calibrate.data.config import DataConfig
 from calibrate.fp8 import FORMATS, quantize, quantize_dequantize
-from calibrate.model.layers import AttentionLayer, ModelSignature, attention_layers, signature
+from calibrate.model.layers import AttentionLayer, ModelSignature, attention_layers, signature, signature_from_config
 from calibrate.model.load import read_config
+from calibrate.result import CalibrationResult
+from calibrate.run import load_and_capture
+from calibrate.run.provenance import scale_report
 from calibrate.scales.observers import derive_scales
 from calibrate.serving import SERVE_NOTES
 
@@ -155,10 +159,10 @@ def test_check_enough_tokens(tokens, seq_len, max_tokens, min_tokens, pack, mess
     """The fewest tokens any layer saw must reach --min-tokens, else one full sequence (or the whole budget)."""
     config, stats = run_config(seq_len, max_tokens, min_tokens, pack), stats_with_tokens(tokens)
     if message is None:
-        api._check_enough_tokens(stats, config)
+        check_enough_tokens(stats, config)
     else:
         with pytest.raises(ValueError, match=message):
-            api._check_enough_tokens(stats, config)
+            check_enough_tokens(stats, config)
 
 
 def test_check_finite_names_the_layer_with_nan_and_warns_on_all_zero():
@@ -166,14 +170,14 @@ def test_check_finite_names_the_layer_with_nan_and_warns_on_all_zero():
     stats.kinds["k"].absmax[:] = 1.0
     stats.kinds["v"].absmax[:] = 1.0
     stats.kinds["q"].absmax[:] = 1.0
-    api._check_finite(stats, LAYERS)  # finite, nowhere zero: silent
+    check_finite(stats, LAYERS)  # finite, nowhere zero: silent
 
     stats.kinds["v"].absmax[2] = 0.0
     with pytest.warns(UserWarning, match="v is all zero in model.layers.2.self_attn; writing the floor scale"):
-        api._check_finite(stats, LAYERS)
+        check_finite(stats, LAYERS)
     stats.kinds["k"].nonfinite[1, 0] = 3
     with pytest.raises(ValueError, match=r"k holds NaN or Inf in model\.layers\.1\.self_attn;.*--dtype float32"):
-        api._check_finite(stats, LAYERS)
+        check_finite(stats, LAYERS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -396,8 +400,8 @@ def test_the_output_observer_searches_on_records_the_statistics_never_saw(smol_t
     stream = iter_sequences(data, smol_tokenizer)
     assert sum(s.numel() for s in stream) == 300
     consumed = stream.consumed()
-    held = api._held_back(CalibrationConfig(model=".", out="o", data=data), smol_tokenizer, None, consumed)
-    assert held and sum(s.numel() for s in held) == api.HELD_BACK_SEQUENCES * 64
+    held = load_and_capture.held_back(CalibrationConfig(model=".", out="o", data=data), smol_tokenizer, None, consumed)
+    assert held and sum(s.numel() for s in held) == load_and_capture.HELD_BACK_SEQUENCES * 64
     eos = smol_tokenizer.eos_token_id
     seen = [records[d] for d in consumed]
     for n, sequence in enumerate(held):

@@ -137,3 +137,13 @@ def signature(model: nn.Module, layers: list[AttentionLayer]) -> ModelSignature:
 def max_context(config: dict) -> int | None:
     """The longest sequence the model was built for, if its config.json (as ``read_config`` returns it) says."""
     return text_part(config).get("max_position_embeddings")
+
+
+def signature_from_config(config: dict, layers: list[int]) -> ModelSignature:
+    """The signature a checkpoint's config.json implies, for checking statistics against it."""
+    return signature_of(text_part(config), layers)
+
+
+def layer_count(config: dict) -> int | None:
+    """``num_hidden_layers`` of a config.json (of its text model, for a multimodal one)."""
+    return text_part(config).get("num_hidden_layers")
