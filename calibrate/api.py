@@ -332,8 +332,6 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False) ->
     # its quantization method one whose scales vLLM reads (loaders.QUANT_METHODS), decided from its configs alone.
     _, provenance = load_calibration(source)
     calibrated = {layer["layer_idx"]: layer["prefix"] for layer in provenance["layers"]}
-    if not (Path(checkpoint) / "config.json").is_file():
-        raise ValueError(f"{checkpoint} is not a checkpoint: it has no config.json")
     source_form(Path(checkpoint), read_config_json(checkpoint), provenance["scales"]["granularity"])
     target = checkpoint_prefixes(checkpoint)
     if target != calibrated:

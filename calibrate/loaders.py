@@ -110,6 +110,8 @@ def read_config_json(directory: str | Path) -> dict:
     so that a field of the wrong shape (``text_config`` a string, a head count in words) is one line naming the file
     and the field, never a crash where it is used."""
     path = Path(directory) / CONFIG_FILE
+    if not path.is_file():  # the one refusal of a directory without config.json, whichever command reads it
+        raise ValueError(f"{directory} is not a checkpoint: it has no {CONFIG_FILE}; pass a Hugging Face model directory")
     config = read_json_object(path, "fix or replace it")
     text = config.get("text_config")
     for prefix, part in (("", config), ("text_config.", text if isinstance(text, dict) else {})):
@@ -246,9 +248,6 @@ def check_scalar_scales(directory: Path, form: str, granularity: str) -> None:
 def checkpoint_form(directory: Path) -> str:
     """The form kvcal writes into (``QUANT_METHODS``): ``"compressed-tensors"``, ``"modelopt"`` or ``"fp8"``;
     a method whose scales vLLM would not read is refused."""
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"{directory} has no config.json, so it is not a Hugging Face model directory")
     return source_form(directory, read_config_json(directory))
 
 

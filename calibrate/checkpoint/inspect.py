@@ -198,8 +198,6 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     """
     directory = Path(checkpoint)
     # 1. config.json and the quantization config vLLM would use.
-    if not (directory / "config.json").is_file():
-        raise ValueError(f"{checkpoint} is not a checkpoint: it has no config.json; pass a Hugging Face model directory")
     config = read_config_json(directory)
     text = text_part(config)
     model_type = text.get("model_type") or config.get("model_type", "unknown")

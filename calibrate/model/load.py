@@ -100,10 +100,6 @@ def transformers_reason(error: BaseException) -> str:
 def read_config_file(model_dir: str | Path) -> dict:
     """A model directory's config.json as a dict, with a one-line error for each way it can be wrong."""
     check_model_dir(model_dir)
-    model_dir = Path(model_dir)
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")
     return read_config_json(model_dir)
 
 
