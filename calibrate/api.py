@@ -35,13 +35,13 @@ from .loaders import (
     check_loads_scales,
     check_scale_prefixes,
     checkpoint_prefixes,
-    mla_dims,
     read_config_json,
     source_form,
     warn_ignored_scales,
 )
-from .model.layers import AttentionLayer, layer_count, max_context, signature_from_config
-from .model.load import check_remote_code, check_tokenizer_fits, load_tokenizer, read_config
+from .model.description import describe
+from .model.layers import AttentionLayer
+from .model.load import check_remote_code, check_tokenizer_fits, load_tokenizer
 from .recipes import calibration_config
 from .result import CalibrationResult
 from .run import resume
@@ -120,16 +120,16 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
                 raise ValueError("the output observer searches on one process: run it without torchrun, or use "
                                  "--observer max or mse under torchrun")
             # A config.json that is missing, not JSON or not a causal LM's; a family whose vLLM loader drops scales;
-            # modeling code shipped with the model and not trusted.
-            model_config = read_config(config.model)
-            if mla_dims(model_config) and (config.scales.granularity == "head" or runs_the_model(config.scales.observer)):
+            # modeling code shipped with the model and not trusted. The steps below take this description of config.json.
+            described = describe(config.model)
+            if described.mla and (config.scales.granularity == "head" or runs_the_model(config.scales.observer)):
                 raise ValueError(f"{config.model} uses latent attention (MLA), whose cache holds one latent row per token "
                                  "under one k scale: use --granularity tensor or token, and --observer max or mse")
-            check_loads_scales(model_config)
+            check_loads_scales(described.config)
             # A quantization method whose KV scales vLLM drops or cannot take at this granularity (loaders.QUANT_METHODS).
-            source_form(Path(config.model), model_config, config.scales.granularity)
-            warn_ignored_scales(model_config)
-            check_remote_code(config.model, model_config, config.trust_remote_code)
+            source_form(Path(config.model), described.config, config.scales.granularity)
+            warn_ignored_scales(described.config)
+            check_remote_code(config.model, described.config, config.trust_remote_code)
             seen = None  # OUT's identity at the start (layout.identity): only that OUT may be replaced at the end
             if group.writes:
                 seen = prepare_output(Path(config.out), [Path(config.model), *local_paths(config.data.sources)], config.overwrite)
@@ -137,17 +137,17 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             # a template, an unreachable dataset) before a Hub model's weights download and before any model loads.
             offline = hub.fetch(config.model, trust_remote_code=config.trust_remote_code, weights=False)
             tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
-            check_tokenizer_fits(config.model, model_config, tokenizer)
-            stream = iter_sequences(config.data, tokenizer, max_context=max_context(model_config))
+            check_tokenizer_fits(config.model, described.config, tokenizer)
+            stream = iter_sequences(config.data, tokenizer, max_context=described.context)
             hub.fetch(config.model, trust_remote_code=config.trust_remote_code, offline=offline)
             files = weight_files(Path(config.model))
             check_links(Path(config.model))
             # Room on OUT's file system, and under ulimit -f, for everything this run writes (checkpoint/space.py).
-            statistics = config_stats_bytes(model_config)
+            statistics = config_stats_bytes(described)
             if group.writes:
                 check_room(output_room(Path(config.model), Path(config.out), files, statistics,
                                        resume_saves=bool(config.checkpoint_every), quantized=bool(config.weights)))
-            check_export_form(Path(config.model), config.form, config.scales.granularity)
+            check_export_form(Path(config.model), described.config, config.form, config.scales.granularity)
             if config.weights:
                 check_available(Path(config.model), config.weights)
             fmt = get_format(config.scales.fp8_format)
@@ -155,7 +155,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
 
         # 2. and 3. Load the model, stream this rank's share of the data through it (the model is freed after).
         with group.together("loading the model and capturing statistics"):
-            captured = load_and_capture(config, group, saved, stream)
+            captured = load_and_capture(config, described, group, saved, stream)
         # The statistics of every rank, merged exactly (on the device: NCCL on GPUs); rank 0 carries on alone.
         group.merge(captured.stats)
         if not group.writes:
@@ -267,16 +267,16 @@ def export(
     stats, old = load_calibration(source)
     target = Path(model or source)
     seen = prepare_output(Path(out), [target, Path(source)], overwrite)
-    target_config = read_config(target)
-    check_loads_scales(target_config)
-    source_form(target, target_config, granularity)  # a quantization method whose scales vLLM would not read
+    described = describe(target)
+    check_loads_scales(described.config)
+    source_form(target, described.config, granularity)  # a quantization method whose scales vLLM would not read
     try:
-        sig = signature_from_config(target_config, stats.signature.layers)
+        sig = described.signature(stats.signature.layers)
     except KeyError as e:
         raise ValueError(f"{target}/config.json has no {e.args[0]!r}; it does not describe a transformer kvcal knows") from None
     stats.signature.check_matches(sig, f"the statistics in {source}")
     if model is not None:  # the signature holds the calibrated layers only: a deeper or shallower model passes it
-        calibrated, given = layer_count(read_config(source)), layer_count(target_config)
+        calibrated, given = describe(source).num_layers, described.num_layers
         if calibrated != given:
             raise ValueError(
                 f"{model} has {given or 'an unknown number of'} layers and {source} was calibrated on a model with "

@@ -456,10 +456,10 @@ def warn_ignored_scales(config: dict) -> None:
         warnings.warn(ignored[1], stacklevel=3)
 
 
-def check_export_form(directory: Path, wanted: str, granularity: str) -> None:
+def check_export_form(directory: Path, config: dict, wanted: str, granularity: str) -> None:
     """A named export form must be the one the checkpoint can take (ModelOpt cannot hold KV-only scales), and its
-    loader must take scales of this granularity (``check_scalar_scales``)."""
-    form = checkpoint_form(directory)
+    loader must take scales of this granularity (``check_scalar_scales``); ``config`` is its config.json as read."""
+    form = source_form(directory, config)
     if wanted != "auto" and wanted != form:
         raise ValueError(
             f"the {wanted} form was asked for, but {directory} is a {form} checkpoint (ModelOpt's form exists only "

@@ -1,4 +1,4 @@
-"""Tests for calibrate/api.py: signatures from config.json, loading a calibration back, the checks before writing,
+"""Tests for calibrate/api.py: loading a calibration back, the checks before writing,
 the summary and provenance of a run, and export re-deriving scales from saved statistics.
 
 Expected values are computed here: scales as absmax / 448 in float64 from the statistics (or from the tensors
@@ -15,9 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import kjv_jsonl, save_tiny_checkpoint
-from references import CONFIGS
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 import calibrate.api as api
 from calibrate.capture.checks import check_enough_tokens, check_finite
@@ -27,7 +25,8 @@ from calibrate.checkpoint.write import scales_file
 from calibrate.config import CalibrationConfig
 from calibrate.data.config import DataConfig
 from calibrate.fp8 import FORMATS, quantize, quantize_dequantize
-from calibrate.model.layers import AttentionLayer, ModelSignature, attention_layers, signature, signature_from_config
+from calibrate.model.description import describe
+from calibrate.model.layers import AttentionLayer, ModelSignature
 from calibrate.model.load import read_config
 from calibrate.result import CalibrationResult
 from calibrate.run import load_and_capture
@@ -41,28 +40,6 @@ E4M3_MAX = 448.0
 def as_json(value):
     """``value`` as it reads back from a JSON file (tuples become lists)."""
     return json.loads(json.dumps(value))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Signatures from config.json
-
-
-@pytest.mark.parametrize("case", ["llama", "qwen3-wide-heads", "gemma3-text", "gemma3-multimodal"])
-def test_signature_from_config_is_the_loaded_models(tmp_path, case):
-    """What export checks statistics against must be what calibrate recorded from the model itself."""
-    config = CONFIGS[case][0]()
-    config.save_pretrained(tmp_path)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    layers = attention_layers(model)
-    expected = signature(model, layers)
-    assert signature_from_config(read_config(tmp_path), [layer.layer_idx for layer in layers]) == expected
-
-
-def test_signature_from_config_falls_back_as_transformers_does():
-    """No num_key_value_heads: one KV head per query head; no head_dim: hidden_size // heads."""
-    sig = signature_from_config({"model_type": "llama", "num_attention_heads": 8, "hidden_size": 256}, [0, 1])
-    assert sig == ModelSignature("llama", [0, 1], num_kv_heads=8, num_heads=8, head_dim=32)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -333,7 +310,7 @@ def test_provenance_holds_the_runs_settings_and_scales(calibrated):
         assert provenance["scales"]["checkpoint_scales"][kind] == expected  # e4m3fn: vLLM uses the stored value
         assert [written[f"{layer.prefix}.{kind}_scale"].item() for layer in r.layers] == expected
     assert provenance["layers"] == [{"layer_idx": i, "prefix": f"model.layers.{i}.self_attn", "sliding_window": False} for i in range(3)]
-    assert provenance["signature"] == asdict(signature_from_config(read_config(calibrated.model), [0, 1, 2]))
+    assert provenance["signature"] == asdict(describe(calibrated.model).signature([0, 1, 2]))
     assert provenance["tokens"] == 512 and provenance["little_data"] is True
     assert provenance["model"] == str(calibrated.model.resolve())
 

@@ -21,7 +21,8 @@ from ..capture.stats import Stats
 from ..files import no_room
 from ..layout import KVCAL_DIR, sibling
 from ..loaders import INDEX_FILE, KV_SCALE_PATTERN, tensor_names
-from ..model.layers import ModelSignature, layer_count, signature_from_config
+from ..model.description import ModelDescription
+from ..model.layers import ModelSignature
 
 # What safetensors' header and kvcal's metadata (signature, data manifest) may add to a statistics file, and what the
 # index, config, provenance, records and model card add to an output: generous, so that the check errs on the safe side.
@@ -42,11 +43,10 @@ def stats_bytes(signature: ModelSignature) -> int:
     return sum(t.numel() * t.element_size() for t in tensors) + HEADER_BYTES
 
 
-def config_stats_bytes(model_config: dict) -> int:
+def config_stats_bytes(described: ModelDescription) -> int:
     """Bytes of the statistics a calibration of this model saves (``stats_bytes``), from config.json alone."""
-    layers = list(range(layer_count(model_config) or 0))
     try:
-        return stats_bytes(signature_from_config(model_config, layers))
+        return stats_bytes(described.signature(list(range(described.num_layers or 0))))
     except KeyError:  # a config kvcal cannot size: the model load refuses it in its own words
         return 0
 

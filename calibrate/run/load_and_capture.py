@@ -14,8 +14,9 @@ from ..choices import runs_the_model
 from ..config import CalibrationConfig
 from ..data.stream import SequenceStream, iter_sequences
 from ..fp8 import get_format
-from ..model.layers import AttentionLayer, ModelSignature, attention_layers, checkpoint_named, max_context, signature
-from ..model.load import input_device, load_model, read_config, resolve_placement
+from ..model.description import ModelDescription
+from ..model.layers import AttentionLayer, ModelSignature, attention_layers, checkpoint_named, signature
+from ..model.load import input_device, load_model, resolve_placement
 from ..scales.observers import ScaleSet
 from ..scales.search import output_observer
 from . import resume
@@ -48,25 +49,27 @@ def held_back(config: CalibrationConfig, tokenizer, context: int | None, consume
     return [sequence for sequence in stream if sequence.numel() >= 2]
 
 
-def load_and_capture(config: CalibrationConfig, group: Group, saved: dict | None, stream: SequenceStream) -> Captured:
+def load_and_capture(config: CalibrationConfig, described: ModelDescription, group: Group, saved: dict | None,
+                     stream: SequenceStream) -> Captured:
     """Steps 2 and 3 of ``run_calibration`` on one rank: load and place the model, capture this rank's share of
     ``stream`` (opened in step 1, with the tokenizer the model is loaded with).
 
     A rank other than 0 whose share is empty (fewer sequences than ranks) keeps zero statistics: the capture
     would refuse them, but the merge needs them. Rank 0 always captures, so no data at all fails as in one process.
-    ``saved`` is this rank's save when resuming: its statistics are restored and its sequences skipped.
+    ``saved`` is this rank's save when resuming: its statistics are restored and its sequences skipped; ``described``
+    is the model's config.json as step 1 read it.
     """
     # 2. Load and place the model (on this rank's device, or by accelerate's device map); find its attention layers.
     placement = resolve_placement(
         group.device, device_map=config.device_map, max_memory=config.max_memory_bytes(), offload_folder=config.offload_folder,
     )
     dtype = getattr(torch, config.dtype) if config.dtype else None
-    model_config = read_config(config.model)
     model, tokenizer = load_model(config.model, device=placement.device, dtype=dtype, placement=placement,
-                                  trust_remote_code=config.trust_remote_code, tokenizer=stream.tokenizer)
+                                  trust_remote_code=config.trust_remote_code, tokenizer=stream.tokenizer,
+                                  config=described.config)
     layers = checkpoint_named(attention_layers(model), config.model)
     sig = signature(model, layers)
-    if "auto_map" in model_config:  # modeling code of its own: can kvcal see its K and V at all?
+    if "auto_map" in described.config:  # modeling code of its own: can kvcal see its K and V at all?
         check_visible(model, layers, sig.model_type)
     # Statistics live where the token ids go (the main device of a device map); other GPUs' layers hand theirs over.
     device = input_device(model)
@@ -92,7 +95,7 @@ def load_and_capture(config: CalibrationConfig, group: Group, saved: dict | None
     searched = None
     if runs_the_model(config.scales.observer):
         s = config.scales
-        held = held_back(config, tokenizer, max_context(model_config), stream.consumed())
+        held = held_back(config, tokenizer, described.context, stream.consumed())
         searched = output_observer(model, layers, stats, held, config.data.chunk_len, granularity=s.granularity,
                                    fmt=get_format(s.fp8_format), headroom=s.headroom, query_scale=s.query_scale)
     return Captured(layers, sig, stats, stream.manifest(), stream.consumed(), device, model.dtype, searched)

@@ -149,7 +149,7 @@ def build_schemes(
         notes.append("the checkpoint has no KV scales: vLLM would load it with 1.0 for every layer (scheme scale1)")
     held = {"granularity": granularity, "notes": notes, "statistics": stats is not None, "serving": []}
     q = not config.kv_only
-    heads = {"k": sig.num_kv_heads, "v": sig.num_kv_heads, "q": sig.num_heads}
+    heads = sig.heads
     schemes, skipped = [], {}
     ones = {k: torch.ones(len(layers), h) for k, h in heads.items()}
 
