@@ -245,12 +245,6 @@ def check_scalar_scales(directory: Path, form: str, granularity: str) -> None:
                          "scale per layer ('KV-cache scale expects a scalar weight'); use --granularity tensor (or token)")
 
 
-def checkpoint_form(directory: Path) -> str:
-    """The form kvcal writes into (``QUANT_METHODS``): ``"compressed-tensors"``, ``"modelopt"`` or ``"fp8"``;
-    a method whose scales vLLM would not read is refused."""
-    return source_form(directory, read_config_json(directory))
-
-
 def loaded_multiplier(method: str | None, fp8_format: str) -> float:
     """What vLLM multiplies a loaded k/v/q scale by: 2 on e4m3fnuz platforms (ROCm MI300) under the base KV
     loader (fp8, ModelOpt, Quark, legacy), which expects scales in e4m3fn units; 1 under compressed-tensors,
