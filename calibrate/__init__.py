@@ -14,14 +14,14 @@ import importlib
 # Public name → the module that defines it.
 _PUBLIC = {
     "CalibrationConfig": "config",
-    "CalibrationResult": "api",
+    "CalibrationResult": "result",
     "Stats": "capture.stats",
     "VerifyResult": "verification.run",
     "apply": "api",
     "calibrate": "api",
     "export": "api",
     "inspect": "checkpoint.inspect",
-    "load_calibration": "api",
+    "load_calibration": "checkpoint.kvcal_dir",
     "load_recipe": "recipes",
     "run_calibration": "api",
     "verify": "verification.run",

@@ -279,9 +279,9 @@ def _main(argv: list[str] | None) -> int:
               "and run again", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        # The short verify runs after OUT is written (api.VerifyInterrupted): then "nothing was written" is untrue.
-        api = sys.modules.get(f"{__package__}.api")  # imported by then, if it was the short verify (no import here)
-        if isinstance(e, getattr(api, "VerifyInterrupted", ())):
+        # The short verify runs after OUT is written (VerifyInterrupted): then "nothing was written" is untrue.
+        short = sys.modules.get(f"{__package__}.run.short_verify")  # imported by then, if it was the short verify
+        if isinstance(e, getattr(short, "VerifyInterrupted", ())):
             written = e.message()
         else:
             written = f"interrupted; nothing was written{_saved_note(args)}"

@@ -110,6 +110,8 @@ def read_config_json(directory: str | Path) -> dict:
     so that a field of the wrong shape (``text_config`` a string, a head count in words) is one line naming the file
     and the field, never a crash where it is used."""
     path = Path(directory) / CONFIG_FILE
+    if not path.is_file():  # the one refusal of a directory without config.json, whichever command reads it
+        raise ValueError(f"{directory} is not a checkpoint: it has no {CONFIG_FILE}; pass a Hugging Face model directory")
     config = read_json_object(path, "fix or replace it")
     text = config.get("text_config")
     for prefix, part in (("", config), ("text_config.", text if isinstance(text, dict) else {})):
@@ -241,15 +243,6 @@ def check_scalar_scales(directory: Path, form: str, granularity: str) -> None:
     if form in SCALAR_SCALE_FORMS and granularity == "head":
         raise ValueError(f"{directory} is a {SCALAR_SCALE_FORMS[form]} checkpoint, whose vLLM loader takes one scalar KV "
                          "scale per layer ('KV-cache scale expects a scalar weight'); use --granularity tensor (or token)")
-
-
-def checkpoint_form(directory: Path) -> str:
-    """The form kvcal writes into (``QUANT_METHODS``): ``"compressed-tensors"``, ``"modelopt"`` or ``"fp8"``;
-    a method whose scales vLLM would not read is refused."""
-    config_path = directory / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"{directory} has no config.json, so it is not a Hugging Face model directory")
-    return source_form(directory, read_config_json(directory))
 
 
 def loaded_multiplier(method: str | None, fp8_format: str) -> float:
@@ -457,10 +450,10 @@ def warn_ignored_scales(config: dict) -> None:
         warnings.warn(ignored[1], stacklevel=3)
 
 
-def check_export_form(directory: Path, wanted: str, granularity: str) -> None:
+def check_export_form(directory: Path, config: dict, wanted: str, granularity: str) -> None:
     """A named export form must be the one the checkpoint can take (ModelOpt cannot hold KV-only scales), and its
-    loader must take scales of this granularity (``check_scalar_scales``)."""
-    form = checkpoint_form(directory)
+    loader must take scales of this granularity (``check_scalar_scales``); ``config`` is its config.json as read."""
+    form = source_form(directory, config)
     if wanted != "auto" and wanted != form:
         raise ValueError(
             f"the {wanted} form was asked for, but {directory} is a {form} checkpoint (ModelOpt's form exists only "

@@ -1,5 +1,5 @@
-"""Tests for calibrate/api.py: signatures from config.json, loading a calibration back, the checks before writing,
-the summary and provenance of a run, and export re-deriving scales from saved statistics.
+"""Tests for calibrate/api.py and the result it returns (calibrate/result.py): the summary and provenance of a run,
+and export re-deriving scales from saved statistics.
 
 Expected values are computed here: scales as absmax / 448 in float64 from the statistics (or from the tensors
 a hand-built ``Stats`` was fed), signatures from a model built from the same config, the written scales read
@@ -7,7 +7,6 @@ back from the checkpoint's safetensors shard.
 """
 
 import json
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -15,19 +14,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import kjv_jsonl, save_tiny_checkpoint
-from references import CONFIGS
-from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file
 
 import calibrate.api as api
-from calibrate.api import CalibrationResult, load_calibration, scale_report, signature_from_config
 from calibrate.capture.stats import SINK_POSITIONS, Stats
 from calibrate.checkpoint.write import scales_file
-from calibrate.config import CalibrationConfig
-from calibrate.data.config import DataConfig
 from calibrate.fp8 import FORMATS, quantize, quantize_dequantize
-from calibrate.model.layers import AttentionLayer, ModelSignature, attention_layers, signature
+from calibrate.model.description import describe
+from calibrate.model.layers import AttentionLayer, ModelSignature
 from calibrate.model.load import read_config
+from calibrate.result import CalibrationResult
+from calibrate.run.provenance import scale_report
 from calibrate.scales.observers import derive_scales
 from calibrate.serving import SERVE_NOTES
 
@@ -39,141 +36,8 @@ def as_json(value):
     return json.loads(json.dumps(value))
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Signatures from config.json
-
-
-@pytest.mark.parametrize("case", ["llama", "qwen3-wide-heads", "gemma3-text", "gemma3-multimodal"])
-def test_signature_from_config_is_the_loaded_models(tmp_path, case):
-    """What export checks statistics against must be what calibrate recorded from the model itself."""
-    config = CONFIGS[case][0]()
-    config.save_pretrained(tmp_path)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    layers = attention_layers(model)
-    expected = signature(model, layers)
-    assert signature_from_config(read_config(tmp_path), [layer.layer_idx for layer in layers]) == expected
-
-
-def test_signature_from_config_falls_back_as_transformers_does():
-    """No num_key_value_heads: one KV head per query head; no head_dim: hidden_size // heads."""
-    sig = signature_from_config({"model_type": "llama", "num_attention_heads": 8, "hidden_size": 256}, [0, 1])
-    assert sig == ModelSignature("llama", [0, 1], num_kv_heads=8, num_heads=8, head_dim=32)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Loading a saved calibration
-
 SIG = ModelSignature("llama", [0, 1, 2], num_kv_heads=2, num_heads=4, head_dim=8)
 LAYERS = [AttentionLayer(i, f"model.layers.{i}.self_attn", False) for i in SIG.layers]
-
-
-@pytest.fixture
-def saved(tmp_path):
-    """A minimal kvcal output: statistics and a provenance with its layers."""
-    directory = tmp_path / "cal"
-    (directory / "kvcal").mkdir(parents=True)
-    stats = Stats.empty(SIG)
-    stats.tokens += 7
-    stats.save(directory / "kvcal" / "stats.safetensors")
-    (directory / "kvcal" / "calibration.json").write_text(json.dumps({"layers": [asdict(layer) for layer in LAYERS]}))
-    return directory
-
-
-def test_load_calibration_reads_back_what_was_saved(saved):
-    stats, provenance = load_calibration(saved)
-    assert stats.signature == SIG and stats.tokens.tolist() == [7, 7, 7]
-    assert provenance == {"layers": [asdict(layer) for layer in LAYERS]}
-
-
-def _truncate(path: Path) -> None:
-    path.write_bytes(path.read_bytes()[:20])
-
-
-def _plain_safetensors(path: Path) -> None:
-    save_file({"x": torch.zeros(1)}, str(path))
-
-
-@pytest.mark.parametrize("damage, message", [
-    (lambda d: shutil.rmtree(d / "kvcal"), "has no kvcal/stats.safetensors; pass a directory written by kvcal calibrate"),
-    (lambda d: (d / "kvcal" / "calibration.json").unlink(), "has no kvcal/calibration.json beside its statistics"),
-    (lambda d: (d / "kvcal" / "calibration.json").write_text("{"), "calibration.json is not valid JSON"),
-    (lambda d: (d / "kvcal" / "calibration.json").write_text("[]"), "holds a list, not a JSON object"),
-    (lambda d: (d / "kvcal" / "calibration.json").write_text('{"layers": {}}'), "holds no 'layers' list"),
-    (lambda d: _truncate(d / "kvcal" / "stats.safetensors"), "is not a readable safetensors file .* calibrate again"),
-    (lambda d: _plain_safetensors(d / "kvcal" / "stats.safetensors"), "is not a kvcal statistics file"),
-], ids=["no-kvcal-dir", "no-provenance", "provenance-not-json", "provenance-not-an-object", "no-layers",
-        "stats-truncated", "stats-not-kvcal"])
-def test_load_calibration_errors_are_one_line(saved, damage, message):
-    damage(saved)
-    with pytest.raises(ValueError, match=message) as e:
-        load_calibration(saved)
-    assert "\n" not in str(e.value)
-
-
-def test_statistics_changed_since_the_calibration_are_refused_in_one_line(saved):
-    """calibration.json records the statistics' sha256: a file re-saved with other values (still a valid statistics
-    file) is refused, where it used to be re-exported without a word."""
-    from calibrate.files import file_sha256
-
-    provenance_file = saved / "kvcal" / "calibration.json"
-    provenance = json.loads(provenance_file.read_text())
-    provenance_file.write_text(json.dumps(provenance | {"stats_sha256": file_sha256(saved / "kvcal" / "stats.safetensors")}))
-    load_calibration(saved)  # the recorded file reads
-    stats = Stats.load(saved / "kvcal" / "stats.safetensors")
-    stats.tokens += 1  # tampered, still well formed
-    stats.save(saved / "kvcal" / "stats.safetensors")
-    with pytest.raises(ValueError, match="stats.safetensors is not the file this calibration wrote .* calibrate again") as e:
-        load_calibration(saved)
-    assert "\n" not in str(e.value)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Checks before anything is written
-
-
-def run_config(seq_len=64, max_tokens=512, min_tokens=None, pack=True) -> CalibrationConfig:
-    data = DataConfig(["data.jsonl"], seq_len=seq_len, max_tokens=max_tokens, pack=pack)
-    return CalibrationConfig(model="m", data=data, out="o", min_tokens=min_tokens)
-
-
-def stats_with_tokens(tokens: list[int]) -> Stats:
-    stats = Stats.empty(SIG)
-    stats.tokens = torch.tensor(tokens)
-    return stats
-
-
-@pytest.mark.parametrize("tokens, seq_len, max_tokens, min_tokens, pack, message", [
-    ([64, 64, 64], 64, 512, None, True, None),
-    ([30, 64, 64], 64, 512, None, True, r"gave 30 tokens per layer, fewer than the 64 needed \(one --seq-len 64 sequence\).*--min-tokens 30 "),
-    ([32, 32, 32], 64, 32, None, False, None),
-    ([100, 100, 100], 64, 512, 200, True, r"fewer than the 200 needed \(--min-tokens 200\).*pass --min-tokens 100 to accept"),
-    ([200, 200, 200], 64, 512, 200, True, None),
-    ([0, 0, 0], 64, 512, None, True, r"gave 0 tokens .*pass --min-tokens 1 to accept"),
-], ids=["one-sequence", "fewest-layer-short", "budget-below-seq-len", "below-min-tokens", "min-tokens-met", "no-tokens"])
-def test_check_enough_tokens(tokens, seq_len, max_tokens, min_tokens, pack, message):
-    """The fewest tokens any layer saw must reach --min-tokens, else one full sequence (or the whole budget)."""
-    config, stats = run_config(seq_len, max_tokens, min_tokens, pack), stats_with_tokens(tokens)
-    if message is None:
-        api._check_enough_tokens(stats, config)
-    else:
-        with pytest.raises(ValueError, match=message):
-            api._check_enough_tokens(stats, config)
-
-
-def test_check_finite_names_the_layer_with_nan_and_warns_on_all_zero():
-    stats = Stats.empty(SIG)
-    stats.kinds["k"].absmax[:] = 1.0
-    stats.kinds["v"].absmax[:] = 1.0
-    stats.kinds["q"].absmax[:] = 1.0
-    api._check_finite(stats, LAYERS)  # finite, nowhere zero: silent
-
-    stats.kinds["v"].absmax[2] = 0.0
-    with pytest.warns(UserWarning, match="v is all zero in model.layers.2.self_attn; writing the floor scale"):
-        api._check_finite(stats, LAYERS)
-    stats.kinds["k"].nonfinite[1, 0] = 3
-    with pytest.raises(ValueError, match=r"k holds NaN or Inf in model\.layers\.1\.self_attn;.*--dtype float32"):
-        api._check_finite(stats, LAYERS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -329,7 +193,7 @@ def test_provenance_holds_the_runs_settings_and_scales(calibrated):
         assert provenance["scales"]["checkpoint_scales"][kind] == expected  # e4m3fn: vLLM uses the stored value
         assert [written[f"{layer.prefix}.{kind}_scale"].item() for layer in r.layers] == expected
     assert provenance["layers"] == [{"layer_idx": i, "prefix": f"model.layers.{i}.self_attn", "sliding_window": False} for i in range(3)]
-    assert provenance["signature"] == asdict(signature_from_config(read_config(calibrated.model), [0, 1, 2]))
+    assert provenance["signature"] == asdict(describe(calibrated.model).signature([0, 1, 2]))
     assert provenance["tokens"] == 512 and provenance["little_data"] is True
     assert provenance["model"] == str(calibrated.model.resolve())
 
@@ -380,45 +244,3 @@ def test_export_names_a_target_config_key_it_needs(calibrated, tmp_path):
     with pytest.raises(ValueError, match=r"target/config.json has no 'num_attention_heads'"):
         api.export(str(calibrated.out), str(tmp_path / "o"), model=str(target))
     assert not (tmp_path / "o").exists()
-
-
-@pytest.mark.parametrize("pack", [True, False], ids=["packed", "one-record-per-sequence"])
-def test_the_output_observer_searches_on_records_the_statistics_never_saw(smol_tokenizer, data_file, pack):
-    """The budget ends inside a record: not even its rest may reach the search. Records are told apart here by
-    tokenizing the file's lines directly, not through the stream."""
-    from calibrate.data.stream import iter_sequences, record_digest
-
-    records = {}
-    for line in data_file.read_text().splitlines():
-        ids = smol_tokenizer(json.loads(line)["text"].strip(), add_special_tokens=False).input_ids
-        records[record_digest(ids)] = ids
-    data = DataConfig(sources=[str(data_file)], seq_len=64, max_tokens=300, pack=pack)
-    stream = iter_sequences(data, smol_tokenizer)
-    assert sum(s.numel() for s in stream) == 300
-    consumed = stream.consumed()
-    held = api._held_back(CalibrationConfig(model=".", out="o", data=data), smol_tokenizer, None, consumed)
-    assert held and sum(s.numel() for s in held) == api.HELD_BACK_SEQUENCES * 64
-    eos = smol_tokenizer.eos_token_id
-    seen = [records[d] for d in consumed]
-    for n, sequence in enumerate(held):
-        pieces = [piece for piece in _split(sequence.tolist(), eos) if piece]
-        for i, piece in enumerate(pieces):
-            # A packed sequence's first and last pieces may be parts of records, and so may the very last piece of all
-            # (the budget cuts it).
-            last = n == len(held) - 1 and i == len(pieces) - 1
-            whole = (0 < i < len(pieces) - 1 or not pack) and not last
-            if whole:
-                assert record_digest(piece) in records and record_digest(piece) not in consumed
-            else:  # part of a record: of none the statistics saw
-                assert not any(_contains(ids, piece) for ids in seen)
-
-
-def _split(ids: list[int], sep: int) -> list[list[int]]:
-    pieces = [[]]
-    for t in ids:
-        pieces.append([]) if t == sep else pieces[-1].append(t)
-    return pieces
-
-
-def _contains(ids: list[int], piece: list[int]) -> bool:
-    return any(ids[i : i + len(piece)] == piece for i in range(len(ids) - len(piece) + 1))

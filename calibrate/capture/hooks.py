@@ -26,6 +26,7 @@ from transformers.utils import logging as hf_logging
 
 from ..model.layers import AttentionLayer, is_latent
 from ..model.load import input_device
+from .checks import refuse_nonfinite
 from .stats import Stats
 
 # hook(module, query, key, value, attention_mask, base_attention, **kwargs) -> attention output tuple
@@ -333,15 +334,6 @@ def forward_chunked(model: nn.Module, input_ids: torch.Tensor, chunk_len: int) -
         warnings.simplefilter("ignore", FutureWarning)
         for _ in prefill_chunks(model, input_ids, chunk_len):
             pass
-
-
-def refuse_nonfinite(stats: Stats, layers: list[AttentionLayer]) -> None:
-    """NaN or Inf in a captured Q, K or V is an error naming the layers: no scale can cover it."""
-    for kind, s in stats.kinds.items():
-        bad = (s.nonfinite.sum(1) > 0).nonzero().flatten().tolist()
-        if bad:
-            names = ", ".join(layers[i].prefix for i in bad)
-            raise ValueError(f"{kind} holds NaN or Inf in {names}; the model produces non-finite activations on this data (try --dtype float32)")
 
 
 def run_capture(

@@ -268,7 +268,7 @@ class Stats:
     @classmethod
     def empty(cls, signature: ModelSignature, device: torch.device | str = "cpu") -> "Stats":
         L, D = len(signature.layers), signature.head_dim
-        heads = {"k": signature.num_kv_heads, "v": signature.num_kv_heads, "q": signature.num_heads}
+        heads = signature.heads
         return cls(
             signature=signature,
             tokens=torch.zeros(L, dtype=torch.int64, device=device),

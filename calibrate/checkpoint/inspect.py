@@ -28,17 +28,15 @@ from ..loaders import (
     LoadedScale,
     attention_prefixes,
     ignored_scales,
-    mla_dims,
-    quant_config,
     quant_method,
     read_config_json,
     read_json,
     stored_dtype,
     tensor_names,
-    text_part,
     transformers_files,
     vllm_files,
 )
+from ..model.description import describe_config
 from .read import load_scales
 
 # The attention's own K/V scale parameters, which transformers creates when it applies a kv_cache_scheme.
@@ -179,12 +177,6 @@ def _producer(directory: Path, quant: dict | None) -> str:
     return names.get(quant_method(quant), "unknown tool")
 
 
-def _sliding_layers(config: dict) -> set[int]:
-    """Indices of sliding-window layers, from config.json's layer_types (as vLLM's skip-layers option reads them)."""
-    text = text_part(config)
-    return {i for i, kind in enumerate(text.get("layer_types") or []) if kind == "sliding_attention"}
-
-
 def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     """Read a checkpoint's KV scales as vLLM would load them, and list every problem.
 
@@ -198,13 +190,12 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     """
     directory = Path(checkpoint)
     # 1. config.json and the quantization config vLLM would use.
-    if not (directory / "config.json").is_file():
-        raise ValueError(f"{checkpoint} is not a checkpoint: it has no config.json; pass a Hugging Face model directory")
     config = read_config_json(directory)
-    text = text_part(config)
+    described = describe_config(directory, config)
+    text = described.text
     model_type = text.get("model_type") or config.get("model_type", "unknown")
     problems: list[Problem] = []
-    quant = quant_config(directory, config)
+    quant = described.quant
     method = quant_method(quant)
     strategy = _kv_declaration(quant, problems)
 
@@ -224,8 +215,7 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     prefixes = attention_prefixes(list(where))
     if not prefixes:
         raise ValueError(f"{checkpoint} has no '...layers.N.self_attn.*' tensors; kvcal inspect reads decoder checkpoints only")
-    sliding = _sliding_layers(config)
-    layers = {i: LayerScales(i, p, i in sliding) for i, p in prefixes.items()}
+    layers = {i: LayerScales(i, p, i in described.sliding) for i, p in prefixes.items()}
     rounded = stored_dtype(method, config)
     found = load_scales(where, prefixes, method, stored=rounded)
     sources = found.sources
@@ -238,13 +228,14 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
 
     # 4. Per layer: the value vLLM ends up with, and what is wrong with it.
     notes = _loader_notes(method, rounded)
-    num_heads = text.get("num_attention_heads")
-    num_kv_heads = 1 if mla_dims(text) else text.get("num_key_value_heads") or num_heads  # MLA caches one latent head
+    try:
+        heads = described.signature([]).heads  # MLA: one cached latent row
+    except KeyError:  # config.json lacks a field that shapes attention: no head count to hold per-head scales to
+        heads = dict.fromkeys(("k", "v", "q"))
     for (index, kind), names in sources.items():
         if len(names) > 1:
             problems.append(Problem("error", f"{kind}_scale comes from {len(names)} tensors ({', '.join(names)}); vLLM keeps one silently", index))
-        heads = {"k": num_kv_heads, "v": num_kv_heads, "q": num_heads}[kind]
-        _check_values(kind, found.tensors[index, kind], names[-1], index, strategy, heads, problems)
+        _check_values(kind, found.tensors[index, kind], names[-1], index, strategy, heads[kind], problems)
     for index, layer in layers.items():
         layer.scales = found.loaded[index]
     problems += [Problem(severity, message, index) for index, severity, message in found.gaps]

@@ -68,7 +68,7 @@ def read_scales(
     notes = [message for _, message in found.ignored]
     if not found.has_kv():
         return {}, None, notes
-    heads = {"k": sig.num_kv_heads, "v": sig.num_kv_heads, "q": sig.num_heads}
+    heads = sig.heads
     for (index, kind), t in found.tensors.items():
         name = found.sources[index, kind][-1]
         if t.numel() != 1 and t.shape not in ((heads[kind], 1, 1), (heads[kind],)):

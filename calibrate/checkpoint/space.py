@@ -21,6 +21,7 @@ from ..capture.stats import Stats
 from ..files import no_room
 from ..layout import KVCAL_DIR, sibling
 from ..loaders import INDEX_FILE, KV_SCALE_PATTERN, tensor_names
+from ..model.description import ModelDescription
 from ..model.layers import ModelSignature
 
 # What safetensors' header and kvcal's metadata (signature, data manifest) may add to a statistics file, and what the
@@ -40,6 +41,14 @@ def stats_bytes(signature: ModelSignature) -> int:
     empty = Stats.empty(signature, "meta")
     tensors = [empty.tokens, empty.pos_tokens, *(t for s in empty.kinds.values() for t in vars(s).values())]
     return sum(t.numel() * t.element_size() for t in tensors) + HEADER_BYTES
+
+
+def config_stats_bytes(described: ModelDescription) -> int:
+    """Bytes of the statistics a calibration of this model saves (``stats_bytes``), from config.json alone."""
+    try:
+        return stats_bytes(described.signature(list(range(described.num_layers or 0))))
+    except KeyError:  # a config kvcal cannot size: the model load refuses it in its own words
+        return 0
 
 
 def nearest_existing(path: Path) -> Path:

@@ -36,9 +36,9 @@ from ..loaders import (
     WRITE_NAMES,
     check_float_weights,
     check_scalar_scales,
-    checkpoint_form,
     loaded_multiplier,
     read_config_json,
+    source_form,
     tensor_names,
     vllm_files,
 )
@@ -362,7 +362,7 @@ def write_checkpoint(
     check_room(room)
     config = read_config_json(source)
     quant_files: dict[str, dict] = {}  # other quantization config files to write (ModelOpt form)
-    form = checkpoint_form(source)  # refuses the quantization methods whose scales vLLM would not read
+    form = source_form(source, config)  # refuses the quantization methods whose scales vLLM would not read
     check_scalar_scales(source, form, strategy)  # per-head scales only where the loader takes them
     if form == "modelopt":
         scales = modelopt_scales(scales, fp8_format)

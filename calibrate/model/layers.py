@@ -28,6 +28,11 @@ class ModelSignature:
     head_dim: int  # of every kind; for MLA the cached latent row's width, kv_lora_rank + qk_rope_head_dim
     latent_dim: int = 0  # MLA: kv_lora_rank, the first latent_dim channels of k (the rest are k_pe); 0 otherwise
 
+    @property
+    def heads(self) -> dict[str, int]:
+        """Heads per kind: the cached K and V have ``num_kv_heads`` (MLA: the one latent row), Q ``num_heads``."""
+        return {"k": self.num_kv_heads, "v": self.num_kv_heads, "q": self.num_heads}
+
     def check_matches(self, other: "ModelSignature", what: str = "these statistics") -> None:
         """Raise ValueError naming the first difference."""
         for name in ("model_type", "layers", "num_kv_heads", "num_heads", "head_dim", "latent_dim"):
@@ -44,6 +49,11 @@ def text_config(model: nn.Module):
     return model.config.get_text_config()
 
 
+def sliding_layers(layer_types: list[str] | None) -> frozenset[int]:
+    """Indices of the sliding-window layers in a config's ``layer_types`` (as vLLM's skip-layers option reads them)."""
+    return frozenset(i for i, kind in enumerate(layer_types or []) if kind == "sliding_attention")
+
+
 def attention_layers(model: nn.Module) -> list[AttentionLayer]:
     """Every self-attention module of the decoder, in layer order.
 
@@ -51,7 +61,7 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
     which is how transformers' attention-interface models are built; the prefix is the module's name,
     which is also the name its parameters have in the checkpoint.
     """
-    layer_types = getattr(text_config(model), "layer_types", None) or []
+    sliding = sliding_layers(getattr(text_config(model), "layer_types", None))
     mla = mla_dims(text_config(model).to_dict()) is not None
     layers = []
     for name, module in model.named_modules():
@@ -64,9 +74,7 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
                     "(kv_lora_rank) but not transformers' expand_kv, so kvcal cannot see the latent vLLM caches; load "
                     "the model with transformers' own deepseek_v3 code (without --trust-remote-code)"
                 )
-            idx = module.layer_idx
-            sliding = idx < len(layer_types) and layer_types[idx] == "sliding_attention"
-            layers.append(AttentionLayer(idx, name, sliding))
+            layers.append(AttentionLayer(module.layer_idx, name, module.layer_idx in sliding))
     if not layers:
         raise ValueError(
             f"found no attention modules with a layer_idx in {type(model).__name__} (model type "

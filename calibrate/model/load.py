@@ -100,10 +100,6 @@ def transformers_reason(error: BaseException) -> str:
 def read_config_file(model_dir: str | Path) -> dict:
     """A model directory's config.json as a dict, with a one-line error for each way it can be wrong."""
     check_model_dir(model_dir)
-    model_dir = Path(model_dir)
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"{model_dir} has no config.json, so it is not a Hugging Face model directory")
     return read_config_json(model_dir)
 
 
@@ -222,11 +218,12 @@ def without_kv_quantization(config) -> None:
 
 def load_model(
     model_dir: str | Path, *, device: torch.device, dtype: torch.dtype | None = None, placement: Placement | None = None,
-    trust_remote_code: bool = False, tokenizer: "PreTrainedTokenizerBase | None" = None,
+    trust_remote_code: bool = False, tokenizer: "PreTrainedTokenizerBase | None" = None, config: dict | None = None,
 ):
     """Load model and tokenizer from a local directory, in eval mode, on ``device``, without KV quantization.
 
-    A caller that opened its data first passes the ``tokenizer`` it loaded for that, which is then returned as it is.
+    A caller that opened its data first passes the ``tokenizer`` it loaded for that, which is then returned as it is,
+    and a caller that read config.json (``read_config``) passes it as ``config``, so that it is read once.
 
     With a ``placement`` that has a device map, transformers places the model with accelerate instead (GPUs, then
     CPU, then disk, within ``max_memory``): layers offloaded to CPU or disk run on ``input_device(model)``, their
@@ -240,7 +237,7 @@ def load_model(
     from transformers import AutoConfig
 
     mapped = placement is not None and placement.device_map is not None
-    config = read_config(model_dir)
+    config = read_config(model_dir) if config is None else config
     dtype = dtype or default_dtype(placement.device if mapped else device, config)
     if tokenizer is None:
         tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)

@@ -30,9 +30,9 @@ from ..data.stream import iter_sequences, read_digests
 from ..files import read_json_object
 from ..fp8 import get_format
 from ..layout import is_kvcal_output, provenance_path, records_path, stats_path
-from ..loaders import text_part
-from ..model.layers import AttentionLayer, ModelSignature, attention_layers, checkpoint_named, max_context, signature
-from ..model.load import check_known_type, check_tokenizer_fits, load_model, load_tokenizer, read_config, resolve_device
+from ..model.description import describe
+from ..model.layers import AttentionLayer, ModelSignature, attention_layers, checkpoint_named, signature
+from ..model.load import check_known_type, check_tokenizer_fits, load_model, load_tokenizer, resolve_device
 from . import fa3, report
 from .capacity import LayerKV, per_token, plan
 from .card import write_card
@@ -162,12 +162,11 @@ def _position_profile(stats: Stats | None) -> dict | None:
     }
 
 
-def reference_model(model_config: dict, model: torch.nn.Module, dtype: str) -> str:
+def reference_model(quant: dict | None, model: torch.nn.Module, dtype: str) -> str:
     """What the reference is, in words: the unquantized model, or a ``quant_method: fp8`` release's FP8-weight model
     as it is served (transformers runs its e4m3 block weights natively on GPUs that can, and elsewhere, CPU included,
     dequantizes them, e4m3 × block scale, to the load dtype); K and V unquantized either way."""
-    quant = model_config.get("quantization_config") or text_part(model_config).get("quantization_config")
-    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
+    if quant is None or quant.get("quant_method") != "fp8":  # quant: the quantization config vLLM uses (quant_config)
         return "unquantized model"
     if any(p.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz) for p in model.parameters()):
         return "FP8-weight model as served (quant_method fp8: its e4m3 block weights run natively by transformers)"
@@ -195,9 +194,10 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
 
     # 2. The sample, before the model is loaded: data too short for one sequence is refused cheaply.
     device = resolve_device(config.device)
-    model_config = read_config(config.checkpoint)
+    described = describe(config.checkpoint)  # config.json, read once for the steps below
+    model_config = described.config
     check_known_type(config.checkpoint, model_config)
-    context = max_context(model_config)
+    context = described.context
     tokenizer = load_tokenizer(config.checkpoint)
     check_tokenizer_fits(config.checkpoint, model_config, tokenizer)
     # A kvcal output's own calibration records are left out unless asked for: the sample is then held out.
@@ -212,7 +212,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
 
     # 3. The reference model (float32 on CPU by default, K and V unquantized) and its attention layers.
     model, _ = load_model(config.checkpoint, device=device, dtype=getattr(torch, config.dtype) if config.dtype else None,
-                          tokenizer=tokenizer)
+                          tokenizer=tokenizer, config=model_config)
     layers = checkpoint_named(attention_layers(model), config.checkpoint)
     sig = signature(model, layers)
     if sig.latent_dim and config.fa3:
@@ -222,7 +222,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     # 4. Schemes (the checkpoint's scales, scales derived from its statistics, named files), then the reference
     # pass and one pass per scheme.
     stats = _load_stats(Path(config.checkpoint), sig)
-    schemes, skipped, held = build_schemes(config, files, layers, sig, stats, fmt)
+    schemes, skipped, held = build_schemes(config, described, files, layers, sig, stats, fmt)
     floor = [floor_scheme(model.dtype, fmt)] if config.floor else []
     fa3_rows = fa3.query_rows(config.data.seq_len, config.data.chunk_len, config.fa3_rows) if config.fa3 else None
     tallies, probe, ref_nll, ref_seconds = measure(model, layers, schemes + floor, sequences, config, fa3_rows)
@@ -274,7 +274,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "kvcal_version": report.kvcal_version(),
         "checkpoint": str(Path(config.checkpoint).resolve()),
         "reference": {"name": REFERENCE, "dtype": dtype, "device": str(device),
-                      "model": (what := reference_model(model_config, model, dtype)),
+                      "model": (what := reference_model(described.quant, model, dtype)),
                       "note": f"the reference is the {what} in {dtype}, called {REFERENCE} as vLLM would serve it"},
         "fp8_format": fmt.name,
         "backend": config.backend,

@@ -13,8 +13,8 @@ from ..capture.hooks import latent_view
 from ..capture.stats import Stats
 from ..checkpoint.read import read_scales
 from ..fp8 import E5M2, FP8Format, per_token_head_round_trip, per_token_scale, quantize_dequantize
-from ..loaders import MLA_SCALES_IGNORED, Servable, loaded_multiplier, quant_config, quant_method, refusal, stored_dtype
-from ..model.load import read_config
+from ..loaders import MLA_SCALES_IGNORED, Servable, loaded_multiplier, quant_method, refusal, stored_dtype
+from ..model.description import ModelDescription
 from ..scales.observers import derive_scales
 from .config import FLOOR, REFERENCE, VerifyConfig
 from .kvdtypes import DTYPES, CacheDtype
@@ -132,15 +132,14 @@ def absorbed_attention(module, query: torch.Tensor, kv_c: torch.Tensor, k_pe: to
 
 
 def build_schemes(
-    config: VerifyConfig, files: list[Path], layers, sig, stats: Stats | None, fmt: FP8Format
+    config: VerifyConfig, described: ModelDescription, files: list[Path], layers, sig, stats: Stats | None, fmt: FP8Format
 ) -> tuple[list[Scheme], dict, dict]:
     """The schemes to run, those that cannot run with the reason, and what the checkpoint holds.
 
-    ``files`` are the checkpoint's safetensors files as vLLM reads them (``export.weight_files``).
+    ``described`` is the checkpoint's config.json as verify read it; ``files`` are its safetensors files as vLLM
+    reads them (``export.weight_files``).
     """
-    directory = Path(config.checkpoint)
-    model_config = read_config(directory)
-    quant = quant_config(directory, model_config)
+    model_config, quant = described.config, described.quant
     method = quant_method(quant)
     ckpt, granularity, notes = read_scales(files, layers, sig, method)
     rounded = stored_dtype(method, model_config)  # vLLM's base loader stores them in the model's dtype, then adjusts
@@ -149,7 +148,7 @@ def build_schemes(
         notes.append("the checkpoint has no KV scales: vLLM would load it with 1.0 for every layer (scheme scale1)")
     held = {"granularity": granularity, "notes": notes, "statistics": stats is not None, "serving": []}
     q = not config.kv_only
-    heads = {"k": sig.num_kv_heads, "v": sig.num_kv_heads, "q": sig.num_heads}
+    heads = sig.heads
     schemes, skipped = [], {}
     ones = {k: torch.ones(len(layers), h) for k, h in heads.items()}
 

@@ -1,0 +1,145 @@
+"""What a calibrate, export or apply produced, and the summary a person reads after it (``kvcal calibrate`` prints it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from . import serving
+from .capture.stats import Stats
+from .choices import DEFAULT_TARGET
+from .config import LITTLE_DATA_TOKENS
+from .loaders import quant_config, quant_method, read_config_json, stored_dtype
+from .model.layers import AttentionLayer
+from .recipes import serve_notes
+from .scales.observers import ScaleSet
+from .verification.report import scale_table
+
+if TYPE_CHECKING:  # verification.run imports transformers (seconds); the result only holds its VerifyResult
+    from .verification.run import VerifyResult
+
+
+@dataclass
+class CalibrationResult:
+    """What a calibration or export produced."""
+
+    out: Path
+    layers: list[AttentionLayer]
+    stats: Stats
+    scale_set: ScaleSet
+    provenance: dict
+    verification: VerifyResult | None = None  # the short verify run after calibrate
+
+    def summary(self) -> str:
+        """The per-layer table, the output path and the serve command, for a person."""
+        s = self.scale_set
+        absmax = {k: st.absmax if s.per_head else st.absmax.amax(1) for k, st in self.stats.kinds.items()}
+        saturated = {k: p.saturated for k, p in s.predictions.items()}
+        lines = [
+            scale_table([layer.layer_idx for layer in self.layers], absmax, s.scales, saturated),
+            "",
+            f"observer {s.observer}, granularity {s.granularity}, format {s.fmt.name}, "
+            f"{int(self.stats.tokens.max())} tokens per layer",
+            "predicted relative error (mean over layers): "
+            + ", ".join(
+                f"{k} {s.granularity if s.granularity != 'token' else 'tensor'} {s.predictions[k].rel_mse.mean():.2e}"
+                f" / per-token {s.token_rel_mse[k].mean():.2e}"
+                for k in ("k", "v")
+            ),
+            *self._sink_note(),
+            *self._latent_note(),
+            *self._little_data(),
+            *self._search_note(),
+            serving.SERVE_NOTES[s.granularity],
+            *self._release_note(),
+            f"wrote {self.out}",
+            *self._recipe_notes(),
+            serving.target_text(self.target),
+        ]
+        # One serve line per run, printed last: the short verify's when it ran, else the written scales'.
+        if self.verification is not None:
+            return "\n".join([*lines, "how to serve it: the short verify below decides", "",
+                              "short verify of the written checkpoint (kvcal verify runs the full one):",
+                              self.verification.summary(skip_layers=self._recipe_skip())])
+        return "\n".join([*lines, *self._written_serve_line()])
+
+    @property
+    def target(self) -> str:
+        """The serving target the run was for (outputs written before targets existed: the default)."""
+        return self.provenance.get("settings", {}).get("target", DEFAULT_TARGET)
+
+    def _recipe_skip(self) -> list:
+        """The layers the recipe keeps in bf16 (``skip_layers``), added to the serve line."""
+        return list((self.provenance.get("recipe") or {}).get("skip_layers", []))
+
+    def _recipe_notes(self) -> list[str]:
+        """The recipe's notes for the person serving the checkpoint (the skip layers go into the serve line)."""
+        recipe = self.provenance.get("recipe")
+        return serve_notes(recipe) if recipe else []
+
+    def _written_serve_line(self) -> list[str]:
+        """The serve line of the written scales on the target, before any verify (nothing when the target does not
+        read them as written); the sliding-window hint comes first, so the line is last."""
+        written = serving.written_dtype(self.scale_set.granularity, self.target)
+        if written is None:
+            return [f"{self.target} does not read {self.scale_set.granularity} scales as written "
+                    f"({serving.refusal(self.target, 'fp8', per_head=True).note}): export --granularity tensor to serve there"]
+        dtype, per_head = written
+        hint = ([f"(this model has sliding-window layers; to keep them in bf16 add {serving.skip_flag([serving.SLIDING])})"]
+                if any(layer.sliding_window for layer in self.layers) and serving.SLIDING not in map(str, self._recipe_skip()) else [])
+        return [*hint, "serve it with:",
+                f"  {serving.serve_command(str(self.out), dtype, target=self.target, per_head=per_head, skip_layers=self._recipe_skip())}"]
+
+    def _release_note(self) -> list[str]:
+        """For a ``quant_method: fp8`` release: what serving it needs, and the bf16 rounding vLLM applies to the scales."""
+        if not (self.out / "config.json").is_file():  # a result whose OUT was moved or removed since: nothing to read
+            return []
+        config = read_config_json(self.out)
+        method = quant_method(quant_config(self.out, config))
+        if method != "fp8":
+            return []
+        rounded = stored_dtype(method, config)
+        return ["quant_method fp8 release: its config was left as it is and declares no KV cache, so vLLM reads these "
+                "scales only with --kv-cache-dtype fp8 (auto keeps a bf16 cache)"
+                + (f"; vLLM stores them in {str(rounded).removeprefix('torch.')} (kvcal inspect shows the values used)"
+                   if rounded is not None else "")]
+
+    def _search_note(self) -> list[str]:
+        """What the output observer chose, counted over layers, when it ran."""
+        search = self.provenance.get("output_observer")
+        if search is None:
+            return []
+        counts = {kind: ", ".join(f"{name} {search[kind]['chosen'].count(name)}" for name in search["candidates"]
+                                  if name in search[kind]["chosen"]) for kind in ("k", "v")}
+        return [f"output observer ({search['sequences']} held-back sequences), layers per candidate: "
+                f"k: {counts['k']}; v: {counts['v']}"]
+
+    def _sink_note(self) -> list[str]:
+        """One line when the scales saturate the attention-sink tokens (the sink-aware observer accepts that)."""
+        worst = {k: float(v.max()) for k, v in self.scale_set.sink_saturated.items() if float(v.max()) > 0}
+        if not worst:
+            return []
+        return ["sink tokens (first positions) saturated, worst layer: "
+                + ", ".join(f"{k} {100 * frac:.3g}%" for k, frac in worst.items())]
+
+    def _latent_note(self) -> list[str]:
+        """For MLA: the latent and k_pe under the one k scale, and what vLLM 0.32's scale of 1.0 does to them."""
+        mla = self.provenance.get("mla")
+        if mla is None:
+            return []
+        latent, pe = max(mla["latent_absmax"]), max(mla["k_pe_absmax"])
+        clipped = sum(p > c for c, p in zip(mla["latent_absmax"], mla["k_pe_absmax"]))
+        at_one = mla["saturated_at_scale_1"]
+        return [f"MLA latent cache (kv_c_normed | k_pe under one k scale): absmax latent {latent:.4g}, k_pe {pe:.4g}; a "
+                f"latent-only scale would saturate k_pe in {clipped} of {len(mla['k_pe_absmax'])} layers",
+                f"vLLM 0.32 loads no MLA scales and runs at 1.0: there k saturates {100 * max(at_one['k']):.3g}%, q "
+                f"{100 * max(at_one['q']):.3g}% (worst layer; docs/vllm-notes.md, MLA)"]
+
+    def _little_data(self) -> list[str]:
+        """One line when the scales rest on fewer tokens than LITTLE_DATA_TOKENS, else none."""
+        seen = int(self.stats.tokens.min())
+        if seen >= LITTLE_DATA_TOKENS:
+            return []
+        return [f"scales rest on little data: {seen:,} tokens per layer (< {LITTLE_DATA_TOKENS:,}); rarer outliers "
+                "were likely not seen: calibrate on more data (--max-tokens) or add --headroom before serving"]
