@@ -145,9 +145,11 @@ def test_limits_follow_the_floor_unless_set():
     floor = {"kl": 0.002, "top1": 0.99}  # 1% of top-1 choices already differ in the floor
     limits = Thresholds(floor_pass=5, floor_fail=50).resolve(floor)
     assert (limits.max_kl, limits.fail_kl) == pytest.approx((0.01, 0.1))
-    assert (limits.min_top1, limits.fail_top1) == pytest.approx((0.95, 0.5))
-    # 100 times a 1% disagreement is more than everything: the fail limit stops at 0, never below.
-    assert Thresholds().resolve(floor).fail_top1 == 0.0
+    # Top-1 disagreement grows with the square root of KL: 0.99 to the power √5 and √50 (about 1 − √5 × 1%, 1 − √50 × 1%).
+    assert (limits.min_top1, limits.fail_top1) == pytest.approx((0.99 ** 5**0.5, 0.99 ** 50**0.5))
+    assert limits.min_top1 == pytest.approx(1 - 5**0.5 * 0.01, abs=3e-4)
+    # A 30% disagreement at 100×: the old 1 − 100 × miss was 0 (nothing could fail); the power stays above 0.
+    assert 0 < Thresholds().resolve({"kl": 0.002, "top1": 0.7}).fail_top1 == pytest.approx(0.7**10)
     limits = Thresholds(max_kl=0.5, min_top1=0.999).resolve(floor)
     assert (limits.max_kl, limits.fail_kl, limits.min_top1) == (0.5, 0.5, 0.999)  # the derived fail_kl (0.2) follows the set max_kl
     assert Thresholds(max_kl=0.5).origin() == {"max_kl": "set", "fail_kl": "floor", "min_top1": "floor", "fail_top1": "floor"}

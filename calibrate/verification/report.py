@@ -10,6 +10,7 @@ import torch
 from .. import serving
 from ..capture.stats import KINDS
 from .capacity import plan_text
+from .config import percent
 
 
 def kvcal_version() -> str:
@@ -73,15 +74,18 @@ def thresholds_text(rep: dict) -> str:
     th, floor = rep["thresholds"], rep["floor"]
     fixed = not th["relative_to_floor"] and "floor" in th["origin"].values()
     text = (f"Thresholds{' (fixed: no floor measured)' if fixed else ''}: pass when KL ≤ {th['max_kl']:.3g} nats/token "
-            f"and top-1 agreement ≥ {100 * th['min_top1']:.3g}%; "
-            f"fail when KL > {th['fail_kl']:.3g} or top-1 < {100 * th['fail_top1']:.3g}%; warn in between")
+            f"and top-1 agreement ≥ {percent(th['min_top1'])}; "
+            f"fail when KL > {th['fail_kl']:.3g} or top-1 < {percent(th['fail_top1'])}; warn in between")
     if floor is None:
         return text
     if fixed:
         return text + f". The floor ({floor['source']}) measured no KL on this sample"
     relative = [name for name, origin in th["origin"].items() if origin == "floor"]
-    return (text + f". Floor ({floor['source']}): KL {floor['kl']:.3g} nats/token, top-1 {100 * floor['top1']:.2f}%"
-            + (f"; {', '.join(relative)} are {th['floor_pass']:g}× (pass) and {th['floor_fail']:g}× (fail) the floor" if relative else "")
+    return (text + f". Floor ({floor['source']}: what serving the unquantized model already costs on this sample): "
+            f"KL {floor['kl']:.3g} nats/token, top-1 {100 * floor['top1']:.2f}%"
+            + (f"; {', '.join(relative)} are {th['floor_pass']:g}× (pass) and {th['floor_fail']:g}× (fail) the floor's KL, "
+               f"or √{th['floor_pass']:g}× and √{th['floor_fail']:g}× its top-1 disagreement (KL grows with an error's "
+               "square, disagreement with its size)" if relative else "")
             + (f"; set: {', '.join(n for n in th['origin'] if n not in relative)}" if len(relative) < 4 else ""))
 
 

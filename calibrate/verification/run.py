@@ -40,6 +40,7 @@ from .config import FLOOR, REFERENCE, Thresholds, VerifyConfig
 from .kvdtypes import DTYPES
 from .needle import needle_probe
 from .passes import ApplyScheme, ReferenceProbe, measure, probe_skip_layers, scheme_result
+from .scale1 import scale1_answer
 from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
 from .verdict import check_measured, check_reference, choose, judge, recommend, serve_lines, target_refusals
 
@@ -239,7 +240,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         check_measured(name, r)
     check_reference(ref_nll, results.get(FLOOR))  # NaN or Inf there: nothing can be judged against it
     floor_result = results.pop(FLOOR, None)
-    limits = config.thresholds.resolve(floor_result)
+    limits = config.thresholds.resolve(floor_result, len(sequences) * (config.data.seq_len - 1))
     for name, r in results.items():
         if needle_result and r["mode"] != Mode.REFERENCE:
             r["needle_lost"] = needle_result["summary"][name]["lost"]
@@ -266,8 +267,9 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     if skip_probe is not None:
         skip_probe["bytes_per_token"] = skip_cost(kv_layers, results[skip_probe["scheme"]]["kv_dtype"], skip_probe["skip"], pays["context"])
     plain = serving.unquantized_dtype(model_config)  # auto, unless a kv_cache_scheme would make auto fp8
+    scale1 = scale1_answer(results)  # "is scale 1.0 enough?"
     recommendation, serve = recommend(results, held, layers, config.checkpoint, skip_probe, pays, target=config.target,
-                                      unquantized=plain)
+                                      unquantized=plain, scale1=scale1["text"] if scale1 else None)
     per_target = serve_lines(results, held, layers, config.checkpoint, skip_probe, unquantized=plain)
     dtype = str(model.dtype).removeprefix("torch.")
     rep = {
@@ -297,6 +299,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "fa3": fa3_result,
         "needle": needle_result,
         "recommendation": recommendation,
+        "scale1": scale1,
         "target": config.target,
         "serve_command": serve,  # the line for ``target``, printed last
         "serve_lines": per_target,  # every target's line, with the vLLM build it was checked against

@@ -11,7 +11,7 @@ import torch
 from .. import serving
 from ..choices import DEFAULT_TARGET, SCHEMES, TARGETS, VERIFY_SCHEMES
 from ..model.layers import AttentionLayer
-from .config import FLOOR, Thresholds
+from .config import FLOOR, Thresholds, percent
 from .kvdtypes import DTYPES
 
 # Each scheme's note, from the one table (choices.SCHEMES; a cache dtype's from kvdtypes.DTYPES), and the floor's.
@@ -89,7 +89,7 @@ def judge(result: dict, limits: Thresholds) -> tuple[str, list[str]]:
     if kl > limits.max_kl:
         reasons.append(f"KL {kl:.4g} > {limits.fail_kl if kl > limits.fail_kl else limits.max_kl:.3g} nats/token")
     if top1 < limits.min_top1:
-        reasons.append(f"top-1 agreement {top1:.3%} < {limits.fail_top1 if top1 < limits.fail_top1 else limits.min_top1:.0%}")
+        reasons.append(f"top-1 agreement {top1:.3%} < {percent(limits.fail_top1 if top1 < limits.fail_top1 else limits.min_top1)}")
     if result.get("needle_lost"):
         reasons.append(f"the needle found by the reference was lost in {result['needle_lost']} case(s)")
     return verdict, reasons
@@ -102,8 +102,8 @@ def compare(a: dict, b: dict) -> tuple[float, float | None, bool]:
     return mean, se, se is not None and abs(mean) > 2 * se
 
 
-# The most portable scheme first, among those with the best verdict, then the other cache dtypes from the most to
-# the least precise; scale 1.0 only as a last resort. (A scales file goes after tensor.)
+# Among schemes of the best verdict whose KL is within noise of the lowest: the most portable first, then the other
+# cache dtypes from the most to the least precise; scale 1.0 last. (A scales file goes after tensor.)
 PREFERENCE = ["tensor", "max", "mse", "head", "token", "fp8_e5m2", "int8_per_token_head", "nvfp4_4over6", "nvfp4", "int4_per_token_head", "scale1"]
 
 
@@ -135,14 +135,25 @@ def serve_lines(results: dict[str, dict], held: dict, layers: list[AttentionLaye
 
 
 def choose(results: dict[str, dict]) -> str | None:
-    """The scheme to serve: best verdict first, then the most portable; None when every one fails."""
+    """The scheme to serve: the best verdict first; within it, the lowest KL, where a scheme the paired test does not
+    find significantly worse than the lowest counts as level with it, and the most portable of those (PREFERENCE)
+    is chosen. None when every one fails."""
     rank = {"pass": 0, "warn": 1}
     usable = {n: r for n, r in results.items() if r["mode"] != "reference" and r["verdict"] in rank and _servable(r)}
     if not usable:
         return None
     top = min(rank[r["verdict"]] for r in usable.values())
-    preference = ["tensor", *[n for n in usable if n not in VERIFY_SCHEMES], *PREFERENCE[1:]]
-    return next(n for n in preference if n in usable and rank[usable[n]["verdict"]] == top)
+    best = {n: r for n, r in usable.items() if rank[r["verdict"]] == top}
+    lowest = min(best.values(), key=lambda r: r["kl"])
+    level = {n for n, r in best.items() if r is lowest or not _significantly_above(r, lowest)}
+    preference = ["tensor", *[n for n in best if n not in VERIFY_SCHEMES], *PREFERENCE[1:]]
+    return next(n for n in preference if n in level)
+
+
+def _significantly_above(a: dict, b: dict) -> bool:
+    """Whether scheme a's KL is above b's beyond 2 standard errors, paired by sequence (one sequence: never)."""
+    mean, _, significant = compare(a, b)
+    return significant and mean > 0
 
 
 def rank_correlation(x: list[float], y: list[float]) -> float | None:
@@ -207,11 +218,12 @@ def pays_lines(pays: dict, dtype: str, verdict: str) -> list[str]:
 
 def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
               skip_probe: dict | None = None, pays: dict | None = None, *, target: str = DEFAULT_TARGET,
-              unquantized: str = "auto") -> tuple[list[str], str]:
+              unquantized: str = "auto", scale1: str | None = None) -> tuple[list[str], str]:
     """What to serve on ``target``, from the measured numbers only: (sentences, vllm serve line). A scheme with a
     ``target_refusal`` is never recommended; ``skip_probe`` counts only when it probed the scheme chosen;
-    ``unquantized``: the dtype that keeps this checkpoint's cache unquantized (``serving.unquantized_dtype``)."""
-    lines = [*held.get("serving", []), *(n for n in held["notes"] if "no KV scales" in n)]
+    ``unquantized``: the dtype that keeps this checkpoint's cache unquantized (``serving.unquantized_dtype``);
+    ``scale1``: the answer to "is scale 1.0 enough?" (``scale1.scale1_answer``), said right after the checkpoint's notes."""
+    lines = [*held.get("serving", []), *(n for n in held["notes"] if "no KV scales" in n), *([scale1] if scale1 else [])]
     ranked = {n: r for n, r in results.items() if r["mode"] != "reference"}
     if "token" in ranked and any(r["quantizes_query"] for r in ranked.values()):
         lines.append("The static schemes here quantize Q as well (as FA3 on Hopper does); token leaves Q unquantized, "

@@ -189,6 +189,10 @@ def test_planted_k_outlier_saturates_scale1_but_not_calibrated_scales(k_outlier_
         assert max(s[name]["fractions"]["k"]["saturated"]) < 1e-4
         assert s[name]["layer_rel_error"][0] < s["scale1"]["layer_rel_error"][0] / 5
         assert s[name]["kl"] < s["scale1"]["kl"] / 5
+    # So "is scale 1.0 enough?" answers no, against the calibrated scales with the lower KL, and says it first.
+    answer = result.report["scale1"]
+    assert answer["outcome"] == "better" and answer["calibrated"] == min(("tensor", "head"), key=lambda n: s[n]["kl"])
+    assert result.report["recommendation"][0] == answer["text"] and answer["text"].startswith("Is scale 1.0 enough? No")
 
 
 def test_per_token_beating_per_tensor_is_reported(token_outlier_ckpt, data_file):
@@ -236,7 +240,8 @@ def test_floor_equals_an_independent_bf16_computation(plain_ckpt, data_file):
     assert rep["floor"]["kl"] == pytest.approx(floor, rel=2e-2) and floor > 0
     assert rep["thresholds"]["max_kl"] == pytest.approx(10 * rep["floor"]["kl"]) and rep["thresholds"]["relative_to_floor"]
     assert rep["thresholds"]["fail_kl"] == pytest.approx(100 * rep["floor"]["kl"])
-    assert rep["thresholds"]["min_top1"] == pytest.approx(max(0, 1 - 10 * (1 - rep["floor"]["top1"])))
+    predictions = rep["sample"]["sequences"] * (rep["sample"]["seq_len"] - 1)
+    assert rep["thresholds"]["min_top1"] == pytest.approx(min(rep["floor"]["top1"], 1 - 1 / predictions) ** 10**0.5)
     assert "floor" not in result.schemes
     fixed = verify(plain_ckpt, str(data_file), schemes="scale1", seq_len=128, max_tokens=128, floor=False, **QUIET).report
     assert fixed["floor"] is None and fixed["thresholds"]["max_kl"] == Thresholds.ABSOLUTE["max_kl"]
@@ -421,6 +426,9 @@ def test_calibrate_runs_a_short_verify_unless_disabled(tmp_path, tokenizer, data
     assert "short verify" in result.summary()
     card = (tmp_path / "a" / "README.md").read_text()  # the model card carries the short verify's table
     assert "Not verified yet" not in card and all(f"| {name} |" in card for name in result.verification.schemes)
+    answer = result.verification.report["scale1"]["text"]  # "is scale 1.0 enough?" on the card, in report.md and printed
+    assert answer in card and answer in (tmp_path / "a" / "kvcal" / "verify" / "report.md").read_text()
+    assert answer in result.summary()
     result = api.calibrate(str(model), [str(data_file)], str(tmp_path / "b"), seq_len=128, max_tokens=512, verify=False, **QUIET)
     assert result.verification is None and not (tmp_path / "b" / "kvcal" / "verify").exists()
 

@@ -22,23 +22,44 @@ from calibrate.verification.verdict import (
 )
 
 
-def result(verdict: str, mode: str = "static") -> dict:
-    return {"mode": mode, "verdict": verdict}
+def result(verdict: str, mode: str = "static", kl: float = 0.01, spread: float = 0.001) -> dict:
+    """A judged scheme: its verdict and KL over four sequences (``spread`` apart: the paired test's noise)."""
+    return {"mode": mode, "verdict": verdict, "kl": kl, "kl_per_sequence": [kl - spread, kl + spread] * 2}
 
 
 @pytest.mark.parametrize(
     "verdicts, expected",
     [
-        ({"tensor": "warn", "token": "warn", "int4_per_token_head": "warn"}, "tensor"),  # portable first
+        ({"tensor": "warn", "token": "warn", "int4_per_token_head": "warn"}, "tensor"),  # level KL: portable first
         ({"tensor": "warn", "int8_per_token_head": "pass", "int4_per_token_head": "pass"}, "int8_per_token_head"),
-        ({"tensor": "fail", "nvfp4": "warn", "int4_per_token_head": "warn"}, "nvfp4"),  # more precise first
-        ({"scale1": "pass", "fp8_e5m2": "pass"}, "fp8_e5m2"),  # scale 1.0 only as a last resort
+        ({"tensor": "fail", "nvfp4": "warn", "int4_per_token_head": "warn"}, "nvfp4"),  # level KL: more precise first
+        ({"scale1": "pass", "fp8_e5m2": "pass"}, "fp8_e5m2"),  # level KL: scale 1.0 last
         ({"tensor": "fail", "token": "fail"}, None),
     ],
 )
-def test_the_best_verdict_then_the_most_portable_scheme_is_chosen(verdicts, expected):
+def test_the_best_verdict_then_the_most_portable_of_level_schemes_is_chosen(verdicts, expected):
     results = {"bf16": result("reference", "reference"), **{n: result(v) for n, v in verdicts.items()}}
     assert choose(results) == expected
+
+
+@pytest.mark.parametrize(
+    "kls, expected",
+    [
+        pytest.param({"tensor": 0.020, "token": 0.010}, "token", id="significantly-lower-beats-portable"),
+        pytest.param({"tensor": 0.0105, "token": 0.010}, "tensor", id="within-noise-portable-wins"),
+        pytest.param({"tensor": 0.020, "scale1": 0.010}, "scale1", id="scale1-significantly-better"),
+        pytest.param({"tensor": 0.010, "scale1": 0.0102}, "tensor", id="scale1-level-comes-last"),
+    ],
+)
+def test_within_a_verdict_the_measured_kl_ranks_the_schemes(kls, expected):
+    """The paired test decides what is level: the two schemes' noise runs opposite ways, so their per-sequence
+    difference is the KL difference ± 0.002, 2 standard errors ≈ 0.0023 nats/token."""
+    results = {"bf16": result("reference", "reference"), **{n: result("warn", kl=kl) for n, kl in kls.items()}}
+    second = list(kls)[1]
+    results[second]["kl_per_sequence"] = results[second]["kl_per_sequence"][::-1]
+    assert choose(results) == expected
+    one = {n: {**r, "kl_per_sequence": r["kl_per_sequence"][:1]} for n, r in results.items()}
+    assert choose(one) == "tensor"  # one sequence: nothing is significant, portability decides
 
 
 def test_rank_correlation_is_spearmans():
@@ -128,11 +149,33 @@ def test_judge_at_every_limit(numbers, verdict, reasons):
 
 
 def test_judge_uses_limits_derived_from_the_floor():
-    limits = Thresholds().resolve({"kl": 0.001, "top1": 0.99})  # pass ≤ 0.01 / ≥ 90%, fail > 0.1 / < 0%
+    limits = Thresholds().resolve({"kl": 0.001, "top1": 0.99})  # pass ≤ 0.01 / ≥ 0.99^√10, fail > 0.1 / < 0.99^10
     assert (limits.max_kl, limits.fail_kl) == pytest.approx((0.01, 0.1))
-    assert judge(measured(kl=0.01, top1=0.9), limits)[0] == "pass"
-    assert judge(measured(kl=0.011, top1=0.9), limits)[0] == "warn"
-    assert judge(measured(kl=0.011, top1=0.05), limits)[0] == "warn"  # 100 × the floor's 1% disagreement: fail only below 0
+    assert (limits.min_top1, limits.fail_top1) == pytest.approx((0.99 ** 10**0.5, 0.99**10))  # 96.9%, 90.4%
+    assert judge(measured(kl=0.01, top1=0.97), limits)[0] == "pass"
+    assert judge(measured(kl=0.011, top1=0.97), limits)[0] == "warn"
+    assert judge(measured(kl=0.005, top1=0.95), limits)[0] == "warn"
+
+
+def test_a_scheme_fails_on_top1_alone():
+    """The demo's floor (KL 0.000656, top-1 98.17%): under the old rule, 1 − 100 × 1.83% < 0, no scheme could fail on
+    top-1. Now the fail limit is 98.17%^10 ≈ 83.1%: a scheme with a passing KL and top-1 80% fails, for top-1 only."""
+    limits = Thresholds().resolve({"kl": 0.000656, "top1": 0.9817})
+    assert 0.8 < limits.fail_top1 < 0.84 and limits.fail_top1 < limits.min_top1 < 0.9817
+    verdict, reasons = judge(measured(kl=0.005, top1=0.80), limits)
+    assert verdict == "fail" and reasons == ["top-1 agreement 80.000% < 83.1%"]
+
+
+@pytest.mark.parametrize("floor_top1", [0.0001, 0.5, 0.9817, 0.999999, 1.0])
+def test_derived_top1_limits_are_never_printed_as_0_or_100_percent(floor_top1):
+    """Whatever the floor's agreement, the derived limits lie strictly between 0 and 1 and print so."""
+    from calibrate.verification.config import percent
+
+    limits = Thresholds().resolve({"kl": 0.001, "top1": floor_top1}, predictions=3 * 511)
+    for limit in (limits.min_top1, limits.fail_top1):
+        assert 0 < limit < 1 and percent(limit) not in ("0%", "100%")
+    if floor_top1 == 1.0:  # a floor that missed nothing counts as missing one prediction of the sample's 1,533
+        assert limits.fail_top1 == pytest.approx((1 - 1 / 1533) ** 10)
 
 
 @pytest.mark.parametrize(

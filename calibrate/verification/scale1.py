@@ -1,0 +1,61 @@
+""""Is scale 1.0 enough, or must I calibrate?": the calibrated FP8 scales against scale 1.0, paired by sequence.
+
+vLLM serves an FP8 cache at scale 1.0 when a checkpoint has no KV scales, so this is the question behind every
+calibration. The answer is one of three, each with what to do: the calibrated scales are better (by how much, with
+the paired test), equal within noise (with the smallest difference this sample could have detected: 2 standard
+errors of the paired difference), or worse. Plain numbers in, a dict and a sentence out; nothing here runs a model.
+"""
+
+import math
+
+from .verdict import compare
+
+SCALE1 = "scale1"
+BETTER, EQUAL, WORSE, UNTESTED = "better", "equal within noise", "worse", "not tested"
+
+
+def _calibrated(results: dict[str, dict]) -> str | None:
+    """The calibrated FP8 scales to set against scale 1.0: the static fp8 scheme with scales other than 1.0 (the
+    checkpoint's, an observer's, a scales file) that measured the lowest finite KL and that vLLM serves as measured."""
+    candidates = {n: r for n, r in results.items() if n != SCALE1 and r["mode"] == "static" and r.get("kv_dtype", "fp8") == "fp8"
+                  and not str(r.get("source", "")).startswith("1.0") and math.isfinite(r["kl"])
+                  and r.get("servable", True) and not r.get("target_refusal")}
+    return min(candidates, key=lambda n: candidates[n]["kl"]) if candidates else None
+
+
+def scale1_answer(results: dict[str, dict]) -> dict | None:
+    """The answer, for report.json: which calibrated scheme, both KLs, the paired difference (calibrated − scale 1.0,
+    nats/token) with its standard error, the smallest detectable difference (2 s.e.), the outcome and what to do.
+    None when verify did not measure scale 1.0 and calibrated FP8 scales side by side."""
+    one = results.get(SCALE1)
+    name = _calibrated(results)
+    if one is None or name is None or not math.isfinite(one["kl"]):
+        return None
+    mean, se, significant = compare(results[name], one)
+    ka, k1 = results[name]["kl"], one["kl"]
+    outcome = UNTESTED if se is None else (EQUAL if not significant else BETTER if mean < 0 else WORSE)
+    answer = {"calibrated": name, "calibrated_kl": ka, "scale1_kl": k1, "difference": mean, "stderr": se,
+              "detectable": None if se is None else 2 * se, "sequences": len(one["kl_per_sequence"]), "outcome": outcome}
+    return {**answer, "text": _sentence(answer)}
+
+
+def _sentence(a: dict) -> str:
+    """The answer for a person, with what to do."""
+    name, ka, k1, n = a["calibrated"], a["calibrated_kl"], a["scale1_kl"], a["sequences"]
+    figures = f"KL {ka:.4g} vs {k1:.4g} nats/token"
+    if a["outcome"] == UNTESTED:
+        return (f"Is scale 1.0 enough? Not tested: {name} scales vs scale 1.0, {figures}, on one sequence, which gives "
+                "no standard error; verify with a larger --max-tokens to answer it.")
+    paired = f"difference {a['difference']:+.3g} ± {a['stderr']:.2g} nats/token, paired over {n} sequences"
+    change = abs(ka / k1 - 1) if k1 > 0 else 0.0
+    if a["outcome"] == BETTER:
+        return (f"Is scale 1.0 enough? No: the calibrated {name} scales lower the KL by {change:.0%} against scale 1.0 "
+                f"({figures}; {paired}, significant). Serve the calibrated scales.")
+    if a["outcome"] == WORSE:
+        return (f"Is scale 1.0 enough? Yes, and better here: scale 1.0 is {change:.0%} below the calibrated {name} scales "
+                f"({figures}; {paired}, significant). Serve without KV scales (vLLM then uses 1.0), or try another "
+                "observer (`kvcal export OUT --out NEW --observer mse`) and verify again.")
+    return (f"Is scale 1.0 enough? On this sample, yes: the calibrated {name} scales and scale 1.0 are equal within noise "
+            f"({figures}; {paired}); a difference of {a['detectable']:.2g} nats/token ({a['detectable'] / k1:.0%} of scale "
+            "1.0's KL) or more would have shown. Either serves; the calibrated scales also guard against values beyond "
+            "FP8's range in other data, and a larger --max-tokens can detect a smaller difference.")

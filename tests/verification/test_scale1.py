@@ -1,0 +1,58 @@
+""""Is scale 1.0 enough?" (verification/scale1.py) from hand-made numbers: the three answers, each with what to do.
+
+The paired difference and its standard error are computed here with numpy, independently of verdict.compare."""
+
+import numpy as np
+import pytest
+
+from calibrate.verification.scale1 import BETTER, EQUAL, UNTESTED, WORSE, scale1_answer
+
+
+def static(kl_per_sequence: list[float], source: str = "checkpoint", **extra) -> dict:
+    return {"mode": "static", "kl": float(np.mean(kl_per_sequence)), "kl_per_sequence": kl_per_sequence,
+            "source": source, "kv_dtype": "fp8", **extra}
+
+
+def paired(a: list[float], b: list[float]) -> tuple[float, float]:
+    d = np.subtract(a, b)
+    return d.mean(), d.std(ddof=1) / np.sqrt(len(d))
+
+
+SCALE1 = [0.020, 0.024, 0.018, 0.022]
+
+
+@pytest.mark.parametrize(
+    "tensor, outcome, says",
+    [
+        pytest.param([0.010, 0.013, 0.009, 0.012], BETTER, "No: the calibrated tensor scales lower the KL by {change}", id="better"),
+        pytest.param([0.021, 0.023, 0.019, 0.021], EQUAL, "On this sample, yes", id="equal"),
+        pytest.param([0.030, 0.035, 0.027, 0.031], WORSE, "Yes, and better here: scale 1.0 is {change} below", id="worse"),
+    ],
+)
+def test_the_three_answers_with_what_to_do(tensor, outcome, says):
+    answer = scale1_answer({"bf16": {"mode": "reference", "kl": 0.0}, "tensor": static(tensor),
+                            "scale1": static(SCALE1, source="1.0"), "token": {**static(SCALE1), "mode": "token"}})
+    mean, se = paired(tensor, SCALE1)
+    assert answer["outcome"] == outcome and answer["calibrated"] == "tensor"
+    assert answer["difference"] == pytest.approx(mean) and answer["stderr"] == pytest.approx(se)
+    assert answer["detectable"] == pytest.approx(2 * se) and answer["sequences"] == 4
+    change = f"{abs(np.mean(tensor) / np.mean(SCALE1) - 1):.0%}"
+    assert says.format(change=change) in answer["text"] and "paired over 4 sequences" in answer["text"]
+    todo = {BETTER: "Serve the calibrated scales.", EQUAL: "Either serves", WORSE: "Serve without KV scales"}[outcome]
+    assert todo in answer["text"]
+    if outcome == EQUAL:  # the smallest difference the sample could detect, in nats and against scale 1.0's KL
+        assert f"a difference of {2 * se:.2g} nats/token ({2 * se / np.mean(SCALE1):.0%} of scale 1.0's KL)" in answer["text"]
+
+
+def test_the_best_calibrated_scales_are_compared_and_one_sequence_is_not_tested():
+    results = {"tensor": static([0.03]), "mse": static([0.01], source="the mse observer"),
+               "fp8_e5m2": static([0.001], kv_dtype="fp8_e5m2"), "head": static([0.0001], servable=False),
+               "scale1": static([0.02], source="1.0")}
+    answer = scale1_answer(results)
+    assert answer["calibrated"] == "mse" and answer["outcome"] == UNTESTED and answer["detectable"] is None
+    assert "Not tested" in answer["text"] and "--max-tokens" in answer["text"]
+
+
+def test_no_answer_without_both_sides():
+    assert scale1_answer({"tensor": static(SCALE1)}) is None
+    assert scale1_answer({"scale1": static(SCALE1, source="1.0"), "token": {**static(SCALE1), "mode": "token"}}) is None
