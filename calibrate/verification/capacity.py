@@ -20,9 +20,9 @@ from ..data.config import check_int
 GPUS = {"H100": 81559 * SIZE_UNITS["MIB"], "H200": 143771 * SIZE_UNITS["MIB"], "B200": 183359 * SIZE_UNITS["MIB"]}
 GPU_MEMORY_UTILIZATION = 0.9  # vLLM's default --gpu-memory-utilization: the share of a GPU it lets itself use
 # Quoted beside kvcal's own arithmetic for comparison; nothing here derives them. They are the figures kvcal's planning
-# started from, unmeasured here; README.md ("Does it pay") says so.
+# started from, unmeasured here; docs/verify.md ("Does it pay") says so.
 QUOTED_FIGURES = {"fp8_decode_cost_vs_bf16": 0.54, "break_even_context_tokens": 7000}
-QUOTED_NOTE = "quoted figures, not measured by kvcal (README: Does it pay)"
+QUOTED_NOTE = "quoted figures, not measured by kvcal (docs/verify.md: Does it pay)"
 
 
 @dataclass(frozen=True)

@@ -208,7 +208,7 @@ def test_plan_llama3_8b_on_h100():
     assert result["kvcal_figures"]["fp8_decode_bytes_vs_bf16"] == pytest.approx(fp8_read)
     assert result["kvcal_figures"]["break_even_context_tokens"] == 122071
     assert result["quoted_figures"] == {"fp8_decode_cost_vs_bf16": 0.54, "break_even_context_tokens": 7000,
-                                        "note": "quoted figures, not measured by kvcal (README: Does it pay)"}
+                                        "note": "quoted figures, not measured by kvcal (docs/verify.md: Does it pay)"}
     assert QUOTED_FIGURES == {"fp8_decode_cost_vs_bf16": 0.54, "break_even_context_tokens": 7000}
     text = plan_text(result)
     assert all(name in text for name in ("auto", "fp8", "122,071", "quoted figures", "7,000"))
