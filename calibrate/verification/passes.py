@@ -12,7 +12,7 @@ from ..capture.hooks import cached_latent, latent_view, prefill_chunks
 from ..fp8 import SATURATION_SLACK, FP8Format
 from ..model.layers import is_latent
 from . import fa3
-from .config import VerifyConfig
+from .config import NEAR_TIE_NATS, VerifyConfig
 from .schemes import Scheme, absorbed_attention
 from .verdict import SCHEME_NOTES, mean_stderr, skip_choice
 
@@ -49,6 +49,9 @@ class Tally:
     seq_nll: list[float] = field(default_factory=list)  # per sequence: mean next-token NLL
     seq_top1: list[float] = field(default_factory=list)  # per sequence: top-1 agreement with the reference
     seconds: float = 0.0
+    token_kl: torch.Tensor | None = None  # [sequences, positions] float32 KL(ref ‖ scheme) of every position, once measured
+    clear_flips: list[tuple[int, int]] = field(default_factory=list)  # per sequence: (top-1 changed, positions) where the
+    # reference's top-1 leads by more than NEAR_TIE_NATS
 
 
 class ReferenceProbe:
@@ -112,23 +115,35 @@ def range_counts(x: torch.Tensor, scale: torch.Tensor, fmt: FP8Format) -> torch.
     return torch.stack([saturated, underflow, torch.tensor(a.numel(), device=a.device)]).cpu()
 
 
-def _positions_metrics(ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor], logits: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, float]:
-    """Sums over positions of KL(ref ‖ scheme), NLL of ``targets`` and top-1 agreement.
+def token_kl(ref_logits: torch.Tensor, ref_p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(ref ‖ scheme) of each position, [n] nats, from the reference's logits and probabilities [n, V] and the
+    scheme's logits [n, V]."""
+    # KL = Σ p·(lp_ref − lp) = log Σ p·exp(−d) with d = ref_logits − logits centred under p (KL ignores a constant
+    # shift). Two logits of one position differ little, so d keeps float32's precision, and KL its own relative
+    # precision even at 1e-8 nats, where Σ p·(lp_ref − lp) is all rounding (numbers near ln V subtracted).
+    d = ref_logits - logits  # [n, V]
+    d = d - (ref_p * d).sum(-1, keepdim=True)
+    return torch.log1p((ref_p * torch.expm1(-d)).sum(-1)).clamp(min=0)  # [n]
+
+
+def top1_margin(logprobs: torch.Tensor) -> torch.Tensor:
+    """How far each position's top-1 log-probability leads the runner-up, [n] nats, from log-probabilities [n, V]."""
+    top2 = logprobs.topk(2, dim=-1).values  # [n, 2]
+    return top2[:, 0] - top2[:, 1]
+
+
+def _positions_metrics(ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor], logits: torch.Tensor,
+                       targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per position: KL(ref ‖ scheme), NLL of ``targets`` and top-1 agreement, each [n].
 
     ``ref`` is the reference's (logits [n, V], probabilities [n, V], argmax [n]), computed once per chunk;
     ``logits`` [n, V] are the scheme's.
     """
     ref_logits, ref_p, ref_top = ref
     lp = torch.log_softmax(logits, -1)  # [n, V]
-    # KL = Σ p·(lp_ref − lp) = log Σ p·exp(−d) with d = ref_logits − logits centred under p (KL ignores a constant
-    # shift). Two logits of one position differ little, so d keeps float32's precision, and KL its own relative
-    # precision even at 1e-8 nats, where Σ p·(lp_ref − lp) is all rounding (numbers near ln V subtracted).
-    d = ref_logits - logits  # [n, V]
-    d = d - (ref_p * d).sum(-1, keepdim=True)
-    kl = torch.log1p((ref_p * torch.expm1(-d)).sum(-1)).clamp(min=0)  # [n]
     nll = -lp.gather(-1, targets[:, None]).squeeze(-1)  # [n]
     agree = ref_top == lp.argmax(-1)  # [n]
-    return kl.sum(dtype=torch.float64).item(), nll.sum(dtype=torch.float64).item(), agree.sum().item()
+    return token_kl(ref_logits, ref_p, logits), nll, agree
 
 
 @torch.no_grad()
@@ -151,6 +166,7 @@ def measure(
     probe = ReferenceProbe(schemes, tallies, row_of, L)
     probe.fa3_layers = set(fa3.layer_rows(config.fa3_layers, [layer.layer_idx for layer in layers])) if fa3_rows is not None else set()
     ref_nll, ref_seconds = [], 0.0
+    rows: dict[str, list[torch.Tensor]] = {name: [] for name in tallies}  # per sequence, its per-token KL [n]
     for i, seq in enumerate(tqdm(sequences, desc="verifying", unit="seq", disable=not config.progress)):
         ids = seq.to(device)[None]  # [1, S]
         probe.fa3_rows = fa3_rows if i == 0 else None
@@ -159,6 +175,8 @@ def measure(
         ref_run = prefill_chunks(model, ids, chunk_len, hook=probe, keep_from=0)
         runs = {s.name: prefill_chunks(model, ids, chunk_len, hook=ApplyScheme(s, row_of), keep_from=0) for s in schemes}
         sums = {name: [0.0, 0.0, 0.0] for name in tallies}
+        kls: dict[str, list[torch.Tensor]] = {name: [] for name in tallies}  # per chunk, [n] each
+        flips = {name: [0, 0] for name in tallies}
         nll = 0.0
         for start in range(0, ids.shape[1] - 1, chunk_len):  # a last chunk of only the final token never runs
             targets = ids[0, start + 1 : start + 1 + chunk_len]  # [n] next tokens; the last position has none
@@ -166,6 +184,7 @@ def measure(
             ref_logits = next(ref_run)[: len(targets)]  # [n, V]
             ref_lp = torch.log_softmax(ref_logits, -1)  # [n, V]
             ref = (ref_logits, ref_lp.exp(), ref_lp.argmax(-1))
+            clear = top1_margin(ref_lp) > NEAR_TIE_NATS  # [n]
             nll -= ref_lp.gather(-1, targets[:, None]).sum(dtype=torch.float64).item()
             ref_seconds += time.perf_counter() - t0
             for scheme in schemes:
@@ -173,14 +192,22 @@ def measure(
                 with scheme.precision(device):
                     logits = next(runs[scheme.name])[: len(targets)]  # [n, V]
                 tallies[scheme.name].seconds += time.perf_counter() - t0
-                for j, value in enumerate(_positions_metrics(ref, logits, targets)):
-                    sums[scheme.name][j] += value
+                kl, scheme_nll, agree = _positions_metrics(ref, logits, targets)
+                for j, value in enumerate((kl.sum(dtype=torch.float64), scheme_nll.sum(dtype=torch.float64), agree.sum())):
+                    sums[scheme.name][j] += value.item()
+                kls[scheme.name].append(kl.float().cpu())
+                flips[scheme.name][0] += (clear & ~agree).sum().item()
+                flips[scheme.name][1] += clear.sum().item()
         n = ids.shape[1] - 1
         ref_nll.append(nll / n)
         for name, (kl, scheme_nll, agree) in sums.items():
             tallies[name].seq_kl.append(kl / n)
             tallies[name].seq_nll.append(scheme_nll / n)
             tallies[name].seq_top1.append(agree / n)
+            tallies[name].clear_flips.append((flips[name][0], flips[name][1]))
+            rows[name].append(torch.cat(kls[name]))  # [n]
+    for name, tally in tallies.items():  # a shorter sequence's row is NaN past its end
+        tally.token_kl = torch.nn.utils.rnn.pad_sequence(rows[name], batch_first=True, padding_value=math.nan)  # [sequences, positions]
     return tallies, probe, ref_nll, ref_seconds
 
 

@@ -11,6 +11,7 @@ from .. import serving
 from ..capture.stats import KINDS
 from .capacity import plan_text
 from .config import percent
+from .tails import COMPARED, PERCENTILES, tail_rule, tokens_needed
 
 
 def kvcal_version() -> str:
@@ -64,12 +65,49 @@ def verify_rows(rep: dict) -> list[list[str]]:
         sat = " / ".join(_pct(_worst(r, k, "saturated"), 3) for k in ("k", "v", "q"))
         times = "—" if floor is None or r["mode"] == "reference" else f"{r['kl'] / floor:.3g}×"
         size = f"{r['bytes_per_token']:,.0f} ({r['bytes_vs_bf16']:.2f}×)"
-        rows.append([name, _kl(r), times, size, f"{100 * r['ppl_change']:+.3f}%", _pct(r["top1"]), sat, r.get("target_refusal") or r["verdict"],
-                     "; ".join(r["reasons"])])
+        rows.append([name, _kl(r), times, size, f"{100 * r['ppl_change']:+.3f}%", _pct(r["top1"]), drift_cell(r.get("drift")), sat,
+                     r.get("target_refusal") or r["verdict"], "; ".join(r["reasons"])])
     return rows
 
 
+def drift_cell(d: dict | None) -> str:
+    """A scheme's decode drift in one cell: the first divergence's median (minimum) over prompts, and token agreement."""
+    if d is None:
+        return "—"
+    if d["first_divergence_min"] >= d["steps"]:
+        return f"none in {d['steps']} · {d['agreement']:.0%}"
+    return f"{d['first_divergence_median']:g} (min {d['first_divergence_min']}) · {d['agreement']:.0%}"
+
+
+def drift_note(rep: dict) -> str:
+    """What the drift column means, for the line under a table (empty when no drift was measured)."""
+    d = rep.get("drift")
+    if not d:
+        return ""
+    return (f"Drift: greedy continuations of {d['steps']} tokens after {d['prompts']} prompts of {d['prompt_len']} tokens, "
+            f"each scheme's cache quantized as it is written; the first generated token that differs from the reference's "
+            f"(0-based; median, and minimum over prompts; reference near-ties under {d['near_tie_nats']:g} nats followed), "
+            "then the share of generated tokens that agree")
+
+
 def thresholds_text(rep: dict) -> str:
+    """The limits the verdicts used, where they came from, and how tails count (``tails.tail_rule``)."""
+    return _limits_text(rep) + _tail_clause(rep)
+
+
+def _tail_clause(rep: dict) -> str:
+    floor, th = rep["floor"], rep["thresholds"]
+    if rep.get("tails") is None:
+        return ""
+    if floor is None or floor.get("tails") is None:
+        return "; tails not judged (no floor measured)"
+    have, need = floor["tails"]["tokens"], tokens_needed(PERCENTILES[COMPARED])
+    if have < need:
+        return f"; tails not judged: {COMPARED} needs {need:,} tokens, the sample has {have:,}"
+    return "; " + tail_rule(th["floor_pass"])
+
+
+def _limits_text(rep: dict) -> str:
     """The limits the verdicts used and where they came from (the floor, or set)."""
     th, floor = rep["thresholds"], rep["floor"]
     fixed = not th["relative_to_floor"] and "floor" in th["origin"].values()
@@ -90,7 +128,7 @@ def thresholds_text(rep: dict) -> str:
 
 
 VERIFY_HEADER = ["scheme", "KL nats/token", "KL / floor", "KV bytes/token", "ppl change", "top-1 agree",
-                 "saturated K / V / Q (worst layer)", "verdict", "why"]
+                 "drift: 1st diff (min) · agree", "saturated K / V / Q (worst layer)", "verdict", "why"]
 
 
 def held_out_text(rep: dict) -> list[str]:
@@ -120,6 +158,7 @@ def verify_text(rep: dict, report_md: Path | None = None) -> str:
         f"{rep.get('backend', 'cuda')} writer",
         *held_out_text(rep),
         thresholds_text(rep),
+        *([note] if (note := drift_note(rep)) else []),
         *[f"skipped {name}: {why}" for name, why in rep["skipped"].items()],
         target_text(rep),
         *rep["recommendation"],
@@ -181,7 +220,7 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
         thresholds_text(rep)
         + (" or when a needle the reference found is lost" if rep["needle"] else "")
         + ". KL is KL(reference ‖ scheme) of next-token distributions with every layer quantized at once, mean over "
-        "positions; ± is the standard error over sequences.",
+        "positions; ± is the standard error over sequences." + (f" {drift_note(rep)}." if drift_note(rep) else ""),
         "",
         *[f"- **{n}**: {r['note']}; scales: {r['source']}" for n, r in s.items()],
         *[f"- **{n}** skipped: {why}" for n, why in rep["skipped"].items()],
@@ -223,6 +262,7 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
             else:
                 rows.append([n, kind, "—", "—"])
     out += [markdown_table(["scheme", "kind", "saturated", "underflow"], rows), ""]
+    out += drift_markdown(rep) + tails_markdown(rep)
     if rep["fa3"]:
         out += _fa3_markdown(rep["fa3"])
     if rep["needle"]:
@@ -244,6 +284,70 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
             f"Time: {rep['timings']['total_s']:.1f} s in all; reference pass {rep['timings']['reference_pass_s']:.1f} s; "
             + ", ".join(f"{n} {t:.1f} s" for n, t in rep["timings"]["scheme_pass_s"].items()) + ". Every number is in report.json.", ""]
     return "\n".join(out)
+
+
+def _measured(rep: dict) -> dict[str, dict]:
+    """The quantized schemes and the floor, by name: the rows the drift and tails sections show."""
+    rows = {n: r for n, r in rep["schemes"].items() if r["mode"] != "reference"}
+    return {**rows, **({"floor": rep["floor"]} if rep["floor"] else {})}
+
+
+def drift_markdown(rep: dict) -> list[str]:
+    """Decode drift per scheme (docs/evidence.md, "Decode drift")."""
+    d = rep.get("drift")
+    if not d:
+        return []
+    rows = []
+    for name, r in _measured(rep).items():
+        x = r.get("drift")
+        if x is None:
+            continue
+        first = ", ".join("—" if f is None else str(f) for f in x["first_divergence"])
+        kl = f"{x['decode_kl']:.4g}" + (f" ± {x['decode_kl_stderr']:.2g}" if x["decode_kl_stderr"] is not None else "")
+        rows.append([name, first, f"{x['first_divergence_median']:g}", str(x["first_divergence_min"]), _pct(x["identical"], 0),
+                     _pct(x["agreement"], 1), kl, str(x["near_ties_followed"])])
+    few = (f" Only {d['prompts']} of the {d['prompts_asked']} prompts asked for: the sample has no more record boundaries "
+           "with room for a prompt." if d["prompts"] < d["prompts_asked"] else "")
+    return ["## Decode drift", "",
+            f"Greedy continuations of {d['steps']} tokens after {d['prompts']} prompts of {d['prompt_len']} tokens "
+            f"({d['prompt_source']}), by the reference and by each scheme with its cache quantized as it is written, token "
+            f"by token. First divergence: the first generated token (0-based) that differs from the reference's, — when "
+            f"none does ({d['steps']} in the median and minimum); where the reference's top-1 leads by under "
+            f"{d['near_tie_nats']:g} nats the scheme takes the reference's token (near-ties followed). Decode KL: KL(reference ‖ "
+            "scheme) over the continuation, the scheme teacher-forced on the reference's tokens." + few, "",
+            markdown_table(["scheme", "first divergence per prompt", "median", "min", "identical", "token agreement",
+                            "decode KL nats/token", "near-ties followed"], rows), ""]
+
+
+def tails_markdown(rep: dict) -> list[str]:
+    """The tails of per-token KL per scheme and the bootstrap comparisons (docs/evidence.md, "Tails")."""
+    t = rep.get("tails")
+    if not t:
+        return []
+
+    def value(r: dict, name: str) -> str:
+        return f"{r[name]:.4g}" if r[name] is not None else r["not_reported"][name]
+
+    def interval(x: tuple | list | None) -> str:
+        return "—" if x is None else f"{x[0]:.3g}–{x[1]:.3g}×"
+
+    rows = []
+    for name, r in _measured(rep).items():
+        x = r.get("tails")
+        if x is None:
+            continue
+        vs = x["vs_floor"]
+        rows.append([name, str(x["tokens"]), *(value(x, p) for p in PERCENTILES), f"{x['max']:.4g}", _pct(x["clear_flips"], 3),
+                     "—" if vs is None else f"{vs['ratio']:.3g}× ({interval(vs['interval'])})"])
+    pairs = [[c["a"], c["b"], "—" if c["ratio"] is None else f"{c['ratio']:.3g}×", interval(c["interval"])] for c in t["comparisons"]]
+    return ["## Tails", "",
+            f"Per-token KL(reference ‖ scheme) over every position of the sample: a percentile is given only when at least "
+            f"{t['min_beyond']} tokens lie beyond it; the maximum is the sample's own. Clear flips: the share of positions "
+            f"whose top-1 changes where the reference's top-1 leads by more than {t['near_tie_nats']:g} nats. Intervals: "
+            f"{t['confidence']:.0%}, from {t['resamples']} bootstrap resamples of the sequences (seed {t['seed']}), the same "
+            "resamples for every scheme.", "",
+            markdown_table(["scheme", "tokens", *PERCENTILES, "max", "clear flips", f"{t['compared']} / floor's"], rows), "",
+            *([f"{t['compared']} of one scheme over another's:", "", markdown_table(["a", "b", "a / b", "interval"], pairs), ""] if pairs else [])]
 
 
 def _skip_markdown(probe: dict | None) -> list[str]:

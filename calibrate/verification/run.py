@@ -10,10 +10,12 @@ Cost: one reference forward of the sample (which also runs each scheme's attenti
 for the per-layer errors), one forward per scheme with every layer quantized at once, one for the *floor* (the
 unquantized model in another precision, what the verdicts are relative to), and for the recommended scheme one
 per probed layer left unquantized (plus a reference): about 3 + S + P forwards. The FA3 accumulator model
-(``fa3.probe``) and the needle probe (``needle.py``) are extra. What the numbers mean, verdicts and the
+(``fa3.probe``), the needle probe (``needle.py``) and decode drift (``drift.py``: prompts × generated tokens
+decode steps, for the reference and each scheme) are extra; the tails (``tails.py``) reuse the passes' per-token KL. What the numbers mean, verdicts and the
 recommendation, is ``verdict.py``'s; the memory arithmetic ``capacity.py``'s.
 """
 
+import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -36,12 +38,14 @@ from ..model.load import check_known_type, check_tokenizer_fits, load_model, loa
 from . import fa3, report
 from .capacity import LayerKV, per_token, plan
 from .card import write_card
-from .config import FLOOR, REFERENCE, Thresholds, VerifyConfig
+from .config import FLOOR, NEAR_TIE_NATS, REFERENCE, Thresholds, VerifyConfig
+from .drift import measure_drift, prompts_from
 from .kvdtypes import DTYPES
 from .needle import needle_probe
 from .passes import ApplyScheme, ReferenceProbe, measure, probe_skip_layers, scheme_result
 from .scale1 import scale1_answer
 from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
+from .tails import tails
 from .verdict import check_measured, check_reference, choose, judge, recommend, serve_lines, target_refusals
 
 # ---- scales: from the checkpoint, its statistics, or a file --------------------------------------------------------
@@ -209,6 +213,8 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         calibration = read_digests(path)
     sequences, manifest, excluded = _sample(config.data, tokenizer, context,
                                             frozenset() if config.include_calibration_data else calibration)
+    prompts, prompt_source = (prompts_from(sequences, tokenizer.eos_token_id, config.prompts, config.prompt_len)
+                              if config.generate else ([], None))
     sampled = time.perf_counter()
 
     # 3. The reference model (float32 on CPU by default, K and V unquantized) and its attention layers.
@@ -229,10 +235,13 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     tallies, probe, ref_nll, ref_seconds = measure(model, layers, schemes + floor, sequences, config, fa3_rows)
     measured = time.perf_counter()
 
-    # 5. Optional probes: the FA3 numeric model on sampled rows, and the needle.
+    # 5. Optional probes: the FA3 numeric model on sampled rows, the needle, decode drift.
     fa3_result = _fa3(probe, fa3_rows, schemes, layers, sig, config) if config.fa3 else None
     probed = time.perf_counter()
     needle_result = _needle(model, tokenizer, layers, schemes, config, context) if config.needle else None
+    needled = time.perf_counter()
+    drifts = measure_drift(model, layers, schemes + floor, prompts, config.generate, progress=config.progress) if prompts else {}
+    drifted = time.perf_counter()
 
     # 6. Numbers; the limits, from the floor unless set; verdicts; which layers to keep unquantized; the recommendation.
     results = {s.name: scheme_result(s, tallies[s.name], probe.ref_sq, ref_nll) for s in schemes + floor}
@@ -241,6 +250,12 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     check_reference(ref_nll, results.get(FLOOR))  # NaN or Inf there: nothing can be judged against it
     floor_result = results.pop(FLOOR, None)
     limits = config.thresholds.resolve(floor_result, len(sequences) * (config.data.seq_len - 1))
+    measured_kl = {n: t for n, t in tallies.items()  # the quantized schemes and the floor; a non-finite one has no verdict
+                   if (n == FLOOR or n in results and results[n]["mode"] != Mode.REFERENCE) and math.isfinite(t.token_kl.sum())}
+    tail_result = tails({n: t.token_kl for n, t in measured_kl.items()}, {n: t.clear_flips for n, t in measured_kl.items()},
+                        seed=config.data.seed, floor=FLOOR if floor_result else None, floor_pass=limits.floor_pass)
+    for name, r in [*results.items(), *([(FLOOR, floor_result)] if floor_result else [])]:
+        r["tails"], r["drift"] = tail_result["schemes"].get(name), drifts.get(name)
     for name, r in results.items():
         if needle_result and r["mode"] != Mode.REFERENCE:
             r["needle_lost"] = needle_result["summary"][name]["lost"]
@@ -304,11 +319,14 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "serve_command": serve,  # the line for ``target``, printed last
         "serve_lines": per_target,  # every target's line, with the vLLM build it was checked against
         "position_profile": _position_profile(stats),
+        "tails": {k: v for k, v in tail_result.items() if k != "schemes"},
+        "drift": {"steps": config.generate, "prompts": len(prompts), "prompts_asked": config.prompts, "prompt_len": config.prompt_len,
+                  "prompt_source": prompt_source, "near_tie_nats": NEAR_TIE_NATS} if prompts else None,
         "timings": {
             "sample_s": sampled - start, "load_s": loaded - sampled, "passes_s": measured - loaded,
             "reference_pass_s": ref_seconds, "scheme_pass_s": {n: t.seconds for n, t in tallies.items()},
             "skip_probe_s": skip_probe["seconds"] if skip_probe else 0.0, "fa3_s": probed - measured,
-            "needle_s": time.perf_counter() - probed, "total_s": time.perf_counter() - start,
+            "needle_s": needled - probed, "drift_s": drifted - needled, "total_s": time.perf_counter() - start,
         },
     }
     # 7. Report files; a kvcal output's model card gets this table.

@@ -13,6 +13,7 @@ from ..choices import DEFAULT_TARGET, SCHEMES, TARGETS, VERIFY_SCHEMES
 from ..model.layers import AttentionLayer
 from .config import FLOOR, Thresholds, percent
 from .kvdtypes import DTYPES
+from .tails import COMPARED, CONFIDENCE
 
 # Each scheme's note, from the one table (choices.SCHEMES; a cache dtype's from kvdtypes.DTYPES), and the floor's.
 SCHEME_NOTES = {name: note or f"--kv-cache-dtype {name}: {DTYPES[name].note}" for name, note in SCHEMES.items()}
@@ -92,6 +93,12 @@ def judge(result: dict, limits: Thresholds) -> tuple[str, list[str]]:
         reasons.append(f"top-1 agreement {top1:.3%} < {percent(limits.fail_top1 if top1 < limits.fail_top1 else limits.min_top1)}")
     if result.get("needle_lost"):
         reasons.append(f"the needle found by the reference was lost in {result['needle_lost']} case(s)")
+    tail = (result.get("tails") or {}).get("vs_floor")
+    if tail and tail["heavier"]:  # the tail rule (tails.tail_rule): a heavy tail keeps a scheme from passing
+        verdict = "warn" if verdict == "pass" else verdict
+        lo, hi = tail["interval"]
+        reasons.append(f"{COMPARED} per-token KL {tail['ratio']:.3g}× the floor's ({CONFIDENCE:.0%} interval {lo:.3g}–{hi:.3g}×) "
+                       f"> {tail['limit']:g}×")
     return verdict, reasons
 
 

@@ -180,12 +180,29 @@ def check_verdict_row(cells: list[str], name: str, r: dict, floor: float | None 
     assert float(size.replace(",", "")) == r["bytes_per_token"] and ratio == f"{r['bytes_vs_bf16']:.2f}×)"
     assert cells[4][0] in "+-" and percent(cells[4]) == pytest.approx(r["ppl_change"], abs=1e-5)
     assert percent(cells[5]) == pytest.approx(r["top1"], abs=1e-4)
-    worst = [percent(c) for c in cells[6].split(" / ")]
+    check_drift_cell(cells[6], r.get("drift"))
+    worst = [percent(c) for c in cells[7].split(" / ")]
     for kind, got in zip("kvq", worst):
         f = r["fractions"].get(kind)
         assert got is None if not f else got == pytest.approx(max(f["saturated"]), abs=1e-5), (name, kind)
-    assert cells[7] == r["verdict"]
-    assert (cells[8] if len(cells) > 8 else "") == "; ".join(r["reasons"])
+    assert cells[8] == r["verdict"]
+    assert (cells[9] if len(cells) > 9 else "") == "; ".join(r["reasons"])
+
+
+def check_drift_cell(cell: str, d: dict | None) -> None:
+    """The drift cell: the median and minimum first divergence over prompts, or none within the steps, then agreement."""
+    if d is None:
+        assert cell == "—"
+        return
+    first, agree = cell.split(" · ")
+    assert percent(agree) == pytest.approx(d["agreement"], abs=0.005)
+    if min(f if f is not None else d["steps"] for f in d["first_divergence"]) == d["steps"]:
+        assert first == f"none in {d['steps']}"
+    else:
+        median, _, low = first.partition(" (min ")
+        values = sorted(f if f is not None else d["steps"] for f in d["first_divergence"])
+        assert float(median) == pytest.approx((values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2)
+        assert int(low.rstrip(")")) == values[0]
 
 
 def test_verify_text_has_a_row_per_scheme_with_its_numbers_and_verdict():
