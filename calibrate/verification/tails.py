@@ -20,6 +20,7 @@ MIN_BEYOND = 10  # tokens that must lie beyond a percentile for it to be reporte
 PERCENTILES = {"p99": 99.0, "p99.9": 99.9}
 COMPARED = "p99"  # the percentile the bootstrap compares between schemes and against the floor
 RESAMPLES = 1000  # bootstrap resamples of the sample's sequences
+_BOOTSTRAP_ELEMENTS = 1 << 24  # float64 values one batch of resamples holds (128 MiB), whatever the sample's size
 CONFIDENCE = 0.95  # two-sided: the comparison's interval runs from the 2.5th to the 97.5th percentile of resamples
 
 
@@ -68,9 +69,6 @@ def bootstrap(token_kl: dict[str, torch.Tensor], percentile: float, seed: int, r
             values.append(quantile(pooled, percentile, axis=1))
         out[name] = np.concatenate(values)
     return out
-
-
-_BOOTSTRAP_ELEMENTS = 1 << 24  # float64 values a bootstrap batch holds (128 MiB), whatever the sample's size
 
 
 def ratio_interval(a: np.ndarray, b: np.ndarray) -> tuple[float, float] | None:
