@@ -14,6 +14,7 @@ from conftest import save_tiny_checkpoint
 from safetensors.torch import load_file
 
 import calibrate.model.load
+import calibrate.run.load_and_capture
 from calibrate import calibrate as run
 from calibrate.checkpoint.write import scales_file
 from calibrate.choices import parse_size
@@ -51,7 +52,7 @@ def device_maps(monkeypatch) -> list:
         maps.append(getattr(model, "hf_device_map", None))
         return model, tokenizer
 
-    monkeypatch.setattr(calibrate.model.load, "load_model", spy)
+    monkeypatch.setattr(calibrate.run.load_and_capture, "load_model", spy)  # the name calibrate calls
     return maps
 
 
