@@ -30,7 +30,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import client_python, hardware_reason
+from runners import client_python, hardware_reason
 
 from calibrate import calibrate, serving
 from calibrate.loaders import Servable, quant_config, quant_method, refusal

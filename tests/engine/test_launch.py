@@ -3,7 +3,7 @@
 import sys
 
 import pytest
-from conftest import client_python
+from runners import client_python
 
 from calibrate.engine.launch import EngineError, find_vllm_python, run_job, vllm_version
 

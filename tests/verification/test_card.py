@@ -6,7 +6,7 @@ import re
 
 import pytest
 from huggingface_hub import ModelCard, ModelCardData
-from references import QUIET
+from runners import QUIET
 
 from calibrate import api
 from calibrate.verification.card import MARKER, base_model
