@@ -29,7 +29,7 @@ from .choices import runs_the_model
 from .config import CalibrationConfig, ScaleConfig
 from .data.sources import local_paths
 from .data.stream import iter_sequences
-from .files import no_room
+from .files import check_model_dir, no_room
 from .fp8 import get_format
 from .layout import KVCAL_DIR, PROVENANCE_FILE, is_pack, sibling
 from .loaders import (
@@ -362,6 +362,8 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False,
 def _apply_pack(pack: Path, checkpoint: Path, out: Path, *, overwrite: bool, other_weights: bool) -> AppliedPack:
     """``apply`` from a pack: its scales beside CHECKPOINT's weights, linked (checkpoint/pack.py)."""
     manifest = packs.read_pack(pack)
+    check_model_dir(checkpoint)
+    read_config_json(checkpoint)  # a directory without config.json: refused in its own words
     seen = prepare_output(out, [checkpoint, pack], overwrite)
     packs.check_fits(pack, manifest, checkpoint)
     seconds = None if other_weights else packs.check_weights(pack, manifest, checkpoint)

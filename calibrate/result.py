@@ -159,7 +159,7 @@ class PackResult:
                  if base["id"] else "a local model with no Hub id")
         return "\n".join([
             f"wrote {self.pack}: the scales alone, for {named}",
-            f"pinned to {len(weights['sha256'])} weight files by sha256 ({weights['from_hub_cache']} from the Hub cache's "
+            f"pinned to {len(weights['sha256'])} weight file(s) by sha256 ({weights['from_hub_cache']} from the Hub cache's "
             f"blob names, {weights['computed']} read whole, {weights['sha256_seconds']:.1f} s)",
             f"share it with: hf upload ORG/REPO {self.pack}",
             f"serve it from a copy of the base model: kvcal apply {self.pack} MODEL --out OUT",

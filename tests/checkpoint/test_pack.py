@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import client_python
-from references import save_llama
+from references import modelopt_fp8, save_llama
 from safetensors.torch import load_file
 
 from calibrate import calibrate, export, export_pack
@@ -191,6 +191,58 @@ def test_apply_refuses_a_damaged_pack(packed, calibrated, tmp_path, capsys):
     (damaged / "kv_scales.safetensors").write_bytes((damaged / "kv_scales.safetensors").read_bytes()[:-4] + b"\0\0\0\0")
     assert main(["apply", str(damaged), str(calibrated[0]), "--out", str(tmp_path / "o")]) == 2
     assert "sha256 differs from the manifest's" in capsys.readouterr().err
+
+
+def test_a_modelopt_pack_goes_back_into_modelopt_units(calibrated, tmp_path, smol_tokenizer):
+    """ModelOpt's loader doubles scales on e4m3fnuz, so its shard stores them halved: apply reads them back into
+    kvcal's units and writes them halved again, exactly as export did."""
+    _, out = calibrated
+    target = modelopt_fp8(save_llama(tmp_path / "t", smol_tokenizer, seed=1), tmp_path / "modelopt", in_config=True)
+    onto = tmp_path / "onto"
+    export(str(out), str(onto), model=str(target), fp8_format="e4m3fnuz")
+    pack = tmp_path / "pack"
+    export_pack(str(onto), str(pack))
+    manifest = json.loads((pack / "manifest.json").read_text())
+    assert manifest["scales"]["form"] == "modelopt" and manifest["scales"]["fp8_format"] == "e4m3fnuz"
+    assert set(json.loads((pack / "config_fragment.json").read_text())) == {"config.json", "hf_quant_config.json"}
+    applied = tmp_path / "applied"
+    assert main(["apply", str(pack), str(target), "--out", str(applied)]) == 0
+    assert same_tensors(load_file(scales_file(applied)), load_file(scales_file(onto)))
+    assert json.loads((applied / "hf_quant_config.json").read_text()) == json.loads((onto / "hf_quant_config.json").read_text())
+
+
+def test_apply_fetches_a_hub_id_into_the_cache_first(calibrated, tmp_path, monkeypatch):
+    """A Hub id is resolved to its snapshot and its files fetched (both stubbed here: tests never reach the Hub)."""
+    import calibrate.hub as hub
+
+    base, out = calibrated
+    snapshot = hub_cache(base, tmp_path / "hub")
+    pack = tmp_path / "pack"
+    export_pack(str(out), str(pack))
+    calls = []
+    monkeypatch.setattr(hub, "resolve", lambda name, revision=None: calls.append(("resolve", name)) or str(snapshot))
+    monkeypatch.setattr(hub, "fetch", lambda model_dir, **kw: calls.append(("fetch", model_dir)) or False)
+    assert main(["apply", str(pack), "org/name", "--out", str(tmp_path / "applied")]) == 0
+    assert calls == [("resolve", "org/name"), ("fetch", str(snapshot))]
+    assert os.stat(tmp_path / "applied" / shard_name(1, 2)).st_ino == os.stat((snapshot / "model.safetensors").resolve()).st_ino
+
+
+def test_apply_pack_refuses_a_model_that_is_not_a_model_directory(packed, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    for model, message in ((tmp_path / "missing", "does not exist"), (tmp_path / "empty", "has no config.json"),
+                           (packed / "manifest.json", "is a file")):
+        assert main(["apply", str(packed), str(model), "--out", str(tmp_path / "o")]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_export_pack_refuses_an_output_whose_weights_its_run_made(calibrated, tmp_path, capsys):
+    _, out = calibrated
+    fp8 = tmp_path / "out"
+    shutil.copytree(out, fp8)
+    provenance = json.loads((fp8 / "kvcal" / "calibration.json").read_text())
+    (fp8 / "kvcal" / "calibration.json").write_text(json.dumps(provenance | {"weights": {"scheme": "FP8_DYNAMIC"}}))
+    assert main(["export", str(fp8), "--pack", str(tmp_path / "p")]) == 2
+    assert "(--weights fp8)" in capsys.readouterr().err and not (tmp_path / "p").exists()
 
 
 def test_export_pack_refuses_flags_that_ask_for_other_scales(calibrated, tmp_path, capsys):
