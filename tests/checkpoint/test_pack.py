@@ -245,6 +245,19 @@ def test_export_pack_refuses_an_output_whose_weights_its_run_made(calibrated, tm
     assert "(--weights fp8)" in capsys.readouterr().err and not (tmp_path / "p").exists()
 
 
+def test_a_pack_that_fails_midway_leaves_nothing(calibrated, tmp_path, monkeypatch):
+    """Built beside PACK and renamed into place: a failure before the rename leaves neither PACK nor its temporary."""
+    import calibrate.checkpoint.pack as packs
+
+    def failing(tmp, pack, *, seen):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(packs, "move_into_place", failing)
+    with pytest.raises(OSError, match="disk gone"):
+        export_pack(str(calibrated[1]), str(tmp_path / "pack"))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_export_pack_refuses_flags_that_ask_for_other_scales(calibrated, tmp_path, capsys):
     _, out = calibrated
     for flags, named in ((["--granularity", "head"], "--granularity"), (["--no-query-scale"], "--no-query-scale")):
