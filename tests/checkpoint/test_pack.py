@@ -163,6 +163,21 @@ def test_round_trip_pack_then_apply_gives_the_output_s_scales(calibrated, packed
     assert main(["export", str(out), "--pack", str(packed), "--overwrite"]) == 0
 
 
+def test_verify_of_an_applied_pack_leaves_the_calibration_records_out(calibrated, packed, tmp_path):
+    """The fixture's data is one record, which calibration read: verify of the applied checkpoint finds nothing held
+    out, as it does on the output itself, and samples it only when told to."""
+    from calibrate import verify
+
+    base, _ = calibrated
+    applied = tmp_path / "applied"
+    assert main(["apply", str(packed), str(base), "--out", str(applied)]) == 0
+    data, options = [str(base.parent / "data.txt")], dict(schemes="bf16", seq_len=64, max_tokens=128, device="cpu", progress=False)
+    with pytest.raises(ValueError, match="outside the 1 records calibration used"):
+        verify(str(applied), data, **options)
+    verify(str(applied), data, include_calibration_data=True, report_dir=str(tmp_path / "r"), **options)
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["held_out"]["calibration_records"] == 1
+
+
 def test_apply_refuses_other_weights_in_one_line_unless_told(calibrated, packed, tmp_path, smol_tokenizer, capsys):
     _, out = calibrated
     finetune = save_llama(tmp_path / "finetune", smol_tokenizer, seed=1)  # the same architecture, other weights
