@@ -20,6 +20,7 @@ _PUBLIC = {
     "apply": "api",
     "calibrate": "api",
     "export": "api",
+    "export_pack": "api",
     "inspect": "checkpoint.inspect",
     "load_calibration": "checkpoint.kvcal_dir",
     "load_recipe": "recipes",

@@ -143,3 +143,46 @@ class CalibrationResult:
             return []
         return [f"scales rest on little data: {seen:,} tokens per layer (< {LITTLE_DATA_TOKENS:,}); rarer outliers "
                 "were likely not seen: calibrate on more data (--max-tokens) or add --headroom before serving"]
+
+
+@dataclass
+class PackResult:
+    """What ``export --pack`` wrote: PACK and its manifest (checkpoint/pack.py)."""
+
+    pack: Path
+    manifest: dict
+
+    def summary(self) -> str:
+        """What the pack is pinned to, and how to share it."""
+        base, weights = self.manifest["base_model"], self.manifest["weights"]
+        named = (f"{base['id']}" + (f" at revision {base['revision']}" if base["revision"] else " (revision unknown)")
+                 if base["id"] else "a local model with no Hub id")
+        return "\n".join([
+            f"wrote {self.pack}: the scales alone, for {named}",
+            f"pinned to {len(weights['sha256'])} weight file(s) by sha256 ({weights['from_hub_cache']} from the Hub cache's "
+            f"blob names, {weights['computed']} read whole, {weights['sha256_seconds']:.1f} s)",
+            f"share it with: hf upload ORG/REPO {self.pack}",
+            f"serve it from a copy of the base model: kvcal apply {self.pack} MODEL --out OUT",
+        ])
+
+
+@dataclass
+class AppliedPack:
+    """What ``apply`` wrote from a pack: OUT, the model whose weights it links, the manifest, and the seconds the weights'
+    sha256 took (None: not checked, ``other_weights``)."""
+
+    out: Path
+    model: Path
+    manifest: dict
+    check_seconds: float | None
+
+    def summary(self) -> str:
+        """Whether the weights are the pinned ones, and the serve line of the written scales."""
+        checked = (f"its weights are the ones the pack pins (sha256 checked in {self.check_seconds:.1f} s)"
+                   if self.check_seconds is not None else "its weights were not checked against the pack's (--other-weights)")
+        scales = self.manifest["scales"]
+        target = self.manifest.get("target") or DEFAULT_TARGET
+        written = serving.written_dtype(scales["granularity"], target)
+        serve = (["serve it with:", f"  {serving.serve_command(str(self.out), written[0], target=target, per_head=written[1])}"]
+                 if written else [f"{target} does not read {scales['granularity']} scales as written"])
+        return "\n".join([f"wrote {self.out}: the pack's scales beside {self.model}'s weights, linked; {checked}", *serve])
