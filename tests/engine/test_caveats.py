@@ -49,3 +49,11 @@ def test_serving_and_loaders_read_this_home():
     assert serving.SUPPORT is C.SUPPORT
     assert loaders.REFUSALS["fp8_e5m2"][1] == C.E5M2_OVER_SCALES
     assert loaders.ignored_scales({"model_type": "qwen3_5"}) == C.FAMILY_LOADER_GAPS["qwen3_5"]
+
+
+def test_the_installed_vllm_is_the_default_version():
+    from conftest import client_python
+
+    from calibrate.engine.launch import vllm_version
+
+    assert C.installed_vllm_version() == vllm_version(client_python("vLLM"))
