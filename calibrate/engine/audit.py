@@ -8,6 +8,7 @@ per-head q reduced per group, the CPU backend's max over heads, storage in the m
 """
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -59,9 +60,11 @@ class AuditResult:
     def text(self) -> str:
         """A few lines for a person: the verdict first."""
         engine = f"vLLM {self.vllm_version}" if self.vllm_version else "vLLM"
-        head = f"engine audit ({engine}, {self.platform or 'platform unknown'}, --kv-cache-dtype {self.kv_cache_dtype})"
+        head = f"engine audit ({', '.join(filter(None, (engine, self.platform)))}, --kv-cache-dtype {self.kv_cache_dtype})"
         if self.status == NOT_AUDITABLE:
             return f"{head}: not auditable on this host: {self.reason}"
+        if not self.layers:  # vLLM refused the load
+            return "\n".join([f"{head}: FAILED", *(f"  {line}" for line in self.failures)])
         lines = [f"{head}: {len(self.layers)} attention layers read back"]
         lines += [f"  applied: {t}" for t in self.transformations]
         lines += [f"  {line}" for line in self.failures]
@@ -99,7 +102,7 @@ def audit(out: str | Path, python: str | Path | None = None, *, kv_cache_dtype: 
                                         "kv_cache_space_gib": 1}, deny_isa=deny_isa, timeout_s=timeout_s)
     if answer["error"] is not None:
         result.vllm_version = vllm_version(python)
-        refusal = answer["error"].splitlines()[0]
+        refusal = re.split(r"(?<=\.)\s", answer["error"].splitlines()[0], maxsplit=1)[0]  # vLLM's first sentence
         if CPU_FP8_REFUSAL in refusal:
             result.status, result.reason = NOT_AUDITABLE, (f"vLLM {result.vllm_version} runs no --kv-cache-dtype "
                                                            f"{dtype} here ({refusal})")

@@ -103,7 +103,9 @@ def test_a_scale_vllm_cannot_place_is_its_refusal_in_one_line(model_dir, python,
     result = A.audit(out, python)
     assert result.status == A.FAILED
     (line,) = result.failures
-    assert line.startswith("vLLM 0.32.0 refuses to load the checkpoint: ") and "prob_scale" in line and "\n" not in line
+    assert line == ("vLLM 0.32.0 refuses to load the checkpoint: ValueError: There is no module or parameter named "
+                    "'layers.2.self_attn.prob_scale' in LlamaModel.")
+    assert result.text() == f"engine audit (vLLM 0.32.0, --kv-cache-dtype bfloat16): FAILED\n  {line}"
 
 
 def fp8_form(model_dir: Path, out: Path) -> Path:
@@ -144,6 +146,16 @@ def test_fp8_form_needs_a_quantized_cache_and_says_when_the_host_runs_none(model
     for i in range(LAYERS):  # bf16-rounded, as the base loader stores them; q 1.0
         assert held[i]["k"]["held"] == [torch.tensor(SCALES["k"][i]).to(torch.bfloat16).float().item()]
         assert held[i]["q"]["held"] == [1.0]
+
+
+def test_bad_engine_options_are_one_line_errors(model_dir, tmp_path, capsys):
+    assert main(["inspect", str(model_dir), "--vllm-python", "/usr/bin/python3"]) == 2
+    assert capsys.readouterr().err.strip() == ("kvcal: error: --vllm-python names the interpreter for --engine vllm: add "
+                                               "--engine vllm")
+    assert main(["inspect", str(model_dir), "--engine", "vllm", "--vllm-python", str(tmp_path / "python")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kvcal: error: --vllm-python ") and err.endswith("no such interpreter; give the python of a "
+                                                                             "venv with vLLM") and "\n" not in err
 
 
 # ---- the comparison, on engine answers made up here ---------------------------------------------------------------
