@@ -18,6 +18,7 @@ _PUBLIC = {
     "Stats": "capture.stats",
     "VerifyResult": "verification.run",
     "apply": "api",
+    "audit": "engine.audit",
     "calibrate": "api",
     "export": "api",
     "export_pack": "api",

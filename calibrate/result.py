@@ -10,6 +10,7 @@ from . import serving
 from .capture.stats import Stats
 from .choices import DEFAULT_TARGET
 from .config import LITTLE_DATA_TOKENS
+from .engine.caveats import installed_vllm_version
 from .loaders import quant_config, quant_method, read_config_json, stored_dtype
 from .model.layers import AttentionLayer
 from .recipes import serve_notes
@@ -80,7 +81,8 @@ class CalibrationResult:
 
     def _written_serve_line(self) -> list[str]:
         """The serve line of the written scales on the target, before any verify (nothing when the target does not
-        read them as written); the sliding-window hint comes first, so the line is last."""
+        read them as written); the sliding-window hint and the engine caveats for the installed vLLM come first, so the
+        line is last."""
         written = serving.written_dtype(self.scale_set.granularity, self.target)
         if written is None:
             return [f"{self.target} does not read {self.scale_set.granularity} scales as written "
@@ -88,7 +90,9 @@ class CalibrationResult:
         dtype, per_head = written
         hint = ([f"(this model has sliding-window layers; to keep them in bf16 add {serving.skip_flag([serving.SLIDING])})"]
                 if any(layer.sliding_window for layer in self.layers) and serving.SLIDING not in map(str, self._recipe_skip()) else [])
-        return [*hint, "serve it with:",
+        caveats = [f"note: {line}" for line in serving.caveats(self.target, dtype, vllm_version=installed_vllm_version(),
+                                                                per_head=per_head, checkpoint_scales=True)]
+        return [*hint, *caveats, "serve it with:",
                 f"  {serving.serve_command(str(self.out), dtype, target=self.target, per_head=per_head, skip_layers=self._recipe_skip())}"]
 
     def _release_note(self) -> list[str]:

@@ -29,6 +29,7 @@ from ..capture.stats import Stats, position_bucket_starts
 from ..checkpoint.write import tensor_bytes, weight_files
 from ..data.config import DataConfig
 from ..data.stream import iter_sequences, read_digests
+from ..engine.caveats import installed_vllm_version
 from ..files import read_json_object
 from ..fp8 import get_format
 from ..layout import is_kvcal_output, provenance_path, records_path, stats_path
@@ -283,12 +284,15 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         skip_probe["bytes_per_token"] = skip_cost(kv_layers, results[skip_probe["scheme"]]["kv_dtype"], skip_probe["skip"], pays["context"])
     plain = serving.unquantized_dtype(model_config)  # auto, unless a kv_cache_scheme would make auto fp8
     scale1 = scale1_answer(results)  # "is scale 1.0 enough?"
+    vllm_version = config.vllm_version or installed_vllm_version()  # the release the caveats are said for
     recommendation, serve = recommend(results, held, layers, config.checkpoint, skip_probe, pays, target=config.target,
-                                      unquantized=plain, scale1=scale1["text"] if scale1 else None)
+                                      unquantized=plain, scale1=scale1["text"] if scale1 else None,
+                                      vllm_version=vllm_version)
     per_target = serve_lines(results, held, layers, config.checkpoint, skip_probe, unquantized=plain)
     dtype = str(model.dtype).removeprefix("torch.")
     rep = {
         "kvcal_version": report.kvcal_version(),
+        "caveats_for_vllm": vllm_version,  # the release the recommendation's engine caveats are said for (None: unknown)
         "checkpoint": str(Path(config.checkpoint).resolve()),
         "reference": {"name": REFERENCE, "dtype": dtype, "device": str(device),
                       "model": (what := reference_model(described.quant, model, dtype)),

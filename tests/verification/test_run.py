@@ -375,6 +375,7 @@ def test_scales_file_is_a_scheme(tmp_path, plain_ckpt, data_file):
         (dict(schemes="bf16,fp4"), "unknown verify scheme 'fp4'"),
         (dict(max_tokens=10, seq_len=64), "less than one sequence"),
         (dict(max_kl=0.5, fail_kl=0.1), "thresholds"),
+        (dict(vllm_version="latest"), "vLLM version 'latest' is not a version number"),
     ],
 )
 def test_bad_options_raise_with_the_fix(tmp_path, plain_ckpt, options, match):
