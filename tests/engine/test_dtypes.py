@@ -4,7 +4,7 @@ import ast
 import subprocess
 
 import pytest
-from conftest import client_python
+from runners import client_python
 
 from calibrate.choices import CACHE_DTYPES, VLLM_SCHEME_NAMES
 from calibrate.engine.dtypes import NOT_EMULATED, EngineDtypes, engine_dtypes
