@@ -32,8 +32,13 @@ def kind_index(codes: torch.Tensor, classification: str) -> torch.Tensor:
 
 
 def targets(layouts: list[Layout], positions: int) -> torch.Tensor:
-    """The kinds code of the token each position predicts, [sequences, positions] uint8."""
-    return torch.stack([layout.kind[1 : positions + 1] for layout in layouts])
+    """The kinds code of the token each position predicts, [sequences, positions] uint8 (0 past a shorter sequence's end,
+    where the per-token KL is NaN padding)."""
+    out = torch.zeros(len(layouts), positions, dtype=torch.uint8)
+    for row, layout in zip(out, layouts):
+        codes = layout.kind[1 : positions + 1]
+        row[: len(codes)] = codes
+    return out
 
 
 def by_kind(token_kl: torch.Tensor, token_top1: torch.Tensor, layouts: list[Layout]) -> dict:
