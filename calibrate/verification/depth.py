@@ -128,6 +128,6 @@ def trend_text(d: dict) -> str:
 
 def rule() -> str:
     """The depth rule in words a user reads."""
-    return (f"depth: KL of positions inside the record a sequence starts with, in buckets from 0–{FIRST_END - 1} growing "
+    return (f"KL of positions inside the record a sequence starts with, in buckets from 0–{FIRST_END - 1} growing "
             f"{GROWTH}× each, a bucket only over records that cover it; the trend is the deepest bucket (with ≥ "
             f"{MIN_SEQUENCES} records) minus the first, paired by record, beyond {SE_MULTIPLE:g} standard errors")

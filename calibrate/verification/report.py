@@ -375,7 +375,7 @@ def depth_markdown(rep: dict, plot: str | None = None) -> list[str]:
     header = ["scheme", "depth (positions)", "records", "tokens", "KL nats/token", "top-1 agree"]
     return ["## KL by context depth", "",
             f"Positions inside the record each sequence starts with, by depth in that record; a bucket counts only the "
-            f"records that cover all of it (tokens of shorter records are left out). Trend: {rep['depth']['rule']}.", "",
+            f"records that cover all of it (tokens of shorter records are left out). The rule: {rep['depth']['rule']}.", "",
             *([f"![KL by depth]({plot})", ""] if plot else []),
             markdown_table(header, rows), "", *[f"- {line}" for line in depth_lines(rep)], "",
             *(["**Packed positions** (after another record in the same sequence): bucketed by position in the sequence, "
