@@ -66,7 +66,8 @@ def by_depth(token_kl: torch.Tensor, token_top1: torch.Tensor, layouts: list[Lay
     """One scheme's KL and top-1 by depth.
 
     Args:
-        token_kl, token_top1: per position [sequences, positions] (``passes.Tally``), every sequence full length.
+        token_kl, token_top1: per position [sequences, positions] (``passes.Tally``; a shorter sequence padded past
+            its end, which no figure counts).
         layouts: each sequence's ``Layout`` (the data stage's).
 
     Returns:
@@ -76,7 +77,8 @@ def by_depth(token_kl: torch.Tensor, token_top1: torch.Tensor, layouts: list[Lay
         inside it); "trend": ``trend``}.
     """
     positions = token_kl.shape[1]
-    ends = torch.tensor([leading_end(layout.record, positions) for layout in layouts])  # [S]
+    lengths = torch.tensor([min(positions, layout.record.numel() - 1) for layout in layouts])  # [S] positions measured
+    ends = torch.tensor([leading_end(layout.record, n) for layout, n in zip(layouts, lengths.tolist())])  # [S]
     rows, packed = [], []
     covered = torch.zeros(token_kl.shape, dtype=torch.bool)
     for start, end in buckets(positions):
@@ -85,7 +87,8 @@ def by_depth(token_kl: torch.Tensor, token_top1: torch.Tensor, layouts: list[Lay
         covered[reach, start:end] = True
         rows.append({"start": start, "end": end, "label": label(start, end), "sequences": len(reach), **_stats(kl, top1),
                      "kl_per_sequence": kl.double().mean(1).tolist()})
-        after = torch.arange(start, end)[None, :] >= ends[:, None]  # [S, w] positions past the leading record
+        j = torch.arange(start, end)[None, :]
+        after = (j >= ends[:, None]) & (j < lengths[:, None])  # [S, w] positions past the leading record
         packed.append({"start": start, "end": end, "label": label(start, end), "sequences": int(after.any(1).sum()),
                        **_stats(token_kl[:, start:end][after], token_top1[:, start:end][after])})
     lead = torch.arange(positions)[None, :] < ends[:, None]

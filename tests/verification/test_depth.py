@@ -80,6 +80,15 @@ def test_the_trend_is_last_bucket_minus_first_paired_by_sequence():
     assert depth.by_depth(torch.from_numpy(-kl + 1).float(), torch.ones(6, P, dtype=torch.bool), layouts)["trend"]["verdict"] == "shrinks"
 
 
+def test_a_shorter_last_sequence_counts_only_its_own_positions():
+    kl = torch.rand(2, 300)
+    kl[1, 201:] = float("nan")  # padding past the second sequence's end (BOS + 201 tokens: 201 positions)
+    got = depth.by_depth(kl, torch.ones(2, 300, dtype=torch.bool), [layout([301]), layout([50, 151])])
+    assert got["packed"] and all(p["kl"] == p["kl"] for p in got["packed"])  # no NaN
+    assert sum(p["tokens"] for p in got["packed"]) == 201 - 51  # after BOS and the 50-token record
+    assert got["excluded_tokens"] == 51  # the second's leading record, shorter than the first bucket
+
+
 def test_no_trend_without_two_records_reaching_a_second_bucket():
     kl, top1 = torch.rand(3, 300), torch.ones(3, 300, dtype=torch.bool)
     got = depth.by_depth(kl, top1, [layout([301]), layout([100, 201]), layout([50, 251])])
