@@ -10,7 +10,7 @@ from runners import QUIET
 
 from calibrate import api
 from calibrate.verification.card import MARKER, base_model
-from calibrate.verification.report import drift_cell
+from calibrate.verification.report import depth_lines, drift_cell
 from calibrate.verification.run import verify
 
 SOURCE_CARD = """---
@@ -79,6 +79,7 @@ def test_verify_report_writes_its_table_into_the_card(carded, data_file, tmp_pat
         kl = float(re.match(r"[-+0-9.e]+", rows[name][1]).group())
         assert kl == pytest.approx(r["kl"], rel=1e-3, abs=1e-12) and rows[name][8] == r["verdict"]
         assert rows[name][6] == drift_cell(r["drift"])  # the drift column
+    assert all(f"- {line}" in text for line in depth_lines(rep)) and len(depth_lines(rep)) == 3  # scale1, tensor, floor
     assert f"{rep['floor']['kl']:.3g}" in text and rep["serve_command"] in text
 
 
