@@ -211,7 +211,7 @@ def test_absorbed_attention_is_the_models_own_attention(family):
 def test_an_mla_config_with_an_unexpected_latent_layout_is_refused(kjv_path, tmp_path, capsys):
     import json
 
-    from references import assert_refused, kvcal
+    from runners import assert_refused, kvcal
 
     model_of("deepseek_v3").save_pretrained(tmp_path / "model")
     config = json.loads((tmp_path / "model" / "config.json").read_text())

@@ -84,7 +84,7 @@ def test_multimodal_scales_go_under_the_checkpoint_names_and_the_vision_tower_is
 
 
 def test_a_multimodal_checkpoint_without_its_language_model_is_refused(smol_tokenizer, kjv_path, tmp_path, capsys):
-    from references import assert_refused, kvcal
+    from runners import assert_refused, kvcal
     from safetensors.torch import load_file, save_file
 
     torch.manual_seed(0)

@@ -52,7 +52,7 @@ def test_serving_and_loaders_read_this_home():
 
 
 def test_the_installed_vllm_is_the_default_version():
-    from conftest import client_python
+    from runners import client_python
 
     from calibrate.engine.launch import vllm_version
 
