@@ -132,14 +132,14 @@ def serve_lines(out: str, provenance: dict, report: dict | None) -> dict[str, di
     skip = (provenance.get("recipe") or {}).get("skip_layers", [])
     if report is not None:
         lines = report.get("serve_lines") or {report.get("target", serving.DEFAULT_TARGET): {
-            "scheme": None, "line": report["serve_command"], "build": serving.build_name(report.get("target", serving.DEFAULT_TARGET))}}
+            "scheme": None, "label": None, "line": report["serve_command"], "build": serving.build_name(report.get("target", serving.DEFAULT_TARGET))}}
         return {t: {**s, "line": serving.with_skip_layers(s["line"], skip)} for t, s in lines.items()}
     granularity, out_lines = provenance["scales"]["granularity"], {}
     for target in serving.TARGETS:
         written = serving.written_dtype(granularity, target)
         if written is not None:
             line = serving.serve_command(out, written[0], target=target, per_head=written[1], skip_layers=skip)
-            out_lines[target] = {"scheme": f"the written {granularity} scales, not verified", "line": line,
+            out_lines[target] = {"scheme": None, "label": f"the written {granularity} scales, not verified", "line": line,
                                  "build": serving.build_name(target)}
     return out_lines
 

