@@ -252,17 +252,22 @@ def export(
     fp8_format: str = "e4m3fn",
     model: str | None = None,
     overwrite: bool = False,
+    base_model: str | None = None,
+    hub_id: str | None = None,
     _recorded: bool = False,
 ) -> CalibrationResult:
     """Re-derive scales from a previous kvcal output's statistics and write a new checkpoint.
 
     No model is loaded: the statistics are checked against the target's config.json and the weight
-    files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself). ``_recorded``
-    (``apply``) writes SOURCE's recorded scales instead of re-deriving them.
+    files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself). ``base_model``,
+    ``hub_id``: the model card's names (``CalibrationConfig``'s); without them SOURCE's base model is kept, or
+    ``model``'s Hub origin taken when given. ``_recorded`` (``apply``) writes SOURCE's recorded scales instead of
+    re-deriving them.
     """
     start = time.perf_counter()
     # 1. Saved statistics, and the checkpoint they go into, checked against each other.
     ScaleConfig(observer, granularity, headroom, query_scale, fp8_format).validate()
+    hub.check_card_names(base_model, hub_id)
     fmt = get_format(fp8_format)
     stats, old = load_calibration(source)
     target = Path(model or source)
@@ -302,7 +307,8 @@ def export(
     provenance = dict(old)
     provenance.update(
         exported_from=str(Path(source).resolve()), export_time_s=round(time.perf_counter() - start, 3),
-        scales=scale_report(scale_set), target=str(Path(target).resolve()),
+        scales=scale_report(scale_set), target=str(Path(target).resolve()), hub_id=hub_id,
+        base_model=hub.base_model(target, base_model) if base_model or model else old.get("base_model"),
     )
     written = write_checkpoint(
         target, Path(out),
@@ -318,7 +324,8 @@ def export(
     return CalibrationResult(written, layers, stats, scale_set, provenance)
 
 
-def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False) -> CalibrationResult:
+def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False, base_model: str | None = None,
+          hub_id: str | None = None) -> CalibrationResult:
     """Write the scales of one calibration into another checkpoint of the same architecture.
 
     The scales are SOURCE's, exactly as its provenance records them (not re-derived: the output observer's cannot
@@ -344,5 +351,6 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False) ->
     s = provenance["scales"]
     return export(
         source, out, model=checkpoint, observer=s["observer"], granularity=s["granularity"], headroom=s["headroom"],
-        query_scale="q" in s["scales"], fp8_format=s["fp8_format"], overwrite=overwrite, _recorded=True,
+        query_scale="q" in s["scales"], fp8_format=s["fp8_format"], overwrite=overwrite, base_model=base_model,
+        hub_id=hub_id, _recorded=True,
     )
