@@ -287,8 +287,9 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     plain = serving.unquantized_dtype(model_config)  # auto, unless a kv_cache_scheme would make auto fp8
     scale1 = scale1_answer(results)  # "is scale 1.0 enough?"
     served = served_model(config.checkpoint)  # the report's serve lines name no local path
-    recommendation, serve = recommend(results, held, layers, served, skip_probe, pays, target=config.target,
-                                      unquantized=plain, scale1=scale1["text"] if scale1 else None)
+    recommendation, serve = recommend(results, held, layers, checkpoint_name(config.checkpoint), skip_probe, pays,
+                                      target=config.target, unquantized=plain, scale1=scale1["text"] if scale1 else None,
+                                      served=served)
     per_target = serve_lines(results, held, layers, served, skip_probe, unquantized=plain)
     dtype = str(model.dtype).removeprefix("torch.")
     rep = {

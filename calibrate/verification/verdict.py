@@ -220,8 +220,9 @@ def pays_lines(pays: dict, dtype: str, verdict: str) -> list[str]:
 
 def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
               skip_probe: dict | None = None, pays: dict | None = None, *, target: str = DEFAULT_TARGET,
-              unquantized: str = "auto", scale1: str | None = None) -> tuple[list[str], str]:
-    """What to serve on ``target``, from the measured numbers only: (sentences, vllm serve line). A scheme with a
+              unquantized: str = "auto", scale1: str | None = None, served: str | None = None) -> tuple[list[str], str]:
+    """What to serve on ``target``, from the measured numbers only: (sentences, vllm serve line). ``checkpoint``: how
+    the sentences name it (an export from it); ``served``: the model the serve line names (default ``checkpoint``). A scheme with a
     ``target_refusal`` is never recommended; ``skip_probe`` counts only when it probed the scheme chosen;
     ``unquantized``: the dtype that keeps this checkpoint's cache unquantized (``serving.unquantized_dtype``);
     ``scale1``: the answer to "is scale 1.0 enough?" (``scale1.scale1_answer``), said right after the checkpoint's notes."""
@@ -253,7 +254,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
         lines.append("Every quantized scheme measured fails the thresholds"
                      + (f" or is not served as measured on target {target} ({', '.join(refused)})" if refused else "")
                      + ": keep this model's KV cache in bf16.")
-        return lines, serving.serve_command(checkpoint, unquantized, target=target)
+        return lines, serving.serve_command(served or checkpoint, unquantized, target=target)
     if skip_probe is not None and skip_probe["scheme"] != choice:
         skip_probe = None
     r = usable[choice]
@@ -267,7 +268,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     if smaller:
         lines.append("Smaller caches with the same verdict: " + "; ".join(
             f"{n} ({usable[n]['bytes_per_token'] / r['bytes_per_token']:.2f}× the bytes, KL {usable[n]['kl']:.4g})" for n in smaller) + ".")
-    path = checkpoint
+    path = served or checkpoint
     if r["mode"] != "token" and r["granularity"] in ("tensor", "head") and r["source"] not in ("checkpoint", "1.0"):
         path = "OUT"
         observer = f" --observer {choice}" if choice in SCHEMES and SCHEMES[choice].scales == "observer" else ""

@@ -60,6 +60,19 @@ def test_scales_not_in_the_checkpoint_are_exported_first_and_out_is_served():
     assert serve == "vllm serve OUT --kv-cache-dtype fp8 --attention-backend FLASH_ATTN"
 
 
+def test_the_serve_line_names_what_is_served_and_the_sentences_the_checkpoint():
+    """verify's report names the served repo (or the card's placeholder) in its serve lines and the checkpoint's folder
+    in its sentences: neither is a local path."""
+    results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01), "scale1": scheme("warn", 0.05, source="1.0")}
+    assert recommend(results, held(), layers(), "ckpt", served="org/ckpt-kv")[1] == "vllm serve org/ckpt-kv --kv-cache-dtype fp8"
+    failing = {"bf16": REFERENCE, "tensor": scheme("fail", 0.5)}
+    assert recommend(failing, held(), layers(), "ckpt", served="org/ckpt-kv")[1] == "vllm serve org/ckpt-kv --kv-cache-dtype auto"
+    derived = "derived from the checkpoint's kvcal statistics (max observer; not in the checkpoint: export them)"
+    exported = {"bf16": REFERENCE, "head": scheme("pass", 0.01, granularity="head", source=derived)}
+    lines, serve = recommend(exported, held(), layers(), "ckpt", served="org/ckpt-kv")
+    assert "write them with `kvcal export ckpt --out OUT --granularity head`" in " ".join(lines) and " OUT " in serve
+
+
 def test_another_observers_scales_are_exported_with_that_observer():
     results = {"bf16": REFERENCE, "tensor": scheme("warn", 0.04), "max": scheme("pass", 0.01, source="the max observer")}
     lines, serve = recommend(results, held(), layers(), CKPT)
