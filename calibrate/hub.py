@@ -18,6 +18,8 @@ NEEDED = SMALL_FILES + ["*.safetensors"]
 REMOTE_CODE = ["*.py"]
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})")
+# A snapshot's LFS files (the weights) are links into the repo's blobs/, each blob named by its content's sha256.
+_LFS_BLOB = re.compile(r"[0-9a-f]{64}")
 
 
 def is_repo_id(name: str) -> bool:
@@ -94,6 +96,23 @@ def base_model(model_dir: str | Path, given: str | None = None) -> dict | None:
     if ref["revision"] is None and origin is not None and origin["id"] == ref["id"]:
         ref["revision"] = origin["revision"]
     return ref
+
+
+def snapshot_commit(model_dir: str | Path) -> str | None:
+    """The commit of a Hub snapshot directory; None for any other path."""
+    match = _SNAPSHOT.search(Path(model_dir).as_posix())
+    return None if match is None else match["commit"]
+
+
+def blob_sha256(path: str | Path) -> str | None:
+    """The sha256 of a Hub snapshot's LFS file, read from the name of the blob it links to (no byte is read); None
+    when ``path`` is no link into a ``blobs/`` folder or the blob is not named by a sha256 (git's own files are
+    named by their sha1)."""
+    path = Path(path)
+    if not path.is_symlink():
+        return None
+    blob = path.resolve()
+    return blob.name if blob.parent.name == "blobs" and _LFS_BLOB.fullmatch(blob.name) else None
 
 
 def fetch(model_dir: str, *, trust_remote_code: bool = False, weights: bool = True, offline: bool | None = None) -> bool:

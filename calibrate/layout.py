@@ -14,6 +14,15 @@
     .OUT.kvcal-statistics/        a run's statistics, kept when OUT could not be written for lack of room
                                   (checkpoint/space.py); ``kvcal apply`` writes OUT from it
 
+    PACK/                         the scales alone, pinned to their base model's weights (checkpoint/pack.py,
+                                  ``kvcal export --pack``); ``kvcal apply PACK MODEL`` writes a servable OUT from it
+      README.md                   OUT's model card
+      manifest.json               base model id and revision, sha256 of each weight file, the scales' form and layers
+      kv_scales.safetensors       OUT's scales shard, byte for byte
+      config_fragment.json        config file name → the keys vLLM needs set in it
+      kvcal/records.txt           the calibration's record digests, as in OUT
+    OUT/kvcal/manifest.json       in an OUT applied from a pack: that pack's manifest
+
 Siblings named with a PID belong to that process while it lives; ``sweep`` removes those of dead processes.
 
 Test-only: ``pause_at`` holds a run at a named phase so that tests/e2e/test_faults.py can kill it there.
@@ -32,6 +41,9 @@ VERIFY_DIR = "verify"
 CARD_FILE = "README.md"  # where the Hugging Face Hub looks for a model card
 # Ends kvcal's section in every card kvcal writes, the source's card or nothing after it: a refresh keeps what follows.
 CARD_MARKER = "<!-- kvcal's section ends here; what follows is the source model's own card, unchanged -->"
+PACK_MANIFEST = "manifest.json"
+PACK_SCALES = "kv_scales.safetensors"
+PACK_FRAGMENT = "config_fragment.json"
 TEMPORARIES = ("tmp", "weights", "old")  # siblings named with their writer's PID
 
 
@@ -58,6 +70,17 @@ def verify_dir(out: str | Path) -> Path:
 def is_kvcal_output(directory: str | Path) -> bool:
     """Whether ``directory`` is an output kvcal wrote: only those may ``--overwrite`` replace."""
     return provenance_path(directory).is_file()
+
+
+def is_pack(directory: str | Path) -> bool:
+    """Whether ``directory`` is a pack ``kvcal export --pack`` wrote."""
+    return (Path(directory) / PACK_MANIFEST).is_file() and (Path(directory) / PACK_SCALES).is_file()
+
+
+def replaceable(directory: str | Path) -> bool:
+    """Whether ``--overwrite`` may replace ``directory``: only what kvcal wrote (an output, one applied from a pack, a
+    pack)."""
+    return is_kvcal_output(directory) or (Path(directory) / KVCAL_DIR / PACK_MANIFEST).is_file() or is_pack(directory)
 
 
 def sibling(out: str | Path, kind: str, pid: int | None = None) -> Path:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .engine.caveats import E5M2_OVER_SCALES, FAMILY_LOADER_GAPS
 from .files import read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -331,17 +332,6 @@ def fill_missing(scales: dict[str, LoadedScale], any_scales: bool) -> list[tuple
     return found
 
 
-_QWEN3_5 = ("vLLM's Qwen3.5 loaders do not load checkpoint KV scales (vllm#54623, open): an FP8 cache runs at scale 1.0 "
-            "whatever the checkpoint holds")
-# Families whose vLLM loader has dropped checkpoint KV scales: model_type → (severity, what to tell the user).
-IGNORES_CHECKPOINT_SCALES = {
-    "qwen3_moe": ("warning", "vLLM dropped checkpoint KV scales for Qwen3-MoE (vllm#25047) until vllm#35656 (merged "
-                  "2026-03-01); serve with a vLLM release that has the fix, and check its log for 'scaling factor 1.0'"),
-    "qwen3_vl_moe": ("warning", "vLLM dropped checkpoint KV scales for Qwen3-VL-MoE until vllm#35656 (merged 2026-03-01); "
-                     "serve with a vLLM release that has the fix"),
-    "qwen3_5": ("error", _QWEN3_5),
-    "qwen3_5_moe": ("error", _QWEN3_5),
-}
 
 
 # Words in module names of what is not decoder attention: vision and audio towers, multi-token-prediction heads.
@@ -396,8 +386,7 @@ class Servable:
 # one is still measured by verify but never recommended or printed in a serve line (docs/kv-dtypes.md, "Refusals").
 REFUSALS = {
     "fp8_e5m2": (lambda c: c.method in BASE_PATH_METHODS or (c.method == "compressed-tensors" and c.kv_scheme),
-                 "'fp8_e5m2 kv-cache is not supported with fp8 checkpoints' (vLLM attention.py:205-220: a checkpoint "
-                 "whose quantization config brings KV scales)"),
+                 E5M2_OVER_SCALES),
     "nvfp4": (lambda c: c.mla, "'nvfp4 KV cache is not supported with MLA' (vLLM config/vllm.py:3285-3301)"),
     "nvfp4_4over6": (lambda c: c.mla, "'nvfp4 KV cache is not supported with MLA' (vLLM config/vllm.py:3285-3301)"),
     "head": (lambda c: c.granularity == "head" and c.method in BASE_PATH_METHODS,
@@ -433,8 +422,8 @@ def ignored_scales(config: dict) -> tuple[str, str] | None:
     for model_type in model_types(config):
         if model_type in FAILS_WITH_SCALES:
             return "error", FAILS_WITH_SCALES[model_type]
-        if model_type in IGNORES_CHECKPOINT_SCALES:
-            return IGNORES_CHECKPOINT_SCALES[model_type]
+        if model_type in FAMILY_LOADER_GAPS:
+            return FAMILY_LOADER_GAPS[model_type]
     return MLA_SCALES_IGNORED if mla_dims(config) is not None else None
 
 

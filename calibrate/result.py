@@ -10,6 +10,7 @@ from . import serving
 from .capture.stats import Stats
 from .choices import DEFAULT_TARGET
 from .config import LITTLE_DATA_TOKENS
+from .engine.caveats import installed_vllm_version
 from .loaders import quant_config, quant_method, read_config_json, stored_dtype
 from .model.layers import AttentionLayer
 from .recipes import serve_notes
@@ -80,7 +81,8 @@ class CalibrationResult:
 
     def _written_serve_line(self) -> list[str]:
         """The serve line of the written scales on the target, before any verify (nothing when the target does not
-        read them as written); the sliding-window hint comes first, so the line is last."""
+        read them as written); the sliding-window hint and the engine caveats for the installed vLLM come first, so the
+        line is last."""
         written = serving.written_dtype(self.scale_set.granularity, self.target)
         if written is None:
             return [f"{self.target} does not read {self.scale_set.granularity} scales as written "
@@ -88,7 +90,9 @@ class CalibrationResult:
         dtype, per_head = written
         hint = ([f"(this model has sliding-window layers; to keep them in bf16 add {serving.skip_flag([serving.SLIDING])})"]
                 if any(layer.sliding_window for layer in self.layers) and serving.SLIDING not in map(str, self._recipe_skip()) else [])
-        return [*hint, "serve it with:",
+        caveats = [f"note: {line}" for line in serving.caveats(self.target, dtype, vllm_version=installed_vllm_version(),
+                                                                per_head=per_head, checkpoint_scales=True)]
+        return [*hint, *caveats, "serve it with:",
                 f"  {serving.serve_command(str(self.out), dtype, target=self.target, per_head=per_head, skip_layers=self._recipe_skip())}"]
 
     def _release_note(self) -> list[str]:
@@ -143,3 +147,46 @@ class CalibrationResult:
             return []
         return [f"scales rest on little data: {seen:,} tokens per layer (< {LITTLE_DATA_TOKENS:,}); rarer outliers "
                 "were likely not seen: calibrate on more data (--max-tokens) or add --headroom before serving"]
+
+
+@dataclass
+class PackResult:
+    """What ``export --pack`` wrote: PACK and its manifest (checkpoint/pack.py)."""
+
+    pack: Path
+    manifest: dict
+
+    def summary(self) -> str:
+        """What the pack is pinned to, and how to share it."""
+        base, weights = self.manifest["base_model"], self.manifest["weights"]
+        named = (f"{base['id']}" + (f" at revision {base['revision']}" if base["revision"] else " (revision unknown)")
+                 if base["id"] else "a local model with no Hub id")
+        return "\n".join([
+            f"wrote {self.pack}: the scales alone, for {named}",
+            f"pinned to {len(weights['sha256'])} weight file(s) by sha256 ({weights['from_hub_cache']} from the Hub cache's "
+            f"blob names, {weights['computed']} read whole, {weights['sha256_seconds']:.1f} s)",
+            f"share it with: hf upload ORG/REPO {self.pack}",
+            f"serve it from a copy of the base model: kvcal apply {self.pack} MODEL --out OUT",
+        ])
+
+
+@dataclass
+class AppliedPack:
+    """What ``apply`` wrote from a pack: OUT, the model whose weights it links, the manifest, and the seconds the weights'
+    sha256 took (None: not checked, ``other_weights``)."""
+
+    out: Path
+    model: Path
+    manifest: dict
+    check_seconds: float | None
+
+    def summary(self) -> str:
+        """Whether the weights are the pinned ones, and the serve line of the written scales."""
+        checked = (f"its weights are the ones the pack pins (sha256 checked in {self.check_seconds:.1f} s)"
+                   if self.check_seconds is not None else "its weights were not checked against the pack's (--other-weights)")
+        scales = self.manifest["scales"]
+        target = self.manifest.get("target") or DEFAULT_TARGET
+        written = serving.written_dtype(scales["granularity"], target)
+        serve = (["serve it with:", f"  {serving.serve_command(str(self.out), written[0], target=target, per_head=written[1])}"]
+                 if written else [f"{target} does not read {scales['granularity']} scales as written"])
+        return "\n".join([f"wrote {self.out}: the pack's scales beside {self.model}'s weights, linked; {checked}", *serve])

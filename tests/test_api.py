@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import kjv_jsonl, save_tiny_checkpoint
+from builders import kjv_jsonl, save_tiny_checkpoint
 from safetensors.torch import load_file
 
 import calibrate.api as api

@@ -37,7 +37,7 @@ def test_calibrate_then_export_from_the_command_line(tiny_dir, text_file, tmp_pa
 @pytest.mark.parametrize("target", ["gpu", "cpu"])
 def test_calibrate_prints_one_serve_line_last_for_its_target(tiny_dir, text_file, tmp_path, capsys, target):
     """The short verify decides: calibrate's own provisional line gives way to it; the target is stated; for vllm-cpu
-    no per-token-head dtype is printed (serving.SUPPORT)."""
+    no per-token-head dtype is printed (caveats.SUPPORT)."""
     out = tmp_path / "out"
     argv = ["calibrate", str(tiny_dir), "--data", str(text_file), "--out", str(out), "--seq-len", "64", "--max-tokens", "256",
             "--quiet", *(["--target", target] if target != "gpu" else [])]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import kjv_jsonl, save_tiny_checkpoint
+from builders import kjv_jsonl, save_tiny_checkpoint
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 

@@ -6,7 +6,7 @@ uses after its loader's adjustment, which must be the calibrated scale in the fo
 
 import pytest
 import torch
-from references import modelopt_fp8, save_llama
+from builders import modelopt_fp8, save_tiny_checkpoint
 
 from calibrate import apply, calibrate, inspect
 from calibrate.loaders import KV_SCALE_PATTERN, SCALE_SOURCES, WRITE_NAMES, Servable, loaded_multiplier, refusal
@@ -36,10 +36,10 @@ def test_every_written_name_is_one_vllm_maps_and_kvcal_replaces():
 
 @pytest.mark.parametrize("fmt", ["e4m3fn", "e4m3fnuz"])
 def test_every_form_and_format_loads_the_calibrated_scales(tmp_path, smol_tokenizer, text_file, fmt):
-    source = save_llama(tmp_path / "model", smol_tokenizer, seed=0)
+    source = save_tiny_checkpoint(tmp_path / "model", "llama", smol_tokenizer, seed=0)
     result = calibrate(str(source), [str(text_file)], str(tmp_path / "ct"), seq_len=64, max_tokens=192, fp8_format=fmt,
                        progress=False, verify=False)
-    modelopt = modelopt_fp8(save_llama(tmp_path / "t", smol_tokenizer, seed=1), tmp_path / "mo-source", in_config=False)
+    modelopt = modelopt_fp8(save_tiny_checkpoint(tmp_path / "t", "llama", smol_tokenizer, seed=1), tmp_path / "mo-source", in_config=False)
     outputs = {"compressed-tensors": result.out, "modelopt": apply(str(result.out), str(modelopt), str(tmp_path / "mo")).out}
     for form, out in outputs.items():
         found = inspect(str(out))
@@ -63,7 +63,7 @@ def test_verify_and_inspect_complete_a_missing_v_scale_alike(tmp_path, smol_toke
     from calibrate.checkpoint.write import scales_file
     from calibrate.model.layers import AttentionLayer, ModelSignature
 
-    source = save_llama(tmp_path / "model", smol_tokenizer, seed=0)
+    source = save_tiny_checkpoint(tmp_path / "model", "llama", smol_tokenizer, seed=0)
     out = calibrate(str(source), [str(text_file)], str(tmp_path / "ct"), seq_len=64, max_tokens=192,
                     progress=False, verify=False).out
     path = scales_file(out)
@@ -168,7 +168,7 @@ def test_source_form_of_each_writable_method(tmp_path):
 def test_export_and_apply_refuse_the_same_sources(tmp_path, smol_tokenizer, text_file, name):
     from calibrate import export
 
-    source = save_llama(tmp_path / "model", smol_tokenizer, seed=0)
+    source = save_tiny_checkpoint(tmp_path / "model", "llama", smol_tokenizer, seed=0)
     out = calibrate(str(source), [str(text_file)], str(tmp_path / "ct"), seq_len=64, max_tokens=192, progress=False,
                     verify=False).out
     target = config_only(tmp_path / "target", REFUSED[name][0])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import save_tiny_checkpoint
+from builders import save_tiny_checkpoint
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

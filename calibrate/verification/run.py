@@ -11,7 +11,8 @@ for the per-layer errors), one forward per scheme with every layer quantized at 
 unquantized model in another precision, what the verdicts are relative to), and for the recommended scheme one
 per probed layer left unquantized (plus a reference): about 3 + S + P forwards. The FA3 accumulator model
 (``fa3.probe``), the needle probe (``needle.py``) and decode drift (``drift.py``: prompts × generated tokens
-decode steps, for the reference and each scheme) are extra; the tails (``tails.py``) reuse the passes' per-token KL. What the numbers mean, verdicts and the
+decode steps, for the reference and each scheme) are extra; the tails (``tails.py``), KL by context depth (``depth.py``)
+and by kind of token (``token_kinds.py``) reuse the passes' per-token KL. What the numbers mean, verdicts and the
 recommendation, is ``verdict.py``'s; the memory arithmetic ``capacity.py``'s.
 """
 
@@ -28,7 +29,8 @@ from .. import serving
 from ..capture.stats import Stats, position_bucket_starts
 from ..checkpoint.write import tensor_bytes, weight_files
 from ..data.config import DataConfig
-from ..data.stream import iter_sequences, portable_manifest, read_digests
+from ..data.stream import Layout, iter_sequences, portable_manifest, read_digests
+from ..engine.caveats import installed_vllm_version
 from ..files import read_json_object
 from ..fp8 import get_format
 from ..hub import snapshot_origin
@@ -36,7 +38,7 @@ from ..layout import is_kvcal_output, provenance_path, records_path, stats_path
 from ..model.description import describe
 from ..model.layers import AttentionLayer, ModelSignature, attention_layers, checkpoint_named, signature
 from ..model.load import check_known_type, check_tokenizer_fits, load_model, load_tokenizer, resolve_device
-from . import fa3, report
+from . import depth, fa3, report, token_kinds
 from .capacity import LayerKV, per_token, plan
 from .card import PLACEHOLDER, served_name, write_card
 from .config import FLOOR, NEAR_TIE_NATS, REFERENCE, Thresholds, VerifyConfig
@@ -142,11 +144,13 @@ def _load_stats(directory: Path, sig: ModelSignature) -> Stats | None:
 
 
 def _sample(data_config: DataConfig, tokenizer, context: int | None,
-            exclude: frozenset[str]) -> tuple[list[torch.Tensor], list[dict], int]:
+            exclude: frozenset[str]) -> tuple[list[torch.Tensor], list[Layout], list[dict], int]:
     """Whole sequences of exactly seq_len tokens (a shorter last one is dropped) of the records not in ``exclude``,
-    the data manifest, and how many records were left out for being in ``exclude``."""
-    stream = iter_sequences(data_config, tokenizer, max_context=context, exclude=exclude)
-    sequences = [s for s in stream if s.numel() == data_config.seq_len]
+    their layouts (records and kinds of token), the data manifest, and how many records were left out for being in
+    ``exclude``."""
+    stream = iter_sequences(data_config, tokenizer, max_context=context, exclude=exclude, layouts=True)
+    kept = [(s, layout) for s, layout in zip(list(stream), stream.layouts()) if s.numel() == data_config.seq_len]
+    sequences, layouts = [s for s, _ in kept], [layout for _, layout in kept]
     manifest = stream.manifest()
     excluded = sum(source["records_excluded"] for source in manifest)
     if not sequences and excluded:
@@ -156,7 +160,7 @@ def _sample(data_config: DataConfig, tokenizer, context: int | None,
     if not sequences:
         raise ValueError(f"the data gives {stream.tokens_yielded} tokens, less than one sequence of --seq-len "
                          f"{data_config.seq_len}; lower --seq-len or add data")
-    return sequences, manifest, excluded
+    return sequences, layouts, manifest, excluded
 
 
 def _position_profile(stats: Stats | None) -> dict | None:
@@ -214,7 +218,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         calibration = frozenset(path.read_text().split()) if path.is_file() else frozenset()
     else:
         calibration = read_digests(path)
-    sequences, manifest, excluded = _sample(config.data, tokenizer, context,
+    sequences, layouts, manifest, excluded = _sample(config.data, tokenizer, context,
                                             frozenset() if config.include_calibration_data else calibration)
     prompts, prompt_source = (prompts_from(sequences, tokenizer.eos_token_id, config.prompts, config.prompt_len)
                               if config.generate else ([], None))
@@ -259,10 +263,14 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
                         seed=config.data.seed, floor=FLOOR if floor_result else None, floor_pass=limits.floor_pass)
     for name, r in [*results.items(), *([(FLOOR, floor_result)] if floor_result else [])]:
         r["tails"], r["drift"] = tail_result["schemes"].get(name), drifts.get(name)
+        t = measured_kl.get(name)
+        r["depth"] = depth.by_depth(t.token_kl, t.token_top1, layouts) if t is not None else None
+        r["token_kinds"] = token_kinds.by_kind(t.token_kl, t.token_top1, layouts) if t is not None else None
     for name, r in results.items():
         if needle_result and r["mode"] != Mode.REFERENCE:
             r["needle_lost"] = needle_result["summary"][name]["lost"]
         r["verdict"], r["reasons"] = judge(r, limits)
+        r["reasons"] += _evidence_reasons(r)
         r["servable"] = name not in held["not_servable"]
         if not r["servable"]:
             r["reasons"].append(held["not_servable"][name])
@@ -286,14 +294,16 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         skip_probe["bytes_per_token"] = skip_cost(kv_layers, results[skip_probe["scheme"]]["kv_dtype"], skip_probe["skip"], pays["context"])
     plain = serving.unquantized_dtype(model_config)  # auto, unless a kv_cache_scheme would make auto fp8
     scale1 = scale1_answer(results)  # "is scale 1.0 enough?"
+    vllm_version = config.vllm_version or installed_vllm_version()  # the release the caveats are said for
     served = served_model(config.checkpoint)  # the report's serve lines name no local path
     recommendation, serve = recommend(results, held, layers, checkpoint_name(config.checkpoint), skip_probe, pays,
                                       target=config.target, unquantized=plain, scale1=scale1["text"] if scale1 else None,
-                                      served=served)
+                                      vllm_version=vllm_version, served=served)
     per_target = serve_lines(results, held, layers, served, skip_probe, unquantized=plain)
     dtype = str(model.dtype).removeprefix("torch.")
     rep = {
         "kvcal_version": report.kvcal_version(),
+        "caveats_for_vllm": vllm_version,  # the release the recommendation's engine caveats are said for (None: unknown)
         "checkpoint": checkpoint_name(config.checkpoint),  # no local path: the report travels with OUT's card
         "reference": {"name": REFERENCE, "dtype": dtype, "device": str(device),
                       "model": (what := reference_model(described.quant, model, dtype)),
@@ -325,6 +335,10 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "serve_lines": per_target,  # every target's line, with the vLLM build it was checked against
         "position_profile": _position_profile(stats),
         "tails": {k: v for k, v in tail_result.items() if k != "schemes"},
+        "depth": {"rule": depth.rule(), "first_end": depth.FIRST_END, "growth": depth.GROWTH, "min_sequences": depth.MIN_SEQUENCES,
+                  "se_multiple": depth.SE_MULTIPLE},
+        "token_kinds": {"rule": token_kinds.rule(), "ratio": token_kinds.RATIO, "min_tokens": token_kinds.MIN_TOKENS,
+                        "se_multiple": token_kinds.SE_MULTIPLE},
         "drift": {"steps": config.generate, "prompts": len(prompts), "prompts_asked": config.prompts, "prompt_len": config.prompt_len,
                   "prompt_source": prompt_source, "near_tie_nats": NEAR_TIE_NATS} if prompts else None,
         "timings": {
@@ -363,6 +377,17 @@ def portable_settings(settings: dict) -> dict:
     """Verify's settings without local paths: scales files and the report folder by name."""
     schemes = [Path(s).name if s.endswith(".safetensors") else s for s in settings["schemes"]]
     return {**settings, "schemes": schemes, "report_dir": settings["report_dir"] and Path(settings["report_dir"]).name}
+
+
+def _evidence_reasons(r: dict) -> list[str]:
+    """What the depth trend and the kinds of token add to a scheme's reasons: damage that grows with depth, and kinds
+    much worse than the rest (the verdict itself is the KL's and top-1's)."""
+    reasons = []
+    if r.get("depth") and r["depth"]["trend"]["verdict"] == "grows":
+        reasons.append(f"KL grows with context depth ({depth.trend_text(r['depth'])})")
+    if r.get("token_kinds"):
+        reasons += token_kinds.worse_text(r["token_kinds"])
+    return reasons
 
 
 def _refresh_card(checkpoint: str, rep: dict) -> None:

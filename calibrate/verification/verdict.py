@@ -116,7 +116,7 @@ def _servable(r: dict) -> bool:
 
 def target_refusals(results: dict[str, dict], target: str) -> dict[str, serving.Support]:
     """The schemes ``target``'s vLLM does not serve as measured (a dtype it lacks or serves wrongly, per-head scales
-    it does not read): name → the ``serving.SUPPORT`` row that says why. Needs each result's ``kv_dtype``."""
+    it does not read): name → the ``engine.caveats.SUPPORT`` row that says why. Needs each result's ``kv_dtype``."""
     return {n: why for n, r in results.items() if r["mode"] != "reference"
             and (why := serving.refusal(target, r["kv_dtype"], per_head=r["granularity"] == "head"))}
 
@@ -220,12 +220,14 @@ def pays_lines(pays: dict, dtype: str, verdict: str) -> list[str]:
 
 def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
               skip_probe: dict | None = None, pays: dict | None = None, *, target: str = DEFAULT_TARGET,
-              unquantized: str = "auto", scale1: str | None = None, served: str | None = None) -> tuple[list[str], str]:
+              unquantized: str = "auto", scale1: str | None = None, vllm_version: str | None = None,
+              served: str | None = None) -> tuple[list[str], str]:
     """What to serve on ``target``, from the measured numbers only: (sentences, vllm serve line). ``checkpoint``: how
     the sentences name it (an export from it); ``served``: the model the serve line names (default ``checkpoint``). A scheme with a
     ``target_refusal`` is never recommended; ``skip_probe`` counts only when it probed the scheme chosen;
     ``unquantized``: the dtype that keeps this checkpoint's cache unquantized (``serving.unquantized_dtype``);
-    ``scale1``: the answer to "is scale 1.0 enough?" (``scale1.scale1_answer``), said right after the checkpoint's notes."""
+    ``scale1``: the answer to "is scale 1.0 enough?" (``scale1.scale1_answer``), said right after the checkpoint's notes;
+    ``vllm_version``: the release the engine caveats are said for (``engine.caveats.applying``)."""
     lines = [*held.get("serving", []), *(n for n in held["notes"] if "no KV scales" in n), *([scale1] if scale1 else [])]
     ranked = {n: r for n, r in results.items() if r["mode"] != "reference"}
     if "token" in ranked and any(r["quantizes_query"] for r in ranked.values()):
@@ -293,6 +295,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     granularity = {"head": "head", "token": "token"}.get(r["granularity"], "tensor")
     if r["kv_dtype"] in ("fp8", "fp8_per_token_head"):  # other dtypes' notes are in the Recommended line already
         lines.append(serving.SERVE_NOTES[granularity])
-    lines += serving.caveats(target, r["kv_dtype"])
+    lines += serving.caveats(target, r["kv_dtype"], vllm_version=vllm_version, per_head=granularity == "head",
+                             checkpoint_scales=held["granularity"] is not None)
     skip_layers = ([serving.SLIDING] if skip else []) + (skip_probe["skip"] if skip_probe else [])
     return lines, serving.serve_command(path, r["kv_dtype"], target=target, per_head=granularity == "head", skip_layers=skip_layers)

@@ -3,7 +3,7 @@
 
 import pytest
 import torch
-from conftest import FAMILIES, tiny_model
+from builders import FAMILIES, tiny_model
 from references import reference_qkv
 
 from calibrate.capture.hooks import hooked_attention, run_capture

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_tiny_checkpoint
+from builders import save_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 from calibrate import calibrate

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import client_python, save_tiny_checkpoint
+from builders import save_tiny_checkpoint
+from runners import client_python
 from safetensors import safe_open
 
 from calibrate import calibrate

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from references import LINEARS, fp8, modelopt_fp8, save_llama
+from builders import LINEARS, fp8, modelopt_fp8, save_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
 from calibrate import calibrate, export
@@ -27,7 +27,7 @@ def source(tmp_path_factory, smol_tokenizer, kjv_path) -> Path:
     root = tmp_path_factory.mktemp("apply")
     text = root / "data.txt"
     text.write_text("".join(json.loads(line)["text"] + "\n" for _, line in zip(range(80), open(kjv_path))))
-    model = save_llama(root / "base", smol_tokenizer, seed=0)
+    model = save_tiny_checkpoint(root / "base", "llama", smol_tokenizer, seed=0)
     calibrate(str(model), [str(text)], str(root / "calibrated"), seq_len=64, max_tokens=192, progress=False, verify=False)
     return root / "calibrated"
 
@@ -42,7 +42,7 @@ def all_names(directory: Path) -> list[str]:
 
 
 def test_apply_to_a_fine_tune_writes_the_calibrated_scales(source, source_scales, tmp_path, smol_tokenizer):
-    target = save_llama(tmp_path / "finetune", smol_tokenizer, seed=1)
+    target = save_tiny_checkpoint(tmp_path / "finetune", "llama", smol_tokenizer, seed=1)
     out = tmp_path / "out"
     assert main(["apply", str(source), str(target), "--out", str(out)]) == 0
 
@@ -59,11 +59,11 @@ def test_apply_after_the_output_observer_writes_the_source_s_scales(source, tmp_
     """The output observer's scales cannot be re-derived from statistics: apply writes the recorded ones, exactly."""
     text = tmp_path / "data.txt"
     text.write_text("".join(json.loads(line)["text"] + "\n\n" for _, line in zip(range(200), open(kjv_path))))  # a record a verse
-    model = save_llama(tmp_path / "base", smol_tokenizer, seed=0)
+    model = save_tiny_checkpoint(tmp_path / "base", "llama", smol_tokenizer, seed=0)
     searched = tmp_path / "searched"
     calibrate(str(model), [str(text)], str(searched), seq_len=64, max_tokens=192, observer="output", progress=False,
               verify=False)
-    target = save_llama(tmp_path / "finetune", smol_tokenizer, seed=1)
+    target = save_tiny_checkpoint(tmp_path / "finetune", "llama", smol_tokenizer, seed=1)
     out = tmp_path / "out"
     assert main(["apply", str(searched), str(target), "--out", str(out)]) == 0
     written, wanted = load_file(scales_file(out)), load_file(scales_file(searched))
@@ -81,13 +81,13 @@ def test_apply_after_the_output_observer_writes_the_source_s_scales(source, tmp_
     ],
 )
 def test_apply_refuses_another_architecture(source, tmp_path, smol_tokenizer, capsys, changes, message):
-    target = save_llama(tmp_path / "other", smol_tokenizer, seed=1, **changes)
+    target = save_tiny_checkpoint(tmp_path / "other", "llama", smol_tokenizer, seed=1, **changes)
     assert main(["apply", str(source), str(target), "--out", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 def test_apply_needs_a_kvcal_source_and_a_checkpoint(source, tmp_path, smol_tokenizer, capsys):
-    target = save_llama(tmp_path / "t", smol_tokenizer, seed=1)
+    target = save_tiny_checkpoint(tmp_path / "t", "llama", smol_tokenizer, seed=1)
     assert main(["apply", str(target), str(target), "--out", str(tmp_path / "o")]) == 2
     assert "pass a directory written by kvcal calibrate" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
@@ -130,7 +130,7 @@ def llm_compressor_fp8(target: Path, directory: Path) -> Path:
 
 
 def test_merge_into_llm_compressor_fp8_checkpoint(source, source_scales, tmp_path, smol_tokenizer):
-    fp8_dir = llm_compressor_fp8(save_llama(tmp_path / "t", smol_tokenizer, seed=1), tmp_path / "fp8")
+    fp8_dir = llm_compressor_fp8(save_tiny_checkpoint(tmp_path / "t", "llama", smol_tokenizer, seed=1), tmp_path / "fp8")
     shard1, shard2 = (fp8_dir / f"model-0000{i}-of-00002.safetensors" for i in (1, 2))
     old_config = json.loads((fp8_dir / "config.json").read_text())["quantization_config"]
     out = tmp_path / "merged"
@@ -159,7 +159,7 @@ def test_merge_into_llm_compressor_fp8_checkpoint(source, source_scales, tmp_pat
 
 @pytest.mark.parametrize("in_config", [False, True], ids=["hf_quant_config-only", "config.json-too"])
 def test_modelopt_source_gets_the_modelopt_form(source, source_scales, tmp_path, smol_tokenizer, in_config):
-    mo = modelopt_fp8(save_llama(tmp_path / "t", smol_tokenizer, seed=1), tmp_path / "mo", in_config=in_config)
+    mo = modelopt_fp8(save_tiny_checkpoint(tmp_path / "t", "llama", smol_tokenizer, seed=1), tmp_path / "mo", in_config=in_config)
     old_config, old_hf = (json.loads((mo / f).read_text()) for f in ("config.json", "hf_quant_config.json"))
     out = tmp_path / "out"
     assert main(["apply", str(source), str(mo), "--out", str(out)]) == 0
@@ -194,6 +194,6 @@ def test_modelopt_source_gets_the_modelopt_form(source, source_scales, tmp_path,
 def test_modelopt_refuses_per_head_scales(source, tmp_path, smol_tokenizer, capsys):
     per_head = tmp_path / "per-head"
     export(str(source), str(per_head), granularity="head")
-    mo = modelopt_fp8(save_llama(tmp_path / "t", smol_tokenizer, seed=1), tmp_path / "mo", in_config=False)
+    mo = modelopt_fp8(save_tiny_checkpoint(tmp_path / "t", "llama", smol_tokenizer, seed=1), tmp_path / "mo", in_config=False)
     assert main(["apply", str(per_head), str(mo), "--out", str(tmp_path / "o")]) == 2
     assert "whose vLLM loader takes one scalar KV scale per layer" in capsys.readouterr().err and not (tmp_path / "o").exists()

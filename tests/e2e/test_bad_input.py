@@ -6,8 +6,8 @@ inputs are tested through the real console script in test_bad_input_cli.py.
 import json
 
 import pytest
-from conftest import save_tiny_checkpoint
-from references import assert_refused, kvcal
+from builders import save_tiny_checkpoint
+from runners import assert_refused, kvcal
 
 from calibrate.cli import main
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import hardware_skip, kjv_jsonl, save_tiny_checkpoint, tiny_config
+from builders import kjv_jsonl, save_tiny_checkpoint, tiny_config
+from runners import hardware_skip
 
 from calibrate import calibrate
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import client_python
+from runners import client_python
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

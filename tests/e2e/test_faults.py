@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import kjv_jsonl, save_tiny_checkpoint
+from builders import kjv_jsonl, save_tiny_checkpoint
 
 from calibrate.checkpoint.write import check_index
 from calibrate.layout import is_kvcal_output, provenance_path

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from references import FP8_BLOCK, FP8_RELEASE_CONFIG, LINEARS, fp8_release, run_client
+from builders import FP8_BLOCK, FP8_RELEASE_CONFIG, LINEARS, fp8_release
+from runners import run_client
 from safetensors.torch import load_file, save_file
 
 from calibrate import calibrate, inspect

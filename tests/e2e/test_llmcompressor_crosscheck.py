@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import client_python
+from runners import client_python
 from safetensors.torch import save_file
 
 from calibrate.capture.hooks import run_capture

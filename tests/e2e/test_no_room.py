@@ -24,8 +24,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import hardware_reason, kjv_jsonl, save_tiny_checkpoint
-from references import assert_refused, kvcal
+from builders import kjv_jsonl, save_tiny_checkpoint
+from runners import assert_refused, hardware_reason, kvcal
 from safetensors.torch import load_file
 
 from calibrate import calibrate

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import kjv_jsonl, save_tiny_checkpoint
-from references import assert_refused
+from builders import kjv_jsonl, save_tiny_checkpoint
+from runners import assert_refused
 from safetensors.torch import load_file, save_file
 
 from calibrate import calibrate

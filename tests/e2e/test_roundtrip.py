@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from references import client, modelopt_fp8, run_client
+from builders import modelopt_fp8
+from runners import client, run_client
 from safetensors.torch import load_file, save_file
 
 from calibrate import apply, calibrate, export

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import client_python, hardware_skip
 from references import e4m3_codes
+from runners import client_python, hardware_skip
 
 from calibrate.fp8 import E5M2, FORMATS, quantize
 

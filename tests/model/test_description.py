@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from references import CONFIGS
+from builders import CONFIGS
 from transformers import AutoModelForCausalLM
 
 from calibrate.model.description import describe, describe_config

@@ -10,8 +10,8 @@ import json
 
 import pytest
 import torch
-from conftest import hardware_reason, save_tiny_checkpoint, tiny_config
-from references import COMMON, CONFIGS, multimodal_config
+from builders import COMMON, CONFIGS, multimodal_config, save_tiny_checkpoint, tiny_config
+from runners import hardware_reason
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
@@ -82,7 +82,7 @@ def test_a_model_without_attention_layers_is_refused():
     class NoAttention(nn.Module):
         def __init__(self):
             super().__init__()
-            self.config = LlamaConfig(**COMMON)
+            self.config = tiny_config("llama")
             self.proj = nn.Linear(4, 4)
 
     with pytest.raises(ValueError, match="found no attention modules with a layer_idx in NoAttention"):
@@ -162,7 +162,7 @@ def llama_layer_params(c: LlamaConfig) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_decoder_layer_bytes_of_llama_by_hand(dtype):
-    config = LlamaConfig(**COMMON)
+    config = tiny_config("llama")
     size = torch.finfo(dtype).bits // 8
     assert decoder_layer_bytes(config, dtype) == llama_layer_params(config) * size
 
@@ -178,7 +178,7 @@ def test_decoder_layer_bytes_equals_a_real_layers_tensors(family, dtype):
 
 
 def test_check_fits_one_layer_needs_room_for_one_layer_on_a_computing_device():
-    config = LlamaConfig(**COMMON)
+    config = tiny_config("llama")
     needed = llama_layer_params(config) * 4
     check_fits_one_layer("m", config, torch.float32, {"cpu": needed})  # exactly enough
     check_fits_one_layer("m", config, torch.float32, {"cpu": 1, 0: needed})  # one device is enough
@@ -230,7 +230,7 @@ def test_resolve_placement_on_a_cpu_machine():
 
 
 def test_input_device_follows_accelerates_execution_device():
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON))
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     assert input_device(model) == torch.device("cpu")
 
     class Hook:  # what accelerate attaches to an offloaded module
@@ -263,7 +263,7 @@ def test_check_loaded_accepts_a_complete_load():
     ("self_attn.k_proj", "output_scale", "buffer"),
 ], ids=["k_scale-parameter", "v_scale-buffer", "output_scale"])
 def test_check_no_kv_quantization_refuses_scale_tensors(where, name, kind):
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON))
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     check_no_kv_quantization(model)  # a plain model passes
     module = model.get_submodule(f"model.layers.1.{where}")
     if kind == "parameter":
@@ -276,7 +276,7 @@ def test_check_no_kv_quantization_refuses_scale_tensors(where, name, kind):
 
 def test_check_no_kv_quantization_matches_whole_names_only():
     """``k_scaler`` is not a KV-cache scale: only the names vLLM maps (after a dot) are."""
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**COMMON))
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
     model.model.layers[0].self_attn.register_buffer("k_scaler", torch.ones(1))
     check_no_kv_quantization(model)
 
@@ -293,7 +293,7 @@ WEIGHT_GROUPS = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "
 ], ids=["kv-only-removed", "weights-kept", "other-method-untouched"])
 @pytest.mark.parametrize("nested", [False, True], ids=["top-level", "text-config"])
 def test_without_kv_quantization(quant, expected, nested):
-    config = multimodal_config() if nested else LlamaConfig(**COMMON)
+    config = multimodal_config() if nested else tiny_config("llama")
     holder = config.get_text_config() if nested else config
     holder.quantization_config = json.loads(json.dumps(quant))
     without_kv_quantization(config)

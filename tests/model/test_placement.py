@@ -10,7 +10,7 @@ from dataclasses import fields
 
 import pytest
 import torch
-from conftest import save_tiny_checkpoint
+from builders import save_tiny_checkpoint
 from safetensors.torch import load_file
 
 import calibrate.model.load

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from references import TORCHRUN, free_port
+from runners import TORCHRUN, free_port
 
 from calibrate import calibrate
 from calibrate.api import load_calibration

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import kjv_jsonl
-from references import TORCHRUN, free_port
+from builders import kjv_jsonl
+from runners import TORCHRUN, free_port
 
 from calibrate import CalibrationConfig, calibrate
 from calibrate.api import load_calibration

@@ -4,7 +4,9 @@ import json
 
 import pytest
 import torch
-from references import QUIET, ref_attention, ref_qdq, save_planted
+from builders import save_tiny_checkpoint
+from references import ref_attention, ref_qdq
+from runners import QUIET
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
@@ -32,7 +34,7 @@ def sharp_queries(model, tokenizer):
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory, tokenizer, data_file):
     root = tmp_path_factory.mktemp("output")
-    save_planted(root / "model", tokenizer, sharp_queries)
+    save_tiny_checkpoint(root / "model", "llama", tokenizer, plant=sharp_queries)
     api.calibrate(str(root / "model"), [str(data_file)], str(root / "out"), seq_len=SEQ_LEN, max_tokens=BUDGET,
                   observer="output", verify=False, **QUIET)
     return root / "out"
@@ -102,7 +104,7 @@ def test_output_needs_the_model_and_held_back_data(searched, tokenizer, data_fil
     assert cli.main(["export", str(searched), "--out", str(tmp_path / "e"), "--observer", "output"]) == 2
     assert "the output observer runs the model on held-back data" in capsys.readouterr().err
     assert not (tmp_path / "e").exists()
-    save_planted(tmp_path / "model", tokenizer)
+    save_tiny_checkpoint(tmp_path / "model", "llama", tokenizer)
     with pytest.raises(ValueError, match="needs held-back sequences to search on.*add records beyond --max-tokens"):
         api.calibrate(str(tmp_path / "model"), [str(data_file)], str(tmp_path / "out"), seq_len=SEQ_LEN, max_tokens=10**6,
                       observer="output", verify=False, **QUIET)

@@ -6,16 +6,16 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import save_tiny_checkpoint
+from builders import save_tiny_checkpoint
 from huggingface_hub import ModelCard, ModelCardData
-from references import QUIET
+from runners import QUIET
 
 from calibrate import api, hub
 from calibrate.choices import scheme_label
 from calibrate.hub import base_model
 from calibrate.serving import with_model
 from calibrate.verification.card import MARKER, PLACEHOLDER
-from calibrate.verification.report import drift_cell
+from calibrate.verification.report import depth_lines, drift_cell
 from calibrate.verification.run import verify
 
 SOURCE_CARD = """---
@@ -99,6 +99,7 @@ def test_verify_report_writes_its_table_into_the_card(carded, data_file, tmp_pat
         kl = float(re.match(r"[-+0-9.e]+", row[1]).group())
         assert kl == pytest.approx(r["kl"], rel=1e-3, abs=1e-12) and row[8] == r["verdict"]
         assert row[6] == drift_cell(r["drift"])  # the drift column
+    assert all(f"- {line}" in text for line in depth_lines(rep)) and len(depth_lines(rep)) == 3  # scale1, tensor, floor
     assert f"{rep['floor']['kl']:.3g}" in text and with_model(rep["serve_command"], "me/tiny-kv") in text
     assert local_paths_in(text, data_file.parent, out, tmp_path) == []
 

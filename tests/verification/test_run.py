@@ -9,8 +9,9 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_config
-from references import QUIET, ref_attention, ref_qdq, save_planted
+from builders import save_tiny_checkpoint, tiny_config
+from references import ref_attention, ref_qdq
+from runners import QUIET
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -61,7 +62,7 @@ def token_outlier(model, tokenizer):
 
 def calibrated(tmp_path_factory, tokenizer, data_file, name, plant):
     root = tmp_path_factory.mktemp(name)
-    save_planted(root / "model", tokenizer, plant)
+    save_tiny_checkpoint(root / "model", "llama", tokenizer, plant=plant)
     api.calibrate(str(root / "model"), [str(data_file)], str(root / "out"), seq_len=128, max_tokens=2048, verify=False, **QUIET)
     return root / "out"
 
@@ -344,7 +345,7 @@ def test_a_cache_layout_the_head_size_does_not_fit_is_skipped_with_the_reason(tm
 
 
 def test_checkpoint_without_scales_runs_what_needs_none(tmp_path, tokenizer, data_file):
-    ckpt = save_planted(tmp_path / "model", tokenizer)
+    ckpt = save_tiny_checkpoint(tmp_path / "model", "llama", tokenizer)
     result = verify(ckpt, str(data_file), seq_len=64, max_tokens=128, **QUIET)
     assert set(result.schemes) == {"bf16", "scale1", "token"}
     assert set(result.report["skipped"]) == {"tensor", "head"}
@@ -375,6 +376,7 @@ def test_scales_file_is_a_scheme(tmp_path, plain_ckpt, data_file):
         (dict(schemes="bf16,fp4"), "unknown verify scheme 'fp4'"),
         (dict(max_tokens=10, seq_len=64), "less than one sequence"),
         (dict(max_kl=0.5, fail_kl=0.1), "thresholds"),
+        (dict(vllm_version="latest"), "vLLM version 'latest' is not a version number"),
     ],
 )
 def test_bad_options_raise_with_the_fix(tmp_path, plain_ckpt, options, match):
@@ -419,7 +421,7 @@ def test_cli_verify(plain_ckpt, data_file, tmp_path, capsys):
 
 
 def test_calibrate_runs_a_short_verify_unless_disabled(tmp_path, tokenizer, data_file):
-    model = save_planted(tmp_path / "model", tokenizer)
+    model = save_tiny_checkpoint(tmp_path / "model", "llama", tokenizer)
     result = api.calibrate(str(model), [str(data_file)], str(tmp_path / "a"), seq_len=128, max_tokens=512, **QUIET)
     assert result.verification is not None
     assert set(result.verification.schemes) == {"scale1", "tensor", *SHORT_VERIFY_SCHEMES}  # the default recipe states null: these
@@ -593,7 +595,7 @@ def test_verify_leaves_out_the_records_calibration_used(plain_ckpt, tokenizer, d
 def test_verify_with_nothing_held_out_says_what_to_do(tmp_path, tokenizer, data_file, capsys):
     small = tmp_path / "small.jsonl"
     small.write_text("".join(open(data_file).readlines()[:20]))
-    model = save_planted(tmp_path / "model", tokenizer)
+    model = save_tiny_checkpoint(tmp_path / "model", "llama", tokenizer)
     # Every record consumed: calibrate still writes, and skips its short verify with the reason.
     with pytest.warns(UserWarning, match="the short verify did not run: .*outside the 20 records calibration used"):
         result = api.calibrate(str(model), [str(small)], str(tmp_path / "out"), seq_len=64, max_tokens=100_000, **QUIET)

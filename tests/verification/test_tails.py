@@ -7,8 +7,8 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
-from references import QUIET
+from builders import tiny_model
+from runners import QUIET
 from test_report import report_dict
 
 from calibrate.fp8 import FORMATS

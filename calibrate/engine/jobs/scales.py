@@ -1,0 +1,59 @@
+"""The job that loads a checkpoint in vLLM and reads back the k/v/q scales every attention layer holds.
+
+Request: ``{"model": DIR, "kv_cache_dtype": NAME, "dtype": "bfloat16", "max_model_len": 256,
+"kv_cache_space_gib": 1}``. Result: vLLM's version, platform and model dtype, whether its FP8 is e4m3fnuz, and per
+attention layer the scale buffers (``_k_scale`` ..., one value per head or one) and the host-side floats the CPU
+and FlashInfer kernels read (``_k_scale_float`` ...), with the layer's cache dtype and KV-cache method.
+"""
+
+import os
+import re
+
+from jobkit import run
+
+os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model sends our function to the in-process worker
+KINDS = ("k", "v", "q")
+
+
+def _flat(tensor) -> list[float]:
+    return [float(x) for x in tensor.detach().float().cpu().flatten().tolist()]
+
+
+def read_layers(model) -> list[dict]:
+    """Inside vLLM's worker: every Attention (and MLA) module's scales, in module order."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    layers = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (Attention, MLAAttention)):
+            continue
+        index = re.search(r"\.(\d+)\.", f".{name}.")
+        method = getattr(module, "quant_method", None)
+        layers.append({
+            "name": name,
+            "index": int(index.group(1)) if index else None,
+            "mla": isinstance(module, MLAAttention),
+            "kv_cache_dtype": str(getattr(module, "kv_cache_dtype", "")),
+            "kv_cache_method": type(method).__name__ if method is not None else None,
+            **{f"{kind}_scale": _flat(getattr(module, f"_{kind}_scale")) for kind in KINDS},
+            **{f"{kind}_scale_float": float(getattr(module, f"_{kind}_scale_float")) for kind in KINDS},
+        })
+    return layers
+
+
+def work(request: dict) -> dict:
+    import vllm
+    from vllm import LLM
+    from vllm.platforms import current_platform
+
+    llm = LLM(model=request["model"], kv_cache_dtype=request["kv_cache_dtype"], dtype=request.get("dtype", "bfloat16"),
+              enforce_eager=True, max_model_len=request.get("max_model_len", 256), enable_prefix_caching=False)
+    (layers,) = llm.apply_model(read_layers)  # one worker
+    return {"vllm_version": vllm.__version__, "platform": type(current_platform).__name__,
+            "model_dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
+            "fp8_fnuz": bool(current_platform.is_fp8_fnuz()), "layers": layers}
+
+
+if __name__ == "__main__":
+    run(work)

