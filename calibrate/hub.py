@@ -60,10 +60,42 @@ def resolve(name: str, revision: str | None = None) -> str:
         raise ValueError(_explain(e, name, revision)) from None
 
 
-def snapshot_repo(model_dir: str | Path) -> str | None:
-    """``org/name`` of a Hub snapshot directory (what ``resolve`` returns for a Hub model); None for any other path."""
+def snapshot_origin(model_dir: str | Path) -> dict | None:
+    """``{"id": "org/name", "revision": commit}`` of a Hub snapshot directory (what ``resolve`` returns for a Hub
+    model); None for any other path: a local directory's name says nothing about where its weights came from."""
     match = _SNAPSHOT.search(Path(model_dir).as_posix())
-    return None if match is None else f"{match['org']}/{match['name']}"
+    return None if match is None else {"id": f"{match['org']}/{match['name']}", "revision": match["commit"]}
+
+
+def repo_ref(text: str, flag: str, *, revision: bool = True) -> dict:
+    """``org/name`` (or ``org/name@revision`` where ``revision``) as ``{"id", "revision"}``; the one-line refusal
+    of anything else, in ``flag``'s words."""
+    repo, _, rev = text.partition("@") if revision else (text, "", "")
+    if _REPO_ID.fullmatch(repo) is None or (revision and "@" in text and not rev):
+        form = "org/name or org/name@revision" if revision else "org/name"
+        raise ValueError(f"{flag} {text!r}: write a Hugging Face Hub repo id, {form}")
+    return {"id": repo, "revision": rev or None}
+
+
+def check_card_names(base_model: str | None, hub_id: str | None) -> None:
+    """Refuse a ``--base-model`` or ``--hub-id`` that is not a Hub repo id (the model card names both)."""
+    if base_model is not None:
+        repo_ref(base_model, "--base-model")
+    if hub_id is not None:
+        repo_ref(hub_id, "--hub-id", revision=False)
+
+
+def base_model(model_dir: str | Path, given: str | None = None) -> dict | None:
+    """The model the scales belong to, ``{"id", "revision"}``: ``given`` (``--base-model org/name[@revision]``; its
+    revision read from ``model_dir``'s Hub snapshot when that is the same repo), else the Hub snapshot ``model_dir``
+    is; None when unknown. Never config.json's ``_name_or_path``: it names whatever path the model was saved from."""
+    origin = snapshot_origin(model_dir)
+    if given is None:
+        return origin
+    ref = repo_ref(given, "--base-model")
+    if ref["revision"] is None and origin is not None and origin["id"] == ref["id"]:
+        ref["revision"] = origin["revision"]
+    return ref
 
 
 def snapshot_commit(model_dir: str | Path) -> str | None:

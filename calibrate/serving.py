@@ -192,6 +192,12 @@ def with_skip_layers(line: str, skip: Sequence[str | int]) -> str:
     return f"{base} {skip_flag([*existing.split(), *skip])}"
 
 
+def with_model(line: str, model: str) -> str:
+    """A ``serve_command`` line serving ``model`` instead (the model card names the Hub repo, not a local path)."""
+    words = shlex.split(line)
+    return shlex.join([*words[:2], model, *words[3:]])
+
+
 def skip_flag(skip: Sequence[str | int]) -> str:
     """The skip-layer flag and its entries as a serve line holds them (recipes' notes say it so)."""
     return f"{SKIP_FLAG} " + " ".join(skip_entries(skip))

@@ -196,6 +196,16 @@ def test_provenance_holds_the_runs_settings_and_scales(calibrated):
     assert provenance["signature"] == asdict(describe(calibrated.model).signature([0, 1, 2]))
     assert provenance["tokens"] == 512 and provenance["little_data"] is True
     assert provenance["model"] == str(calibrated.model.resolve())
+    assert provenance["base_model"] is None and provenance["hub_id"] is None  # a local model, nothing named
+
+
+def test_export_names_the_card_s_base_model_and_repo_or_keeps_the_calibration_s(calibrated, tmp_path):
+    """--base-model/--hub-id on export land in the provenance the card reads; without them the base model is the
+    calibration's and the repo unnamed (a new output is a new upload)."""
+    named = api.export(str(calibrated.out), str(tmp_path / "named"), base_model="org/base@v2", hub_id="me/named")
+    assert named.provenance["base_model"] == {"id": "org/base", "revision": "v2"} and named.provenance["hub_id"] == "me/named"
+    again = api.export(str(tmp_path / "named"), str(tmp_path / "again"))
+    assert again.provenance["base_model"] == {"id": "org/base", "revision": "v2"} and again.provenance["hub_id"] is None
 
 
 def test_export_rederives_exactly_the_calibrated_scales(calibrated, tmp_path):

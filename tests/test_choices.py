@@ -77,7 +77,7 @@ def test_every_cache_dtype_is_a_scheme_or_refused_as_not_emulated():
         if name in choices.SCHEMES or name in choices.VLLM_SCHEME_NAMES:
             assert choices.verify_scheme(name) in choices.VERIFY_SCHEMES
             continue
-        with pytest.raises(ValueError, match=f"^verify scheme '{name}' is a --kv-cache-dtype kvcal does not emulate"):
+        with pytest.raises(ValueError, match=f"^verify scheme '{name}': vLLM's --kv-cache-dtype {name} is not emulated by kvcal; choose from"):
             choices.verify_scheme(name)
     assert set(choices.VLLM_SCHEME_NAMES.values()) <= set(choices.VERIFY_SCHEMES)
     assert not set(choices.VLLM_SCHEME_NAMES) & set(choices.SCHEMES)  # one meaning per name
@@ -88,3 +88,21 @@ def test_verify_config_reads_vllm_names_as_kvcal_schemes():
     from calibrate.verification.config import canonical_schemes
 
     assert canonical_schemes(["bf16", "auto", "fp8", "tensor", "fp8_per_token_head"]) == ["bf16", "tensor", "token"]
+
+
+def test_the_scheme_table_agrees_with_the_cache_dtypes_it_names():
+    """Each scheme's row (choices.SCHEMES) names an emulated --kv-cache-dtype whose scales it reads as that dtype does:
+    computed per token where the dtype computes them, stored (1.0, the checkpoint's or an observer's) where it reads
+    a per-tensor scale, none for the unquantized reference; ranks are distinct, a scales file's among them."""
+    for name, spec in choices.SCHEMES.items():
+        dtype = DTYPES[spec.kv_dtype]
+        assert dtype.emulate is not None and spec.scales in choices.SCALE_SOURCES, name
+        expected = {"token": {"computed"}, "tensor": {"ones", "checkpoint", "observer"}, "none": {"none"}}[dtype.scale]
+        assert spec.scales in expected, name
+        assert spec.label == spec.kv_dtype or spec.label.startswith(f"{spec.kv_dtype} ("), name  # vLLM's name first
+    ranks = [spec.rank for spec in choices.SCHEMES.values()] + [choices.FILE_RANK]
+    assert len(set(ranks)) == len(ranks)
+    assert choices.scheme_label("my_scales") == "fp8 (my_scales)" and choices.scheme_label("token") == "fp8_per_token_head"
+    # vLLM's names for a scheme and the scheme's own label agree on the dtype
+    for vllm_name, scheme in choices.VLLM_SCHEME_NAMES.items():
+        assert choices.SCHEMES[scheme].kv_dtype == {"bfloat16": "auto", "fp8_e4m3": "fp8"}.get(vllm_name, vllm_name)

@@ -124,3 +124,11 @@ def test_unquantized_dtype_is_explicit_where_auto_would_be_fp8():
     assert serving.unquantized_dtype({**scheme, "torch_dtype": "bfloat16"}) == "bfloat16"
     assert serving.unquantized_dtype({"text_config": {**scheme, "dtype": "float16"}}) == "float16"
     assert serving.serve_command("m", "bfloat16", target="cpu", skip_layers=[0]) == "vllm serve m --kv-cache-dtype bfloat16"
+
+
+def test_with_model_swaps_only_the_served_model():
+    """The card's serve lines name the Hub repo, whatever path verify served; every other word is kept."""
+    line = serving.serve_command("/tmp/my out", "fp8", per_head=True, skip_layers=["sliding_window", 3])
+    swapped = serving.with_model(line, "org/name")
+    assert swapped == serving.serve_command("org/name", "fp8", per_head=True, skip_layers=["sliding_window", 3])
+    assert serving.with_model(swapped, "/tmp/my out") == line  # quoted back as serve_command quotes a path

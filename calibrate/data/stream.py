@@ -436,3 +436,10 @@ def _short(value: object) -> str:
     """A value's repr, cut for an error message."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def portable_manifest(manifest: list[dict]) -> list[dict]:
+    """A ``SequenceStream.manifest`` with no local path: files by name (size and sha256 identify them), a source
+    given as a path or glob by its last part; Hub datasets keep their id and revision. For what leaves the machine."""
+    return [{**d, "source": Path(d["source"]).name if d["files"] else d["source"],
+             "files": [{**f, "path": Path(f["path"]).name} for f in d["files"]]} for d in manifest]

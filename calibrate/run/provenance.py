@@ -11,6 +11,7 @@ import torch
 
 from ..capture.stats import Stats
 from ..config import LITTLE_DATA_TOKENS, CalibrationConfig
+from ..hub import base_model
 from ..layout import KVCAL_DIR, RECORDS_FILE
 from ..model.layers import AttentionLayer, ModelSignature
 from ..scales.observers import ScaleSet, latent_report
@@ -25,6 +26,9 @@ def provenance(config: CalibrationConfig, layers: list[AttentionLayer], sig: Mod
         "kvcal_version": kvcal_version(),
         "versions": {"torch": torch.__version__, "transformers": version("transformers"), "python": platform.python_version()},
         "model": str(Path(config.model).resolve()),
+        # The model card's names (verification/card.py): the base model with its revision, the repo OUT goes to.
+        "base_model": base_model(config.model, config.base_model),
+        "hub_id": config.hub_id,
         "signature": asdict(sig),
         "layers": [asdict(layer) for layer in layers],
         "data": manifest,

@@ -10,15 +10,14 @@ here measured. The source's own card follows below a marker line, kept whole, so
 ``ModelCard``/``ModelCardData``, so the front matter is the Hub's YAML.
 """
 
-import json
 import re
 from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
 from .. import serving
+from ..data.stream import portable_manifest
 from ..files import write_atomically
-from ..hub import is_repo_id, snapshot_repo
 from ..layout import CARD_MARKER as MARKER
 from ..layout import card_path
 from .report import (
@@ -38,15 +37,25 @@ KEPT_METADATA = ("license", "license_name", "license_link", "language", "pipelin
 _FRONT_MATTER = re.compile(r"\A---\s*\n.*?\n---\s*(\n|\Z)", re.DOTALL)
 
 
-def base_model(provenance: dict, config: dict) -> str | None:
-    """The Hub id of the checkpoint the scales were written into (export's ``target``, else the calibrated model):
-    the snapshot's repo when it came from the Hub, else the config's ``_name_or_path`` when that names a repo (not
-    a local path), else None."""
-    repo = snapshot_repo(provenance.get("target", provenance["model"]))
-    if repo is not None:
-        return repo
-    name = config.get("_name_or_path")
-    return name if isinstance(name, str) and is_repo_id(name) else None
+# The serve lines' model when no --hub-id names the repo OUT goes to: the reader replaces it (the card says so).
+PLACEHOLDER = "YOUR-ORG/YOUR-REPO"
+
+
+def served_name(provenance: dict) -> str:
+    """What the card's serve lines serve: the Hub repo given with ``--hub-id``, else PLACEHOLDER. Never a local path:
+    the card travels with the folder, to the Hub or another machine."""
+    return provenance.get("hub_id") or PLACEHOLDER
+
+
+def data_rows(manifest: list[dict]) -> list[list[str]]:
+    """The calibration data as the card names it: local files by file name, size and sha256 (a source given as a path
+    or glob by its last part), Hub datasets by id and revision; no local path."""
+    rows = []
+    for d in portable_manifest(manifest):
+        files = "<br>".join(f"`{f['path']}` {f['bytes']:,} bytes, sha256 {f['sha256']}" for f in d["files"])
+        rows.append([f"`{d['source']}`", f"{d['records_read']:,}", f"{d['tokens']:,}",
+                     files or (f"revision {d['revision']}" if d.get("revision") else "—")])
+    return rows
 
 
 def split_source_card(text: str | None) -> tuple[dict, str]:
@@ -65,33 +74,36 @@ def _metadata(text: str) -> dict:
         return {}
 
 
-def card_text(out: str, provenance: dict, config: dict, report: dict | None, source_card: str | None) -> str:
+def card_text(out: str, provenance: dict, report: dict | None, source_card: str | None) -> str:
     """The whole README.md: front matter, kvcal's section, MARKER and the source's card (if it has one)."""
     metadata, source_body = split_source_card(source_card)
-    base = base_model(provenance, config)
+    base = provenance.get("base_model")  # hub.base_model: given, or the Hub snapshot calibrated; never _name_or_path
     data = ModelCardData(
         **{k: metadata[k] for k in KEPT_METADATA if metadata.get(k)},
         tags=sorted(set(TAGS) | set(metadata.get("tags") or [])),
-        **({"base_model": base, "base_model_relation": "quantized"} if base else {}),
+        **({"base_model": base["id"], "base_model_relation": "quantized"} if base else {}),
     )
     body = "\n".join(_section(out, provenance, report, base)) + f"\n\n{MARKER}\n\n{source_body}"
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{body.rstrip()}\n"))
 
 
-def _section(out: str, provenance: dict, report: dict | None, base: str | None) -> list[str]:
+def _section(out: str, provenance: dict, report: dict | None, base: dict | None) -> list[str]:
     scales = provenance["scales"]
     granularity = scales["granularity"]
-    title = base or Path(provenance.get("target", provenance["model"])).name
+    title = base["id"] if base else Path(out).name
+    at = f" at revision `{base['revision']}`" if base and base["revision"] else ""
     lines = [
         f"# {title}: FP8 KV-cache scales calibrated by kvcal",
         "",
-        f"The weights are {('`' + base + '`') if base else 'the source model'}'s, unchanged; kvcal "
+        f"The weights are {('`' + base['id'] + '`' + at) if base else 'the source model'}'s, unchanged; kvcal "
         f"{provenance['kvcal_version']} added static KV-cache scales in a shard of their own, which vLLM reads "
         "when it serves an FP8 KV cache.",
         "",
         "## Serve",
         "",
         *target_serve_markdown(serve_lines(out, provenance, report), heading=False),
+        *([f"Replace `{PLACEHOLDER}` with the Hub repo you upload this folder to, or the folder's path "
+           "(`--hub-id` on calibrate, export or apply writes it here).", ""] if served_name(provenance) == PLACEHOLDER else []),
         # Verified: the recommendation below says what its serve line's mode needs; else the written scales' note.
         ("Not verified yet: these lines serve the written scales; `kvcal verify` decides. " if not report else "")
         + ("" if report else serving.SERVE_NOTES[granularity][0].upper() + serving.SERVE_NOTES[granularity][1:] + ". ")
@@ -108,11 +120,7 @@ def _section(out: str, provenance: dict, report: dict | None, base: str | None) 
         lines += ["", f"These scales rest on little data (fewer than {provenance['little_data_threshold']:,} tokens in "
                   "some layer): rarer outliers were likely not seen."]
     lines += ["", "## Calibration data", "", markdown_table(
-        ["source", "records read", "tokens", "files (sha256)"],
-        [[f"`{d['source']}`", f"{d['records_read']:,}", f"{d['tokens']:,}",
-          "<br>".join(f"`{Path(f['path']).name}` {f['sha256'][:16]}…" for f in d["files"])
-          or (f"revision {d['revision']}" if d.get("revision") else "—")] for d in provenance["data"]],
-    )]
+        ["source", "records read", "tokens", "files (size, sha256) or Hub revision"], data_rows(provenance["data"]))]
     lines += ["", "## Verification", ""] + (_verification(report) if report else [
         "Not verified yet. `kvcal verify` measures what each KV-cache scheme costs this model on held-out text, "
         "and with `--report` it writes its table here."])
@@ -128,19 +136,20 @@ def _section(out: str, provenance: dict, report: dict | None, base: str | None) 
 
 
 def serve_lines(out: str, provenance: dict, report: dict | None) -> dict[str, dict]:
-    """Target → {"scheme", "line", "build"}: verify's line per target when verified, else the written scales' line on
-    every target that reads them; the recipe's skip layers added to each (``serving.with_skip_layers``)."""
-    skip = (provenance.get("recipe") or {}).get("skip_layers", [])
+    """Target → {"scheme", "label", "line", "build"}: verify's line per target when verified, else the written scales'
+    line on every target that reads them; each serving ``served_name`` (not ``out``, a local path), with the recipe's
+    skip layers added (``serving.with_skip_layers``)."""
+    skip, name = (provenance.get("recipe") or {}).get("skip_layers", []), served_name(provenance)
     if report is not None:
         lines = report.get("serve_lines") or {report.get("target", serving.DEFAULT_TARGET): {
-            "scheme": None, "line": report["serve_command"], "build": serving.build_name(report.get("target", serving.DEFAULT_TARGET))}}
-        return {t: {**s, "line": serving.with_skip_layers(s["line"], skip)} for t, s in lines.items()}
+            "scheme": None, "label": None, "line": report["serve_command"], "build": serving.build_name(report.get("target", serving.DEFAULT_TARGET))}}
+        return {t: {**s, "line": serving.with_skip_layers(serving.with_model(s["line"], name), skip)} for t, s in lines.items()}
     granularity, out_lines = provenance["scales"]["granularity"], {}
     for target in serving.TARGETS:
         written = serving.written_dtype(granularity, target)
         if written is not None:
-            line = serving.serve_command(out, written[0], target=target, per_head=written[1], skip_layers=skip)
-            out_lines[target] = {"scheme": f"the written {granularity} scales, not verified", "line": line,
+            line = serving.serve_command(name, written[0], target=target, per_head=written[1], skip_layers=skip)
+            out_lines[target] = {"scheme": None, "label": f"the written {granularity} scales, not verified", "line": line,
                                  "build": serving.build_name(target)}
     return out_lines
 
@@ -166,11 +175,11 @@ def write_card(directory: str | Path, provenance: dict, report: dict | None = No
     """(Re)write ``directory``/README.md: kvcal's section from ``provenance`` and ``report``, the source card below.
 
     ``directory``'s README.md before the call is the source's card (a copy, as write_checkpoint made it) or a card
-    kvcal wrote; either way what belongs to the source is carried over. Replaced atomically. ``out``: the path the
-    serve line names (OUT as the user wrote it, while ``directory`` may still be its temporary); default ``directory``.
+    kvcal wrote; either way what belongs to the source is carried over. Replaced atomically. ``out``: OUT as the user
+    wrote it, while ``directory`` may still be its temporary (its folder name titles a card without a base model);
+    default ``directory``. The serve lines name ``served_name``, never a local path.
     """
     path = card_path(directory)
     previous = path.read_text(errors="replace") if path.is_file() else None
-    config = json.loads((Path(directory) / "config.json").read_text())
-    text = card_text(out or str(directory), provenance, config, report, previous)
+    text = card_text(out or str(directory), provenance, report, previous)
     write_atomically(path, lambda tmp: tmp.write_text(text))

@@ -9,6 +9,7 @@ import torch
 
 from .. import serving
 from ..capture.stats import KINDS
+from ..choices import scheme_label
 from .capacity import plan_text
 from .config import percent
 from .depth import trend_text
@@ -58,7 +59,7 @@ def _worst(r: dict, kind: str, what: str) -> float | None:
 
 
 def verify_rows(rep: dict) -> list[list[str]]:
-    """One row per scheme: name, KL ± s.e., KL over the floor's, KV bytes per token (× bf16), perplexity change,
+    """One row per scheme: its label (``choices.scheme_label``: vLLM's name), KL ± s.e., KL over the floor's, KV bytes per token (× bf16), perplexity change,
     top-1, worst-layer saturation of K/V/Q, verdict (or why the serving target's vLLM does not serve it as measured)."""
     rows = []
     floor = rep["floor"]["kl"] if rep["floor"] and rep["floor"]["kl"] > 0 else None
@@ -66,7 +67,7 @@ def verify_rows(rep: dict) -> list[list[str]]:
         sat = " / ".join(_pct(_worst(r, k, "saturated"), 3) for k in ("k", "v", "q"))
         times = "—" if floor is None or r["mode"] == "reference" else f"{r['kl'] / floor:.3g}×"
         size = f"{r['bytes_per_token']:,.0f} ({r['bytes_vs_bf16']:.2f}×)"
-        rows.append([name, _kl(r), times, size, f"{100 * r['ppl_change']:+.3f}%", _pct(r["top1"]), drift_cell(r.get("drift")), sat,
+        rows.append([scheme_label(name), _kl(r), times, size, f"{100 * r['ppl_change']:+.3f}%", _pct(r["top1"]), drift_cell(r.get("drift")), sat,
                      r.get("target_refusal") or r["verdict"], "; ".join(r["reasons"])])
     return rows
 
@@ -195,7 +196,7 @@ def target_serve_markdown(lines: dict[str, dict], heading: bool = True) -> list[
     out = [*(["### Serve line per target", ""] if heading else []),
            "Each target's line comes from the schemes its vLLM serves as measured (docs/kv-dtypes.md, \"Serving targets\").", ""]
     for target, s in lines.items():
-        out += [f"{serving.target_label(target)}: {s['scheme'] or 'no quantized scheme qualifies'}, checked against "
+        out += [f"{serving.target_label(target)}: {s['label'] or 'no quantized scheme qualifies'}, checked against "
                 f"{s['build']}", "", "```", s["line"], "```", ""]
     return out
 
@@ -229,8 +230,8 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
         + ". KL is KL(reference ‖ scheme) of next-token distributions with every layer quantized at once, mean over "
         "positions; ± is the standard error over sequences." + (f" {drift_note(rep)}." if drift_note(rep) else ""),
         "",
-        *[f"- **{n}**: {r['note']}; scales: {r['source']}" for n, r in s.items()],
-        *[f"- **{n}** skipped: {why}" for n, why in rep["skipped"].items()],
+        *[f"- **{scheme_label(n)}**: {r['note']}; scales: {r['source']}" for n, r in s.items()],
+        *[f"- **{scheme_label(n)}** skipped: {why}" for n, why in rep["skipped"].items()],
         "",
         "## Recommendation",
         "",

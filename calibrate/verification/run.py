@@ -29,17 +29,18 @@ from .. import serving
 from ..capture.stats import Stats, position_bucket_starts
 from ..checkpoint.write import tensor_bytes, weight_files
 from ..data.config import DataConfig
-from ..data.stream import Layout, iter_sequences, read_digests
+from ..data.stream import Layout, iter_sequences, portable_manifest, read_digests
 from ..engine.caveats import installed_vllm_version
 from ..files import read_json_object
 from ..fp8 import get_format
+from ..hub import snapshot_origin
 from ..layout import is_kvcal_output, provenance_path, records_path, stats_path
 from ..model.description import describe
 from ..model.layers import AttentionLayer, ModelSignature, attention_layers, checkpoint_named, signature
 from ..model.load import check_known_type, check_tokenizer_fits, load_model, load_tokenizer, resolve_device
 from . import depth, fa3, report, token_kinds
 from .capacity import LayerKV, per_token, plan
-from .card import write_card
+from .card import PLACEHOLDER, served_name, write_card
 from .config import FLOOR, NEAR_TIE_NATS, REFERENCE, Thresholds, VerifyConfig
 from .drift import measure_drift, prompts_from
 from .kvdtypes import DTYPES
@@ -118,6 +119,7 @@ class VerifyResult:
 
     report: dict
     report_dir: Path | None
+    checkpoint: str | None = None  # as the user typed it: the terminal's serve line names it, the report does not
 
     @property
     def schemes(self) -> dict[str, dict]:
@@ -126,7 +128,8 @@ class VerifyResult:
     def summary(self, skip_layers: Sequence[str | int] = ()) -> str:
         """The verdict table, the recommendation and the serve command (last), for a person; ``skip_layers`` (a
         recipe's) are added to the serve line."""
-        rep = {**self.report, "serve_command": serving.with_skip_layers(self.report["serve_command"], skip_layers)}
+        line = self.report["serve_command"] if self.checkpoint is None else serving.with_model(self.report["serve_command"], self.checkpoint)
+        rep = {**self.report, "serve_command": serving.with_skip_layers(line, skip_layers)}
         return report.verify_text(rep, report_md=self.report_dir / "report.md" if self.report_dir else None)
 
 
@@ -292,22 +295,23 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     plain = serving.unquantized_dtype(model_config)  # auto, unless a kv_cache_scheme would make auto fp8
     scale1 = scale1_answer(results)  # "is scale 1.0 enough?"
     vllm_version = config.vllm_version or installed_vllm_version()  # the release the caveats are said for
-    recommendation, serve = recommend(results, held, layers, config.checkpoint, skip_probe, pays, target=config.target,
-                                      unquantized=plain, scale1=scale1["text"] if scale1 else None,
-                                      vllm_version=vllm_version)
-    per_target = serve_lines(results, held, layers, config.checkpoint, skip_probe, unquantized=plain)
+    served = served_model(config.checkpoint)  # the report's serve lines name no local path
+    recommendation, serve = recommend(results, held, layers, checkpoint_name(config.checkpoint), skip_probe, pays,
+                                      target=config.target, unquantized=plain, scale1=scale1["text"] if scale1 else None,
+                                      vllm_version=vllm_version, served=served)
+    per_target = serve_lines(results, held, layers, served, skip_probe, unquantized=plain)
     dtype = str(model.dtype).removeprefix("torch.")
     rep = {
         "kvcal_version": report.kvcal_version(),
         "caveats_for_vllm": vllm_version,  # the release the recommendation's engine caveats are said for (None: unknown)
-        "checkpoint": str(Path(config.checkpoint).resolve()),
+        "checkpoint": checkpoint_name(config.checkpoint),  # no local path: the report travels with OUT's card
         "reference": {"name": REFERENCE, "dtype": dtype, "device": str(device),
                       "model": (what := reference_model(described.quant, model, dtype)),
                       "note": f"the reference is the {what} in {dtype}, called {REFERENCE} as vLLM would serve it"},
         "fp8_format": fmt.name,
         "backend": config.backend,
-        "settings": config.settings(),
-        "data": manifest,
+        "settings": portable_settings(config.settings()),
+        "data": portable_manifest(manifest),
         "sample": {"sequences": len(sequences), "seq_len": config.data.seq_len, "tokens": len(sequences) * config.data.seq_len},
         "held_out": {"calibration_records": len(calibration), "excluded_records": excluded,
                      "include_calibration_data": config.include_calibration_data,
@@ -350,7 +354,29 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         out = Path(config.report_dir)
         report.write_verify_report(out, rep)
         _refresh_card(config.checkpoint, rep)
-    return VerifyResult(rep, out)
+    return VerifyResult(rep, out, config.checkpoint)
+
+
+def checkpoint_name(checkpoint: str) -> str:
+    """How the report names the checkpoint verified: its Hub id and revision when it is a Hub snapshot, else its
+    folder's name (never a local path)."""
+    origin = snapshot_origin(checkpoint)
+    return f"{origin['id']}@{origin['revision']}" if origin else Path(checkpoint).resolve().name
+
+
+def served_model(checkpoint: str) -> str:
+    """The model the report's serve lines name: a kvcal output's card name (``card.served_name``: its --hub-id, else a
+    placeholder), a Hub snapshot's repo id, else the placeholder; the terminal names the checkpoint as typed."""
+    if is_kvcal_output(checkpoint):
+        return served_name(read_json_object(provenance_path(checkpoint), "calibrate it again"))
+    origin = snapshot_origin(checkpoint)
+    return origin["id"] if origin else PLACEHOLDER
+
+
+def portable_settings(settings: dict) -> dict:
+    """Verify's settings without local paths: scales files and the report folder by name."""
+    schemes = [Path(s).name if s.endswith(".safetensors") else s for s in settings["schemes"]]
+    return {**settings, "schemes": schemes, "report_dir": settings["report_dir"] and Path(settings["report_dir"]).name}
 
 
 def _evidence_reasons(r: dict) -> list[str]:

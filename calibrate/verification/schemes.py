@@ -12,11 +12,12 @@ import torch
 from ..capture.hooks import latent_view
 from ..capture.stats import Stats
 from ..checkpoint.read import read_scales
+from ..choices import SCHEMES, SchemeSpec
 from ..fp8 import E5M2, FP8Format, per_token_head_round_trip, per_token_scale, quantize_dequantize
 from ..loaders import MLA_SCALES_IGNORED, Servable, loaded_multiplier, quant_method, refusal, stored_dtype
 from ..model.description import ModelDescription
 from ..scales.observers import derive_scales
-from .config import FLOOR, REFERENCE, VerifyConfig
+from .config import FLOOR, VerifyConfig
 from .kvdtypes import DTYPES, CacheDtype
 
 
@@ -157,57 +158,52 @@ def build_schemes(
         scales = derive_scales(stats.kinds, observer=observer, granularity=wanted, fmt=fmt).scales
         return {k: (v if v.dim() == 2 else v[:, None].expand(-1, heads[k])).clone() for k, v in scales.items()}
 
-    def static_scales(name: str, wanted: str) -> tuple[dict | None, str]:
-        """(kind → [L, H] scales, source) of ``wanted`` granularity, or (None, why not)."""
+    def static_scales(spec: SchemeSpec) -> tuple[dict | None, str]:
+        """(kind → [L, H] scales, source) of the checkpoint at ``spec``'s granularity, or (None, why not)."""
+        wanted = spec.granularity
         if granularity == wanted:
             return ckpt, "checkpoint"
         if stats is not None:
             return derived("max", wanted), "derived from the checkpoint's kvcal statistics (max observer; not in the checkpoint: export them)"
-        if granularity is None and name != wanted:  # a cache dtype that reads checkpoint scales gets vLLM's 1.0
+        if granularity is None and spec.kv_dtype != "fp8":  # another cache dtype that reads checkpoint scales gets vLLM's 1.0
             return ones, "1.0: the checkpoint has no KV scales"
         has = f"holds {granularity} scales" if granularity else "has no KV scales"
         return None, f"the checkpoint {has} and no kvcal statistics to derive {wanted} scales from"
 
     for name in dict.fromkeys(config.schemes):  # a name given twice runs once
-        if name in DTYPES:
-            try:  # a cache layout this model's head size does not fit (nvfp4: multiples of 16; int4: even)
-                DTYPES[name].bytes_per_token(1, sig.head_dim)
-            except ValueError as e:
-                skipped[name] = str(e)
-                continue
-        if name == REFERENCE:
-            schemes.append(Scheme(name, Mode.REFERENCE, "none: the unquantized reference", fmt))
-        elif name == "scale1":
-            schemes.append(Scheme(name, Mode.STATIC, "1.0", fmt, "tensor", ones, q))
-        elif name == "token":
-            schemes.append(Scheme(name, Mode.TOKEN, "computed per token at cache write", fmt, "token"))
-        elif name in ("max", "mse"):  # another observer's per-tensor scales, to set beside the checkpoint's
-            if stats is None:
-                skipped[name] = f"the checkpoint has no kvcal statistics to derive {name} scales from"
-                continue
-            source = f"the {name} observer on the checkpoint's kvcal statistics"
-            schemes.append(Scheme(name, Mode.STATIC, source, fmt, "tensor", derived(name, "tensor"), q))
-        elif name in ("tensor", "head") or name in DTYPES and DTYPES[name].scale == "tensor":
-            # fp8_e5m2 and nvfp4 read the per-tensor k/v scales vLLM loads for fp8; neither quantizes queries.
-            wanted = "head" if name == "head" else "tensor"
-            scales, source = static_scales(name, wanted)
-            if scales is None:
-                skipped[name] = source
-            elif name in ("tensor", "head"):
-                schemes.append(Scheme(name, Mode.STATIC, source, fmt, name, scales, q))
-            elif name == "fp8_e5m2":
-                schemes.append(Scheme(name, Mode.STATIC, source, E5M2, "tensor", scales))
-            else:
-                schemes.append(Scheme(name, Mode.CACHE, source, fmt, "tensor", scales, cache=DTYPES[name]))
-        elif name in DTYPES:
-            schemes.append(Scheme(name, Mode.CACHE, "computed per token at cache write", fmt, "token", cache=DTYPES[name]))
-        else:
+        if name not in SCHEMES:  # a scales file the user named
             scales, file_granularity, file_notes = read_scales([Path(name)], layers, sig, method)
             if file_granularity is None:
                 raise ValueError(f"{name} holds no k/v scales under this model's attention prefixes (e.g. {layers[0].prefix}.k_scale)")
             notes += [f"{Path(name).name}: {n}" for n in file_notes]
             scaled = {k: v * loaded_multiplier(method, fmt.name) for k, v in scales.items()}
-            schemes.append(Scheme(Path(name).stem, Mode.STATIC, str(Path(name).resolve()), fmt, file_granularity, scaled, q))
+            schemes.append(Scheme(Path(name).stem, Mode.STATIC, f"the file {Path(name).name}", fmt, file_granularity, scaled, q))
+            continue
+        spec = SCHEMES[name]
+        if spec.kv_dtype in DTYPES:
+            try:  # a cache layout this model's head size does not fit (nvfp4: multiples of 16; int4: even)
+                DTYPES[spec.kv_dtype].bytes_per_token(1, sig.head_dim)
+            except ValueError as e:
+                skipped[name] = str(e)
+                continue
+        if spec.scales == "none":
+            schemes.append(Scheme(name, Mode.REFERENCE, "none: the unquantized reference", fmt))
+            continue
+        if spec.scales == "ones":
+            scales, source = ones, "1.0"
+        elif spec.scales == "observer":  # another observer's scales, to set beside the checkpoint's
+            if stats is None:
+                skipped[name] = f"the checkpoint has no kvcal statistics to derive {name} scales from"
+                continue
+            scales, source = derived(name, spec.granularity), f"the {name} observer on the checkpoint's kvcal statistics"
+        elif spec.scales == "checkpoint":
+            scales, source = static_scales(spec)
+            if scales is None:
+                skipped[name] = source
+                continue
+        else:  # computed at cache write: no stored scales
+            scales, source = {}, "computed per token at cache write"
+        schemes.append(_scheme(name, spec, source, fmt, scales, q))
     if sig.latent_dim:  # MLA: the latent cache in an fp8 format under one per-tensor k scale (docs/vllm-notes.md, MLA)
         other = [s for s in schemes if s.mode in (Mode.TOKEN, Mode.CACHE) or s.granularity == "head"]
         for scheme in other:
@@ -226,6 +222,18 @@ def build_schemes(
     held["not_servable"] = {s.name: why for s in schemes
                             if (why := refusal(scheme_dtype(s), servable) or (s.source == "checkpoint" and refusal(s.granularity, servable)))}
     return schemes, skipped, held
+
+
+def _scheme(name: str, spec: SchemeSpec, source: str, fmt: FP8Format, scales: dict, q: bool) -> Scheme:
+    """A quantized scheme from its table row: static FP8 in e4m3 (queries too when ``q``, as FA3 on Hopper) or e5m2
+    (K and V only), fp8_per_token_head's dynamic scales, or another cache dtype's write and read (``kvdtypes``)."""
+    if spec.kv_dtype == "fp8":
+        return Scheme(name, Mode.STATIC, source, fmt, spec.granularity, scales, q)
+    if spec.kv_dtype == "fp8_e5m2":
+        return Scheme(name, Mode.STATIC, source, E5M2, spec.granularity, scales)
+    if spec.kv_dtype == "fp8_per_token_head":
+        return Scheme(name, Mode.TOKEN, source, fmt, spec.granularity)
+    return Scheme(name, Mode.CACHE, source, fmt, spec.granularity, scales, cache=DTYPES[spec.kv_dtype])
 
 
 # What the floor computes in, by the reference's dtype: bf16 against float32, and for a half-precision reference

@@ -9,14 +9,14 @@ import math
 import torch
 
 from .. import serving
-from ..choices import DEFAULT_TARGET, SCHEMES, TARGETS, VERIFY_SCHEMES
+from ..choices import DEFAULT_TARGET, SCHEMES, TARGETS, scheme_label, scheme_rank
 from ..model.layers import AttentionLayer
 from .config import FLOOR, Thresholds, percent
 from .kvdtypes import DTYPES
 from .tails import COMPARED, CONFIDENCE
 
 # Each scheme's note, from the one table (choices.SCHEMES; a cache dtype's from kvdtypes.DTYPES), and the floor's.
-SCHEME_NOTES = {name: note or f"--kv-cache-dtype {name}: {DTYPES[name].note}" for name, note in SCHEMES.items()}
+SCHEME_NOTES = {name: spec.note or f"--kv-cache-dtype {spec.kv_dtype}: {DTYPES[spec.kv_dtype].note}" for name, spec in SCHEMES.items()}
 SCHEME_NOTES[FLOOR] = "the unquantized model computed in another precision: what the verdicts are measured against"
 
 
@@ -109,11 +109,6 @@ def compare(a: dict, b: dict) -> tuple[float, float | None, bool]:
     return mean, se, se is not None and abs(mean) > 2 * se
 
 
-# Among schemes of the best verdict whose KL is within noise of the lowest: the most portable first, then the other
-# cache dtypes from the most to the least precise; scale 1.0 last. (A scales file goes after tensor.)
-PREFERENCE = ["tensor", "max", "mse", "head", "token", "fp8_e5m2", "int8_per_token_head", "nvfp4_4over6", "nvfp4", "int4_per_token_head", "scale1"]
-
-
 def _servable(r: dict) -> bool:
     """Served as measured: from this checkpoint (``servable``) and by the serving target's vLLM (no ``target_refusal``)."""
     return r.get("servable", True) and not r.get("target_refusal")
@@ -129,22 +124,23 @@ def target_refusals(results: dict[str, dict], target: str) -> dict[str, serving.
 def serve_lines(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
                 skip_probe: dict | None = None, *, unquantized: str = "auto") -> dict[str, dict]:
     """The serve line for every target, each chosen among the schemes that target's vLLM serves as measured:
-    target → {"scheme": name or None (bf16), "kv_dtype", "line", "build": the vLLM build its facts were read in}."""
+    target → {"scheme": name or None (bf16), "label": its ``choices.scheme_label``, "kv_dtype", "line", "build": the vLLM build its facts were read in}."""
     out = {}
     for target in TARGETS:
         refused = target_refusals(results, target)
         judged = {n: {**r, "target_refusal": refused[n].short if n in refused else None} for n, r in results.items()}
         _, line = recommend(judged, held, layers, checkpoint, skip_probe, target=target, unquantized=unquantized)
         scheme = choose(judged)
-        out[target] = {"scheme": scheme, "kv_dtype": judged[scheme]["kv_dtype"] if scheme else unquantized, "line": line,
+        out[target] = {"scheme": scheme, "label": scheme_label(scheme) if scheme else None,
+                       "kv_dtype": judged[scheme]["kv_dtype"] if scheme else unquantized, "line": line,
                        "build": serving.build_name(target)}
     return out
 
 
 def choose(results: dict[str, dict]) -> str | None:
     """The scheme to serve: the best verdict first; within it, the lowest KL, where a scheme the paired test does not
-    find significantly worse than the lowest counts as level with it, and the most portable of those (PREFERENCE)
-    is chosen. None when every one fails."""
+    find significantly worse than the lowest counts as level with it, and the most portable of those (the lowest
+    ``choices.scheme_rank``) is chosen. None when every one fails."""
     rank = {"pass": 0, "warn": 1}
     usable = {n: r for n, r in results.items() if r["mode"] != "reference" and r["verdict"] in rank and _servable(r)}
     if not usable:
@@ -152,9 +148,8 @@ def choose(results: dict[str, dict]) -> str | None:
     top = min(rank[r["verdict"]] for r in usable.values())
     best = {n: r for n, r in usable.items() if rank[r["verdict"]] == top}
     lowest = min(best.values(), key=lambda r: r["kl"])
-    level = {n for n, r in best.items() if r is lowest or not _significantly_above(r, lowest)}
-    preference = ["tensor", *[n for n in best if n not in VERIFY_SCHEMES], *PREFERENCE[1:]]
-    return next(n for n in preference if n in level)
+    level = [n for n, r in best.items() if r is lowest or not _significantly_above(r, lowest)]
+    return min(level, key=scheme_rank)
 
 
 def _significantly_above(a: dict, b: dict) -> bool:
@@ -225,8 +220,10 @@ def pays_lines(pays: dict, dtype: str, verdict: str) -> list[str]:
 
 def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
               skip_probe: dict | None = None, pays: dict | None = None, *, target: str = DEFAULT_TARGET,
-              unquantized: str = "auto", scale1: str | None = None, vllm_version: str | None = None) -> tuple[list[str], str]:
-    """What to serve on ``target``, from the measured numbers only: (sentences, vllm serve line). A scheme with a
+              unquantized: str = "auto", scale1: str | None = None, vllm_version: str | None = None,
+              served: str | None = None) -> tuple[list[str], str]:
+    """What to serve on ``target``, from the measured numbers only: (sentences, vllm serve line). ``checkpoint``: how
+    the sentences name it (an export from it); ``served``: the model the serve line names (default ``checkpoint``). A scheme with a
     ``target_refusal`` is never recommended; ``skip_probe`` counts only when it probed the scheme chosen;
     ``unquantized``: the dtype that keeps this checkpoint's cache unquantized (``serving.unquantized_dtype``);
     ``scale1``: the answer to "is scale 1.0 enough?" (``scale1.scale1_answer``), said right after the checkpoint's notes;
@@ -259,11 +256,11 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
         lines.append("Every quantized scheme measured fails the thresholds"
                      + (f" or is not served as measured on target {target} ({', '.join(refused)})" if refused else "")
                      + ": keep this model's KV cache in bf16.")
-        return lines, serving.serve_command(checkpoint, unquantized, target=target)
+        return lines, serving.serve_command(served or checkpoint, unquantized, target=target)
     if skip_probe is not None and skip_probe["scheme"] != choice:
         skip_probe = None
     r = usable[choice]
-    lines.append(f"Recommended: {choice} ({SCHEME_NOTES.get(choice, r['source'])}): KL {r['kl']:.4g} nats/token, "
+    lines.append(f"Recommended: {scheme_label(choice)} ({SCHEME_NOTES.get(choice, r['source'])}): KL {r['kl']:.4g} nats/token, "
                  f"perplexity {r['ppl_change']:+.2%}, top-1 agreement {r['top1']:.2%}, verdict {r['verdict']}.")
     for name, other in usable.items():
         if name != choice and compare(other, r)[2] and other["kl"] < r["kl"]:
@@ -273,11 +270,11 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     if smaller:
         lines.append("Smaller caches with the same verdict: " + "; ".join(
             f"{n} ({usable[n]['bytes_per_token'] / r['bytes_per_token']:.2f}× the bytes, KL {usable[n]['kl']:.4g})" for n in smaller) + ".")
-    path = checkpoint
+    path = served or checkpoint
     if r["mode"] != "token" and r["granularity"] in ("tensor", "head") and r["source"] not in ("checkpoint", "1.0"):
         path = "OUT"
-        observer = f" --observer {choice}" if choice in ("max", "mse") else ""
-        how = (f"write them with `kvcal export {checkpoint} --out OUT --granularity {r['granularity']}{observer}`" if choice in VERIFY_SCHEMES
+        observer = f" --observer {choice}" if choice in SCHEMES and SCHEMES[choice].scales == "observer" else ""
+        how = (f"write them with `kvcal export {checkpoint} --out OUT --granularity {r['granularity']}{observer}`" if choice in SCHEMES
                else f"write {r['source']} into a copy of the checkpoint")
         lines.append(f"These {choice} scales are not in the checkpoint: {how} and serve OUT.")
     if choice == "scale1" and held["granularity"] is not None:

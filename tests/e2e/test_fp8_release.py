@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from calibrate import calibrate, inspect
 from calibrate.checkpoint.write import scales_file
+from calibrate.serving import with_model
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +71,8 @@ def test_output_is_the_release_with_per_tensor_scales(release):
             assert scales[f"{layer.prefix}.{kind}_scale"].item() == result.scale_set.scales[kind][row].item()
     summary = result.summary()
     # One serve line, the short verify's, printed last (calibrate's provisional fp8 line gives way to it).
-    assert summary.splitlines()[-1] == f"  {result.verification.report['serve_command']}"
+    # The terminal's line serves OUT as given; report.json's the card's name (no local path).
+    assert summary.splitlines()[-1] == f"  {with_model(result.verification.report['serve_command'], str(out))}"
     assert sum(line.strip().startswith("vllm serve ") for line in summary.splitlines()) == 1
     assert "reads these scales only with --kv-cache-dtype fp8" in summary and "stores them in bfloat16" in summary
     # verify ran the FP8-weight model (dequantized on CPU) as its reference, and says so.

@@ -44,7 +44,7 @@ def test_every_scheme_failing_recommends_the_unquantized_cache():
 def test_the_checkpoints_own_scales_pass_and_are_served_as_they_are():
     results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01), "scale1": scheme("warn", 0.05, source="1.0")}
     lines, serve = recommend(results, held(), layers(), CKPT)
-    assert any(line.startswith("Recommended: tensor (one static scale per layer") for line in lines)
+    assert any(line.startswith("Recommended: fp8 (tensor) (one static scale per layer") for line in lines)
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
     assert not any("not in the checkpoint" in line for line in lines)
     assert lines[-1].startswith("per-tensor scales: read by every vLLM attention backend")
@@ -58,6 +58,19 @@ def test_scales_not_in_the_checkpoint_are_exported_first_and_out_is_served():
     lines, serve = recommend(results, held(), layers(), CKPT)
     assert f"These head scales are not in the checkpoint: write them with `kvcal export {CKPT} --out OUT --granularity head` and serve OUT." in lines
     assert serve == "vllm serve OUT --kv-cache-dtype fp8 --attention-backend FLASH_ATTN"
+
+
+def test_the_serve_line_names_what_is_served_and_the_sentences_the_checkpoint():
+    """verify's report names the served repo (or the card's placeholder) in its serve lines and the checkpoint's folder
+    in its sentences: neither is a local path."""
+    results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01), "scale1": scheme("warn", 0.05, source="1.0")}
+    assert recommend(results, held(), layers(), "ckpt", served="org/ckpt-kv")[1] == "vllm serve org/ckpt-kv --kv-cache-dtype fp8"
+    failing = {"bf16": REFERENCE, "tensor": scheme("fail", 0.5)}
+    assert recommend(failing, held(), layers(), "ckpt", served="org/ckpt-kv")[1] == "vllm serve org/ckpt-kv --kv-cache-dtype auto"
+    derived = "derived from the checkpoint's kvcal statistics (max observer; not in the checkpoint: export them)"
+    exported = {"bf16": REFERENCE, "head": scheme("pass", 0.01, granularity="head", source=derived)}
+    lines, serve = recommend(exported, held(), layers(), "ckpt", served="org/ckpt-kv")
+    assert "write them with `kvcal export ckpt --out OUT --granularity head`" in " ".join(lines) and " OUT " in serve
 
 
 def test_another_observers_scales_are_exported_with_that_observer():
@@ -77,7 +90,7 @@ def test_a_scales_file_is_written_into_a_copy():
 def test_scale1_chosen_though_the_checkpoint_has_scales_says_vllm_would_use_them():
     results = {"bf16": REFERENCE, "tensor": scheme("fail", 0.5), "scale1": scheme("warn", 0.05, source="1.0")}
     lines, serve = recommend(results, held("tensor"), layers(), CKPT)
-    assert any(line.startswith("Recommended: scale1") for line in lines)
+    assert any(line.startswith("Recommended: fp8 (scale 1.0)") for line in lines)
     assert "Scale 1.0 needs a checkpoint without KV scales; this one has scales, which vLLM would use instead." in lines
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
 
@@ -130,7 +143,7 @@ def test_a_significantly_lower_kl_and_a_smaller_cache_with_the_same_verdict_are_
     assert not any("has significantly lower KL" in line for line in lines)  # nothing usable is lower than the choice
     results["int8_per_token_head"]["verdict"] = "warn"  # now the passes are level within noise: the most portable wins
     lines, _ = recommend(results, held(), layers(), CKPT)
-    assert any(line.startswith("Recommended: tensor") for line in lines)
+    assert any(line.startswith("Recommended: fp8 (tensor)") for line in lines)
     assert any(line.startswith("int8_per_token_head has significantly lower KL than tensor (0.004 vs 0.01)") for line in lines)
     assert not any(line.startswith("token has significantly lower KL") for line in lines)  # higher, not lower
     smaller = next(line for line in lines if line.startswith("Smaller caches with the same verdict: "))
@@ -141,7 +154,7 @@ def test_a_scheme_vllm_refuses_is_measured_but_never_recommended():
     results = {"bf16": REFERENCE, "head": scheme("pass", 0.005, granularity="head"), "tensor": scheme("warn", 0.04)}
     results["head"]["servable"] = False
     lines, serve = recommend(results, held("head"), layers(), CKPT)
-    assert any(line.startswith("Recommended: tensor") for line in lines)
+    assert any(line.startswith("Recommended: fp8 (tensor)") for line in lines)
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
 
 

@@ -14,6 +14,7 @@ import torch
 
 import calibrate.verification.report
 from calibrate.capture.stats import NUM_POS_BUCKETS, position_bucket_starts
+from calibrate.choices import scheme_label
 from calibrate.verification.report import (
     kvcal_version,
     scale_table,
@@ -171,7 +172,7 @@ def percent(cell: str) -> float | None:
 
 def check_verdict_row(cells: list[str], name: str, r: dict, floor: float | None = None) -> None:
     """One row of the verdict table against the scheme's own numbers."""
-    assert cells[0] == name
+    assert cells[0] == scheme_label(name)
     kl, _, se = cells[1].partition(" ± ")
     assert float(kl) == pytest.approx(r["kl"], rel=1e-3)
     assert (float(se) == pytest.approx(r["kl_stderr"], rel=0.05)) if r["kl_stderr"] is not None else se == ""
@@ -210,9 +211,9 @@ def test_verify_text_has_a_row_per_scheme_with_its_numbers_and_verdict():
     lines = verify_text(rep).splitlines()
     assert lines[0].split("  ")[0] == "scheme" and set(lines[1]) == {"-"}
     rows = [re.split(r"\s{2,}", line) for line in lines[2:2 + len(rep["schemes"])]]
-    assert [row[0] for row in rows] == list(rep["schemes"])
-    for cells in rows:
-        check_verdict_row(cells, cells[0], rep["schemes"][cells[0]])
+    assert [row[0] for row in rows] == [scheme_label(n) for n in rep["schemes"]]  # vLLM's names (choices.SCHEMES)
+    for cells, name in zip(rows, rep["schemes"]):
+        check_verdict_row(cells, name, rep["schemes"][name])
     rest = lines[2 + len(rep["schemes"]):]
     assert rest[0] == ""
     assert rest[1] == "reference: unquantized model in float32 on cpu; 2 sequences of 64 tokens; FP8 e4m3fn, cpu writer"
@@ -275,12 +276,12 @@ def test_verify_markdown_states_thresholds_and_each_schemes_verdict():
     assert "(128 tokens) from data.jsonl" in md
     header, *rows = markdown_table(md, "scheme")
     assert header[0] == "scheme" and header[-2:] == ["verdict", "why"]
-    assert [row[0] for row in rows] == list(rep["schemes"])
-    for cells in rows:
-        check_verdict_row(cells, cells[0], rep["schemes"][cells[0]])
+    assert [row[0] for row in rows] == [scheme_label(n) for n in rep["schemes"]]  # vLLM's names (choices.SCHEMES)
+    for cells, name in zip(rows, rep["schemes"]):
+        check_verdict_row(cells, name, rep["schemes"][name])
     for name, r in rep["schemes"].items():
-        assert f"- **{name}**: {r['note']}; scales: {r['source']}" in md
-    assert "- **head** skipped: no per-head scales" in md
+        assert f"- **{scheme_label(name)}**: {r['note']}; scales: {r['source']}" in md
+    assert "- **fp8 (head)** skipped: no per-head scales" in md
     assert "```\nvllm serve /models/out --kv-cache-dtype fp8\n```" in md
     assert "- checkpoint note" in md and "kvcal statistics in the checkpoint: yes" in md
     assert json.loads(md.split("```json\n")[1].split("```")[0]) == rep["settings"]

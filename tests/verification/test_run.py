@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from calibrate import api, cli
 from calibrate.capture.hooks import hooked_attention
 from calibrate.checkpoint.write import scales_file, shard_name
+from calibrate.choices import scheme_label
 from calibrate.config import SHORT_VERIFY_SCHEMES
 from calibrate.data.config import DataConfig
 from calibrate.data.stream import iter_sequences
@@ -204,7 +205,7 @@ def test_per_token_beating_per_tensor_is_reported(token_outlier_ckpt, data_file)
     assert token["kl"] < tensor["kl"]
     line = next(line for line in result.report["recommendation"] if line.startswith("token vs tensor"))
     assert "token is lower" in line and "significant," in line
-    assert any(line.startswith(("Recommended: token", "token has significantly lower KL than tensor")) for line in result.report["recommendation"])
+    assert any(line.startswith(("Recommended: fp8_per_token_head", "token has significantly lower KL than tensor")) for line in result.report["recommendation"])
 
 
 def outlier_head(model, tokenizer):
@@ -427,7 +428,7 @@ def test_calibrate_runs_a_short_verify_unless_disabled(tmp_path, tokenizer, data
     assert (tmp_path / "a" / "kvcal" / "verify" / "report.md").is_file()
     assert "short verify" in result.summary()
     card = (tmp_path / "a" / "README.md").read_text()  # the model card carries the short verify's table
-    assert "Not verified yet" not in card and all(f"| {name} |" in card for name in result.verification.schemes)
+    assert "Not verified yet" not in card and all(f"| {scheme_label(name)} |" in card for name in result.verification.schemes)
     answer = result.verification.report["scale1"]["text"]  # "is scale 1.0 enough?" on the card, in report.md and printed
     assert answer in card and answer in (tmp_path / "a" / "kvcal" / "verify" / "report.md").read_text()
     assert answer in result.summary()

