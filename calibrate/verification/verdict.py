@@ -237,7 +237,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     def versus(a: str, b: str) -> str:
         mean, se, sig = compare(results[a], results[b])
         ka, kb = results[a]["kl"], results[b]["kl"]
-        change = f"{a} is {'lower' if ka < kb else 'higher'} by {abs(ka / kb - 1):.0%}" if kb > 0 else ""
+        change = f"{a} is {'lower' if ka < kb else 'higher'} by {abs(ka / kb - 1):.0%}"  # kb ≠ 0: check_measured
         paired = f", paired over {len(results[a]['kl_per_sequence'])} sequences"
         test = "one sequence: not tested" if se is None else ("significant" if sig else "within noise") + paired
         return f"{a} vs {b}: KL {ka:.4g} vs {kb:.4g} nats/token; {change} ({test})"

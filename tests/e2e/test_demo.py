@@ -117,3 +117,33 @@ def test_smollm2_conversion(tmp_path, monkeypatch, umask):
         out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
     text = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # against a hang only: 3.5 CPU-minutes, 5 min wall measured under load (load average ~9 on 2 cores)
+def test_kvcal_demo_runs_to_its_verdict_table(smol_dir, tmp_path):
+    """``kvcal demo`` as a user runs it, on a small budget (its own --max-tokens and --seq-len; the default budget takes
+    minutes): it ends with the short verify's table, one row per scheme it measured, each with a verdict."""
+    import json
+    import subprocess
+    import sys
+
+    from calibrate.config import SHORT_VERIFY_SCHEMES
+    from calibrate.verification.report import VERIFY_HEADER
+
+    out = tmp_path / "demo-out"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))  # this checkout's code
+    done = subprocess.run([sys.executable, "-m", "calibrate", "demo", "--out", str(out), "--max-tokens", "512",
+                           "--seq-len", "64"], capture_output=True, text=True, env=env, timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith(VERIFY_HEADER[0]) and VERIFY_HEADER[1] in line)
+    rows = lines[header + 2: lines.index("", header)]  # under the dashes, up to the blank line
+    verdict_at = lines[header].index(VERIFY_HEADER[-2])
+    table = {row.split()[0]: row[verdict_at:].split("  ")[0] for row in rows}
+    # Scale 1.0, the written (per-tensor) scales and the short verify's per-token schemes, in that order.
+    assert list(table) == ["scale1", "tensor", *SHORT_VERIFY_SCHEMES], rows
+    assert all(verdict in ("pass", "warn", "fail") for verdict in table.values()), table
+    report = json.loads((out / "kvcal" / "verify" / "report.json").read_text())
+    assert {name: r["verdict"] for name, r in report["schemes"].items()} == table  # the table is the report's
+    assert lines[-2] == "serve it with:" and lines[-1].startswith(f"  vllm serve {out} --kv-cache-dtype ")

@@ -167,3 +167,50 @@ def test_the_engine_caveats_are_said_for_the_named_vllm():
     assert other[-1].endswith("(read for 0.32.0, not checked for 0.33.1)")
     gpu, _ = recommend(results, held(), layers(), CKPT, vllm_version="0.33.1")
     assert not any("not checked" in line for line in gpu)  # no caveat applies to fp8 per tensor on NVIDIA
+
+def per_sequence(result: dict, kls: list[float]) -> dict:
+    """``result`` with these per-sequence KLs (its KL their mean), for the paired tests."""
+    return {**result, "kl_per_sequence": kls, "kl": sum(kls) / len(kls)}
+
+
+SCALE1_KLS = [0.020, 0.024, 0.018, 0.022]
+
+
+# "Is scale 1.0 enough?" (scale1.scale1_answer, tested on its own in test_scale1.py) as recommend receives it: the
+# answer's sentence comes right after the checkpoint's notes, and the choice follows the same paired numbers.
+@pytest.mark.parametrize("tensor_kls, answer, chosen", [
+    pytest.param([0.010, 0.013, 0.009, 0.012], "Is scale 1.0 enough? No:", "tensor", id="better"),
+    pytest.param([0.021, 0.023, 0.019, 0.021], "Is scale 1.0 enough? On this sample, yes:", "tensor", id="equal"),
+    pytest.param([0.030, 0.035, 0.027, 0.031], "Is scale 1.0 enough? Yes, and better here:", "scale1", id="worse"),
+])
+def test_the_three_scale1_answers_follow_the_notes_and_agree_with_the_choice(tensor_kls, answer, chosen):
+    from calibrate.verification.scale1 import scale1_answer
+
+    results = {"bf16": REFERENCE, "tensor": per_sequence(scheme("pass", 0.0), tensor_kls),
+               "scale1": per_sequence(scheme("pass", 0.0, source="1.0"), SCALE1_KLS)}
+    note = "a note about the checkpoint's scales: no KV scales for layer 3"  # a note recommend passes on (it names no KV scales)
+    text = scale1_answer(results)["text"]
+    assert text.startswith(answer)
+    lines, serve = recommend(results, held("tensor", (note,)), layers(), CKPT, scale1=text)
+    assert lines[:2] == [note, text]
+    assert any(line.startswith(f"Recommended: {chosen} (") for line in lines)
+    # Equal within noise: level, so the more portable tensor; worse: scale 1.0's lead is significant, so it is chosen,
+    # with the warning that this checkpoint's own scales would be used by vLLM instead.
+    assert ("Scale 1.0 needs a checkpoint without KV scales; this one has scales, which vLLM would use instead." in lines) == (chosen == "scale1")
+    assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
+
+
+def test_without_an_answer_no_scale1_sentence_is_said():
+    results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01)}
+    lines, _ = recommend(results, held(), layers(), CKPT, scale1=None)
+    assert not any(line.startswith("Is scale 1.0 enough?") for line in lines)
+
+
+def test_every_scheme_failing_or_refused_on_the_target_names_the_refused_ones():
+    results = {"bf16": REFERENCE, "tensor": scheme("fail", 0.5),
+               "token": {**scheme("pass", 0.01, mode="token", granularity="token", dtype="fp8_per_token_head"),
+                         "target_refusal": "no per-token-head cache"}}
+    lines, serve = recommend(results, held(), layers(), CKPT, target="cpu")
+    assert lines[-1] == ("Every quantized scheme measured fails the thresholds or is not served as measured on target cpu "
+                         "(token): keep this model's KV cache in bf16.")
+    assert serve.startswith(f"vllm serve {CKPT} --kv-cache-dtype auto")

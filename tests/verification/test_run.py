@@ -592,6 +592,28 @@ def test_verify_leaves_out_the_records_calibration_used(plain_ckpt, tokenizer, d
     assert records_in(records, seen[-1][0]) & written and seen[-1][2] == 0
 
 
+@pytest.mark.parametrize("write", ["export", "apply"])
+def test_export_and_apply_carry_the_records_and_verify_of_their_output_still_leaves_them_out(
+        plain_ckpt, tokenizer, data_file, tmp_path, monkeypatch, write):
+    """OUT's records.txt travels with its scales: a verify of an exported or applied checkpoint would otherwise sample
+    the calibration's own records and report a held-out number that is not one."""
+    written = records_path(plain_ckpt).read_text()
+    out = tmp_path / write
+    if write == "export":
+        api.export(str(plain_ckpt), str(out), granularity="head")
+    else:  # into another copy of the model plain_ckpt was calibrated from (the calibrated() fixture saved it there)
+        api.apply(str(plain_ckpt), str(plain_ckpt.parent / "model"), str(out))
+    assert records_path(out).read_text() == written  # the same digests, in the same order
+    records, listed = record_ids(tokenizer, data_file), set(written.split())
+    seen = sampled(monkeypatch)
+    verify(str(out), [str(data_file)], schemes="bf16,scale1", seq_len=128, max_tokens=1024, report_dir=str(tmp_path / "r"),
+           probe_layers=0, **QUIET)
+    held = records_in(records, seen[-1][0])
+    assert held and not held & listed  # the sample verify drew holds none of the calibration's records
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["held_out"]["calibration_records"] == len(listed) and report["held_out"]["excluded_records"] > 0
+
+
 def test_verify_with_nothing_held_out_says_what_to_do(tmp_path, tokenizer, data_file, capsys):
     small = tmp_path / "small.jsonl"
     small.write_text("".join(open(data_file).readlines()[:20]))
