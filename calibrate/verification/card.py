@@ -24,6 +24,7 @@ from ..layout import card_path
 from .report import (
     VERIFY_HEADER,
     drift_note,
+    engine_lines,
     held_out_text,
     markdown_table,
     target_serve_markdown,
@@ -155,6 +156,7 @@ def _verification(report: dict) -> list[str]:
         markdown_table(VERIFY_HEADER, verify_rows(report)),
         "",
         thresholds_text(report) + ".",
+        *(["", *engine_lines(report.get("engine"))] if report.get("engine") else []),
         *([f"{note}."] if (note := drift_note(report)) else []),
         *([""] + [f"- {line}" for line in report["recommendation"]] if report["recommendation"] else []),
     ]
