@@ -133,7 +133,7 @@ def compare_logprobs(ref: np.ndarray, other: np.ndarray) -> tuple[list[float], l
     [sequences, positions, vocab] log-probability arrays (memory: one sequence of each at a time)."""
     kls, top1, rows = [], [], []
     for i in range(ref.shape[0]):
-        a, b = torch.from_numpy(np.asarray(ref[i])), torch.from_numpy(np.asarray(other[i]))
+        a, b = torch.from_numpy(np.array(ref[i])), torch.from_numpy(np.array(other[i]))  # one sequence, copied
         kl = token_kl(a, a.exp(), b)
         kls.append(kl.double().mean().item())
         top1.append((a.argmax(-1) == b.argmax(-1)).double().mean().item())

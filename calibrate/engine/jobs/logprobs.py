@@ -12,15 +12,15 @@ Python list of the vocabulary is ever built; the extra memory is one chunk's row
 vLLM's own log-softmax and this one).
 """
 
-import resource
 import time
 
 from jobkit import run
 
 
 def _rss_mib() -> float:
-    """This process's peak resident memory so far, MiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's resident memory now, MiB (Linux's VmRSS; the written pages of the memmap count while resident)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
 
 
 def _runner(llm):
@@ -81,7 +81,7 @@ def work(request: dict) -> dict:
     model = runner.model
     vocab = None
     out = None
-    state = {"active": False, "seq": 0, "row": 0}
+    state = {"active": False, "seq": 0, "row": 0, "rss_peak": 0.0}
     compute_logits = model.compute_logits
     prompt_step = runner._get_prompt_logprobs_dict
 
@@ -91,6 +91,7 @@ def work(request: dict) -> dict:
             rows = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
             out[state["seq"], state["row"]:state["row"] + len(rows)] = rows[:, : out.shape[2]]
             state["row"] += len(rows)
+            state["rss_peak"] = max(state["rss_peak"], _rss_mib())  # this chunk's rows still held
         return logits
 
     def prompt_step_hook(*args, **kwargs):
@@ -104,7 +105,7 @@ def work(request: dict) -> dict:
     runner._get_prompt_logprobs_dict = prompt_step_hook
     vocab = request["vocab_size"]
     out = np.lib.format.open_memmap(request["out"], mode="w+", dtype=np.float32, shape=(len(sequences), n - 1, vocab))
-    rss_before = _rss_mib()
+    rss_before = state["rss_peak"] = _rss_mib()
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, detokenize=False)
     for i, seq in enumerate(sequences):
         state.update(seq=i, row=0)
@@ -116,7 +117,7 @@ def work(request: dict) -> dict:
     return {"vllm_version": vllm.__version__, "platform": type(current_platform).__name__, "isa": _isa(),
             "kv_cache_dtype": request["kv_cache_dtype"], "shape": list(out.shape),
             "stored": _stored(runner), "load_s": loaded - start, "run_s": done - loaded,
-            "rss_peak_delta_mib": _rss_mib() - rss_before}
+            "rss_before_mib": rss_before, "rss_peak_delta_mib": state["rss_peak"] - rss_before}
 
 
 if __name__ == "__main__":
