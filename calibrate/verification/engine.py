@@ -128,17 +128,16 @@ def _promise(dtype: str, stored: dict, scheme_scales: dict | None) -> dict:
             "k_scale": [layer["k_scale_float"] for layer in layers], "v_scale": [layer["v_scale_float"] for layer in layers]}
 
 
-def compare_logprobs(ref: np.ndarray, other: np.ndarray) -> tuple[list[float], list[float], torch.Tensor]:
-    """KL(ref ‖ other) and top-1 agreement per sequence, and per-token KL [sequences, positions], from two
-    [sequences, positions, vocab] log-probability arrays (memory: one sequence of each at a time)."""
-    kls, top1, rows = [], [], []
+def compare_logprobs(ref: np.ndarray, other: np.ndarray) -> tuple[list[float], list[float]]:
+    """KL(ref ‖ other) and top-1 agreement per sequence, from two [sequences, positions, vocab] log-probability
+    arrays (memory: one sequence of each at a time)."""
+    kls, top1 = [], []
     for i in range(ref.shape[0]):
         a, b = torch.from_numpy(np.array(ref[i])), torch.from_numpy(np.array(other[i]))  # one sequence, copied
         kl = token_kl(a, a.exp(), b)
         kls.append(kl.double().mean().item())
         top1.append((a.argmax(-1) == b.argmax(-1)).double().mean().item())
-        rows.append(kl)
-    return kls, top1, torch.stack(rows)
+    return kls, top1
 
 
 @torch.no_grad()
@@ -208,7 +207,7 @@ def tolerance(floor_kl: float, noise_kl: float, diff_se: float | None) -> float:
     return floor_kl + noise_kl + SE_FACTOR * (diff_se or 0.0)
 
 
-def compare(results: dict[str, dict], emulated_token_kl: dict[str, torch.Tensor], runs: dict[str, dict], ref_npy: np.ndarray | None,
+def compare(results: dict[str, dict], runs: dict[str, dict], ref_npy: np.ndarray | None,
             scheme_scales: dict[str, dict], host: EngineHost, settings: dict) -> dict:
     """The engine's figures per scheme beside the emulation's, with the floor, the noise, the tolerance and the flags."""
     auto = runs["auto"]
@@ -221,7 +220,7 @@ def compare(results: dict[str, dict], emulated_token_kl: dict[str, torch.Tensor]
         noise_kl = mean_stderr(compare_logprobs(first, np.load(runs["auto2"]["npy"], mmap_mode="r"))[0])[0]
     floor = None
     if ref_npy is not None:
-        kls, top1, _ = compare_logprobs(ref_npy, first)
+        kls, top1 = compare_logprobs(ref_npy, first)
         floor = {"kl": mean_stderr(kls)[0], "kl_stderr": mean_stderr(kls)[1], "top1": sum(top1) / len(top1)}
     schemes = {}
     for name, r in results.items():
@@ -232,7 +231,7 @@ def compare(results: dict[str, dict], emulated_token_kl: dict[str, torch.Tensor]
         if "npy" not in run:
             schemes[name] = {**row, "why": run["why"], "error": run.get("error")}
             continue
-        kls, top1, token = compare_logprobs(first, np.load(run["npy"], mmap_mode="r"))
+        kls, top1 = compare_logprobs(first, np.load(run["npy"], mmap_mode="r"))
         kl, se = mean_stderr(kls)
         diff_se = mean_stderr([a - b for a, b in zip(kls, r["kl_per_sequence"])])[1]
         tol = tolerance(floor["kl"] if floor else 0.0, noise_kl, diff_se)
@@ -243,10 +242,8 @@ def compare(results: dict[str, dict], emulated_token_kl: dict[str, torch.Tensor]
                          "as_named": stored["agrees"],
                          "stored_text": "as named" if stored["agrees"] else NOT_AS_NAMED, "seconds": run["seconds"],
                          "rss_peak_delta_mib": run["rss_peak_delta_mib"],
-                         "token_kl": token}
-    ranking = ranking_flips(schemes, emulated_token_kl, results, noise_kl)
-    for row in schemes.values():
-        row.pop("token_kl", None)
+}
+    ranking = ranking_flips(schemes, results, noise_kl)
     stored_auto = auto["stored"]
     return {"engine": "vllm", "vllm_version": host.version, "platform": host.platform, "isa": auto["isa"],
             "attention_backend": stored_auto["attention_backend"], "settings": settings, "noise_kl": noise_kl,
@@ -255,8 +252,7 @@ def compare(results: dict[str, dict], emulated_token_kl: dict[str, torch.Tensor]
             "seconds": sum(r.get("seconds", 0.0) for r in runs.values())}
 
 
-def ranking_flips(schemes: dict[str, dict], emulated_token_kl: dict[str, torch.Tensor], results: dict[str, dict],
-                  noise_kl: float) -> list[tuple[str, str]]:
+def ranking_flips(schemes: dict[str, dict], results: dict[str, dict], noise_kl: float) -> list[tuple[str, str]]:
     """Pairs (a, b) the emulation clearly ranks a < b and the engine clearly b < a (each gap beyond SE_FACTOR paired
     standard errors of the per-sequence difference, plus the noise)."""
     measured = [n for n, row in schemes.items() if "kl" in row]

@@ -265,7 +265,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         if not r["servable"]:
             r["reasons"].append(held["not_servable"][name])
         r["kv_dtype"] = scheme_dtype(next(s for s in schemes if s.name == name))
-    engine_result = _engine(config, host, model, sig, layers, schemes, sequences, results, tallies, limits,
+    engine_result = _engine(config, host, model, sig, layers, schemes, sequences, results, limits,
                                     serving.unquantized_dtype(model_config)) if host else None
     # The serving target's vLLM: a dtype it lacks or serves wrongly is marked so instead of a verdict, never chosen.
     for name, why in target_refusals(results, config.target).items():
@@ -346,7 +346,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
 
 
 def _engine(config: VerifyConfig, host: engine.EngineHost, model, sig: ModelSignature, layers, schemes: list[Scheme],
-            sequences: list[torch.Tensor], results: dict, tallies: dict, limits: Thresholds, unquantized: str) -> dict:
+            sequences: list[torch.Tensor], results: dict, limits: Thresholds, unquantized: str) -> dict:
     """The same sequences in the engine, once per scheme it can serve, judged there (``engine.judge_on_engine``)."""
     import tempfile
 
@@ -361,7 +361,7 @@ def _engine(config: VerifyConfig, host: engine.EngineHost, model, sig: ModelSign
                                   chunk_len=config.data.chunk_len, max_model_len=max_len, block_size=block,
                                   kv_bytes=engine.kv_cache_bytes(len(layers), sig.num_kv_heads, sig.head_dim, max_len, block),
                                   vocab_size=ref.shape[-1], workdir=Path(tmp), unquantized=unquantized)
-        result = engine.compare(results, {n: t.token_kl for n, t in tallies.items()}, runs, ref,
+        result = engine.compare(results, runs, ref,
                                 {s.name: s.scales for s in schemes if s.scales}, host, settings)
         del ref
     engine.judge_on_engine(results, result, limits)

@@ -15,7 +15,6 @@ from calibrate import calibrate
 from calibrate.verification import engine
 from calibrate.verification.run import verify
 
-pytestmark = pytest.mark.slow
 SEQ_LEN, SEQUENCES, CHUNK = 256, 2, 128  # 2 × 256 held-out tokens, chunked prefill in two chunks
 SCHEMES = "scale1,tensor,token,int8_per_token_head"
 
@@ -56,6 +55,7 @@ def verified(calibrated, held_out, python, tmp_path_factory):
                   engine="vllm", vllm_python=str(python), report_dir=str(report), progress=False)
 
 
+@pytest.mark.slow
 @needs_avx512
 def test_fp8_in_the_engine_agrees_with_the_emulation(verified):
     eng = verified.report["engine"]
@@ -71,6 +71,7 @@ def test_fp8_in_the_engine_agrees_with_the_emulation(verified):
     assert not [pair for pair in eng["ranking_flips"] if set(pair) == {"scale1", "tensor"}]
 
 
+@pytest.mark.slow
 @needs_avx512
 def test_per_token_head_on_vllm_cpu_is_not_what_the_name_says(verified):
     eng = verified.report["engine"]
@@ -88,6 +89,7 @@ def test_per_token_head_on_vllm_cpu_is_not_what_the_name_says(verified):
     assert "CPU_ATTN" in card
 
 
+@pytest.mark.slow
 def test_full_vocabulary_logprobs_match_the_model_in_float32(calibrated, held_out, python, smol_tokenizer, tmp_path):
     """The auto run's rows against the Hugging Face model's own float32 logits, on the same tokens: loose bound
     (bf16 compute against float32): per-position KL below 0.05 nats, the same top-1 at 90% of positions."""
@@ -108,6 +110,7 @@ def test_full_vocabulary_logprobs_match_the_model_in_float32(calibrated, held_ou
     assert (ref.argmax(-1) == torch.from_numpy(lp).argmax(-1)).float().mean() >= 0.9
 
 
+@pytest.mark.slow
 def test_refusals_without_avx512_are_vllms_own_and_the_rest_runs(calibrated, python, tmp_path):
     host = engine.prepare(str(python), "cpu", "bfloat16", True)
     runs = engine.run_schemes(host, Path(calibrated.out), ["auto", "tensor", "head"], [list(range(100, 164))], dtype="bfloat16",
@@ -118,9 +121,62 @@ def test_refusals_without_avx512_are_vllms_own_and_the_rest_runs(calibrated, pyt
     assert runs["head"]["why"] == engine.NOT_RUN["head"]
 
 
+@pytest.mark.slow
 def test_like_for_like_and_nothing_measured_are_one_line(python):
     with pytest.raises(ValueError, match="add --backend cpu --dtype bfloat16 --kv-only"):
         engine.prepare(str(python), "cuda", None, False)
     host = engine.EngineHost(python, "0.32.0", "CpuPlatform")
     with pytest.raises(ValueError, match="could not run the unquantized cache, so nothing was measured"):
-        engine.compare({}, {}, {"auto": {"why": "refused", "error": "ValueError: no"}}, None, {}, host, {})
+        engine.compare({}, {"auto": {"why": "refused", "error": "ValueError: no"}}, None, {}, host, {})
+
+
+def _row(kl: float, per_seq: list[float]) -> dict:
+    return {"mode": "static", "kl": kl, "kl_per_sequence": per_seq}
+
+
+def test_ranking_flips_only_when_both_orders_are_clear():
+    results = {"a": _row(0.01, [0.010, 0.011, 0.009]), "b": _row(0.03, [0.030, 0.031, 0.029])}
+    swapped = {"a": {"kl": 0.03, "kl_per_sequence": [0.030, 0.031, 0.029]}, "b": {"kl": 0.01, "kl_per_sequence": [0.010, 0.011, 0.009]}}
+    assert engine.ranking_flips(swapped, results, noise_kl=0.0) == [("a", "b")]
+    assert engine.ranking_flips(swapped, results, noise_kl=0.05) == []  # gaps within the noise: no flip
+    noisy = {"a": {"kl": 0.02, "kl_per_sequence": [0.05, 0.0, 0.01]}, "b": {"kl": 0.01, "kl_per_sequence": [0.010, 0.011, 0.009]}}
+    assert engine.ranking_flips(noisy, results, noise_kl=0.0) == []  # the engine's order is not clear
+
+
+def test_tolerance_adds_floor_noise_and_three_paired_errors():
+    assert engine.tolerance(0.002, 0.001, 0.0005) == pytest.approx(0.002 + 0.001 + 3 * 0.0005)
+    assert engine.tolerance(0.002, 0.0, None) == 0.002
+
+
+def _stored(dtype: str, offered: list[str], k: float = 0.5) -> dict:
+    return {"attention_backend": "CPU_ATTN", "backend_kv_cache_dtypes": offered,
+            "layers": [{"cache_dtype": dtype, "cache_shape": [4, 3, 32, 128], "k_scale_float": k, "v_scale_float": 0.25}]}
+
+
+def test_read_back_against_the_name_and_the_scheme():
+    offered = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+    scales = {"k": torch.tensor([[0.5, 0.4, 0.3]]), "v": torch.tensor([[0.25, 0.2, 0.1]])}
+    assert engine._promise("fp8", _stored("uint8", offered), scales)["agrees"]
+    wrong_scale = engine._promise("fp8", _stored("uint8", offered, k=1.0), scales)
+    assert not wrong_scale["agrees"] and "k_scale differs from the scheme's in layers 0" in wrong_scale["reasons"]
+    unlisted = engine._promise("int8_per_token_head", _stored("int8", offered), None)
+    assert not unlisted["agrees"] and unlisted["reasons"][0].startswith("CPU_ATTN does not implement int8_per_token_head")
+    assert not engine._promise("fp8", _stored("bfloat16", offered), None)["agrees"]  # 2 bytes where 1 is promised
+
+
+def test_short_reason_keeps_vllms_first_sentence():
+    error = "ValueError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX. Set --kv-cache-dtype auto."
+    assert engine.short_reason(error) == "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+
+
+def test_engine_flags_need_the_engine(tmp_path, tiny_dir):
+    from calibrate.verification.config import VerifyConfig
+
+    data = tmp_path / "t.txt"
+    data.write_text("x " * 100)
+    with pytest.raises(ValueError, match="add --engine vllm"):
+        VerifyConfig.from_options(tiny_dir, [str(data)], block_size=32).validate()
+    with pytest.raises(ValueError, match="raise --max-model-len 64 above it"):
+        VerifyConfig.from_options(tiny_dir, [str(data)], engine="vllm", max_model_len=64, seq_len=128).validate()
+    with pytest.raises(ValueError, match="unknown engine 'sglang'"):
+        VerifyConfig.from_options(tiny_dir, [str(data)], engine="sglang").validate()
