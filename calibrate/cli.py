@@ -17,6 +17,7 @@ from .choices import (
     DEFAULT_TARGET,
     DEFAULT_VERIFY_SCHEMES,
     DEVICE_MAPS,
+    ENGINES,
     FP8_FORMATS,
     GRANULARITIES,
     LONG_RECORDS,
@@ -204,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, help=f"decode drift: tokens per prompt (default {PROMPT_LEN}, at most half of --seq-len)")
     p.add_argument("--include-calibration-data", action="store_true",
                    help="also sample the records a kvcal output was calibrated on (default: they are left out, so the sample is held out)")
-    p.add_argument("--max-model-len", type=int, help="context per sequence for the memory arithmetic (default: the model's maximum)")
+    p.add_argument("--max-model-len", type=int, help="context per sequence for the memory arithmetic (default: the model's maximum); "
+                   "with --engine, vLLM's --max-model-len (default: --seq-len plus one block)")
     p.add_argument("--gpu", help=f"one GPU's memory for the memory arithmetic: {', '.join(GPUS)} or a size such as 80GB (default {{gpu}})")
     p.add_argument("--tp", type=int, help="tensor-parallel GPUs for the memory arithmetic (default {tp})")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -216,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", choices=TARGETS, help=_TARGET_HELP + " (default {target})")
     p.add_argument("--vllm-version", help="the vLLM release the caveats beside the recommendation are for "
                    "(default: the installed vLLM's, where one is found)")
+    p.add_argument("--engine", choices=ENGINES, metavar="ENGINE", help="vllm: also run the same sequences in the installed engine, once per cache dtype, "
+                   "beside the emulation (docs/engine.md); verdicts then rest on the engine's figures")
+    p.add_argument("--vllm-python", help="--engine vllm: the python of a venv with vLLM (default: this one, else .venv-vllm)")
+    p.add_argument("--block-size", type=int, help="--engine vllm: vLLM's --block-size (default: the platform's, 32 on CPU)")
     p.add_argument("--report", dest="report_dir", help="write report.json, report.md and plots into this directory; "
                    "a kvcal output's README.md model card gets this verify table too")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")

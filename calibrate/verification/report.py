@@ -168,6 +168,7 @@ def verify_text(rep: dict, report_md: Path | None = None) -> str:
         *([note] if (note := drift_note(rep)) else []),
         *depth_lines(rep),
         *[f"skipped {name}: {why}" for name, why in rep["skipped"].items()],
+        *(["", *engine_lines(rep.get("engine")), ""] if rep.get("engine") else []),
         target_text(rep),
         *rep["recommendation"],
         *(["", "does it pay (KV memory and bytes per decoded token, per GPU):", plan_text(rep["does_it_pay"]), ""]
@@ -271,6 +272,8 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
                 rows.append([n, kind, "—", "—"])
     out += [markdown_table(["scheme", "kind", "saturated", "underflow"], rows), ""]
     out += drift_markdown(rep) + tails_markdown(rep) + depth_markdown(rep, plots.get("depth")) + kinds_markdown(rep)
+    if rep.get("engine"):
+        out += ["## In the engine", "", *engine_lines(rep["engine"]), ""]
     if rep["fa3"]:
         out += _fa3_markdown(rep["fa3"])
     if rep["needle"]:
@@ -583,3 +586,32 @@ def write_verify_report(directory: Path, rep: dict) -> None:
         plots["position"] = "position_profile.png"
         plot_position_profile(directory / plots["position"], layers, rep["position_profile"])
     (directory / "report.md").write_text(verify_markdown(rep, plots))
+
+
+def _ratio_text(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.3g}×"
+
+
+def engine_lines(engine: dict | None) -> list[str]:
+    """``kvcal verify --engine``: the engine beside the emulation, as Markdown table rows (the terminal, report.md
+    and the model card show them; nothing without an engine run)."""
+    if engine is None:
+        return []
+    floor = engine["floor"]
+    floor_text = "n/a" if floor is None else f"{floor['kl']:.4g}" + (f" ± {floor['kl_stderr']:.2g}" if floor["kl_stderr"] else "")
+    lines = [f"Engine: vLLM {engine['vllm_version']} ({engine['platform']}, {engine['isa']}, attention backend "
+             f"{engine['attention_backend']}); its floor (auto cache vs the reference) KL {floor_text}; "
+             f"run-to-run KL {engine['noise_kl']:.3g}; settings {engine['settings']}", "",
+             "| scheme | cache dtype | emulated KL | engine KL | ratio | tolerance | top-1 (engine) | stored as named |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, row in engine["schemes"].items():
+        if "kl" not in row:
+            lines.append(f"| {name} | {row['kv_cache_dtype'] or '-'} | {row['emulated_kl']:.4g} | {row['why']} | - | - | - | - |")
+            continue
+        lines.append(f"| {name} | {row['kv_cache_dtype']} | {row['emulated_kl']:.4g} | {row['kl']:.4g} ± {row['kl_stderr'] or 0:.2g} | "
+                     f"{_ratio_text(row['ratio'])}{'' if row['within_tolerance'] else ' ⚠'} | ±{row['tolerance_kl']:.2g} | "
+                     f"{row['top1']:.2%} | {row['stored_text']} |")
+    if engine["ranking_flips"]:
+        lines.append("")
+        lines.append("Ranked differently by the engine: " + ", ".join(f"{a} and {b}" for a, b in engine["ranking_flips"]))
+    return lines

@@ -30,7 +30,9 @@ from ..capture.stats import Stats, position_bucket_starts
 from ..checkpoint.write import tensor_bytes, weight_files
 from ..data.config import DataConfig
 from ..data.stream import Layout, iter_sequences, portable_manifest, read_digests
+from ..engine.audit import audit
 from ..engine.caveats import installed_vllm_version
+from ..engine.dtypes import engine_dtypes
 from ..files import read_json_object
 from ..fp8 import get_format
 from ..hub import snapshot_origin
@@ -38,7 +40,7 @@ from ..layout import is_kvcal_output, provenance_path, records_path, stats_path
 from ..model.description import describe
 from ..model.layers import AttentionLayer, ModelSignature, attention_layers, checkpoint_named, signature
 from ..model.load import check_known_type, check_tokenizer_fits, load_model, load_tokenizer, resolve_device
-from . import depth, fa3, report, token_kinds
+from . import depth, engine, fa3, report, token_kinds
 from .capacity import LayerKV, per_token, plan
 from .card import PLACEHOLDER, served_name, write_card
 from .config import FLOOR, NEAR_TIE_NATS, REFERENCE, Thresholds, VerifyConfig
@@ -203,6 +205,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     config.validate()
     fmt = get_format(config.fp8_format)
     files = weight_files(Path(config.checkpoint))  # vLLM's files, every header checked
+    host = engine.prepare(config.vllm_python, config.backend, config.dtype, config.kv_only) if config.engine else None
 
     # 2. The sample, before the model is loaded: data too short for one sequence is refused cheaply.
     device = resolve_device(config.device)
@@ -275,6 +278,8 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         if not r["servable"]:
             r["reasons"].append(held["not_servable"][name])
         r["kv_dtype"] = scheme_dtype(next(s for s in schemes if s.name == name))
+    engine_result = _engine(config, host, model, sig, layers, schemes, sequences, results, limits,
+                                    serving.unquantized_dtype(model_config)) if host else None
     # The serving target's vLLM: a dtype it lacks or serves wrongly is marked so instead of a verdict, never chosen.
     for name, why in target_refusals(results, config.target).items():
         results[name]["target_refusal"] = why.short
@@ -299,6 +304,11 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     recommendation, serve = recommend(results, held, layers, checkpoint_name(config.checkpoint), skip_probe, pays,
                                       target=config.target, unquantized=plain, scale1=scale1["text"] if scale1 else None,
                                       vllm_version=vllm_version, served=served)
+    if engine_result is not None and engine_result["audit"]["failures"]:
+        recommendation[:0] = [f"Load audit: {line}" for line in engine_result["audit"]["failures"]]
+    if engine_result is not None:
+        recommendation.insert(0, f"Verdicts rest on the engine's figures (vLLM {engine_result['vllm_version']}, "
+                                 f"{engine_result['attention_backend']}) where it ran a scheme; docs/engine.md.")
     per_target = serve_lines(results, held, layers, served, skip_probe, unquantized=plain)
     dtype = str(model.dtype).removeprefix("torch.")
     rep = {
@@ -333,6 +343,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "target": config.target,
         "serve_command": serve,  # the line for ``target``, printed last
         "serve_lines": per_target,  # every target's line, with the vLLM build it was checked against
+        "engine": engine_result,
         "position_profile": _position_profile(stats),
         "tails": {k: v for k, v in tail_result.items() if k != "schemes"},
         "depth": {"rule": depth.rule(), "first_end": depth.FIRST_END, "growth": depth.GROWTH, "min_sequences": depth.MIN_SEQUENCES,
@@ -388,6 +399,33 @@ def _evidence_reasons(r: dict) -> list[str]:
     if r.get("token_kinds"):
         reasons += token_kinds.worse_text(r["token_kinds"])
     return reasons
+
+
+def _engine(config: VerifyConfig, host: engine.EngineHost, model, sig: ModelSignature, layers, schemes: list[Scheme],
+            sequences: list[torch.Tensor], results: dict, limits: Thresholds, unquantized: str) -> dict:
+    """The same sequences in the engine, once per scheme it can serve, judged there (``engine.judge_on_engine``)."""
+    import tempfile
+
+    block = config.block_size or engine.DEFAULT_BLOCK_SIZE.get(host.platform, 16)
+    max_len = config.max_model_len or -(-(config.data.seq_len + 1) // block) * block
+    settings = {"max_model_len": max_len, "block_size": block, "dtype": config.dtype, "chunk_len": config.data.chunk_len,
+                "prefix_caching": False, "enforce_eager": True}
+    names = ["auto", "auto2", *(s.name for s in schemes if s.mode != Mode.REFERENCE)]
+    with tempfile.TemporaryDirectory(prefix="kvcal-engine-") as tmp:
+        ref = engine.reference_logprobs(model, sequences, Path(tmp) / "reference.npy")
+        runs = engine.run_schemes(host, Path(config.checkpoint), names, [s.tolist() for s in sequences], dtype=config.dtype,
+                                  chunk_len=config.data.chunk_len, max_model_len=max_len, block_size=block,
+                                  kv_bytes=engine.kv_cache_bytes(len(layers), sig.num_kv_heads, sig.head_dim, max_len, block),
+                                  vocab_size=ref.shape[-1], workdir=Path(tmp), unquantized=unquantized,
+                                  offered=engine_dtypes(host.python).names)
+        result = engine.compare(results, runs, ref,
+                                {s.name: s.scales for s in schemes if s.scales}, host, settings)
+        del ref
+    engine.judge_on_engine(results, result, limits)
+    held = audit(config.checkpoint, host.python)  # the scales vLLM holds, before its figures are trusted
+    result["audit"] = {"status": held.status, "failures": held.failures, "reason": held.reason,
+                       "kv_cache_dtype": held.kv_cache_dtype}
+    return result
 
 
 def _refresh_card(checkpoint: str, rep: dict) -> None:

