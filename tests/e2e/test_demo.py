@@ -128,6 +128,7 @@ def test_kvcal_demo_runs_to_its_verdict_table(smol_dir, tmp_path):
     import subprocess
     import sys
 
+    from calibrate.choices import scheme_label
     from calibrate.config import SHORT_VERIFY_SCHEMES
     from calibrate.verification.report import VERIFY_HEADER
 
@@ -140,10 +141,11 @@ def test_kvcal_demo_runs_to_its_verdict_table(smol_dir, tmp_path):
     header = next(i for i, line in enumerate(lines) if line.startswith(VERIFY_HEADER[0]) and VERIFY_HEADER[1] in line)
     rows = lines[header + 2: lines.index("", header)]  # under the dashes, up to the blank line
     verdict_at = lines[header].index(VERIFY_HEADER[-2])
-    table = {row.split()[0]: row[verdict_at:].split("  ")[0] for row in rows}
+    name_ends = lines[header].index(VERIFY_HEADER[1])  # the scheme column: vLLM's labels hold single spaces
+    table = {row[:name_ends].rstrip(): row[verdict_at:].split("  ")[0] for row in rows}
     # Scale 1.0, the written (per-tensor) scales and the short verify's per-token schemes, in that order.
-    assert list(table) == ["scale1", "tensor", *SHORT_VERIFY_SCHEMES], rows
+    assert list(table) == [scheme_label(name) for name in ("scale1", "tensor", *SHORT_VERIFY_SCHEMES)], rows
     assert all(verdict in ("pass", "warn", "fail") for verdict in table.values()), table
     report = json.loads((out / "kvcal" / "verify" / "report.json").read_text())
-    assert {name: r["verdict"] for name, r in report["schemes"].items()} == table  # the table is the report's
+    assert {scheme_label(name): r["verdict"] for name, r in report["schemes"].items()} == table  # the table is the report's
     assert lines[-2] == "serve it with:" and lines[-1].startswith(f"  vllm serve {out} --kv-cache-dtype ")

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from calibrate.choices import scheme_label
 from calibrate.verification.verdict import recommend
 
 CKPT = "/models/ckpt"
@@ -193,7 +194,7 @@ def test_the_three_scale1_answers_follow_the_notes_and_agree_with_the_choice(ten
     assert text.startswith(answer)
     lines, serve = recommend(results, held("tensor", (note,)), layers(), CKPT, scale1=text)
     assert lines[:2] == [note, text]
-    assert any(line.startswith(f"Recommended: {chosen} (") for line in lines)
+    assert any(line.startswith(f"Recommended: {scheme_label(chosen)} (") for line in lines)
     # Equal within noise: level, so the more portable tensor; worse: scale 1.0's lead is significant, so it is chosen,
     # with the warning that this checkpoint's own scales would be used by vLLM instead.
     assert ("Scale 1.0 needs a checkpoint without KV scales; this one has scales, which vLLM would use instead." in lines) == (chosen == "scale1")
