@@ -338,13 +338,20 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False, ot
 
     Raises:
         ValueError: SOURCE is not a kvcal output or pack, CHECKPOINT's attention layers are not SOURCE's, or (a pack,
-            without ``other_weights``) CHECKPOINT's weights are not the pinned ones.
+            without ``other_weights``) CHECKPOINT's weights are not the pinned ones; ``other_weights`` without a pack, or
+            ``base_model``/``hub_id`` with one (flags that would do nothing).
     """
     if hub.is_repo_id(checkpoint):
         checkpoint = hub.resolve(checkpoint)
         hub.fetch(checkpoint)
     if is_pack(source):
+        if base_model or hub_id:
+            raise ValueError(f"{source} is a pack: its model card already names the base model and the serve line; "
+                             "drop --base-model and --hub-id (they name the output of a kvcal output's apply)")
         return _apply_pack(Path(source), Path(checkpoint), Path(out), overwrite=overwrite, other_weights=other_weights)
+    if other_weights:
+        raise ValueError(f"{source} is a kvcal output, not a pack: it pins no weights, and its scales go onto any checkpoint "
+                         "of the same architecture; drop --other-weights")
     # 1. The calibrated attention layers must be exactly the target's (export checks heads and head size), and
     # its quantization method one whose scales vLLM reads (loaders.QUANT_METHODS), decided from its configs alone.
     _, provenance = load_calibration(source)

@@ -200,6 +200,20 @@ def test_other_weights_still_needs_the_same_architecture(packed, tmp_path, smol_
     assert "num_kv_heads is 2 in the statistics but 4 in the model" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("which, flags, says", [
+    pytest.param("out", ["--other-weights"], "not a pack: it pins no weights", id="other-weights-without-a-pack"),
+    pytest.param("pack", ["--hub-id", "org/name"], "already names the base model", id="hub-id-with-a-pack"),
+    pytest.param("pack", ["--base-model", "org/name"], "already names the base model", id="base-model-with-a-pack"),
+])
+def test_apply_refuses_flags_that_would_do_nothing(calibrated, packed, tmp_path, capsys, which, flags, says):
+    base, out = calibrated
+    source = packed if which == "pack" else out
+    assert main(["apply", str(source), str(base), "--out", str(tmp_path / "o"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcal: error: ") and err.count("\n") == 1 and says in err
+    assert not (tmp_path / "o").exists()
+
+
 def test_apply_refuses_a_damaged_pack(packed, calibrated, tmp_path, capsys):
     damaged = tmp_path / "damaged"
     shutil.copytree(packed, damaged)
