@@ -482,7 +482,8 @@ def plot_layer_error(path: Path, rep: dict) -> None:
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set(xlabel="layer", ylabel="relative RMS error of attention output", title="Per-layer attention error (each layer's own inputs)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:  # a verify of the reference alone has no lines to name
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -602,15 +603,21 @@ def engine_lines(engine: dict | None) -> list[str]:
     lines = [f"Engine: vLLM {engine['vllm_version']} ({engine['platform']}, {engine['isa']}, attention backend "
              f"{engine['attention_backend']}); its floor (auto cache vs the reference) KL {floor_text}; "
              f"run-to-run KL {engine['noise_kl']:.3g}; settings {engine['settings']}", "",
-             "| scheme | cache dtype | emulated KL | engine KL | ratio | tolerance | top-1 (engine) | stored as named |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| scheme | cache dtype | emulated KL | engine KL | ratio | tolerance | top-1 (engine) | drift (engine) | stored as named |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, row in engine["schemes"].items():
         if "kl" not in row:
-            lines.append(f"| {name} | {row['kv_cache_dtype'] or '-'} | {row['emulated_kl']:.4g} | {row['why']} | - | - | - | - |")
+            lines.append(f"| {name} | {row['kv_cache_dtype'] or '-'} | {row['emulated_kl']:.4g} | {row['why']} | - | - | - | - | - |")
             continue
         lines.append(f"| {name} | {row['kv_cache_dtype']} | {row['emulated_kl']:.4g} | {row['kl']:.4g} ± {row['kl_stderr'] or 0:.2g} | "
                      f"{_ratio_text(row['ratio'])}{'' if row['within_tolerance'] else ' ⚠'} | ±{row['tolerance_kl']:.2g} | "
-                     f"{row['top1']:.2%} | {row['stored_text']} |")
+                     f"{row['top1']:.2%} | {drift_cell(row.get('drift'))} | {row['stored_text']} |")
+    if engine.get("noise_drift"):
+        noise = engine["noise_drift"]
+        lines += ["", f"Drift (engine): vLLM's own greedy decode of {noise['steps']} tokens after the same prompts against its "
+                      f"unquantized cache's, read as the drift column above (the texts are compared up to where they part at a "
+                      f"near-tie, a lead under {noise['near_tie_nats']:g} nats in the unquantized cache); its second unquantized "
+                      f"run against the first: {drift_cell(noise)}."]
     if engine["ranking_flips"]:
         lines.append("")
         lines.append("Ranked differently by the engine: " + ", ".join(f"{a} and {b}" for a, b in engine["ranking_flips"]))
