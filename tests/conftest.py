@@ -1,7 +1,10 @@
 """Shared fixtures (the packaged real model and text, tiny checkpoints) and the skip policy's report hook.
 Builders live in builders.py, runners in runners.py, float64 references in references.py."""
 
+import json
 import os
+import sysconfig
+from pathlib import Path
 
 import pytest
 from builders import kjv_jsonl, save_tiny_checkpoint
@@ -34,6 +37,27 @@ def smol_tokenizer(smol_dir):
 def text_file(tmp_path):
     """A small real-text calibration file (one verse per line of the KJV)."""
     return kjv_jsonl(tmp_path / "data.jsonl", 200)
+
+
+@pytest.fixture(scope="session")
+def pydoc_held_out(tmp_path_factory) -> tuple[Path, str]:
+    """(a JSON-lines file of one record, its text): Python's pydoc topics, text kvcal never calibrates on."""
+    topics = Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py"
+    namespace: dict = {}
+    exec(compile(topics.read_text(), str(topics), "exec"), namespace)  # noqa: S102 - the standard library's own data
+    text = "\n\n".join(namespace["topics"][k] for k in sorted(namespace["topics"]))
+    path = tmp_path_factory.mktemp("held-out") / "pydoc.jsonl"
+    path.write_text(json.dumps({"text": text}) + "\n")
+    return path, text
+
+
+@pytest.fixture(scope="session")
+def smol_calibrated(smol_dir, kjv_path, tmp_path_factory):
+    """The demo model calibrated on 256 KJV tokens (sequences of 128), no verify: the engine tests' checkpoint."""
+    from calibrate import calibrate
+
+    out = tmp_path_factory.mktemp("smol-calibrated") / "smol-tensor"
+    return calibrate(str(smol_dir), [str(kjv_path)], str(out), seq_len=128, max_tokens=256, progress=False, verify=False)
 
 
 @pytest.fixture(scope="module")

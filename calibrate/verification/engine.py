@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from ..checkpoint.write import scales_file
 from ..choices import CACHE_DTYPES
 from ..engine.launch import EngineError, find_vllm_python, run_job
+from .drift import engine_drift
 from .passes import token_kl
 from .verdict import judge, mean_stderr
 
@@ -61,8 +62,9 @@ class EngineHost:
     isa: dict = field(default_factory=dict)
 
 
-def prepare(vllm_python: str | None, backend: str, dtype: str | None, kv_only: bool) -> EngineHost:
-    """Find vLLM and refuse, in one line naming the flags, an emulation that does not match its platform."""
+def probe(vllm_python: str | None) -> EngineHost:
+    """Find vLLM (``launch.find_vllm_python``) and ask it its version and platform; ValueError in one line if it
+    cannot be found or started."""
     try:
         python = find_vllm_python(vllm_python)
         answer = run_job(python, "version", {}, timeout_s=300)
@@ -71,15 +73,21 @@ def prepare(vllm_python: str | None, backend: str, dtype: str | None, kv_only: b
     if answer["error"]:
         raise ValueError(f"vLLM could not start: {answer['error']}")
     info = answer["result"]
-    like = LIKE_FOR_LIKE.get(info["platform"])
+    return EngineHost(python, info["vllm_version"], info["platform"], {k: info[k] for k in ("avx512", "amx")})
+
+
+def prepare(vllm_python: str | None, backend: str, dtype: str | None, kv_only: bool) -> EngineHost:
+    """Find vLLM and refuse, in one line naming the flags, an emulation that does not match its platform."""
+    host = probe(vllm_python)
+    like = LIKE_FOR_LIKE.get(host.platform)
     if like is None:
         raise ValueError(f"--engine vllm: kvcal compares like for like on {', '.join(LIKE_FOR_LIKE)} only; this vLLM runs on "
-                         f"{info['platform']}")
+                         f"{host.platform}")
     want_backend, want_dtype, want_kv_only = like
     if (backend, dtype, kv_only) != like:
-        raise ValueError(f"--engine vllm on {info['platform']} compares like for like: add --backend {want_backend} --dtype "
+        raise ValueError(f"--engine vllm on {host.platform} compares like for like: add --backend {want_backend} --dtype "
                          f"{want_dtype}{' --kv-only' if want_kv_only else ''}")
-    return EngineHost(python, info["vllm_version"], info["platform"], {k: info[k] for k in ("avx512", "amx")})
+    return host
 
 
 def kv_cache_bytes(num_layers: int, kv_heads: int, head_dim: int, max_model_len: int, block_size: int) -> int:
@@ -104,7 +112,7 @@ def scale1_checkpoint(checkpoint: Path, into: Path) -> Path:
     return out
 
 
-def _promise(dtype: str, stored: dict, scheme_scales: dict | None) -> dict:
+def check_stored(dtype: str, stored: dict, scheme_scales: dict | None) -> dict:
     """What the engine stored against what ``dtype``'s name promises: ``agrees`` False with the reasons when not."""
     layers = stored["layers"]
     reasons = []
@@ -156,16 +164,21 @@ def reference_logprobs(model, sequences: list[torch.Tensor], out: Path) -> np.nd
 
 def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequences: list[list[int]], *, dtype: str,
                 chunk_len: int, max_model_len: int, block_size: int, kv_bytes: int, vocab_size: int, workdir: Path,
-                unquantized: str = "auto", offered: Sequence[str] = CACHE_DTYPES,
+                unquantized: str = "auto", offered: Sequence[str] = CACHE_DTYPES, prompts: Sequence[list[int]] = (),
+                steps: int = 0, attention_backend: str | None = None, tokenizer: bool = True,
                 deny_isa: tuple[str, ...] = ()) -> dict[str, dict]:
     """One engine run per name (``auto``, ``auto2`` and schemes), each the job's answer plus ``npy`` (its log-probabilities)
     or ``why`` (a few words: why it did not run). ``unquantized``: the cache dtype ``auto`` runs with
     (``serving.unquantized_dtype``: a checkpoint declaring a kv_cache_scheme makes vLLM's auto fp8). ``offered``: the
     cache dtypes the installed vLLM has (a scheme whose dtype is not among them is not run; the seam for the installed
-    vLLM's own list)."""
+    vLLM's own list). ``prompts`` and ``steps``: each run also decodes ``steps`` greedy tokens after every prompt (its
+    answer's ``greedy``), for the engine's decode drift; ``max_model_len`` must hold the longest prompt plus ``steps``.
+    ``attention_backend``: vLLM's ``--attention-backend`` (None: vLLM chooses); ``tokenizer`` False for a checkpoint
+    without one (token ids in, token ids out)."""
     runs: dict[str, dict] = {}
     base = {"dtype": dtype, "max_model_len": max_model_len, "block_size": block_size, "chunk_len": chunk_len,
-            "kv_cache_bytes": kv_bytes, "sequences": sequences, "vocab_size": vocab_size}
+            "kv_cache_bytes": kv_bytes, "sequences": sequences, "vocab_size": vocab_size, "prompts": list(prompts),
+            "steps": steps, "attention_backend": attention_backend, "tokenizer": tokenizer}
     for name in names:
         if name in NOT_RUN or name not in (*RUNS, "auto", "auto2"):
             runs[name] = {"why": NOT_RUN.get(name, "a scales file: not run in the engine")}
@@ -215,9 +228,10 @@ def compare(results: dict[str, dict], runs: dict[str, dict], ref_npy: np.ndarray
         raise ValueError(f"vLLM {host.version} could not run the unquantized cache, so nothing was measured in the engine: "
                          f"{auto.get('error', auto['why'])}")
     first = np.load(auto["npy"], mmap_mode="r")
-    noise_kl = 0.0
+    noise_kl, noise_drift = 0.0, None
     if "npy" in runs.get("auto2", {}):
         noise_kl = mean_stderr(compare_logprobs(first, np.load(runs["auto2"]["npy"], mmap_mode="r"))[0])[0]
+        noise_drift = _drift(auto, runs["auto2"])
     floor = None
     if ref_npy is not None:
         kls, top1 = compare_logprobs(ref_npy, first)
@@ -235,21 +249,27 @@ def compare(results: dict[str, dict], runs: dict[str, dict], ref_npy: np.ndarray
         kl, se = mean_stderr(kls)
         diff_se = mean_stderr([a - b for a, b in zip(kls, r["kl_per_sequence"])])[1]
         tol = tolerance(floor["kl"] if floor else 0.0, noise_kl, diff_se)
-        stored = _promise(run["kv_cache_dtype"], run["stored"], scheme_scales.get(name))
+        stored = check_stored(run["kv_cache_dtype"], run["stored"], scheme_scales.get(name))
         schemes[name] = {**row, "kl": kl, "kl_stderr": se, "kl_per_sequence": kls, "top1": sum(top1) / len(top1),
                          "ratio": kl / r["kl"] if r["kl"] > 0 else None, "tolerance_kl": tol,
                          "within_tolerance": abs(kl - r["kl"]) <= tol, "diff_stderr": diff_se, "stored": stored,
                          "as_named": stored["agrees"],
                          "stored_text": "as named" if stored["agrees"] else NOT_AS_NAMED, "seconds": run["seconds"],
-                         "rss_peak_delta_mib": run["rss_peak_delta_mib"],
-}
+                         "rss_peak_delta_mib": run["rss_peak_delta_mib"], "drift": _drift(auto, run)}
     ranking = ranking_flips(schemes, results, noise_kl)
     stored_auto = auto["stored"]
     return {"engine": "vllm", "vllm_version": host.version, "platform": host.platform, "isa": auto["isa"],
             "attention_backend": stored_auto["attention_backend"], "settings": settings, "noise_kl": noise_kl,
-            "floor": floor, "schemes": schemes, "ranking_flips": ranking, "se_factor": SE_FACTOR,
+            "floor": floor, "schemes": schemes, "ranking_flips": ranking, "se_factor": SE_FACTOR, "noise_drift": noise_drift,
             "rss_peak_delta_mib": auto["rss_peak_delta_mib"],
             "seconds": sum(r.get("seconds", 0.0) for r in runs.values())}
+
+
+def _drift(auto: dict, run: dict) -> dict | None:
+    """A run's greedy decode against the engine's unquantized cache's, after the same prompts (None: no decode)."""
+    if not auto.get("greedy") or not run.get("greedy"):
+        return None
+    return engine_drift(auto["greedy"], run["greedy"], len(auto["greedy"][0]["tokens"]))
 
 
 def ranking_flips(schemes: dict[str, dict], results: dict[str, dict], noise_kl: float) -> list[tuple[str, str]]:

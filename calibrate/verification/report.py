@@ -73,12 +73,18 @@ def verify_rows(rep: dict) -> list[list[str]]:
 
 
 def drift_cell(d: dict | None) -> str:
-    """A scheme's decode drift in one cell: the first divergence's median (minimum) over prompts, and token agreement."""
+    """A scheme's decode drift in one cell: the first divergence's median (minimum) over prompts, and token agreement;
+    with how many prompts parted at a near-tie (an engine's free-running decode): agreement still counts every
+    generated position, so it falls after such a parting without any damage to blame."""
     if d is None:
         return "—"
     if d["first_divergence_min"] >= d["steps"]:
-        return f"none in {d['steps']} · {d['agreement']:.0%}"
-    return f"{d['first_divergence_median']:g} (min {d['first_divergence_min']}) · {d['agreement']:.0%}"
+        first = f"none in {d['steps']}"
+    else:
+        first = f"{d['first_divergence_median']:g} (min {d['first_divergence_min']})"
+    if d.get("parted_at_near_tie"):
+        first += f", {d['parted_at_near_tie']} parted at a near-tie"
+    return f"{first} · {d['agreement']:.0%}"
 
 
 def drift_note(rep: dict) -> str:

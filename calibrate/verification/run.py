@@ -278,8 +278,8 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         if not r["servable"]:
             r["reasons"].append(held["not_servable"][name])
         r["kv_dtype"] = scheme_dtype(next(s for s in schemes if s.name == name))
-    engine_result = _engine(config, host, model, sig, layers, schemes, sequences, results, limits,
-                                    serving.unquantized_dtype(model_config)) if host else None
+    engine_result = _engine(config, host, model, sig, layers, schemes, sequences, prompts, results, limits,
+                            serving.unquantized_dtype(model_config)) if host else None
     # The serving target's vLLM: a dtype it lacks or serves wrongly is marked so instead of a verdict, never chosen.
     for name, why in target_refusals(results, config.target).items():
         results[name]["target_refusal"] = why.short
@@ -402,27 +402,31 @@ def _evidence_reasons(r: dict) -> list[str]:
 
 
 def _engine(config: VerifyConfig, host: engine.EngineHost, model, sig: ModelSignature, layers, schemes: list[Scheme],
-            sequences: list[torch.Tensor], results: dict, limits: Thresholds, unquantized: str) -> dict:
-    """The same sequences in the engine, once per scheme it can serve, judged there (``engine.judge_on_engine``)."""
+            sequences: list[torch.Tensor], prompts: list[torch.Tensor], results: dict, limits: Thresholds,
+            unquantized: str) -> dict:
+    """The same sequences in the engine, once per scheme it can serve, judged there (``engine.judge_on_engine``); with
+    decode drift's prompts, the engine's own greedy decode after each too."""
     import tempfile
 
     block = config.block_size or engine.DEFAULT_BLOCK_SIZE.get(host.platform, 16)
-    max_len = config.max_model_len or -(-(config.data.seq_len + 1) // block) * block
+    longest = max(config.data.seq_len + 1, max((len(p) + config.generate for p in prompts), default=0))
+    max_len = config.max_model_len or -(-longest // block) * block
     settings = {"max_model_len": max_len, "block_size": block, "dtype": config.dtype, "chunk_len": config.data.chunk_len,
                 "prefix_caching": False, "enforce_eager": True}
     names = ["auto", "auto2", *(s.name for s in schemes if s.mode != Mode.REFERENCE)]
+    held = audit(config.checkpoint, host.python)  # the scales vLLM holds, read before any of its figures
     with tempfile.TemporaryDirectory(prefix="kvcal-engine-") as tmp:
         ref = engine.reference_logprobs(model, sequences, Path(tmp) / "reference.npy")
         runs = engine.run_schemes(host, Path(config.checkpoint), names, [s.tolist() for s in sequences], dtype=config.dtype,
                                   chunk_len=config.data.chunk_len, max_model_len=max_len, block_size=block,
                                   kv_bytes=engine.kv_cache_bytes(len(layers), sig.num_kv_heads, sig.head_dim, max_len, block),
                                   vocab_size=ref.shape[-1], workdir=Path(tmp), unquantized=unquantized,
-                                  offered=engine_dtypes(host.python).names)
+                                  offered=engine_dtypes(host.python).names, prompts=[p.tolist() for p in prompts],
+                                  steps=config.generate)
         result = engine.compare(results, runs, ref,
                                 {s.name: s.scales for s in schemes if s.scales}, host, settings)
         del ref
     engine.judge_on_engine(results, result, limits)
-    held = audit(config.checkpoint, host.python)  # the scales vLLM holds, before its figures are trusted
     result["audit"] = {"status": held.status, "failures": held.failures, "reason": held.reason,
                        "kv_cache_dtype": held.kv_cache_dtype}
     return result

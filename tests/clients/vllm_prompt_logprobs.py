@@ -8,7 +8,8 @@ Usage (in the venv made by scripts/setup-vllm; not importable from the main venv
 IN.json: {"sequences": [[token ids]], "logprobs": K, "prompts": [str], "greedy_tokens": N}.
 OUT.json: {"vllm_version", "kv_cache_dtype", "error": null or "Type: message" of vLLM's refusal,
 "prompt_logprobs": per sequence, per position from the second, {token id: log-probability} of the K most likely
-tokens (and the actual next token), "greedy": per prompt the N greedy token ids}. One dtype per process.
+tokens (and the actual next token), "greedy": per prompt the N greedy token ids, "greedy_logprobs": per prompt, per
+greedy step, {token id: log-probability} of the K most likely tokens there}. One dtype per process.
 """
 
 import json
@@ -36,8 +37,11 @@ def main(checkpoint_dir: str, dtype: str, in_path: str, out_path: str) -> None:
                                SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=spec["logprobs"]), use_tqdm=False)
         result["prompt_logprobs"] = [[{str(t): lp.logprob for t, lp in position.items()} for position in o.prompt_logprobs[1:]]
                                      for o in outputs]
-        greedy = llm.generate(spec["prompts"], SamplingParams(temperature=0, max_tokens=spec["greedy_tokens"]), use_tqdm=False)
+        greedy = llm.generate(spec["prompts"], SamplingParams(temperature=0, max_tokens=spec["greedy_tokens"],
+                                                              logprobs=spec["logprobs"]), use_tqdm=False)
         result["greedy"] = [list(o.outputs[0].token_ids) for o in greedy]
+        result["greedy_logprobs"] = [[{str(t): lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs]
+                                     for o in greedy]
     except Exception as e:  # noqa: BLE001 - the refusal is the result
         while e.__cause__ is not None:
             e = e.__cause__

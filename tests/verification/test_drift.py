@@ -147,6 +147,18 @@ def test_summarize_counts_no_divergence_as_the_whole_continuation():
     assert s["decode_kl"] == pytest.approx(0.25) and s["decode_kl_stderr"] == pytest.approx(np.std([0.1, 0.2, 0.3, 0.4], ddof=1) / 2)
 
 
+def test_engine_drift_compares_free_running_tokens_by_the_references_margins():
+    """An engine cannot be steered through a near-tie: the comparison stops where its tokens part there."""
+    reference = [{"tokens": [1, 2, 3, 4], "margins": [CLEAR] * 4}, {"tokens": [5, 6, 7, 8], "margins": [CLEAR, TIE, CLEAR, CLEAR]}]
+    run = [{"tokens": [1, 2, 9, 9], "margins": [CLEAR] * 4}, {"tokens": [5, 0, 0, 0], "margins": [CLEAR] * 4}]
+    s = drift.engine_drift(reference, run, steps=4)
+    assert s["first_divergence"] == [2, None] and s["parted_at_near_tie"] == 1 and s["identical"] == 0
+    assert s["first_divergence_median"] == np.median([2, 4]) and s["first_divergence_min"] == 2
+    assert s["agreement"] == pytest.approx(np.mean([0.5, 0.25])) and "decode_kl" not in s
+    assert drift.engine_drift(reference, reference, steps=4)["identical"] == 1.0
+    assert drift_cell(s) == f"3 (min 2), 1 parted at a near-tie · {np.mean([0.5, 0.25]):.0%}"
+
+
 # ---- prompts ----------------------------------------------------------------------------------------------------------
 
 
@@ -173,7 +185,9 @@ def test_prompts_need_room_after_the_boundary_and_fall_back_to_sequence_starts()
     "options, match",
     [({"generate": -1}, "--generate must be an integer ≥ 0"), ({"prompts": 0}, "--prompts must be a positive integer"),
      ({"prompt_len": 64, "seq_len": 64}, "--prompt-len 64 must be shorter than --seq-len 64"),
-     ({"prompt_len": "8"}, "--prompt-len must be a positive integer")],
+     ({"prompt_len": "8"}, "--prompt-len must be a positive integer"),
+     ({"engine": "vllm", "backend": "cpu", "seq_len": 128, "prompt_len": 64, "generate": 100, "max_model_len": 129},
+      "--engine decodes --generate 100 tokens after prompts of 64: raise --max-model-len 129 to at least 164")],
 )
 def test_drift_options_are_checked(options, match, tmp_path, tiny_dir, text_file):
     with pytest.raises(ValueError, match=re.escape(match)):

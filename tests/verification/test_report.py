@@ -197,6 +197,8 @@ def check_drift_cell(cell: str, d: dict | None) -> None:
         return
     first, agree = cell.split(" · ")
     assert percent(agree) == pytest.approx(d["agreement"], abs=0.005)
+    first, _, ties = first.partition(", ")
+    assert ties == (f"{d['parted_at_near_tie']} parted at a near-tie" if d.get("parted_at_near_tie") else "")
     if min(f if f is not None else d["steps"] for f in d["first_divergence"]) == d["steps"]:
         assert first == f"none in {d['steps']}"
     else:

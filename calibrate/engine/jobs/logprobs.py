@@ -2,7 +2,12 @@
 log-probabilities at every prompt position, and reports what the engine stores.
 
 Request: {"checkpoint", "kv_cache_dtype", "dtype", "max_model_len", "block_size", "chunk_len", "kv_cache_bytes",
-"sequences": [[token ids]] (all one length), "out": path of the float32 .npy to write}.
+"sequences": [[token ids]] (all one length), "out": path of the float32 .npy to write, and optionally "prompts":
+[[token ids]] and "steps": N, for vLLM's own greedy decode of N tokens after each prompt, "attention_backend" (vLLM's
+``--attention-backend``; null: vLLM chooses) and "tokenizer" (false: the checkpoint has none, token ids only)}.
+
+Decode: vLLM's greedy generation (temperature 0, EOS ignored so every continuation has N tokens), with the top two
+log-probabilities at each step, whose difference is the top-1 margin decode drift needs to tell near-ties apart.
 
 The lean route: vLLM computes prompt log-probabilities only when asked, from the model's ``compute_logits`` on the
 prompt positions of each chunk. This job asks for ``prompt_logprobs=0`` (the prompt token's own, the fewest vLLM
@@ -75,7 +80,8 @@ def work(request: dict) -> dict:
     llm = LLM(model=request["checkpoint"], kv_cache_dtype=request["kv_cache_dtype"], dtype=request["dtype"],
               max_model_len=request["max_model_len"], block_size=request["block_size"], enforce_eager=True,
               enable_chunked_prefill=True, max_num_batched_tokens=request["chunk_len"], max_num_seqs=1,
-              enable_prefix_caching=False, kv_cache_memory_bytes=request["kv_cache_bytes"], seed=0)
+              enable_prefix_caching=False, kv_cache_memory_bytes=request["kv_cache_bytes"], seed=0,
+              attention_backend=request.get("attention_backend"), skip_tokenizer_init=not request.get("tokenizer", True))
     loaded = time.perf_counter()
     runner = _runner(llm)
     model = runner.model
@@ -113,11 +119,32 @@ def work(request: dict) -> dict:
         if state["row"] != n - 1:
             raise RuntimeError(f"sequence {i}: the engine gave {state['row']} prompt positions, expected {n - 1}")
     out.flush()
+    greedy = _greedy(llm, request.get("prompts") or [], request.get("steps", 0))
     done = time.perf_counter()
     return {"vllm_version": vllm.__version__, "platform": type(current_platform).__name__, "isa": _isa(),
             "kv_cache_dtype": request["kv_cache_dtype"], "shape": list(out.shape),
             "stored": _stored(runner), "load_s": loaded - start, "run_s": done - loaded,
-            "rss_before_mib": rss_before, "rss_peak_delta_mib": state["rss_peak"] - rss_before}
+            "rss_before_mib": rss_before, "rss_peak_delta_mib": state["rss_peak"] - rss_before, "greedy": greedy}
+
+
+def _greedy(llm, prompts: list[list[int]], steps: int) -> list[dict]:
+    """vLLM's greedy continuation of each prompt: {"tokens": [N], "margins": [N] top-1 lead over the runner-up, nats}."""
+    if not prompts or steps < 1:
+        return []
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=steps, min_tokens=steps, ignore_eos=True, logprobs=2, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    found = []
+    for o in outputs:
+        completion = o.outputs[0]
+        margins = []
+        for step in completion.logprobs:
+            top = sorted((lp.logprob for lp in step.values()), reverse=True)
+            margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+        found.append({"tokens": list(completion.token_ids), "margins": margins})
+    return found
 
 
 if __name__ == "__main__":
