@@ -224,6 +224,16 @@ def build_schemes(
     return schemes, skipped, held
 
 
+def named_scheme(name: str, fmt: FP8Format, scales: dict[str, torch.Tensor], backend: str, q: bool = False) -> Scheme:
+    """The scheme of one of ``choices.SCHEMES``'s names with the given kind → [L, H] scales (ignored by schemes that
+    compute theirs), applied as ``backend``'s cache writer does: for callers that build schemes without a checkpoint
+    (scripts/gpu_check's engine table)."""
+    spec = SCHEMES[name]
+    scheme = _scheme(name, spec, "given", fmt, scales if spec.scales in ("ones", "checkpoint") else {}, q)
+    scheme.backend = backend
+    return scheme
+
+
 def _scheme(name: str, spec: SchemeSpec, source: str, fmt: FP8Format, scales: dict, q: bool) -> Scheme:
     """A quantized scheme from its table row: static FP8 in e4m3 (queries too when ``q``, as FA3 on Hopper) or e5m2
     (K and V only), fp8_per_token_head's dynamic scales, or another cache dtype's write and read (``kvdtypes``)."""
