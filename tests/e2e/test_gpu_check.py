@@ -72,6 +72,18 @@ def test_memory_and_syncs_say_they_were_not_measured_on_cpu(tiny_run):
     assert report["sync_check"]["checked"] is False and report["sync_check"]["why"]
 
 
+def test_long_verify_is_timed_beside_a_bare_forward_with_its_depth_buckets(tiny_run):
+    """The verify stage runs verify's own passes and buckets: every position in a bucket, each bucket's tokens counted."""
+    from calibrate.verification.depth import buckets
+
+    [row] = tiny_run[0]["verify"]
+    positions = row["length"] - 1  # the last token has no next token to score
+    assert row["length"] == 512 and row["chunks"] == 512 // tiny_run[0]["chunk_len"] and row["kl_finite"] is True
+    assert _positive(row["bare_s"]) and _positive(row["verify_s"]) and row["ratio"] == pytest.approx(row["verify_s"] / row["bare_s"])
+    assert [b["tokens"] for b in row["buckets"]] == [end - start for start, end in buckets(positions)]
+    assert sum(b["tokens"] for b in row["buckets"]) == positions and row["peak_bytes"] is None
+
+
 def test_fa3_figures_are_sane(tiny_run):
     rows = tiny_run[0]["fa3"]
     assert [r["length"] for r in rows] == [256, 512]
