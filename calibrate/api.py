@@ -21,10 +21,17 @@ from .capture.checks import check_enough_tokens, check_finite
 from .capture.stats import Stats
 from .checkpoint import pack as packs
 from .checkpoint.kvcal_dir import load_calibration, recorded_scales_of, records_of, write_kvcal_dir
+from .checkpoint.loaders import (
+    check_export_form,
+    check_loads_scales,
+    check_scale_prefixes,
+    source_form,
+    warn_ignored_scales,
+)
 from .checkpoint.space import NoRoom, check_room, config_stats_bytes, keep_statistics, output_room, stats_bytes
 from .checkpoint.weights import PROVENANCE as WEIGHTS_PROVENANCE
 from .checkpoint.weights import check_available, quantize_weights
-from .checkpoint.write import check_links, prepare_output, scale_tensors, weight_files, write_checkpoint
+from .checkpoint.write import check_links, prepare_output, scale_tensors, stored_scales, weight_files, write_checkpoint
 from .choices import runs_the_model
 from .config import CalibrationConfig, ScaleConfig
 from .data.sources import local_paths
@@ -32,16 +39,8 @@ from .data.stream import iter_sequences
 from .files import check_model_dir, no_room
 from .fp8 import get_format
 from .layout import KVCAL_DIR, PROVENANCE_FILE, is_pack, sibling
-from .loaders import (
-    check_export_form,
-    check_loads_scales,
-    check_scale_prefixes,
-    checkpoint_prefixes,
-    read_config_json,
-    source_form,
-    warn_ignored_scales,
-)
 from .model.description import describe
+from .model.directory import checkpoint_prefixes, read_config_json
 from .model.layers import AttentionLayer
 from .model.load import check_remote_code, check_tokenizer_fits, load_tokenizer
 from .recipes import calibration_config
@@ -192,7 +191,7 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             source = quantize_weights(source, weights_dir, config.weights)
         out = write_checkpoint(
             source, Path(config.out),
-            scales=scale_tensors([layer.prefix for layer in layers], scale_set.checkpoint_scales()),
+            scales=scale_tensors([layer.prefix for layer in layers], stored_scales(scale_set)),
             strategy="head" if scale_set.per_head else "tensor",
             write_extras=_write_extras(stats, provenance, captured.records, config.out),
             fp8_format=fmt.name,
@@ -314,7 +313,7 @@ def export(
     )
     written = write_checkpoint(
         target, Path(out),
-        scales=scale_tensors([layer.prefix for layer in layers], scale_set.checkpoint_scales()),
+        scales=scale_tensors([layer.prefix for layer in layers], stored_scales(scale_set)),
         strategy="head" if scale_set.per_head else "tensor",
         write_extras=_write_extras(stats, provenance, records_of(source), out),
         fp8_format=fmt.name,

@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING
 
 from . import serving
 from .capture.stats import Stats
+from .checkpoint.loaders import quant_method, stored_dtype
 from .choices import DEFAULT_TARGET
 from .config import LITTLE_DATA_TOKENS
 from .engine.caveats import installed_vllm_version
-from .loaders import quant_config, quant_method, read_config_json, stored_dtype
+from .model.directory import quant_config, read_config_json
 from .model.layers import AttentionLayer
 from .recipes import serve_notes
 from .scales.observers import ScaleSet

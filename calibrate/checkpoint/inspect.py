@@ -21,22 +21,18 @@ from safetensors import safe_open
 from .. import serving
 from ..fp8 import FORMATS
 from ..layout import CARD_MARKER, card_path, is_kvcal_output, provenance_path
-from ..loaders import (
+from ..model.description import describe_config
+from ..model.directory import (
     LEGACY_KV_SCALE,
     SINGLE_FILE,
-    WRITE_NAMES,
-    LoadedScale,
     attention_prefixes,
-    ignored_scales,
-    quant_method,
     read_config_json,
     read_json,
-    stored_dtype,
     tensor_names,
     transformers_files,
     vllm_files,
 )
-from ..model.description import describe_config
+from .loaders import WRITE_NAMES, LoadedScale, ignored_scales, quant_method, stored_dtype
 from .read import load_scales
 
 # The attention's own K/V scale parameters, which transformers creates when it applies a kv_cache_scheme.

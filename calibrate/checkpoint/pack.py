@@ -35,16 +35,10 @@ from ..layout import (
     sibling,
     sweep,
 )
-from ..loaders import (
-    HF_QUANT_CONFIG,
-    WRITE_NAMES,
-    checkpoint_prefixes,
-    loaded_multiplier,
-    read_config_json,
-    source_form,
-)
 from ..model.description import describe
+from ..model.directory import HF_QUANT_CONFIG, checkpoint_prefixes, read_config_json
 from ..model.layers import ModelSignature
+from .loaders import WRITE_NAMES, loaded_multiplier, source_form
 from .write import move_into_place, prepare_output, scales_file, weight_files
 
 PACK_FORMAT = "kvcal-pack"  # manifest.json's "format": what tells a pack from any other manifest

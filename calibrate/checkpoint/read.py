@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 
 from ..capture.stats import KINDS
-from ..loaders import LoadedScale, fill_missing, layer_sources, read_tensor, tensor_names
+from ..model.directory import read_tensor, tensor_names
 from ..model.layers import AttentionLayer, ModelSignature
+from .loaders import LoadedScale, fill_missing, layer_sources
 
 
 @dataclass

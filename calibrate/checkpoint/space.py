@@ -20,8 +20,8 @@ from pathlib import Path
 from ..capture.stats import Stats
 from ..files import no_room
 from ..layout import KVCAL_DIR, sibling
-from ..loaders import INDEX_FILE, KV_SCALE_PATTERN, tensor_names
 from ..model.description import ModelDescription
+from ..model.directory import INDEX_FILE, KV_SCALE_PATTERN, tensor_names
 from ..model.layers import ModelSignature
 
 # What safetensors' header and kvcal's metadata (signature, data manifest) may add to a statistics file, and what the

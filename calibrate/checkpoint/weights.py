@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..choices import check_weights
 from ..files import apply_umask
-from ..loaders import read_config_json, text_part
+from ..model.directory import read_config_json, text_part
 from .write import copy_other_files
 
 SCHEMES = {"fp8": "FP8_DYNAMIC"}  # --weights value → llm-compressor preset scheme

@@ -28,20 +28,17 @@ from safetensors import safe_open
 
 from ..files import apply_umask, save_tensors
 from ..layout import KVCAL_DIR, identity, pause_at, replaceable, sibling, sweep
-from ..loaders import (
+from ..model.directory import (
     HF_QUANT_CONFIG,
     INDEX_FILE,
     KV_SCALE_PATTERN,
-    STRATEGIES,
-    WRITE_NAMES,
     check_float_weights,
-    check_scalar_scales,
-    loaded_multiplier,
     read_config_json,
-    source_form,
     tensor_names,
     vllm_files,
 )
+from ..scales.observers import ScaleSet
+from .loaders import STRATEGIES, WRITE_NAMES, check_scalar_scales, loaded_multiplier, source_form
 from .space import NoRoom, check_room, no_room, output_room, room_error
 
 SCALES_PRODUCER = "kvcal"  # the "producer" metadata of the scales shard
@@ -65,6 +62,14 @@ def scale_tensors(prefixes: list[str], scales: dict[str, torch.Tensor]) -> dict[
         for prefix, value in zip(prefixes, values.float().cpu()):
             out[f"{prefix}.{WRITE_NAMES['compressed-tensors'][kind]}"] = value.reshape(-1, 1, 1).clone() if value.dim() == 1 else value.reshape(1).clone()
     return out
+
+
+def stored_scales(scale_set: ScaleSet) -> dict[str, torch.Tensor]:
+    """kind → the scales as a compressed-tensors checkpoint stores them, so that vLLM's loader uses exactly
+    ``scale_set.scales`` on either FP8 format (a ModelOpt or fp8 target converts them: ``modelopt_scales``,
+    ``fp8_release_scales``)."""
+    factor = loaded_multiplier("compressed-tensors", scale_set.fmt.name)
+    return {kind: s / factor for kind, s in scale_set.scales.items()}
 
 
 def check_scales(kind: str, values: torch.Tensor) -> None:

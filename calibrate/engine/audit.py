@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 from ..capture.stats import KINDS
+from ..checkpoint.loaders import BASE_PATH_METHODS, quant_method
 from ..checkpoint.read import load_scales
-from ..loaders import BASE_PATH_METHODS, attention_prefixes, quant_method, read_config_json, tensor_names, vllm_files
 from ..model.description import describe_config
+from ..model.directory import attention_prefixes, read_config_json, tensor_names, vllm_files
 from .caveats import CPU_FP8_REFUSAL
 from .launch import DEFAULT_TIMEOUT_S, find_vllm_python, run_job, vllm_version
 

@@ -1,5 +1,5 @@
 """Engine caveats in one home: what vLLM does with a cache dtype or a checkpoint that a user must know, each row
-with the vLLM release it was read (or measured) in. Torch-free: serving.py, loaders.py and the serve lines read it.
+with the vLLM release it was read (or measured) in. Torch-free: serving.py, checkpoint/loaders.py and the serve lines read it.
 
 Two tables. ``SUPPORT``: per serving target and ``--kv-cache-dtype``, whether an attention backend implements it
 (serving.py decides from it what kvcal may print). ``CAVEATS``: the facts that hang on more than the pair (per-head

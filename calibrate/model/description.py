@@ -6,24 +6,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..loaders import mla_dims, quant_config, text_part
+from .directory import mla_dims, quant_config, text_part
 from .layers import ModelSignature, max_context, signature_of, sliding_layers
 from .load import read_config
 
 
 @dataclass(frozen=True)
 class ModelDescription:
-    """The facts of a checkpoint's config.json that kvcal's stages use (the shape rules stay in ``loaders`` and
+    """The facts of a checkpoint's config.json that kvcal's stages use (the shape rules stay in ``directory`` and
     ``layers``; this holds their answers for one model)."""
 
     directory: Path
     config: dict  # config.json as read; a multimodal model's text part is in ``text``
-    text: dict  # the decoder's settings (``loaders.text_part``)
+    text: dict  # the decoder's settings (``directory.text_part``)
     num_layers: int | None  # num_hidden_layers
     mla: tuple[int, int] | None  # (kv_lora_rank, qk_rope_head_dim) of latent attention, else None
     sliding: frozenset[int]  # indices of the sliding-window layers (layer_types)
     context: int | None  # the longest sequence the model was built for (max_position_embeddings)
-    quant: dict | None  # the quantization config vLLM uses (``loaders.quant_config``)
+    quant: dict | None  # the quantization config vLLM uses (``directory.quant_config``)
 
     def signature(self, layers: list[int]) -> ModelSignature:
         """The signature statistics of these layers must match (``layers.signature_of``); KeyError when config.json

@@ -1,11 +1,11 @@
 """What a model is, for kvcal: its attention layers, their checkpoint names, and the signature statistics must match."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from torch import nn
 
-from ..loaders import is_decoder_module, mla_dims, text_part
+from .directory import checkpoint_prefixes, is_decoder_module, mla_dims, text_part
 
 
 @dataclass(frozen=True)
@@ -129,10 +129,6 @@ def checkpoint_named(layers: list[AttentionLayer], model_dir: str | Path) -> lis
     ``language_model.model.layers.N.self_attn``, its module is ``model.language_model.layers.N.self_attn``); vLLM
     maps the checkpoint's names, so scales are written and read under those.
     """
-    from dataclasses import replace
-
-    from ..loaders import checkpoint_prefixes
-
     names = checkpoint_prefixes(model_dir)
     return [replace(layer, prefix=names.get(layer.layer_idx, layer.prefix)) for layer in layers]
 

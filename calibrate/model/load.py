@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..files import check_model_dir
-from ..loaders import KV_SCALE_PATTERN, quant_config, read_config_json, text_part
+from .directory import KV_SCALE_PATTERN, quant_config, read_config_json, text_part
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..capture.stats import Stats
+from ..checkpoint.write import stored_scales
 from ..config import LITTLE_DATA_TOKENS, CalibrationConfig
 from ..hub import base_model
 from ..layout import KVCAL_DIR, RECORDS_FILE
@@ -59,7 +60,7 @@ def scale_report(scale_set: ScaleSet) -> dict:
         "fp8_format": scale_set.fmt.name,
         "headroom": scale_set.headroom,
         "scales": {k: v.tolist() for k, v in scale_set.scales.items()},
-        "checkpoint_scales": {k: v.tolist() for k, v in scale_set.checkpoint_scales().items()},
+        "checkpoint_scales": {k: v.tolist() for k, v in stored_scales(scale_set).items()},
         "predicted_saturated": {k: p.saturated.tolist() for k, p in scale_set.predictions.items()},
         "predicted_sink_saturated": {k: v.tolist() for k, v in scale_set.sink_saturated.items()},
         "predicted_underflow": {k: p.underflow.tolist() for k, p in scale_set.predictions.items()},

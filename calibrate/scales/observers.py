@@ -13,7 +13,6 @@ import torch
 from ..capture.stats import NUM_BINS, SINK_POSITIONS, TensorStats, bin_edges
 from ..choices import check_granularity, check_headroom, check_observer, runs_the_model
 from ..fp8 import SATURATION_SLACK, SCALE_FLOOR, FP8Format, amax_to_scale
-from ..loaders import loaded_multiplier
 
 # Samples per histogram bin when integrating the quantization error (stratified, uniform in the bin).
 _SAMPLES_PER_BIN = 4
@@ -217,7 +216,7 @@ def token_rel_mse(stats: TensorStats, per_head: bool) -> torch.Tensor:
 class ScaleSet:
     """The scales of one observer and granularity, with their predicted cost, per tensor kind.
 
-    ``scales`` are what the FP8 cache uses (``fmt``'s own units); ``checkpoint_scales()`` are what a
+    ``scales`` are what the FP8 cache uses (``fmt``'s own units); ``checkpoint.write.stored_scales`` gives what a
     compressed-tensors checkpoint stores so that vLLM, after its loader's adjustment, uses exactly those.
     """
 
@@ -234,11 +233,6 @@ class ScaleSet:
     def per_head(self) -> bool:
         return self.granularity == "head"
 
-    def checkpoint_scales(self) -> dict[str, torch.Tensor]:
-        """The scales as a compressed-tensors checkpoint stores them, so that vLLM's loader uses exactly
-        ``scales`` on either format (export converts them for a ModelOpt target: ``export.modelopt_scales``)."""
-        factor = loaded_multiplier("compressed-tensors", self.fmt.name)
-        return {kind: s / factor for kind, s in self.scales.items()}
 
 
 def derive_scales(

@@ -11,10 +11,10 @@ import torch
 
 from ..capture.hooks import latent_view
 from ..capture.stats import Stats
+from ..checkpoint.loaders import MLA_SCALES_IGNORED, Servable, loaded_multiplier, quant_method, refusal, stored_dtype
 from ..checkpoint.read import read_scales
 from ..choices import SCHEMES, SchemeSpec
 from ..fp8 import E5M2, FP8Format, per_token_head_round_trip, per_token_scale, quantize_dequantize
-from ..loaders import MLA_SCALES_IGNORED, Servable, loaded_multiplier, quant_method, refusal, stored_dtype
 from ..model.description import ModelDescription
 from ..scales.observers import derive_scales
 from .config import FLOOR, VerifyConfig

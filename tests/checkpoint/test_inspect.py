@@ -17,7 +17,7 @@ from calibrate import calibrate
 from calibrate.checkpoint.inspect import inspect
 from calibrate.checkpoint.write import scales_file
 from calibrate.cli import main
-from calibrate.loaders import INDEX_FILE
+from calibrate.model.directory import INDEX_FILE
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 3, 4, 2, 4, 16
 COMPRESSED = {

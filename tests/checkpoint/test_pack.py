@@ -22,7 +22,7 @@ from calibrate.checkpoint.inspect import inspect
 from calibrate.checkpoint.read import read_scales
 from calibrate.checkpoint.write import scales_file, shard_name
 from calibrate.cli import main
-from calibrate.loaders import tensor_names
+from calibrate.model.directory import tensor_names
 from calibrate.model.layers import AttentionLayer, ModelSignature
 
 REPO = Path(__file__).resolve().parents[2]

@@ -23,7 +23,7 @@ from calibrate.checkpoint.weights import check_available
 from calibrate.checkpoint.write import check_index, scales_file
 from calibrate.config import CalibrationConfig
 from calibrate.files import file_mode
-from calibrate.loaders import INDEX_FILE
+from calibrate.model.directory import INDEX_FILE
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

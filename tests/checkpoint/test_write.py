@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from calibrate import calibrate
 from calibrate.checkpoint.write import check_index, scales_file, shard_name, write_checkpoint
-from calibrate.loaders import INDEX_FILE, tensor_names
+from calibrate.model.directory import INDEX_FILE, tensor_names
 
 
 def digest(directory) -> dict[str, str]:

@@ -18,7 +18,7 @@ from calibrate import calibrate, export
 from calibrate.checkpoint.inspect import inspect
 from calibrate.checkpoint.write import check_index, scales_file, shard_name
 from calibrate.cli import main
-from calibrate.loaders import INDEX_FILE, tensor_names
+from calibrate.model.directory import INDEX_FILE, tensor_names
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from references import forward_with_attention_pre_hook
 
 from calibrate.capture.hooks import run_capture
 from calibrate.capture.stats import Stats
+from calibrate.checkpoint.write import stored_scales
 from calibrate.fp8 import get_format
 from calibrate.model.layers import attention_layers, signature
 from calibrate.scales.observers import derive_scales
@@ -109,7 +110,7 @@ def test_mla_captures_the_latent_k_pe_and_absorbed_query_vllm_sees(family):
             assert int(stats.tokens[row]) == 120
 
     # The k scale covers both parts: max(|kv_c_normed|, |k_pe|) / 448, never the latent alone.
-    scales = derive_scales(stats.kinds, fmt=get_format("e4m3fn"), observer="max", granularity="tensor").checkpoint_scales()
+    scales = stored_scales(derive_scales(stats.kinds, fmt=get_format("e4m3fn"), observer="max", granularity="tensor"))
     for row, layer in enumerate(layers):
         both = max(float(torch.cat([r[layer.layer_idx][p].flatten() for r in refs]).abs().max()) for p in ("latent", "k_pe"))
         assert float(scales["k"][row]) == pytest.approx(both / 448, rel=1e-5)

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from calibrate import calibrate, verify
 from calibrate.capture.hooks import run_capture
 from calibrate.capture.stats import Stats
-from calibrate.loaders import checkpoint_prefixes, tensor_names, vllm_files
+from calibrate.model.directory import checkpoint_prefixes, tensor_names, vllm_files
 from calibrate.model.layers import attention_layers, signature
 
 TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

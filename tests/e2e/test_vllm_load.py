@@ -16,6 +16,7 @@ import torch
 from runners import client_python
 
 from calibrate import calibrate
+from calibrate.checkpoint.write import stored_scales
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +78,7 @@ def test_vllm_loads_moe_families_scales_exactly(family, smol_tokenizer, kjv_path
     dropped = [str(w.message) for w in caught if "dropped checkpoint KV scales" in str(w.message)]
     assert len(dropped) == (family == "qwen3_moe"), dropped
     loaded = vllm_scales(result.out, tmp_path)
-    written = result.scale_set.checkpoint_scales()
+    written = stored_scales(result.scale_set)
     assert sorted(loaded) == [layer.layer_idx for layer in result.layers]
     for row, layer in enumerate(result.layers):
         for kind in ("k", "v", "q"):
@@ -106,7 +107,7 @@ def test_vllm_serves_kvcal_mla_output_but_loads_no_mla_scale(smol_tokenizer, kjv
     assert [layer["index"] for layer in loaded["layers"]] == [layer.layer_idx for layer in result.layers]
     assert all(layer["name"].endswith("self_attn.mla_attn.mla_attn") for layer in loaded["layers"])
     assert loaded["greedy"] == source["greedy"]  # served, and the weights are untouched
-    written = result.scale_set.checkpoint_scales()
+    written = stored_scales(result.scale_set)
     for row, layer in enumerate(loaded["layers"]):
         got = [layer[f"{kind}_scale"] for kind in ("k", "v", "q")]
         if loaded["vllm_version"].startswith("0.32."):

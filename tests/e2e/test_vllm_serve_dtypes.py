@@ -35,8 +35,9 @@ import pytest
 from runners import client_python, needs_avx512
 
 from calibrate import serving
+from calibrate.checkpoint.loaders import Servable, quant_method, refusal
 from calibrate.engine import caveats
-from calibrate.loaders import Servable, quant_config, quant_method, refusal
+from calibrate.model.directory import quant_config
 from calibrate.model.load import read_config
 from calibrate.verification.config import ENGINE_NEAR_TIE_NATS
 from calibrate.verification.run import verify

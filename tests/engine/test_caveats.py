@@ -2,7 +2,8 @@
 
 import pytest
 
-from calibrate import loaders, serving
+from calibrate import serving
+from calibrate.checkpoint import loaders
 from calibrate.choices import CACHE_DTYPES, TARGETS
 from calibrate.engine import caveats as C
 

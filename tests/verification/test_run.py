@@ -24,7 +24,7 @@ from calibrate.data.config import DataConfig
 from calibrate.data.stream import iter_sequences
 from calibrate.fp8 import FORMATS
 from calibrate.layout import records_path
-from calibrate.loaders import INDEX_FILE
+from calibrate.model.directory import INDEX_FILE
 from calibrate.model.load import load_model
 from calibrate.verification.config import Thresholds
 from calibrate.verification.needle import needle_prompt

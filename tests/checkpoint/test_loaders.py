@@ -1,4 +1,4 @@
-"""loaders.py: what vLLM reads, and what it multiplies loaded scales by, for every form kvcal writes.
+"""checkpoint/loaders.py (and the names model/directory.py reads): what vLLM reads, and what it multiplies loaded scales by, for every form kvcal writes.
 
 Every form × FP8 format goes through write (calibrate, apply) → read (inspect, as vLLM would) → the value vLLM
 uses after its loader's adjustment, which must be the calibrated scale in the format's own units.
@@ -9,7 +9,8 @@ import torch
 from builders import modelopt_fp8, save_tiny_checkpoint
 
 from calibrate import apply, calibrate, inspect
-from calibrate.loaders import KV_SCALE_PATTERN, SCALE_SOURCES, WRITE_NAMES, Servable, loaded_multiplier, refusal
+from calibrate.checkpoint.loaders import WRITE_NAMES, Servable, loaded_multiplier, refusal
+from calibrate.model.directory import KV_SCALE_PATTERN, SCALE_SOURCES
 
 # vLLM 0.32 (docs/vllm-notes.md, "ROCm fnuz"): the base KV loader (fp8, ModelOpt, Quark, legacy) doubles loaded
 # scales on e4m3fnuz; the compressed-tensors loader never does; nothing is doubled on e4m3fn.
@@ -127,7 +128,7 @@ def config_only(directory, quant: dict | None):
 
 
 def test_quant_methods_table_covers_every_row():
-    from calibrate.loaders import QUANT_METHODS
+    from calibrate.checkpoint.loaders import QUANT_METHODS
 
     for method, (form, why) in QUANT_METHODS.items():
         assert (form is None) != (why is None), method  # a form to write into, or the reason for refusing
@@ -154,7 +155,7 @@ def test_calibrate_refuses_per_head_scales_for_a_scalar_loader_before_loading(tm
 
 
 def test_source_form_of_each_writable_method(tmp_path):
-    from calibrate.loaders import source_form
+    from calibrate.checkpoint.loaders import source_form
 
     forms = {"none": (None, "compressed-tensors"), "fp8": (FP8_RELEASE, "fp8"),
              "nvfp4": ({"quant_method": "modelopt_fp4", "quant_algo": "NVFP4"}, "modelopt"),
@@ -185,7 +186,7 @@ def test_export_and_apply_refuse_the_same_sources(tmp_path, smol_tokenizer, text
 ])
 def test_per_head_scales_are_refused_where_the_loader_takes_a_scalar(form, granularity, refused):
     """One rule, one wording (loaders.check_scalar_scales) for calibrate, export, apply and the writer."""
-    from calibrate.loaders import check_scalar_scales
+    from calibrate.checkpoint.loaders import check_scalar_scales
 
     if not refused:
         check_scalar_scales("src", form, granularity)
