@@ -90,6 +90,11 @@ def prepare(vllm_python: str | None, backend: str, dtype: str | None, kv_only: b
     return host
 
 
+def model_len(tokens: int, block_size: int) -> int:
+    """The ``max_model_len`` that holds ``tokens`` tokens: rounded up to whole blocks."""
+    return -(-tokens // block_size) * block_size
+
+
 def kv_cache_bytes(num_layers: int, kv_heads: int, head_dim: int, max_model_len: int, block_size: int) -> int:
     """vLLM's KV space sized to one sequence of ``max_model_len`` (the engine runs one at a time): K and V of every
     layer at 4 bytes an element (above any dtype's, its scales included), doubled, at least 64 MiB."""

@@ -410,7 +410,7 @@ def _engine(config: VerifyConfig, host: engine.EngineHost, model, sig: ModelSign
 
     block = config.block_size or engine.DEFAULT_BLOCK_SIZE.get(host.platform, 16)
     longest = max(config.data.seq_len + 1, max((len(p) + config.generate for p in prompts), default=0))
-    max_len = config.max_model_len or -(-longest // block) * block
+    max_len = config.max_model_len or engine.model_len(longest, block)
     settings = {"max_model_len": max_len, "block_size": block, "dtype": config.dtype, "chunk_len": config.data.chunk_len,
                 "prefix_caching": False, "enforce_eager": True}
     names = ["auto", "auto2", *(s.name for s in schemes if s.mode != Mode.REFERENCE)]
