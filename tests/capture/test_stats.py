@@ -1,4 +1,4 @@
-"""Tests for calibrate/stats.py: bins, position buckets, ``update`` against brute-force float64
+"""Tests for calibrate/capture/stats.py: bins, position buckets, ``update`` against brute-force float64
 computations, exact merging, and the statistics file.
 
 Every expected value is computed here from the raw tensors with numpy in float64: histograms with

@@ -1,4 +1,4 @@
-"""Tests for ``kvcal apply`` (calibrate/inspector.apply) and the interop forms export writes into: a fine-tune, an
+"""Tests for ``kvcal apply`` (calibrate/api.py, ``apply``) and the interop forms export writes into: a fine-tune, an
 llm-compressor FP8-weight checkpoint with old KV scales, and ModelOpt FP8 checkpoints (both config layouts).
 
 The FP8 checkpoints are built here by hand from a tiny model's weights, so every tensor the output must keep is known.

@@ -8,8 +8,8 @@ Every row runs one command in a process of its own, as a user would, against the
 * the sha256 of every input file the command names (model directories, data, the calibrated output) unchanged;
 * no new entry beside OUT (nor OUT itself, nor a hidden ``.OUT.kvcal-*`` temporary).
 
-tests/test_bad_input.py runs most of these cases in-process; the inputs here are built once for the module. Rows that
-need a read-only directory run under ``setpriv`` without CAP_DAC_OVERRIDE when the tests run as root.
+tests/e2e/test_bad_input.py runs most of these cases in-process; the inputs here are built once for the module. Rows
+that need a read-only directory run under ``setpriv`` without CAP_DAC_OVERRIDE when the tests run as root.
 """
 
 import hashlib
@@ -220,7 +220,7 @@ DATA = ("--data", "{root}/data.jsonl")
 SHORT = ("--seq-len", "64", "--max-tokens", "64")  # verify: one sequence of the sample
 TINY = ("--seq-len", "64", "--max-tokens", "128")  # calibrate: two sequences
 
-# tests/test_bad_input.py's cases, through the console script.
+# tests/e2e/test_bad_input.py's cases, through the console script.
 KNOWN = {
     # calibrate
     "calibrate-model-missing": _calibrate("{root}/missing", *DATA, fragments=["missing does not exist"]),

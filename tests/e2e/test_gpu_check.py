@@ -15,14 +15,19 @@ import pytest
 from runners import client_python, needs_avx512
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check"
+# The stages of a --tiny --engine off run that leave a row, by report section (scripts/gpu_check's TINY_RUNS).
+STAGES = {"calibration": [128, 256, 512], "fa3": [256, 512], "verify": [512]}
+# The tiny run's --budget-s: far above its subprocess deadline, so the script skips or cuts nothing for time before
+# the deadline calls it a hang; how fast it ran is for scripts/bench_*, not for these tests.
+BUDGET_S = 3600
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[dict, str]:
     """(the JSON, stdout) of one --tiny run, started outside the checkout: the script must find ``calibrate`` itself."""
     out = tmp_path_factory.mktemp("gpu_check")
-    done = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--engine", "off", str(out)], capture_output=True, text=True,
-                          cwd=out, timeout=600)
+    done = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--engine", "off", "--budget-s", str(BUDGET_S), str(out)],
+                          capture_output=True, text=True, cwd=out, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "gpu_check.json").read_text()), done.stdout
 
@@ -31,14 +36,22 @@ def _positive(x: object) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-def test_tiny_run_is_complete_and_imports_no_optional_packages(tiny_run):
+def test_every_stage_ran_or_is_named_as_skipped_and_no_optional_package_was_imported(tiny_run):
+    """No stage failed or vanished: each left its row or is listed, and printed, as skipped with why; the run is
+    complete exactly when none was skipped. How long it took is recorded, never compared."""
     report, stdout = tiny_run
-    assert report["tiny"] is True and report["complete"] is True
-    assert report["skipped"] == [] and report["errors"] == []
+    assert report["tiny"] is True and report["errors"] == [] and report["budget_s"] == BUDGET_S
+    why = {s["stage"]: s["why"] for s in report["skipped"]}
+    assert len(why) == len(report["skipped"]) and all(isinstance(w, str) and w for w in why.values()), report["skipped"]
+    assert set(why) <= {"warm_up", *(f"{section}_{n}" for section, lengths in STAGES.items() for n in lengths)}, why
+    for section, lengths in STAGES.items():
+        assert [r["length"] for r in report[section]] == [n for n in lengths if f"{section}_{n}" not in why], section
+    assert report["complete"] is (not why)
     assert report["environment"]["imported"] == {"datasets": False, "compressed_tensors": False}
-    assert report["environment"]["device"] == "cpu"
-    assert _positive(report["elapsed_s"]) and report["elapsed_s"] < report["budget_s"]
-    assert "complete in" in stdout.splitlines()[-1]
+    assert report["environment"]["device"] == "cpu" and _positive(report["elapsed_s"])
+    lines = stdout.splitlines()
+    assert lines[-1].startswith("complete in " if report["complete"] else "INCOMPLETE in ")
+    assert all(f"{stage}: {w}" in lines for stage, w in why.items())
 
 
 def test_model_is_the_llama_shape_asked_for(tiny_run):

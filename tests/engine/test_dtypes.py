@@ -13,7 +13,7 @@ from calibrate.engine.dtypes import NOT_EMULATED, EngineDtypes, engine_dtypes
 def literal_in_source(python) -> tuple[str, ...]:
     """vLLM's CacheDType read from its source file's text (no vLLM import): the independent reading."""
     path = subprocess.run([str(python), "-c", "import importlib.util as u; print(u.find_spec('vllm').submodule_search_"
-                           "locations[0])"], capture_output=True, text=True, check=True).stdout.strip()
+                           "locations[0])"], capture_output=True, text=True, check=True, timeout=300).stdout.strip()
     tree = ast.parse(open(f"{path}/config/cache.py").read())
     (node,) = [n for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "CacheDType"]
     return tuple(elt.value for elt in node.value.slice.elts)

@@ -1,4 +1,4 @@
-"""Tests for ``calibrate/capacity.py`` against figures worked out by hand in each test's comments.
+"""Tests for ``calibrate/verification/capacity.py`` against figures worked out by hand in each test's comments.
 
 The bytes per token per layer come from small stand-ins written here from docs/kv-dtypes.md (auto: 2 bytes per
 K and V element, fp8: 1), not from ``calibrate.verification.kvdtypes``: these tests check the capacity arithmetic alone.

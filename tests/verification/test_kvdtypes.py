@@ -1,4 +1,5 @@
-"""Tests for calibrate/kvdtypes.py against independent models of each vLLM KV-cache write (docs/kv-dtypes.md).
+"""Tests for calibrate/verification/kvdtypes.py against independent models of each vLLM KV-cache write
+(docs/kv-dtypes.md).
 
 References are float64 numpy: the kernels' float32 steps (scale, reciprocal, products) are reproduced with numpy
 float32 scalars in the kernels' order, and every rounding to a format is a search over that format's values
