@@ -92,17 +92,27 @@ def source_form(directory: Path, config: dict, granularity: str = "tensor") -> s
     return form
 
 
-# Forms whose vLLM loader takes one scalar KV scale per layer (the base KV method, 'KV-cache scale expects a scalar
-# weight'); per-head scales are compressed-tensors only (docs/vllm-notes.md).
-SCALAR_SCALE_FORMS = {"fp8": "quant_method fp8", "modelopt": "ModelOpt"}
+# The quantization methods whose every Attention gets vLLM 0.32's base KV method, BaseKVCacheMethod (docs/vllm-notes.md,
+# "Base path"), each as messages name it. That loader takes one scalar k/v/q scale per layer, so per-head scales fail
+# its load (SCALAR_ONLY), and it creates its placeholders in the model's dtype, so a float32 scale is rounded to bf16
+# (or fp16) as it loads (``stored_dtype``). compressed-tensors has its own method: float32, per tensor or per head.
+# kvcal writes into fp8 and ModelOpt only (``QUANT_METHODS`` refuses Quark sources); a Quark checkpoint's own scales
+# are still read, and refused per head (``REFUSALS``), by these rules.
+BASE_PATH_METHODS = {"fp8": "quant_method fp8", "modelopt": "ModelOpt", "quark": "Quark"}
+# vLLM's words, and where, when a base-path loader meets per-head scales: the one wording of that refusal, which
+# verify (``REFUSALS["head"]``) and calibrate, export, apply and the writer (``check_scalar_scales``) both give.
+SCALAR_ONLY = ("'KV-cache scale expects a scalar weight' (vLLM quantization/kv_cache.py:34-40: per-head scales are "
+               "compressed-tensors only)")
 
 
 def check_scalar_scales(directory: Path, form: str, granularity: str) -> None:
-    """The one refusal of per-head scales for a source whose loader takes a scalar (SCALAR_SCALE_FORMS): calibrate,
-    export, apply and the checkpoint writer all ask it, before any weights load where they can."""
-    if form in SCALAR_SCALE_FORMS and granularity == "head":
-        raise ValueError(f"{directory} is a {SCALAR_SCALE_FORMS[form]} checkpoint, whose vLLM loader takes one scalar KV "
-                         "scale per layer ('KV-cache scale expects a scalar weight'); use --granularity tensor (or token)")
+    """Refuse per-head scales for a checkpoint whose vLLM loader takes a scalar (``BASE_PATH_METHODS``); calibrate,
+    export, apply and the checkpoint writer ask before any weights load where they can. ``form``: the quant_method
+    the written checkpoint has (``source_form``), which picks vLLM's loader."""
+    if granularity == "head" and form in BASE_PATH_METHODS:
+        raise ValueError(f"{directory} is a {BASE_PATH_METHODS[form]} checkpoint, whose vLLM loader takes one scalar KV "
+                         f"scale per layer: vLLM refuses per-head scales with {SCALAR_ONLY}; use --granularity tensor "
+                         "(or token)")
 
 
 def loaded_multiplier(method: str | None, fp8_format: str) -> float:
@@ -110,12 +120,6 @@ def loaded_multiplier(method: str | None, fp8_format: str) -> float:
     loader (fp8, ModelOpt, Quark, legacy), which expects scales in e4m3fn units; 1 under compressed-tensors,
     whose loader uses them as they are, and everywhere on e4m3fn."""
     return 2.0 if fp8_format == "e4m3fnuz" and method != "compressed-tensors" else 1.0
-
-
-# Quantization methods whose every Attention gets vLLM 0.32's base KV method, BaseKVCacheMethod (scalar k/v/q scales,
-# docs/vllm-notes.md), which loads them into placeholders created in the model's dtype: a float32 scale is rounded to
-# bf16 (or fp16) as it loads (compressed-tensors makes float32 ones).
-BASE_PATH_METHODS = ("fp8", "modelopt", "quark")
 
 
 def stored_dtype(method: str | None, config: dict) -> torch.dtype | None:
@@ -215,9 +219,7 @@ REFUSALS = {
                  E5M2_OVER_SCALES),
     "nvfp4": (lambda c: c.mla, "'nvfp4 KV cache is not supported with MLA' (vLLM config/vllm.py:3285-3301)"),
     "nvfp4_4over6": (lambda c: c.mla, "'nvfp4 KV cache is not supported with MLA' (vLLM config/vllm.py:3285-3301)"),
-    "head": (lambda c: c.granularity == "head" and c.method in BASE_PATH_METHODS,
-             "'KV-cache scale expects a scalar weight' (vLLM quantization/kv_cache.py:34-40: per-head scales are "
-             "compressed-tensors only)"),
+    "head": (lambda c: c.granularity == "head" and c.method in BASE_PATH_METHODS, SCALAR_ONLY),
 }
 
 

@@ -26,19 +26,36 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..checkpoint.write import scales_file
-from ..choices import CACHE_DTYPES
+from ..choices import CACHE_DTYPES, SCHEMES, SchemeSpec
 from ..engine.launch import EngineError, find_vllm_python, run_job
 from .drift import engine_drift
 from .passes import token_kl
 from .verdict import judge, mean_stderr
 
-# kvcal scheme → (vLLM --kv-cache-dtype, whose scales the engine reads: the checkpoint's, or 1.0 everywhere).
-RUNS = {"scale1": ("fp8", "1.0"), "tensor": ("fp8", "checkpoint"), "token": ("fp8_per_token_head", "checkpoint"),
-        **{name: (name, "checkpoint") for name in CACHE_DTYPES if name not in ("auto", "fp8")}}
+
+def _not_run(spec: SchemeSpec) -> str | None:
+    """Why no single engine run stands for a scheme, read off what ``choices.SCHEMES`` says of it (None: one does).
+    The engine serves the checkpoint's files as they are, so scales that exist only in kvcal's statistics are not in
+    them."""
+    if spec.scales == "observer":
+        return "scales from statistics: export them to run"
+    if spec.granularity == "head":
+        return "per-head scales: not in a per-tensor checkpoint"
+    return None
+
+
 # Schemes no single engine run stands for, and why (a few words, for the engine cells).
-NOT_RUN = {"head": "per-head scales: not in a per-tensor checkpoint",
-           "max": "scales from statistics: export them to run", "mse": "scales from statistics: export them to run"}
-# What each cache dtype's name promises the engine stores: bytes per cached element, and where its scales come from.
+NOT_RUN = {name: why for name, spec in SCHEMES.items() if (why := _not_run(spec))}
+# kvcal scheme → (the --kv-cache-dtype the engine serves it with, where its scales come from), both as choices.SCHEMES
+# holds them (``kv_dtype``, ``scales``), for every quantized scheme an engine run stands for. Scales "ones" run from a
+# copy of the checkpoint with every scale 1.0 (``scale1_checkpoint``); "checkpoint" and "computed" (the cache writer's
+# own, per token and head) from the checkpoint as it is.
+RUNS = {name: (spec.kv_dtype, spec.scales) for name, spec in SCHEMES.items() if spec.scales != "none" and name not in NOT_RUN}
+# What each vLLM cache dtype's name promises the engine stores: bytes per cached element, and where its scales come
+# from. Engine-only, so not in choices.SCHEMES: it is what vLLM's name says of vLLM's own storage, checked against what
+# the engine held (``check_stored``), keyed on vLLM's --kv-cache-dtype names (aliases such as fp8_e4m3 and bfloat16
+# included), one name to several schemes (scale1, tensor, head, max and mse are all fp8). Where a scheme's scales come
+# from in the emulation is SCHEMES' ``scales``.
 PROMISES = {"auto": (2, "none"), "bfloat16": (2, "none"), "float16": (2, "none"),
             "fp8": (1, "per layer, from the checkpoint"), "fp8_e4m3": (1, "per layer, from the checkpoint"),
             "fp8_e5m2": (1, "none (scale 1.0)"), "fp8_per_token_head": (1, "per token and head, computed as written"),
@@ -188,12 +205,12 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
         if name in NOT_RUN or name not in (*RUNS, "auto", "auto2"):
             runs[name] = {"why": NOT_RUN.get(name, "a scales file: not run in the engine")}
             continue
-        kv_dtype, scales = RUNS.get(name, (unquantized, "checkpoint"))
+        kv_dtype, scales = RUNS.get(name, (unquantized, "none"))  # auto and auto2: the unquantized cache
         if kv_dtype not in (*offered, unquantized):
             runs[name] = {"why": f"vLLM {host.version} has no {kv_dtype}"}
             continue
         path = checkpoint
-        if scales == "1.0":
+        if scales == "ones":
             try:
                 path = scale1_checkpoint(checkpoint, Path(tempfile.mkdtemp(dir=workdir)))
             except ValueError as e:

@@ -4,6 +4,8 @@ Every form × FP8 format goes through write (calibrate, apply) → read (inspect
 uses after its loader's adjustment, which must be the calibrated scale in the format's own units.
 """
 
+import re
+
 import pytest
 import torch
 from builders import modelopt_fp8, save_tiny_checkpoint
@@ -87,7 +89,7 @@ def test_verify_and_inspect_complete_a_missing_v_scale_alike(tmp_path, smol_toke
     ("nvfp4", Servable(None, False, True), True),
     ("nvfp4_4over6", Servable("compressed-tensors", True, True), True),
     ("nvfp4", Servable("modelopt", False, False), False),
-    ("head", Servable("modelopt", False, False, "head"), True),
+    *[("head", Servable(m, False, False, "head"), True) for m in ("fp8", "modelopt", "quark")],
     ("head", Servable("compressed-tensors", True, False, "head"), False),
     ("fp8", Servable("fp8", False, True, "tensor"), False),
     ("fp8_per_token_head", Servable("compressed-tensors", True, False, "tensor"), False),
@@ -146,10 +148,23 @@ def test_calibrate_refuses_a_source_whose_scales_vllm_would_not_read_before_load
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("quant", [FP8_RELEASE, {"quant_method": "modelopt_fp4", "quant_algo": "NVFP4"}], ids=["fp8", "modelopt_fp4"])
-def test_calibrate_refuses_per_head_scales_for_a_scalar_loader_before_loading(tmp_path, text_file, quant):
+# vLLM's words when its base KV loader (a scalar per layer) meets per-head scales, as every refusal of them quotes.
+SCALAR_WEIGHT = (r"'KV-cache scale expects a scalar weight' \(vLLM quantization/kv_cache\.py:34-40: per-head scales are "
+                 r"compressed-tensors only\)")
+
+
+def per_head_refused(directory, name: str) -> str:
+    """The one sentence refusing per-head scales for a source whose loader takes a scalar, as a full-match regex."""
+    return (rf"^{re.escape(str(directory))} is a {re.escape(name)} checkpoint, whose vLLM loader takes one scalar KV "
+            rf"scale per layer: vLLM refuses per-head scales with {SCALAR_WEIGHT}; use --granularity tensor \(or token\)$")
+
+
+@pytest.mark.parametrize("quant, name", [(FP8_RELEASE, "quant_method fp8"),
+                                         ({"quant_method": "modelopt_fp4", "quant_algo": "NVFP4"}, "ModelOpt")],
+                         ids=["fp8", "modelopt_fp4"])
+def test_calibrate_refuses_per_head_scales_for_a_scalar_loader_before_loading(tmp_path, text_file, quant, name):
     source = config_only(tmp_path / "src", quant)
-    with pytest.raises(ValueError, match="scalar weight"):
+    with pytest.raises(ValueError, match=per_head_refused(source, name)):
         calibrate(str(source), [str(text_file)], str(tmp_path / "out"), seq_len=64, max_tokens=192, granularity="head",
                   progress=False, verify=False)
 
@@ -180,17 +195,28 @@ def test_export_and_apply_refuse_the_same_sources(tmp_path, smol_tokenizer, text
     assert not (tmp_path / "applied").exists() and not (tmp_path / "exported").exists()
 
 
-@pytest.mark.parametrize("form, granularity, refused", [
-    ("fp8", "head", True), ("modelopt", "head", True), ("compressed-tensors", "head", False),
-    ("fp8", "tensor", False), ("modelopt", "token", False),
+@pytest.mark.parametrize("form, granularity, name", [
+    ("fp8", "head", "quant_method fp8"), ("modelopt", "head", "ModelOpt"), ("compressed-tensors", "head", None),
+    ("fp8", "tensor", None), ("modelopt", "token", None),
 ])
-def test_per_head_scales_are_refused_where_the_loader_takes_a_scalar(form, granularity, refused):
-    """One rule, one wording (loaders.check_scalar_scales) for calibrate, export, apply and the writer."""
+def test_per_head_scales_are_refused_where_the_loader_takes_a_scalar(form, granularity, name):
+    """One rule, one wording (loaders.check_scalar_scales) for calibrate, export, apply and the writer, whatever the form."""
     from calibrate.checkpoint.loaders import check_scalar_scales
 
-    if not refused:
+    if name is None:
         check_scalar_scales("src", form, granularity)
         return
-    with pytest.raises(ValueError, match=r"^src is a .* checkpoint, whose vLLM loader takes one scalar KV scale per layer "
-                                         r"\('KV-cache scale expects a scalar weight'\); use --granularity tensor \(or token\)$"):
+    with pytest.raises(ValueError, match=per_head_refused("src", name)):
         check_scalar_scales("src", form, granularity)
+
+
+@pytest.mark.parametrize("method", ["fp8", "modelopt", "quark"])
+def test_verify_refuses_per_head_scales_in_the_writers_words(method):
+    """verify's refusal of a checkpoint's per-head scales (REFUSALS["head"]) quotes what check_scalar_scales quotes,
+    for the same methods: those whose loader is vLLM's base KV method."""
+    from calibrate.checkpoint.loaders import BASE_PATH_METHODS, check_scalar_scales
+
+    why = refusal("head", Servable(method, False, False, "head"))
+    assert re.fullmatch(f"not servable from this checkpoint: vLLM refuses it with {SCALAR_WEIGHT}", why), why
+    with pytest.raises(ValueError, match=per_head_refused("src", BASE_PATH_METHODS[method])):
+        check_scalar_scales("src", method, "head")

@@ -160,6 +160,56 @@ def test_read_back_against_the_name_and_the_scheme():
     assert not engine.check_stored("fp8", _stored("bfloat16", offered), None)["agrees"]  # 2 bytes where 1 is promised
 
 
+def test_each_scheme_runs_as_choices_says_or_says_why_not():
+    """A scheme's cache dtype and the source of its scales have one home, choices.SCHEMES: the engine's runs read them
+    from there, and every quantized scheme is either run or given a reason."""
+    from calibrate.choices import SCHEMES
+
+    for name, spec in SCHEMES.items():
+        if spec.scales == "none":  # the reference: the engine's auto runs stand for it
+            assert name not in engine.RUNS and name not in engine.NOT_RUN
+        else:
+            assert (name in engine.RUNS) != (name in engine.NOT_RUN), name
+            assert name in engine.NOT_RUN or engine.RUNS[name] == (spec.kv_dtype, spec.scales)
+    assert engine.RUNS["scale1"] == ("fp8", "ones") and engine.RUNS["token"] == ("fp8_per_token_head", "computed")
+    assert engine.NOT_RUN == {"head": "per-head scales: not in a per-tensor checkpoint",
+                              "max": "scales from statistics: export them to run",
+                              "mse": "scales from statistics: export them to run"}
+
+
+def test_run_schemes_serves_each_scheme_its_dtype_and_scale1_from_a_copy(tmp_path, monkeypatch):
+    """Which checkpoint and --kv-cache-dtype each run gets, without vLLM: scale1 a copy whose every scale is 1.0,
+    the others the checkpoint as it is; no run for a scheme the engine cannot stand for, or a dtype vLLM lacks."""
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = tmp_path / "out"
+    checkpoint.mkdir()
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.05)}, checkpoint / "scales.safetensors")
+    (checkpoint / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.layers.0.self_attn.k_scale": "scales.safetensors"}}))
+    served = {}
+
+    def run_job(python, job, args, **_):
+        served[Path(args["out"]).stem] = (Path(args["checkpoint"]), args["kv_cache_dtype"])
+        return {"result": {}, "error": None}
+
+    monkeypatch.setattr(engine, "run_job", run_job)
+    host = engine.EngineHost(Path("python"), "0.32.0", "CpuPlatform")
+    names = ["auto", "scale1", "tensor", "token", "nvfp4", "head", "max", "scales.safetensors"]
+    runs = engine.run_schemes(host, checkpoint, names, [[1, 2, 3]], dtype="bfloat16", chunk_len=64, max_model_len=64,
+                              block_size=32, kv_bytes=64 << 20, vocab_size=8, workdir=tmp_path, unquantized="bfloat16",
+                              offered=["auto", "fp8", "fp8_per_token_head"])
+    assert served["auto"] == (checkpoint, "bfloat16")
+    assert served["tensor"] == (checkpoint, "fp8") and served["token"] == (checkpoint, "fp8_per_token_head")
+    copy, dtype = served["scale1"]
+    assert dtype == "fp8" and copy != checkpoint
+    assert load_file(copy / "scales.safetensors")["model.layers.0.self_attn.k_scale"].item() == 1.0
+    assert runs["nvfp4"] == {"why": "vLLM 0.32.0 has no nvfp4"}
+    assert runs["head"]["why"] == engine.NOT_RUN["head"] and runs["max"]["why"] == engine.NOT_RUN["max"]
+    assert runs["scales.safetensors"] == {"why": "a scales file: not run in the engine"}
+    assert set(served) == {"auto", "scale1", "tensor", "token"}
+
+
 def test_short_reason_keeps_vllms_first_sentence():
     error = "ValueError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX. Set --kv-cache-dtype auto."
     assert engine.short_reason(error) == "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
