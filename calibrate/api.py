@@ -22,31 +22,27 @@ from .capture.stats import Stats
 from .checkpoint import pack as packs
 from .checkpoint.kvcal_dir import load_calibration, recorded_scales_of, records_of, write_kvcal_dir
 from .checkpoint.loaders import (
-    check_export_form,
     check_loads_scales,
     check_scale_prefixes,
     source_form,
-    warn_ignored_scales,
 )
-from .checkpoint.space import NoRoom, check_room, config_stats_bytes, keep_statistics, output_room, stats_bytes
+from .checkpoint.space import NoRoom, keep_statistics, stats_bytes
 from .checkpoint.weights import PROVENANCE as WEIGHTS_PROVENANCE
-from .checkpoint.weights import check_available, quantize_weights
-from .checkpoint.write import check_links, prepare_output, scale_tensors, stored_scales, weight_files, write_checkpoint
-from .choices import runs_the_model
+from .checkpoint.weights import quantize_weights
+from .checkpoint.write import prepare_output, scale_tensors, stored_scales, write_checkpoint
 from .config import CalibrationConfig, ScaleConfig
 from .data.sources import local_paths
-from .data.stream import iter_sequences
 from .files import check_model_dir, no_room
 from .fp8 import get_format
 from .layout import KVCAL_DIR, PROVENANCE_FILE, is_pack, sibling
-from .model.description import describe
+from .model.description import ModelDescription, describe, describe_config
 from .model.directory import checkpoint_prefixes, read_config_json
 from .model.layers import AttentionLayer
-from .model.load import check_remote_code, check_tokenizer_fits, load_tokenizer
 from .recipes import calibration_config
 from .result import AppliedPack, CalibrationResult, PackResult
 from .run import resume
 from .run.distributed import session
+from .run.inputs import check_inputs
 from .run.provenance import provenance as calibration_provenance
 from .run.provenance import scale_report
 from .scales.observers import derive_scales, recorded_scales
@@ -114,49 +110,12 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     with session(config.device, config.dist_timeout) as group:
         # 1. Cheap checks on every input and the output before anything is loaded (the output on rank 0, which writes).
         with group.together("the checks of the inputs"):
-            if group.active and config.mapped():
-                raise ValueError("--device-map/--max-memory/--offload-folder spread one model over several devices; under "
-                                 "torchrun each rank holds the whole model on its own GPU: use one or the other")
-            if group.active and runs_the_model(config.scales.observer):
-                raise ValueError("the output observer searches on one process: run it without torchrun, or use "
-                                 "--observer max or mse under torchrun")
-            # A config.json that is missing, not JSON or not a causal LM's; a family whose vLLM loader drops scales;
-            # modeling code shipped with the model and not trusted. The steps below take this description of config.json.
-            described = describe(config.model)
-            if described.mla and (config.scales.granularity == "head" or runs_the_model(config.scales.observer)):
-                raise ValueError(f"{config.model} uses latent attention (MLA), whose cache holds one latent row per token "
-                                 "under one k scale: use --granularity tensor or token, and --observer max or mse")
-            check_loads_scales(described.config)
-            # A quantization method whose KV scales vLLM drops or cannot take at this granularity (loaders.QUANT_METHODS).
-            source_form(Path(config.model), described.config, config.scales.granularity)
-            warn_ignored_scales(described.config)
-            check_remote_code(config.model, described.config, config.trust_remote_code)
-            seen = None  # OUT's identity at the start (layout.identity): only that OUT may be replaced at the end
-            if group.writes:
-                seen = prepare_output(Path(config.out), [Path(config.model), *local_paths(config.data.sources)], config.overwrite)
-            # The data opened with the model's tokenizer (every source's first record: a wrong column, a chat without
-            # a template, an unreachable dataset) before a Hub model's weights download and before any model loads.
-            offline = hub.fetch(config.model, trust_remote_code=config.trust_remote_code, weights=False)
-            tokenizer = load_tokenizer(config.model, trust_remote_code=config.trust_remote_code)
-            check_tokenizer_fits(config.model, described.config, tokenizer)
-            stream = iter_sequences(config.data, tokenizer, max_context=described.context)
-            hub.fetch(config.model, trust_remote_code=config.trust_remote_code, offline=offline)
-            files = weight_files(Path(config.model))
-            check_links(Path(config.model))
-            # Room on OUT's file system, and under ulimit -f, for everything this run writes (checkpoint/space.py).
-            statistics = config_stats_bytes(described)
-            if group.writes:
-                check_room(output_room(Path(config.model), Path(config.out), files, statistics,
-                                       resume_saves=bool(config.checkpoint_every), quantized=bool(config.weights)))
-            check_export_form(Path(config.model), described.config, config.form, config.scales.granularity)
-            if config.weights:
-                check_available(Path(config.model), config.weights)
-            fmt = get_format(config.scales.fp8_format)
-            saved = resume.prepare(config, group.rank, group.world, stream.manifest())
+            inputs = check_inputs(config, group)
+        described, fmt = inputs.described, inputs.fmt
 
         # 2. and 3. Load the model, stream this rank's share of the data through it (the model is freed after).
         with group.together("loading the model and capturing statistics"):
-            captured = load_and_capture(config, described, group, saved, stream)
+            captured = load_and_capture(config, described, group, inputs.saved, inputs.stream)
         # The statistics of every rank, merged exactly (on the device: NCCL on GPUs); rank 0 carries on alone.
         group.merge(captured.stats)
         if not group.writes:
@@ -183,12 +142,12 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
         provenance["weights"] = WEIGHTS_PROVENANCE[config.weights]
         provenance["versions"]["llmcompressor"] = version("llmcompressor")
     stats.meta = {"model": provenance["model"], "tokens": provenance["tokens"], "data": provenance["data"]}
-    source, weights_dir = Path(config.model), None
+    source, weights_dir = described, None
     try:
-        if config.weights:
+        if config.weights:  # the scales go beside the FP8 weights: the checkpoint llm-compressor wrote is described
             weights_dir = sibling(config.out, "weights")
             shutil.rmtree(weights_dir, ignore_errors=True)
-            source = quantize_weights(source, weights_dir, config.weights)
+            source = describe(quantize_weights(Path(config.model), weights_dir, config.weights))
         out = write_checkpoint(
             source, Path(config.out),
             scales=scale_tensors([layer.prefix for layer in layers], stored_scales(scale_set)),
@@ -197,14 +156,14 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
             fp8_format=fmt.name,
             overwrite=config.overwrite,
             inputs=(Path(config.model), *local_paths(config.data.sources)),
-            seen=seen,
-            statistics=statistics,
+            seen=inputs.seen,
+            statistics=inputs.statistics,
         )
     except Exception as e:  # no room (the disk filled during the run): keep what was computed, say how to finish
         if not (isinstance(e, NoRoom) or no_room(e)):
             raise
         why = e if isinstance(e, NoRoom) else f"writing the FP8 weights beside {config.out} failed: {no_room(e)}"
-        raise ValueError(f"{why}; {_keep_statistics(config, stats, provenance, captured.records)}") from None
+        raise ValueError(f"{why}; {_keep_statistics(config, described.config, stats, provenance, captured.records)}") from None
     finally:
         if weights_dir is not None:
             shutil.rmtree(weights_dir, ignore_errors=True)
@@ -224,12 +183,13 @@ def run_calibration(config: CalibrationConfig) -> CalibrationResult | None:
     return result
 
 
-def _keep_statistics(config: CalibrationConfig, stats: Stats, provenance: dict, records: list[str]) -> str:
+def _keep_statistics(config: CalibrationConfig, model_config: dict, stats: Stats, provenance: dict, records: list[str]) -> str:
     """Save the statistics of a calibration whose OUT could not be written (``space.keep_statistics``), and say how
-    to finish from them: ``kvcal apply`` writes the recorded scales into the model without running it again."""
+    to finish from them: ``kvcal apply`` writes the recorded scales into the model without running it again.
+    ``model_config``: the model's config.json as step 1 read it."""
 
     def write(directory: Path) -> None:
-        (directory / "config.json").write_text(json.dumps(read_config_json(config.model), indent=2) + "\n")
+        (directory / "config.json").write_text(json.dumps(model_config, indent=2) + "\n")
         (directory / KVCAL_DIR).mkdir()
         _write_extras(stats, dict(provenance), records, str(directory))(directory / KVCAL_DIR)
 
@@ -256,6 +216,7 @@ def export(
     base_model: str | None = None,
     hub_id: str | None = None,
     _recorded: bool = False,
+    _described: ModelDescription | None = None,
 ) -> CalibrationResult:
     """Re-derive scales from a previous kvcal output's statistics and write a new checkpoint.
 
@@ -263,7 +224,7 @@ def export(
     files are linked. ``model`` is the checkpoint to write into (default: ``source`` itself). ``base_model``,
     ``hub_id``: the model card's names (``CalibrationConfig``'s); without them SOURCE's base model is kept, or
     ``model``'s Hub origin taken when given. ``_recorded`` (``apply``) writes SOURCE's recorded scales instead of
-    re-deriving them.
+    re-deriving them; ``_described``: ``model`` as ``apply`` already read it.
     """
     start = time.perf_counter()
     # 1. Saved statistics, and the checkpoint they go into, checked against each other.
@@ -273,14 +234,10 @@ def export(
     stats, old = load_calibration(source)
     target = Path(model or source)
     seen = prepare_output(Path(out), [target, Path(source)], overwrite)
-    described = describe(target)
+    described = _described or describe(target)
     check_loads_scales(described.config)
     source_form(target, described.config, granularity)  # a quantization method whose scales vLLM would not read
-    try:
-        sig = described.signature(stats.signature.layers)
-    except KeyError as e:
-        raise ValueError(f"{target}/config.json has no {e.args[0]!r}; it does not describe a transformer kvcal knows") from None
-    stats.signature.check_matches(sig, f"the statistics in {source}")
+    stats.signature.check_matches(described.signature(stats.signature.layers), f"the statistics in {source}")
     if model is not None:  # the signature holds the calibrated layers only: a deeper or shallower model passes it
         calibrated, given = describe(source).num_layers, described.num_layers
         if calibrated != given:
@@ -312,7 +269,7 @@ def export(
         base_model=hub.base_model(target, base_model) if base_model or model else old.get("base_model"),
     )
     written = write_checkpoint(
-        target, Path(out),
+        described, Path(out),
         scales=scale_tensors([layer.prefix for layer in layers], stored_scales(scale_set)),
         strategy="head" if scale_set.per_head else "tensor",
         write_extras=_write_extras(stats, provenance, records_of(source), out),
@@ -355,7 +312,8 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False, ot
     # its quantization method one whose scales vLLM reads (loaders.QUANT_METHODS), decided from its configs alone.
     _, provenance = load_calibration(source)
     calibrated = {layer["layer_idx"]: layer["prefix"] for layer in provenance["layers"]}
-    source_form(Path(checkpoint), read_config_json(checkpoint), provenance["scales"]["granularity"])
+    described = describe_config(checkpoint, read_config_json(checkpoint))
+    source_form(Path(checkpoint), described.config, provenance["scales"]["granularity"])
     target = checkpoint_prefixes(checkpoint)
     if target != calibrated:
         differ = sorted(set(target.items()) ^ set(calibrated.items()))[:3]
@@ -368,7 +326,7 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False, ot
     return export(
         source, out, model=checkpoint, observer=s["observer"], granularity=s["granularity"], headroom=s["headroom"],
         query_scale="q" in s["scales"], fp8_format=s["fp8_format"], overwrite=overwrite, base_model=base_model,
-        hub_id=hub_id, _recorded=True,
+        hub_id=hub_id, _recorded=True, _described=described,
     )
 
 
@@ -376,13 +334,13 @@ def _apply_pack(pack: Path, checkpoint: Path, out: Path, *, overwrite: bool, oth
     """``apply`` from a pack: its scales beside CHECKPOINT's weights, linked (checkpoint/pack.py)."""
     manifest = packs.read_pack(pack)
     check_model_dir(checkpoint)
-    read_config_json(checkpoint)  # a directory without config.json: refused in its own words
+    described = describe_config(checkpoint, read_config_json(checkpoint))  # without config.json: refused in its own words
     seen = prepare_output(out, [checkpoint, pack], overwrite)
-    packs.check_fits(pack, manifest, checkpoint)
-    seconds = None if other_weights else packs.check_weights(pack, manifest, checkpoint)
+    packs.check_fits(pack, manifest, described)
+    seconds = None if other_weights else packs.check_weights(pack, manifest, described)
     scales = packs.pack_scales(pack, manifest)
     written = write_checkpoint(
-        checkpoint, out, scales=scales, strategy=packs.strategy_of(scales),
+        described, out, scales=scales, strategy=packs.strategy_of(scales),
         write_extras=packs.applied_extras(pack, manifest), fp8_format=manifest["scales"]["fp8_format"],
         overwrite=overwrite, inputs=(pack,), seen=seen,
     )
@@ -406,9 +364,10 @@ def export_pack(source: str, pack: str, *, overwrite: bool = False) -> PackResul
     if not (base / "config.json").is_file():
         raise ValueError(f"{base}, the model {source}'s scales were written beside, is not there any more: a pack pins "
                          "that model's weight files by sha256; put it back (or fetch it again) and run again")
+    described = describe_config(base, read_config_json(base))
     origin = provenance.get("base_model") or hub.base_model(base)  # as the card names it (hub.base_model)
     manifest = packs.write_pack(
-        Path(source), Path(pack), base=base, base_id=origin["id"] if origin else None,
+        Path(source), Path(pack), base=described, base_id=origin["id"] if origin else None,
         base_revision=(origin or {}).get("revision") or hub.snapshot_commit(base), provenance=provenance, signature=stats.signature, overwrite=overwrite,
     )
     return PackResult(Path(pack), manifest)

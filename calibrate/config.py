@@ -42,7 +42,7 @@ from .data.config import DataConfig, as_sources, check_int
 from .files import check_model_dir
 from .hub import check_card_names
 from .settings import flat_settings
-from .verification.config import Thresholds
+from .thresholds import Thresholds
 
 # The short verify after calibration compares these beside the written scales (recipes may name others).
 SHORT_VERIFY_SCHEMES = ("token", "int8_per_token_head")

@@ -25,7 +25,7 @@ from . import hub, serving
 from .choices import check_form_name, check_verify_schemes, check_weights
 from .config import CalibrationConfig, ScaleConfig
 from .data.config import DataConfig
-from .verification.config import Thresholds
+from .thresholds import Thresholds
 
 DEFAULT_RECIPE = "default"
 # Where shipped recipes are found: a source checkout first, then the installed package's data.

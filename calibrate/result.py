@@ -16,7 +16,7 @@ from .model.directory import quant_config, read_config_json
 from .model.layers import AttentionLayer
 from .recipes import serve_notes
 from .scales.observers import ScaleSet
-from .verification.report import scale_table
+from .scales.table import scale_table
 
 if TYPE_CHECKING:  # verification.run imports transformers (seconds); the result only holds its VerifyResult
     from .verification.run import VerifyResult
@@ -92,7 +92,8 @@ class CalibrationResult:
         hint = ([f"(this model has sliding-window layers; to keep them in bf16 add {serving.skip_flag([serving.SLIDING])})"]
                 if any(layer.sliding_window for layer in self.layers) and serving.SLIDING not in map(str, self._recipe_skip()) else [])
         caveats = [f"note: {line}" for line in serving.caveats(self.target, dtype, vllm_version=installed_vllm_version(),
-                                                                per_head=per_head, checkpoint_scales=True)]
+                                                                per_head=per_head, checkpoint_scales=True)
+                                                + serving.unrun(self.target, dtype)]
         return [*hint, *caveats, "serve it with:",
                 f"  {serving.serve_command(str(self.out), dtype, target=self.target, per_head=per_head, skip_layers=self._recipe_skip())}"]
 

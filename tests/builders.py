@@ -1,9 +1,11 @@
 """What the tests build: one tiny random model per family (one config shape for all), real checkpoints of it in
-kvcal's and other tools' layouts (ModelOpt, an fp8 release), and KJV text files."""
+kvcal's and other tools' layouts (ModelOpt, an fp8 release), KJV text files, and a hand-built verify report with the
+check of its verdict-table rows."""
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import (
@@ -47,9 +49,11 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(tiny_config(family)).eval()
 
 
-def save_tiny_checkpoint(directory, family: str, tokenizer, seed: int = 0, plant=None, **changes):
+def save_tiny_checkpoint(directory, family: str, tokenizer, seed: int = 0, plant=None,
+                         dtype: torch.dtype = torch.float32, **changes):
     """A tiny random ``family`` model saved as a real checkpoint with the SmolLM2 tokenizer (vocab 49152): ``changes``
-    set on its config first, ``plant(model, tokenizer)`` applied to its weights before saving."""
+    set on its config first, ``plant(model, tokenizer)`` applied to its weights, then the weights cast to ``dtype``
+    (bfloat16 for an engine that runs checkpoints as shipped) before saving."""
     torch.manual_seed(seed)
     config = tiny_config(family)
     config.vocab_size = len(tokenizer)
@@ -59,7 +63,7 @@ def save_tiny_checkpoint(directory, family: str, tokenizer, seed: int = 0, plant
     if plant is not None:
         with torch.no_grad():
             plant(model, tokenizer)
-    model.save_pretrained(directory)
+    model.to(dtype).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 
@@ -167,3 +171,131 @@ def fp8_release(directory: Path, tokenizer, seed: int = 0) -> Path:
     (directory / "config.json").write_text(json.dumps(saved, indent=2))
     tokenizer.save_pretrained(directory)
     return directory
+
+
+# ---- a hand-built verify report --------------------------------------------------------------------------------------
+# A verify report dict built by hand, with numbers chosen so that every value the report modules print can be checked
+# against the test's own arithmetic (worst layer = max of a list, mean over layers), and the check of one verdict-table
+# row against the scheme it shows. Shared by the report tests (verdict table, report text and folder, report.md, depth,
+# tails, drift, token kinds).
+
+REPORT_LAYERS = [0, 1, 2]
+REPORT_THRESHOLDS = {"max_kl": 0.02, "fail_kl": 0.1, "min_top1": 0.95, "fail_top1": 0.9}
+
+
+def report_scheme(mode: str, kl: float, se: float | None, ppl_change: float, top1: float, fractions: dict, verdict: str,
+                  reasons: list[str], errors: list[float], scales: dict | None = None) -> dict:
+    return {"mode": mode, "granularity": None, "source": f"{mode} source", "note": f"{mode} note", "kl": kl, "kl_stderr": se,
+            "ppl_change": ppl_change, "top1": top1, "fractions": fractions, "verdict": verdict, "reasons": reasons,
+            "layer_rel_error": errors, "scales": scales or {},
+            # SmolLM2's shape (30 layers, 3 KV heads of 64): bf16 for the reference, else fp8 or per-token-head
+            "bytes_per_token": 30 * 3 * {"reference": 256, "token": 136}.get(mode, 128),
+            "bytes_vs_bf16": {"reference": 1.0, "token": 136 / 256}.get(mode, 0.5)}
+
+
+def report_fractions(kinds: str, saturated: list[float], underflow: list[float]) -> dict:
+    return {k: {"saturated": [s * (i + 1) for s in saturated], "underflow": [u * (i + 1) for u in underflow]} for i, k in enumerate(kinds)}
+
+
+def report_dict(*, static: bool = True, profile: bool = True, needle: bool = False) -> dict:
+    """A verify report with the keys the report modules read; verdicts agree with REPORT_THRESHOLDS (KL and top-1 below)."""
+    from calibrate.capture.stats import NUM_POS_BUCKETS, position_bucket_starts
+
+    L = len(REPORT_LAYERS)
+    schemes = {"bf16": report_scheme("reference", 0.0, None, 0.0, 1.0, {}, "reference", [], [0.0] * L)}
+    if static:
+        schemes["tensor"] = report_scheme("static", 0.005, 0.001, 0.0042, 0.985,
+                                          report_fractions("kvq", [0.0, 1e-4, 3e-4], [0.01, 0.02, 0.03]),
+                                          "pass", [], [1.5e-3, 2.5e-3, 3.5e-3],
+                                          {"k": [[0.01, 0.02]] * L, "v": [[0.03, 0.04]] * L, "q": [[0.1] * 4] * L})
+        schemes["scale1"] = report_scheme("static", 0.05, 0.01, 0.031, 0.93, report_fractions("kvq", [0.0, 0.0, 0.0], [0.5, 0.6, 0.7]),
+                                          "warn", ["KL 0.05 > 0.02 nats/token", "top-1 93.00% < 95%"], [0.2, 0.3, 0.4],
+                                          {"k": [[1.0, 1.0]] * L, "v": [[1.0, 1.0]] * L, "q": [[1.0] * 4] * L})
+    schemes["token"] = report_scheme("token", 0.3, None, -0.015, 0.8, report_fractions("kv", [0.0, 0.0, 0.0], [2e-3, 0.0, 1e-3]),
+                                     "fail", ["KL 0.3 > 0.1 nats/token"], [5e-4, 6e-4, 7e-4])
+    rep = {
+        "kvcal_version": "test",
+        "checkpoint": "/models/out",
+        "reference": {"name": "bf16", "dtype": "float32", "device": "cpu", "note": "n"},
+        "fp8_format": "e4m3fn",
+        "backend": "cpu",
+        "settings": {**REPORT_THRESHOLDS, "kv_only": False, "seq_len": 64},
+        "data": [{"source": "data.jsonl"}],
+        "sample": {"sequences": 2, "seq_len": 64, "tokens": 128},
+        "layers": [{"layer_idx": i, "prefix": f"model.layers.{i}.self_attn", "sliding_window": False} for i in REPORT_LAYERS],
+        "checkpoint_scales": {"granularity": "tensor", "notes": ["checkpoint note"], "statistics": profile},
+        "floor": None,
+        "thresholds": {**REPORT_THRESHOLDS, "origin": {name: "set" for name in REPORT_THRESHOLDS}, "floor_pass": 10.0,
+                       "floor_fail": 100.0, "relative_to_floor": False},
+        "schemes": schemes,
+        "skip_layers": None,
+        "does_it_pay": None,
+        "skipped": {"head": "no per-head scales"},
+        "fa3": None,
+        "needle": None,
+        "recommendation": ["serve with tensor scales", "second line"],
+        "serve_command": "vllm serve /models/out --kv-cache-dtype fp8",
+        "position_profile": None,
+        "timings": {"total_s": 12.0, "reference_pass_s": 3.0, "scheme_pass_s": {n: 1.0 for n in schemes}},
+    }
+    if profile:
+        P = NUM_POS_BUCKETS
+        used = 8  # positions 0..63: buckets 0-3 (sinks) and 4..7, [8, 16), [16, 32), [32, 64)
+        rep["position_profile"] = {
+            "bucket_starts": position_bucket_starts(),
+            "tokens": [[2 if b < 4 else 2 ** (b - 1) if b < used else 0 for b in range(P)] for _ in REPORT_LAYERS],
+            **{k: [[(b + 1) * 0.5 if b < used else 0.0 for b in range(P)] for _ in REPORT_LAYERS] for k in "kvq"},
+        }
+    if needle:
+        names = list(schemes)
+        rep["needle"] = {
+            "needle": "The secret code is {code}.", "question": "What is the code?",
+            "cases": [{"length": 64, "depth": 0.5, "code": "4711", "schemes": {n: {"logprob": -0.5 * i, "greedy": i < 2} for i, n in enumerate(names)}}],
+            "summary": {n: {"found": int(i < 2), "lost": int(i >= 2), "mean_logprob_change": -0.5 * i} for i, n in enumerate(names) if i},
+        }
+    return rep
+
+
+def parse_percent(cell: str) -> float | None:
+    """A percentage cell as a fraction; None for the dash of an unquantized kind."""
+    return None if cell == "—" else float(cell.rstrip("%")) / 100
+
+
+def check_verdict_row(cells: list[str], name: str, r: dict, floor: float | None = None) -> None:
+    """One row of the verdict table against the scheme's own numbers."""
+    from calibrate.choices import scheme_label
+
+    assert cells[0] == scheme_label(name)
+    kl, _, se = cells[1].partition(" ± ")
+    assert float(kl) == pytest.approx(r["kl"], rel=1e-3)
+    assert (float(se) == pytest.approx(r["kl_stderr"], rel=0.05)) if r["kl_stderr"] is not None else se == ""
+    assert cells[2] == ("—" if floor is None or r["mode"] == "reference" else f"{r['kl'] / floor:.3g}×")
+    size, ratio = cells[3].split(" (")
+    assert float(size.replace(",", "")) == r["bytes_per_token"] and ratio == f"{r['bytes_vs_bf16']:.2f}×)"
+    assert cells[4][0] in "+-" and parse_percent(cells[4]) == pytest.approx(r["ppl_change"], abs=1e-5)
+    assert parse_percent(cells[5]) == pytest.approx(r["top1"], abs=1e-4)
+    check_drift_cell(cells[6], r.get("drift"))
+    worst = [parse_percent(c) for c in cells[7].split(" / ")]
+    for kind, got in zip("kvq", worst):
+        f = r["fractions"].get(kind)
+        assert got is None if not f else got == pytest.approx(max(f["saturated"]), abs=1e-5), (name, kind)
+    assert cells[8] == r["verdict"]
+    assert (cells[9] if len(cells) > 9 else "") == "; ".join(r["reasons"])
+
+
+def check_drift_cell(cell: str, d: dict | None) -> None:
+    """The drift cell: the median and minimum first divergence over prompts, or none within the steps, then agreement."""
+    if d is None:
+        assert cell == "—"
+        return
+    first, agree = cell.split(" · ")
+    assert parse_percent(agree) == pytest.approx(d["agreement"], abs=0.005)
+    first, _, ties = first.partition(", ")
+    assert ties == (f"{d['parted_at_near_tie']} parted at a near-tie" if d.get("parted_at_near_tie") else "")
+    if min(f if f is not None else d["steps"] for f in d["first_divergence"]) == d["steps"]:
+        assert first == f"none in {d['steps']}"
+    else:
+        median, _, low = first.partition(" (min ")
+        values = sorted(f if f is not None else d["steps"] for f in d["first_divergence"])
+        assert float(median) == pytest.approx((values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2)
+        assert int(low.rstrip(")")) == values[0]

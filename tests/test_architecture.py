@@ -67,3 +67,18 @@ def test_nothing_below_the_cli_imports_it(path):
     if module_name(path) in ("calibrate.cli", "calibrate.__main__"):
         return
     assert "calibrate.cli" not in imports(path), f"{module_name(path)} imports the CLI"
+
+
+TOP_LEVEL = [p for p in MODULES if p.parent == PACKAGE]
+
+
+@pytest.mark.parametrize("path", TOP_LEVEL, ids=lambda p: p.name)
+def test_a_top_level_module_a_stage_imports_imports_no_later_stage(path):
+    """A module beside the stages (choices, files, fp8, serving, thresholds...) that a stage imports sits below that
+    stage: importing a later one would point the stage's import up by way of it."""
+    name = module_name(path)
+    users = [s for p in MODULES if (s := stage(module_name(p))) is not None and name in imports(p)]
+    if not users:
+        return
+    later = sorted(t for t in imports(path) - FACTS if (s := stage(t)) is not None and s > min(users))
+    assert not later, f"{name}, which the {STAGES[min(users)]} stage imports, imports a later stage: {later}"

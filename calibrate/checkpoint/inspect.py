@@ -32,6 +32,7 @@ from ..model.directory import (
     transformers_files,
     vllm_files,
 )
+from ..model.layers import ModelSignature
 from .loaders import WRITE_NAMES, LoadedScale, ignored_scales, quant_method, stored_dtype
 from .read import load_scales
 
@@ -188,8 +189,7 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     # 1. config.json and the quantization config vLLM would use.
     config = read_config_json(directory)
     described = describe_config(directory, config)
-    text = described.text
-    model_type = text.get("model_type") or config.get("model_type", "unknown")
+    model_type = described.text.get("model_type") or config.get("model_type", "unknown")
     problems: list[Problem] = []
     quant = described.quant
     method = quant_method(quant)
@@ -225,9 +225,10 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     # 4. Per layer: the value vLLM ends up with, and what is wrong with it.
     notes = _loader_notes(method, rounded)
     try:
-        heads = described.signature([]).heads  # MLA: one cached latent row
-    except KeyError:  # config.json lacks a field that shapes attention: no head count to hold per-head scales to
-        heads = dict.fromkeys(("k", "v", "q"))
+        sig = described.signature([])
+        heads = sig.heads  # MLA: one cached latent row
+    except ValueError:  # config.json lacks a field that shapes attention: no head count to hold per-head scales to
+        sig, heads = None, dict.fromkeys(("k", "v", "q"))
     for (index, kind), names in sources.items():
         if len(names) > 1:
             problems.append(Problem("error", f"{kind}_scale comes from {len(names)} tensors ({', '.join(names)}); vLLM keeps one silently", index))
@@ -236,8 +237,8 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
         layer.scales = found.loaded[index]
     problems += [Problem(severity, message, index) for index, severity, message in found.gaps]
     _family_checks(config, strategy, layers, bool(sources), problems)
-    if check_weights and sources:
-        _weight_checks(layers, where, text, model_type, problems)
+    if check_weights and sources and sig is not None:
+        _weight_checks(layers, where, sig, model_type, problems)
     loaders = _loader_checks(directory, files, quant, sources, problems)
     if is_kvcal_output(directory):
         _serve_line_checks(directory, problems)
@@ -312,10 +313,11 @@ def _family_checks(config: dict, strategy: str, layers: dict[int, LayerScales], 
         problems.append(Problem("warning", "legacy kv_scale: vLLM uses it for both K and V; re-calibrate for separate k/v scales"))
 
 
-def _weight_checks(layers: dict[int, LayerScales], where: dict[str, Path], text: dict, model_type: str, problems: list[Problem]) -> None:
+def _weight_checks(layers: dict[int, LayerScales], where: dict[str, Path], sig: ModelSignature, model_type: str,
+                   problems: list[Problem]) -> None:
     """Compare each layer's k/v scales with the weights (a heuristic; see ``_weight_estimates``)."""
     for layer in layers.values():
-        for kind, (estimate, exact) in _weight_estimates(layer.prefix, where, text, model_type).items():
+        for kind, (estimate, exact) in _weight_estimates(layer.prefix, where, sig, model_type).items():
             scale = layer.scales[kind]
             if scale.tensor is None or not math.isfinite(max(scale.value)) or max(scale.value) <= 0:
                 continue
@@ -328,7 +330,7 @@ def _weight_checks(layers: dict[int, LayerScales], where: dict[str, Path], text:
                                         f"{estimate:.4g} its weights suggest (heuristic; expected {_HEURISTIC_LOW}–{_HEURISTIC_HIGH}×)", layer.index))
 
 
-def _weight_estimates(prefix: str, where: dict[str, Path], text: dict, model_type: str) -> dict[str, tuple[float, bool]]:
+def _weight_estimates(prefix: str, where: dict[str, Path], sig: ModelSignature, model_type: str) -> dict[str, tuple[float, bool]]:
     """What a layer's weights say about the range of K and V: kind → (value, is a hard bound).
 
     - K after a k-norm (Qwen3, Gemma 3, OLMo 2): every element is at most max|γ_k|·√head_dim, since the
@@ -341,9 +343,8 @@ def _weight_estimates(prefix: str, where: dict[str, Path], text: dict, model_typ
     """
     layer_root = prefix.rsplit(".", 1)[0]
     offset = NORM_OFFSET.get(model_type, 0.0)
-    heads = text["num_attention_heads"]
-    head_dim = text.get("head_dim") or text["hidden_size"] // heads
-    kv_size = (text.get("num_key_value_heads") or heads) * head_dim
+    head_dim = sig.head_dim
+    kv_size = sig.num_kv_heads * head_dim
 
     def weight(name: str) -> torch.Tensor | None:  # None when absent or quantized
         if name not in where:

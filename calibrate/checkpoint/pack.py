@@ -35,7 +35,7 @@ from ..layout import (
     sibling,
     sweep,
 )
-from ..model.description import describe
+from ..model.description import ModelDescription
 from ..model.directory import HF_QUANT_CONFIG, checkpoint_prefixes, read_config_json
 from ..model.layers import ModelSignature
 from .loaders import WRITE_NAMES, loaded_multiplier, source_form
@@ -45,11 +45,12 @@ PACK_FORMAT = "kvcal-pack"  # manifest.json's "format": what tells a pack from a
 PACK_VERSION = 1  # manifest.json's "version": a later kvcal that changes the layout raises it
 
 
-def weight_digests(model_dir: Path) -> tuple[dict[str, str], int, float]:
-    """File name → sha256 of every weight file vLLM loads from ``model_dir`` (``write.weight_files``), how many of them
-    were read whole, and the seconds it took: a Hub snapshot's files give theirs by their blob's name, unread."""
+def weight_digests(described: ModelDescription) -> tuple[dict[str, str], int, float]:
+    """File name → sha256 of every weight file vLLM loads from the described checkpoint (``write.weight_files``), how
+    many of them were read whole, and the seconds it took: a Hub snapshot's files give theirs by their blob's name,
+    unread."""
     start, digests, computed = time.perf_counter(), {}, 0
-    for path in weight_files(Path(model_dir)):
+    for path in weight_files(described):
         digest = blob_sha256(path)
         if digest is None:
             digest, computed = file_sha256(path), computed + 1
@@ -57,12 +58,11 @@ def weight_digests(model_dir: Path) -> tuple[dict[str, str], int, float]:
     return digests, computed, round(time.perf_counter() - start, 3)
 
 
-def config_fragment(out: Path) -> dict[str, dict]:
+def config_fragment(out: Path, config: dict) -> dict[str, dict]:
     """Config file name → the keys vLLM reads from it to use the scales, as ``write_checkpoint`` wrote them into OUT: the
     ``quantization_config`` of config.json (kv_cache_scheme; a ModelOpt or fp8 model's own, kept), and a ModelOpt
-    checkpoint's hf_quant_config.json whole."""
+    checkpoint's hf_quant_config.json whole. ``config``: OUT's config.json as read."""
     fragment = {}
-    config = read_config_json(out)
     if "quantization_config" in config:
         fragment["config.json"] = {"quantization_config": config["quantization_config"]}
     if (out / HF_QUANT_CONFIG).is_file():
@@ -70,7 +70,7 @@ def config_fragment(out: Path) -> dict[str, dict]:
     return fragment
 
 
-def write_pack(source: Path, pack: Path, *, base: Path, base_id: str | None, base_revision: str | None,
+def write_pack(source: Path, pack: Path, *, base: ModelDescription, base_id: str | None, base_revision: str | None,
                provenance: dict, signature: ModelSignature, overwrite: bool = False) -> dict:
     """Write PACK from the kvcal output ``source``, whose scales were written beside ``base``'s weights; built in a
     temporary folder beside PACK and renamed into place, like every kvcal output.
@@ -78,10 +78,11 @@ def write_pack(source: Path, pack: Path, *, base: Path, base_id: str | None, bas
     Returns:
         The manifest written.
     """
-    seen = prepare_output(pack, [source, base], overwrite)
+    seen = prepare_output(pack, [source, base.directory], overwrite)
     digests, computed, seconds = weight_digests(base)
     scales = scales_file(source)
-    form = source_form(source, read_config_json(source))
+    config = read_config_json(source)
+    form = source_form(source, config)
     manifest = {
         "format": PACK_FORMAT,
         "version": PACK_VERSION,
@@ -102,7 +103,7 @@ def write_pack(source: Path, pack: Path, *, base: Path, base_id: str | None, bas
     tmp.mkdir()
     try:
         shutil.copyfile(scales, tmp / PACK_SCALES)
-        (tmp / PACK_FRAGMENT).write_text(json.dumps(config_fragment(source), indent=2) + "\n")
+        (tmp / PACK_FRAGMENT).write_text(json.dumps(config_fragment(source, config), indent=2) + "\n")
         (tmp / PACK_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if card_path(source).is_file():
             shutil.copyfile(card_path(source), card_path(tmp))
@@ -151,8 +152,9 @@ def pack_scales(pack: Path, manifest: dict) -> dict[str, torch.Tensor]:
     return scales
 
 
-def check_fits(pack: Path, manifest: dict, target: Path) -> None:
+def check_fits(pack: Path, manifest: dict, described: ModelDescription) -> None:
     """The target's attention layers are the calibrated ones (same names, heads and head size), whatever its weights."""
+    target = described.directory
     layers = {int(index): prefix for index, prefix in manifest["scales"]["layers"].items()}
     found = checkpoint_prefixes(target)
     if found != layers:
@@ -160,21 +162,17 @@ def check_fits(pack: Path, manifest: dict, target: Path) -> None:
         raise ValueError(f"{target} has {len(found)} attention layers and {pack}'s scales were calibrated on "
                          f"{len(layers)} (first differences: {differ}); the scales fit only the same architecture")
     calibrated = ModelSignature(**manifest["scales"]["signature"])
-    try:
-        given = describe(target).signature(calibrated.layers)
-    except KeyError as e:
-        raise ValueError(f"{target}/config.json has no {e.args[0]!r}; it does not describe a transformer kvcal knows") from None
-    calibrated.check_matches(given, f"the scales in {pack}")
+    calibrated.check_matches(described.signature(calibrated.layers), f"the scales in {pack}")
 
 
-def check_weights(pack: Path, manifest: dict, target: Path) -> float:
+def check_weights(pack: Path, manifest: dict, described: ModelDescription) -> float:
     """Refuse ``target`` unless its weight files are the manifest's, by name and sha256.
 
     Returns:
         The seconds the digests took (none read for a Hub snapshot's files).
     """
-    wanted = manifest["weights"]["sha256"]
-    found, _, seconds = weight_digests(target)
+    target, wanted = described.directory, manifest["weights"]["sha256"]
+    found, _, seconds = weight_digests(described)
     if found != wanted:
         name = sorted(set(found) ^ set(wanted) or {n for n in found if found[n] != wanted[n]})[0]
         why = (f"{name}: sha256 {found[name][:12]}… where the manifest has {wanted[name][:12]}…" if name in found and name in wanted

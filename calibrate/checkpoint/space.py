@@ -47,7 +47,7 @@ def config_stats_bytes(described: ModelDescription) -> int:
     """Bytes of the statistics a calibration of this model saves (``stats_bytes``), from config.json alone."""
     try:
         return stats_bytes(described.signature(list(range(described.num_layers or 0))))
-    except KeyError:  # a config kvcal cannot size: the model load refuses it in its own words
+    except ValueError:  # config.json leaves out a field its config class defaults: the loaded model's signature decides
         return 0
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..choices import check_weights
 from ..files import apply_umask
-from ..model.directory import read_config_json, text_part
+from ..model.description import ModelDescription
 from .write import copy_other_files
 
 SCHEMES = {"fp8": "FP8_DYNAMIC"}  # --weights value → llm-compressor preset scheme
@@ -26,16 +26,19 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SKIP = {"config.json", "model.safetensors.index.json", "pytorch_model.bin.index.json", "kvcal"}
 
 
-def check_available(model_dir: Path, scheme: str) -> None:
+def check_available(described: ModelDescription, scheme: str) -> None:
     """Cheap checks before any model is loaded: llm-compressor imports and the source is not quantized already."""
     check_weights(scheme)
-    config = read_config_json(model_dir)
-    quant = config.get("quantization_config") or text_part(config).get("quantization_config")
+    quant = described.quant
     if quant is not None:
         raise ValueError(
-            f"{model_dir} is already quantized ({quant.get('quant_method', 'unknown method')}); "
+            f"{described.directory} is already quantized ({quant.get('quant_method', 'unknown method')}); "
             "--weights fp8 needs an unquantized checkpoint (drop --weights to add KV scales to this one)"
         )
+    _check_installed()
+
+
+def _check_installed() -> None:
     try:
         import llmcompressor  # noqa: F401
     except ImportError:
@@ -48,7 +51,8 @@ def quantize_weights(model_dir: Path, out_dir: Path, scheme: str = "fp8") -> Pat
     ``out_dir`` is created (it must not exist) and owned by the caller, who removes it. Tokenizer, generation
     config, chat template and any other non-weight files of the source are copied alongside.
     """
-    check_available(model_dir, scheme)
+    check_weights(scheme)  # the source's own checks are step 1's (``check_available``), on the command's description
+    _check_installed()
     import torch
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier

@@ -17,6 +17,7 @@ It is built in a temporary directory beside OUT_DIR and renamed into place, so a
 leaves no partial OUT_DIR.
 """
 
+import copy
 import json
 import os
 import shutil
@@ -28,12 +29,12 @@ from safetensors import safe_open
 
 from ..files import apply_umask, save_tensors
 from ..layout import KVCAL_DIR, identity, pause_at, replaceable, sibling, sweep
+from ..model.description import ModelDescription
 from ..model.directory import (
     HF_QUANT_CONFIG,
     INDEX_FILE,
     KV_SCALE_PATTERN,
     check_float_weights,
-    read_config_json,
     tensor_names,
     vllm_files,
 )
@@ -154,8 +155,10 @@ def modelopt_quant_configs(source: Path, config: dict) -> dict[str, dict]:
     return out
 
 
-def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files vLLM loads, headers checked; refuses forms vLLM can't take and damaged files."""
+def weight_files(described: ModelDescription) -> list[Path]:
+    """The safetensors files vLLM loads from the described checkpoint, headers checked; refuses forms vLLM can't take
+    and damaged files."""
+    model_dir = described.directory
     files, problems = vllm_files(model_dir)
     if problems:
         raise ValueError(f"{model_dir}: {problems[0]}; the checkpoint is incomplete")
@@ -167,7 +170,7 @@ def weight_files(model_dir: Path) -> list[Path]:
         raise ValueError(f"{model_dir} holds consolidated*.safetensors (Mistral format); pass the Hugging Face format directory")
     for path in files:
         tensor_names(path)  # reads and checks the header
-    check_float_weights(model_dir, files)
+    check_float_weights(files, described.quant)
     return files
 
 
@@ -324,7 +327,7 @@ def prepare_output(out: Path, inputs: list[Path], overwrite: bool) -> tuple[int,
 
 
 def write_checkpoint(
-    source: Path,
+    described: ModelDescription,
     out: Path,
     *,
     scales: dict[str, torch.Tensor],
@@ -339,7 +342,7 @@ def write_checkpoint(
     """Build the output checkpoint in a temporary directory and move it into place.
 
     Args:
-        source: the model directory (never modified).
+        described: the model directory (never modified), its config.json as the command read it.
         out: the directory to create.
         scales: checkpoint tensor name → scale tensor (see ``scale_tensors``).
         strategy: "tensor" or "head".
@@ -358,14 +361,14 @@ def write_checkpoint(
     Returns:
         ``out``, complete.
     """
-    source, out = Path(source), Path(out)
+    source, out = described.directory, Path(out)
     now = prepare_output(out, [source, *inputs], overwrite)
     seen = now if seen == "now" else seen
-    files = weight_files(source)
+    files = weight_files(described)
     check_links(source)
     room = output_room(source, out, files, statistics)
     check_room(room)
-    config = read_config_json(source)
+    config = copy.deepcopy(described.config)  # edited below into OUT's
     quant_files: dict[str, dict] = {}  # other quantization config files to write (ModelOpt form)
     form = source_form(source, config)  # refuses the quantization methods whose scales vLLM would not read
     check_scalar_scales(source, form, strategy)  # per-head scales only where the loader takes them

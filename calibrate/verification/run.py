@@ -40,10 +40,12 @@ from ..layout import is_kvcal_output, provenance_path, records_path, stats_path
 from ..model.description import describe
 from ..model.layers import AttentionLayer, ModelSignature, attention_layers, checkpoint_named, signature
 from ..model.load import check_known_type, check_tokenizer_fits, load_model, load_tokenizer, resolve_device
+from ..thresholds import Thresholds
+from ..version import kvcal_version
 from . import depth, engine, fa3, report, token_kinds
 from .capacity import LayerKV, per_token, plan
 from .card import PLACEHOLDER, served_name, write_card
-from .config import FLOOR, NEAR_TIE_NATS, REFERENCE, Thresholds, VerifyConfig
+from .config import FLOOR, NEAR_TIE_NATS, REFERENCE, VerifyConfig
 from .drift import measure_drift, prompts_from
 from .kvdtypes import DTYPES
 from .needle import needle_probe
@@ -129,9 +131,13 @@ class VerifyResult:
 
     def summary(self, skip_layers: Sequence[str | int] = ()) -> str:
         """The verdict table, the recommendation and the serve command (last), for a person; ``skip_layers`` (a
-        recipe's) are added to the serve line."""
-        line = self.report["serve_command"] if self.checkpoint is None else serving.with_model(self.report["serve_command"], self.checkpoint)
-        rep = {**self.report, "serve_command": serving.with_skip_layers(line, skip_layers)}
+        recipe's) are added to every serve line, and each names the checkpoint as the user typed it."""
+
+        def local(line: str) -> str:
+            return serving.with_skip_layers(line if self.checkpoint is None else serving.with_model(line, self.checkpoint), skip_layers)
+
+        rep = {**self.report, "serve_command": local(self.report["serve_command"]),
+               "serve_lines": {t: {**s, "line": local(s["line"])} for t, s in self.report.get("serve_lines", {}).items()}}
         return report.verify_text(rep, report_md=self.report_dir / "report.md" if self.report_dir else None)
 
 
@@ -201,15 +207,16 @@ def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> V
 def run_verify(config: VerifyConfig) -> VerifyResult:
     """Run a verify; see ``verify``."""
     start = time.perf_counter()
-    # 1. Cheap checks of every option and data source before the model is loaded.
+    # 1. Cheap checks of the checkpoint (its config.json, read once for every step below), every option and data
+    # source, before the model is loaded.
+    described = describe(config.checkpoint)
     config.validate()
     fmt = get_format(config.fp8_format)
-    files = weight_files(Path(config.checkpoint))  # vLLM's files, every header checked
+    files = weight_files(described)  # vLLM's files, every header checked
     host = engine.prepare(config.vllm_python, config.backend, config.dtype, config.kv_only) if config.engine else None
 
     # 2. The sample, before the model is loaded: data too short for one sequence is refused cheaply.
     device = resolve_device(config.device)
-    described = describe(config.checkpoint)  # config.json, read once for the steps below
     model_config = described.config
     check_known_type(config.checkpoint, model_config)
     context = described.context
@@ -312,7 +319,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     per_target = serve_lines(results, held, layers, served, skip_probe, unquantized=plain)
     dtype = str(model.dtype).removeprefix("torch.")
     rep = {
-        "kvcal_version": report.kvcal_version(),
+        "kvcal_version": kvcal_version(),
         "caveats_for_vllm": vllm_version,  # the release the recommendation's engine caveats are said for (None: unknown)
         "checkpoint": checkpoint_name(config.checkpoint),  # no local path: the report travels with OUT's card
         "reference": {"name": REFERENCE, "dtype": dtype, "device": str(device),

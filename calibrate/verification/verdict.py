@@ -11,7 +11,8 @@ import torch
 from .. import serving
 from ..choices import DEFAULT_TARGET, SCHEMES, TARGETS, scheme_label, scheme_rank
 from ..model.layers import AttentionLayer
-from .config import FLOOR, Thresholds, percent
+from ..thresholds import Thresholds
+from .config import FLOOR, percent
 from .kvdtypes import DTYPES
 from .tails import COMPARED, CONFIDENCE
 
@@ -297,5 +298,6 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
         lines.append(serving.SERVE_NOTES[granularity])
     lines += serving.caveats(target, r["kv_dtype"], vllm_version=vllm_version, per_head=granularity == "head",
                              checkpoint_scales=held["granularity"] is not None)
+    lines += serving.unrun(target, r["kv_dtype"])
     skip_layers = ([serving.SLIDING] if skip else []) + (skip_probe["skip"] if skip_probe else [])
     return lines, serving.serve_command(path, r["kv_dtype"], target=target, per_head=granularity == "head", skip_layers=skip_layers)

@@ -10,6 +10,7 @@ from calibrate.capture.stats import Stats
 from calibrate.checkpoint.space import HEADER_BYTES, output_room, stats_bytes
 from calibrate.checkpoint.write import tensor_bytes, weight_files
 from calibrate.files import no_room
+from calibrate.model.description import describe
 from calibrate.model.layers import ModelSignature
 
 
@@ -27,7 +28,7 @@ def test_the_statistics_size_is_the_saved_files_tensor_bytes(tmp_path, signature
 
 def test_weights_on_outs_file_system_are_linked_and_cost_nothing(tiny_dir, tmp_path):
     """Same file system (hard links): no weight bytes; the tokenizer and other files are copied whatever happens."""
-    room = output_room(tiny_dir, tmp_path / "out", weight_files(tiny_dir), 1000)
+    room = output_room(tiny_dir, tmp_path / "out", weight_files(describe(tiny_dir)), 1000)
     assert os.stat(tiny_dir).st_dev == os.stat(tmp_path).st_dev
     assert not any(what.startswith("weights") for what in room.parts)
     others = sum(p.stat().st_size for p in tiny_dir.iterdir() if p.suffix != ".safetensors" and p.name != "config.json")

@@ -23,6 +23,7 @@ from calibrate.checkpoint.weights import check_available
 from calibrate.checkpoint.write import check_index, scales_file
 from calibrate.config import CalibrationConfig
 from calibrate.files import file_mode
+from calibrate.model.description import describe
 from calibrate.model.directory import INDEX_FILE
 
 pytestmark = pytest.mark.slow
@@ -98,4 +99,4 @@ def test_weights_option_is_checked(tmp_path, smol_tokenizer, text_file):
     config["quantization_config"] = {"quant_method": "compressed-tensors", "config_groups": {}}
     (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="already quantized"):
-        check_available(model_dir, "fp8")
+        check_available(describe(model_dir), "fp8")

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from calibrate import calibrate
 from calibrate.checkpoint.write import check_index, scales_file, shard_name, write_checkpoint
+from calibrate.model.description import describe
 from calibrate.model.directory import INDEX_FILE, tensor_names
 
 
@@ -130,7 +131,7 @@ def test_interrupted_write_leaves_nothing(tiny_dir, tmp_path):
 
     scales = {"model.layers.0.self_attn.k_scale": torch.ones(1)}
     with pytest.raises(KeyboardInterrupt):
-        write_checkpoint(tiny_dir, out, scales=scales, strategy="tensor", write_extras=interrupted)
+        write_checkpoint(describe(tiny_dir), out, scales=scales, strategy="tensor", write_extras=interrupted)
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name != "tiny"] == []
 
@@ -203,7 +204,7 @@ def test_an_out_that_appears_while_running_is_never_replaced(tiny_dir, tmp_path)
 
     scales = {"model.layers.0.self_attn.k_scale": torch.ones(1)}
     with pytest.raises(ValueError, match="appeared while this run was working"):
-        write_checkpoint(tiny_dir, out, scales=scales, strategy="tensor", write_extras=other_run_finishes_first)
+        write_checkpoint(describe(tiny_dir), out, scales=scales, strategy="tensor", write_extras=other_run_finishes_first)
     assert [p.name for p in out.iterdir()] == ["theirs.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny"]  # no temporary left behind
 
@@ -254,7 +255,7 @@ def test_copied_files_follow_the_umask_not_the_source(tiny_dir, tmp_path, source
     old = os.umask(0o022)
     try:
         scales = {"model.layers.0.self_attn.k_scale": torch.ones(1)}
-        write_checkpoint(tiny_dir, tmp_path / "out", scales=scales, strategy="tensor", write_extras=lambda d: None)
+        write_checkpoint(describe(tiny_dir), tmp_path / "out", scales=scales, strategy="tensor", write_extras=lambda d: None)
     finally:
         os.umask(old)
     out = tmp_path / "out"
@@ -266,10 +267,10 @@ def test_overwrite_refuses_an_out_replaced_while_the_run_worked(tiny_dir, tmp_pa
     """Two runs onto one --out with --overwrite: the one finishing second finds another OUT than it started with and
     refuses (nothing written) instead of replacing the first run's output."""
     out, scales = tmp_path / "out", {"model.layers.0.self_attn.k_scale": torch.ones(1)}
-    write_checkpoint(tiny_dir, out, scales=scales, strategy="tensor", write_extras=lambda d: None)
+    write_checkpoint(describe(tiny_dir), out, scales=scales, strategy="tensor", write_extras=lambda d: None)
     (out / "kvcal" / "calibration.json").write_text("{}")  # the OUT this run starts with
     theirs = tmp_path / "theirs"
-    write_checkpoint(tiny_dir, theirs, scales=scales, strategy="tensor", write_extras=lambda d: None)
+    write_checkpoint(describe(tiny_dir), theirs, scales=scales, strategy="tensor", write_extras=lambda d: None)
     (theirs / "kvcal" / "calibration.json").write_text('{"run": "theirs"}')
 
     def other_run_swaps_out(directory):  # between this run's checks and its swap
@@ -277,9 +278,9 @@ def test_overwrite_refuses_an_out_replaced_while_the_run_worked(tiny_dir, tmp_pa
         os.rename(theirs, out)
 
     with pytest.raises(ValueError, match="was replaced while this run was working .* nothing was written"):
-        write_checkpoint(tiny_dir, out, scales=scales, strategy="tensor", write_extras=other_run_swaps_out, overwrite=True)
+        write_checkpoint(describe(tiny_dir), out, scales=scales, strategy="tensor", write_extras=other_run_swaps_out, overwrite=True)
     assert json.loads((out / "kvcal" / "calibration.json").read_text()) == {"run": "theirs"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny"]  # no temporary left behind
     # Unchanged since the start, OUT is replaced as before.
-    write_checkpoint(tiny_dir, out, scales=scales, strategy="tensor", write_extras=lambda d: None, overwrite=True)
+    write_checkpoint(describe(tiny_dir), out, scales=scales, strategy="tensor", write_extras=lambda d: None, overwrite=True)
     assert not (out / "kvcal" / "calibration.json").exists()

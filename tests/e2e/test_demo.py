@@ -130,7 +130,7 @@ def test_kvcal_demo_runs_to_its_verdict_table(smol_dir, tmp_path):
 
     from calibrate.choices import scheme_label
     from calibrate.config import SHORT_VERIFY_SCHEMES
-    from calibrate.verification.report import VERIFY_HEADER
+    from calibrate.verification.verdict_table import VERIFY_HEADER
 
     out = tmp_path / "demo-out"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))  # this checkout's code

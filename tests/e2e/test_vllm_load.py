@@ -122,6 +122,7 @@ def test_vllm_fails_on_jamba_kv_scales_so_kvcal_writes_none(smol_tokenizer, kjv_
     import transformers as T
 
     from calibrate.checkpoint.write import scale_tensors, write_checkpoint
+    from calibrate.model.description import describe
 
     config = T.JambaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                            vocab_size=len(smol_tokenizer), max_position_embeddings=4096, num_hidden_layers=4,
@@ -135,7 +136,7 @@ def test_vllm_fails_on_jamba_kv_scales_so_kvcal_writes_none(smol_tokenizer, kjv_
     assert not (tmp_path / "refused").exists()
     # The same scales written by hand, the way kvcal writes every other family's: vLLM fails on them.
     scales = {kind: torch.full((2,), 0.01) for kind in ("k", "v", "q")}
-    out = write_checkpoint(tmp_path / "model", tmp_path / "with-scales", strategy="tensor", fp8_format="e4m3fn",
+    out = write_checkpoint(describe(tmp_path / "model"), tmp_path / "with-scales", strategy="tensor", fp8_format="e4m3fn",
                            scales=scale_tensors(["model.layers.1.self_attn", "model.layers.3.self_attn"], scales),
                            write_extras=lambda directory: None, overwrite=False)
     with pytest.raises(AssertionError, match="no module or parameter named 'model.layers.1.k_scale'"):

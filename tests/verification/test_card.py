@@ -15,8 +15,8 @@ from calibrate.choices import scheme_label
 from calibrate.hub import base_model
 from calibrate.serving import with_model
 from calibrate.verification.card import MARKER, PLACEHOLDER
-from calibrate.verification.report import depth_lines, drift_cell
 from calibrate.verification.run import verify
+from calibrate.verification.verdict_table import depth_lines, drift_cell
 
 SOURCE_CARD = """---
 license: apache-2.0

@@ -5,13 +5,15 @@ import json
 import numpy as np
 import pytest
 import torch
+from builders import report_dict
 from runners import QUIET
-from test_report import report_dict
 
 from calibrate.data.stream import Layout
 from calibrate.verification import depth
-from calibrate.verification.report import depth_lines, verify_markdown, verify_text
+from calibrate.verification.report import verify_text
+from calibrate.verification.report_md import verify_markdown
 from calibrate.verification.run import verify
+from calibrate.verification.verdict_table import depth_lines
 
 
 def layout(lengths: list[int], bos: bool = True) -> Layout:

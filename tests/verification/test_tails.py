@@ -7,18 +7,19 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from builders import tiny_model
+from builders import report_dict, tiny_model
 from runners import QUIET
-from test_report import report_dict
 
 from calibrate.fp8 import FORMATS
 from calibrate.model.layers import attention_layers
+from calibrate.thresholds import Thresholds
 from calibrate.verification import tails
-from calibrate.verification.config import FLOOR, Thresholds, VerifyConfig
+from calibrate.verification.config import FLOOR, VerifyConfig
 from calibrate.verification.passes import measure
-from calibrate.verification.report import thresholds_text, verify_markdown
+from calibrate.verification.report_md import verify_markdown
 from calibrate.verification.schemes import Mode, Scheme
 from calibrate.verification.verdict import judge
+from calibrate.verification.verdict_table import thresholds_text
 
 E4M3 = FORMATS["e4m3fn"]
 

@@ -6,10 +6,9 @@ import json
 import numpy as np
 import pytest
 import torch
-from builders import tiny_config
+from builders import report_dict, tiny_config
 from references import ref_qdq
 from runners import QUIET
-from test_report import report_dict
 from transformers import AutoModelForCausalLM
 
 from calibrate.capture.hooks import hooked_attention
@@ -21,7 +20,7 @@ from calibrate.model.layers import attention_layers
 from calibrate.verification import token_kinds
 from calibrate.verification.config import VerifyConfig
 from calibrate.verification.passes import measure
-from calibrate.verification.report import verify_markdown
+from calibrate.verification.report_md import verify_markdown
 from calibrate.verification.run import _evidence_reasons
 from calibrate.verification.schemes import Mode, Scheme
 

