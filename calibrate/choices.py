@@ -123,6 +123,12 @@ def parse_size(text: str | int) -> int | None:
     return round(float(match.group(1)) * unit) if unit else None
 
 
+def size_text(size: int) -> str:
+    """``size`` bytes for a person, in the largest binary unit that leaves at least 1 (``parse_size`` reads it back)."""
+    unit, scale = next(((u, f) for u, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if size >= f), ("B", 1))
+    return f"{size / scale:,.1f} {unit}" if scale > 1 else f"{size} B"
+
+
 def check_headroom(value: float) -> None:
     """Refuse a headroom below 1 (the scales would clip more) or above MAX_HEADROOM (the data would keep no FP8
     precision, and a large enough headroom makes the scales overflow float32). The one rule: the configuration checks

@@ -106,3 +106,13 @@ def test_the_scheme_table_agrees_with_the_cache_dtypes_it_names():
     # vLLM's names for a scheme and the scheme's own label agree on the dtype
     for vllm_name, scheme in choices.VLLM_SCHEME_NAMES.items():
         assert choices.SCHEMES[scheme].kv_dtype == {"bfloat16": "auto", "fp8_e4m3": "fp8"}.get(vllm_name, vllm_name)
+
+
+def test_size_text_reads_back_with_parse_size():
+    """The one formatter of byte counts in messages (no room, a --max-memory that holds no layer), and parse_size its
+    reader: a user can paste the figure back as a flag."""
+    from calibrate.choices import parse_size, size_text
+
+    assert [size_text(n) for n in (512, 1536, 20 * 2**20, 3 * 2**30 + 2**29)] == ["512 B", "1.5 KiB", "20.0 MiB", "3.5 GiB"]
+    for n in (1, 1023, 1024, 10**6, 7 * 2**30 + 12345):
+        assert abs(parse_size(size_text(n).replace(",", "")) - n) <= 0.05 * 2 ** (10 * ((n.bit_length() - 1) // 10))

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..capture.stats import Stats
+from ..choices import size_text
 from ..files import no_room
 from ..layout import KVCAL_DIR, sibling
 from ..model.description import ModelDescription
@@ -82,11 +83,6 @@ class Room:
 
     def describe(self) -> str:
         return ", ".join(f"{what} {size_text(size)}" for what, size in self.parts.items() if size)
-
-
-def size_text(size: int) -> str:
-    """Bytes for a person: MiB below a GiB, else GiB."""
-    return f"{size / (1 << 30):.1f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.1f} MiB"
 
 
 def output_room(source: Path, out: Path, weight_files: list[Path], stats: int, *, resume_saves: bool = False,

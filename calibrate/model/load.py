@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..choices import size_text
 from ..files import check_model_dir
 from .directory import KV_SCALE_PATTERN, quant_config, read_config_json, text_part
 
@@ -165,12 +166,6 @@ def decoder_layer_bytes(hf_config, dtype: torch.dtype) -> int:
     return max(sum(t.numel() * t.element_size() for t in (*b.parameters(), *b.buffers())) for b in blocks)
 
 
-def _size(size: int) -> str:
-    """``size`` bytes in the largest binary unit that leaves at least 1."""
-    unit, scale = next(((u, f) for u, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)) if size >= f), ("B", 1))
-    return f"{size / scale:,.1f} {unit}" if scale > 1 else f"{size} B"
-
-
 def check_fits_one_layer(model_dir: str | Path, hf_config, dtype: torch.dtype, max_memory: dict[int | str, int]) -> None:
     """Refuse budgets in which no computing device (a GPU or the CPU) can hold one decoder layer.
 
@@ -180,10 +175,10 @@ def check_fits_one_layer(model_dir: str | Path, hf_config, dtype: torch.dtype, m
     needed = decoder_layer_bytes(hf_config, dtype)
     compute = {k: v for k, v in max_memory.items() if k != "disk"}
     if max(compute.values(), default=0) < needed:
-        given = ",".join(f"{k}={_size(v)}" for k, v in compute.items())
+        given = ",".join(f"{k}={size_text(v)}" for k, v in compute.items())
         name = "cpu" if "cpu" in compute or not compute else next(iter(compute))
         raise ValueError(
-            f"--max-memory {given} cannot hold one decoder layer of {model_dir}, which needs {_size(needed)} in "
+            f"--max-memory {given} cannot hold one decoder layer of {model_dir}, which needs {size_text(needed)} in "
             f"{str(dtype).removeprefix('torch.')}; give one device at least that, e.g. {name}={-(-needed // 2**20)}MiB"
         )
 
