@@ -231,3 +231,33 @@ def test_every_scheme_failing_or_refused_on_the_target_names_the_refused_ones():
     assert lines[-1] == ("Every quantized scheme measured fails the thresholds or is not served as measured on target cpu "
                          "(token): keep this model's KV cache in bf16.")
     assert serve.startswith(f"vllm serve {CKPT} --kv-cache-dtype auto")
+
+
+def test_the_paired_comparison_says_significant_within_noise_or_untested():
+    """tensor's per-sequence KL spreads by ±0.01 around 0.010 and scale1's not at all: the paired differences are
+    -0.012, 0.008, -0.012, 0.008, mean -0.002, standard error 0.01155/√4 = 0.00577, so |mean| < 2 s.e."""
+    results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.010, spread=0.01), "scale1": scheme("warn", 0.012, source="1.0")}
+    lines, _ = recommend(results, held(), layers(), CKPT)
+    assert ("tensor vs scale1: KL 0.01 vs 0.012 nats/token; tensor is lower by 17% (within noise, paired over 4 "
+            "sequences)") in lines
+    results["tensor"]["kl_per_sequence"] = [0.010] * 4  # the same 0.002 lower on every sequence: s.e. 0
+    assert any(line.endswith("tensor is lower by 17% (significant, paired over 4 sequences)")
+               for line in recommend(results, held(), layers(), CKPT)[0])
+    for r in results.values():
+        r["kl_per_sequence"] = r["kl_per_sequence"][:1]
+    assert any(line.endswith("tensor is lower by 17% (one sequence: not tested)")
+               for line in recommend(results, held(), layers(), CKPT)[0])
+
+
+def test_does_it_pay_follows_the_recommendation_and_int8_gets_no_fp8_serve_note():
+    pays = {"context": 8192, "gpu": "H100", "tp": 1,
+            "dtypes": {"auto": {"max_sequences": 406, "decode_ratio": 1.0},
+                       "int8_per_token_head": {"max_sequences": 764, "decode_ratio": 0.81}}}
+    results = {"bf16": REFERENCE, "int8_per_token_head": scheme("warn", 0.002, mode="token", granularity="token",
+                                                                source="computed", dtype="int8_per_token_head")}
+    lines, _ = recommend(results, held(), layers(), CKPT, pays=pays)
+    assert ("At 8,192 tokens per sequence on H100: int8_per_token_head holds 764 full-length sequences where bf16 holds "
+            "406, and a decoded token reads 0.81× the bytes of bf16 at batch 1 (weights + KV; memory-bound arithmetic, "
+            "not a measured speed).") in lines
+    assert any(line.startswith("If 406 concurrent sequences of this length are enough") for line in lines)  # warn
+    assert not any(line.startswith(("per-tensor scales:", "per-token-head mode:")) for line in lines)
