@@ -35,7 +35,7 @@ from .data.sources import local_paths
 from .files import check_model_dir, no_room
 from .fp8 import get_format
 from .layout import KVCAL_DIR, PROVENANCE_FILE, is_pack, sibling
-from .model.description import ModelDescription, describe, describe_config
+from .model.description import ModelDescription, describe, describe_checked
 from .model.directory import checkpoint_prefixes, read_config_json
 from .model.layers import AttentionLayer
 from .recipes import calibration_config
@@ -312,7 +312,7 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False, ot
     # its quantization method one whose scales vLLM reads (loaders.QUANT_METHODS), decided from its configs alone.
     _, provenance = load_calibration(source)
     calibrated = {layer["layer_idx"]: layer["prefix"] for layer in provenance["layers"]}
-    described = describe_config(checkpoint, read_config_json(checkpoint))
+    described = describe_checked(checkpoint, read_config_json(checkpoint))
     source_form(Path(checkpoint), described.config, provenance["scales"]["granularity"])
     target = checkpoint_prefixes(checkpoint)
     if target != calibrated:
@@ -334,7 +334,7 @@ def _apply_pack(pack: Path, checkpoint: Path, out: Path, *, overwrite: bool, oth
     """``apply`` from a pack: its scales beside CHECKPOINT's weights, linked (checkpoint/pack.py)."""
     manifest = packs.read_pack(pack)
     check_model_dir(checkpoint)
-    described = describe_config(checkpoint, read_config_json(checkpoint))  # without config.json: refused in its own words
+    described = describe_checked(checkpoint, read_config_json(checkpoint))  # without config.json: refused in its own words
     seen = prepare_output(out, [checkpoint, pack], overwrite)
     packs.check_fits(pack, manifest, described)
     seconds = None if other_weights else packs.check_weights(pack, manifest, described)
@@ -364,7 +364,7 @@ def export_pack(source: str, pack: str, *, overwrite: bool = False) -> PackResul
     if not (base / "config.json").is_file():
         raise ValueError(f"{base}, the model {source}'s scales were written beside, is not there any more: a pack pins "
                          "that model's weight files by sha256; put it back (or fetch it again) and run again")
-    described = describe_config(base, read_config_json(base))
+    described = describe_checked(base, read_config_json(base))
     origin = provenance.get("base_model") or hub.base_model(base)  # as the card names it (hub.base_model)
     manifest = packs.write_pack(
         Path(source), Path(pack), base=described, base_id=origin["id"] if origin else None,

@@ -3,7 +3,7 @@
     CalibrationConfig                 one ``kvcal calibrate`` run (recipes map onto it section by section)
       ├── data: DataConfig            what to read and how to cut it (``data/stream.py`` owns it: recipe ``data:``)
       ├── scales: ScaleConfig         how statistics become scales (recipe ``scales:``; ``kvcal export`` too)
-      ├── thresholds: Thresholds      the verdict's limits (verification/config.py owns it: recipe ``verify.thresholds``)
+      ├── thresholds: Thresholds      the verdict's limits (``thresholds.py`` owns it: recipe ``verify.thresholds``)
       └── the run's own fields        placement, export form and weights, saves, verify on/off
 
 ``kvcal verify``'s ``VerifyConfig`` holds a DataConfig and Thresholds the same way. A flat set of keyword

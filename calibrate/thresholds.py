@@ -19,7 +19,6 @@ def agreement_limit(floor_top1: float, ratio: float) -> float:
     return floor_top1 ** math.sqrt(ratio)
 
 
-
 @dataclass
 class Thresholds:
     """Pass and fail limits of a verify verdict: KL in nats/token, top-1 agreement as a fraction.

@@ -69,16 +69,24 @@ def test_nothing_below_the_cli_imports_it(path):
     assert "calibrate.cli" not in imports(path), f"{module_name(path)} imports the CLI"
 
 
-TOP_LEVEL = [p for p in MODULES if p.parent == PACKAGE]
+def lowest_importer(path: Path) -> int | None:
+    """The earliest stage that imports the module at ``path`` (None: no stage does)."""
+    users = [s for p in MODULES if (s := stage(module_name(p))) is not None and module_name(path) in imports(p)]
+    return min(users, default=None)
 
 
-@pytest.mark.parametrize("path", TOP_LEVEL, ids=lambda p: p.name)
+# Modules beside the stages that some stage imports (choices, files, fp8, serving, thresholds...).
+BESIDE = [p for p in MODULES if p.parent == PACKAGE and lowest_importer(p) is not None]
+
+
+def test_the_modules_beside_the_stages_are_found():
+    assert {"choices.py", "thresholds.py", "serving.py"} <= {p.name for p in BESIDE}
+
+
+@pytest.mark.parametrize("path", BESIDE, ids=lambda p: p.name)
 def test_a_top_level_module_a_stage_imports_imports_no_later_stage(path):
-    """A module beside the stages (choices, files, fp8, serving, thresholds...) that a stage imports sits below that
-    stage: importing a later one would point the stage's import up by way of it."""
-    name = module_name(path)
-    users = [s for p in MODULES if (s := stage(module_name(p))) is not None and name in imports(p)]
-    if not users:
-        return
-    later = sorted(t for t in imports(path) - FACTS if (s := stage(t)) is not None and s > min(users))
-    assert not later, f"{name}, which the {STAGES[min(users)]} stage imports, imports a later stage: {later}"
+    """Such a module sits below the earliest stage that imports it: importing a later one would point that stage's
+    import up by way of it."""
+    lowest = lowest_importer(path)
+    later = sorted(t for t in imports(path) - FACTS if (s := stage(t)) is not None and s > lowest)
+    assert not later, f"{module_name(path)}, which the {STAGES[lowest]} stage imports, imports a later stage: {later}"

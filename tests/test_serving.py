@@ -143,3 +143,10 @@ def test_with_model_swaps_only_the_served_model():
     swapped = serving.with_model(line, "org/name")
     assert swapped == serving.serve_command("org/name", "fp8", per_head=True, skip_layers=["sliding_window", 3])
     assert serving.with_model(swapped, "/tmp/my out") == line  # quoted back as serve_command quotes a path
+
+
+def test_a_line_that_serves_an_export_still_to_make_keeps_naming_it():
+    """Scales that are not in the checkpoint are served from OUT after ``kvcal export``: naming the checkpoint (or
+    its Hub repo) there would serve it without those scales."""
+    line = serving.serve_command(serving.EXPORT_FIRST, "fp8", per_head=True)
+    assert serving.with_model(line, "/models/ckpt") == line == "vllm serve OUT --kv-cache-dtype fp8 --attention-backend FLASH_ATTN"

@@ -166,7 +166,7 @@ def check_fits(pack: Path, manifest: dict, described: ModelDescription) -> None:
 
 
 def check_weights(pack: Path, manifest: dict, described: ModelDescription) -> float:
-    """Refuse ``target`` unless its weight files are the manifest's, by name and sha256.
+    """Refuse the described checkpoint unless its weight files are the manifest's, by name and sha256.
 
     Returns:
         The seconds the digests took (none read for a Hub snapshot's files).

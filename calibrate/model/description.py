@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .directory import mla_dims, quant_config, text_part
 from .layers import ModelSignature, max_context, signature_of, sliding_layers
-from .load import read_config
+from .load import check_config, read_config
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,12 @@ def describe_config(directory: str | Path, config: dict) -> ModelDescription:
         mla=mla_dims(config), sliding=sliding_layers(text.get("layer_types")), context=max_context(config),
         quant=quant_config(Path(directory), config),
     )
+
+
+def describe_checked(directory: str | Path, config: dict) -> ModelDescription:
+    """The description of a config.json already read, with ``load.check_config``'s refusals (``describe``'s)."""
+    check_config(directory, config)
+    return describe_config(directory, config)
 
 
 def describe(directory: str | Path) -> ModelDescription:

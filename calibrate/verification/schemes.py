@@ -138,7 +138,7 @@ def build_schemes(
     """The schemes to run, those that cannot run with the reason, and what the checkpoint holds.
 
     ``described`` is the checkpoint's config.json as verify read it; ``files`` are its safetensors files as vLLM
-    reads them (``export.weight_files``).
+    reads them (``checkpoint.write.weight_files``).
     """
     model_config, quant = described.config, described.quant
     method = quant_method(quant)

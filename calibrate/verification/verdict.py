@@ -222,13 +222,14 @@ def pays_lines(pays: dict, dtype: str, verdict: str) -> list[str]:
 def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
               skip_probe: dict | None = None, pays: dict | None = None, *, target: str = DEFAULT_TARGET,
               unquantized: str = "auto", scale1: str | None = None, vllm_version: str | None = None,
-              served: str | None = None) -> tuple[list[str], str]:
+              served: str | None = None, engine_target: str | None = None) -> tuple[list[str], str]:
     """What to serve on ``target``, from the measured numbers only: (sentences, vllm serve line). ``checkpoint``: how
     the sentences name it (an export from it); ``served``: the model the serve line names (default ``checkpoint``). A scheme with a
     ``target_refusal`` is never recommended; ``skip_probe`` counts only when it probed the scheme chosen;
     ``unquantized``: the dtype that keeps this checkpoint's cache unquantized (``serving.unquantized_dtype``);
     ``scale1``: the answer to "is scale 1.0 enough?" (``scale1.scale1_answer``), said right after the checkpoint's notes;
-    ``vllm_version``: the release the engine caveats are said for (``engine.caveats.applying``)."""
+    ``vllm_version``: the release the engine caveats are said for (``engine.caveats.applying``); ``engine_target``: the
+    target whose engine judged the verdicts (``verify --engine``), so a scheme it ran there is not called unrun."""
     lines = [*held.get("serving", []), *(n for n in held["notes"] if "no KV scales" in n), *([scale1] if scale1 else [])]
     ranked = {n: r for n, r in results.items() if r["mode"] != "reference"}
     if "token" in ranked and any(r["quantizes_query"] for r in ranked.values()):
@@ -273,7 +274,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
             f"{n} ({usable[n]['bytes_per_token'] / r['bytes_per_token']:.2f}× the bytes, KL {usable[n]['kl']:.4g})" for n in smaller) + ".")
     path = served or checkpoint
     if r["mode"] != "token" and r["granularity"] in ("tensor", "head") and r["source"] not in ("checkpoint", "1.0"):
-        path = "OUT"
+        path = serving.EXPORT_FIRST
         observer = f" --observer {choice}" if choice in SCHEMES and SCHEMES[choice].scales == "observer" else ""
         how = (f"write them with `kvcal export {checkpoint} --out OUT --granularity {r['granularity']}{observer}`" if choice in SCHEMES
                else f"write {r['source']} into a copy of the checkpoint")
@@ -298,6 +299,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
         lines.append(serving.SERVE_NOTES[granularity])
     lines += serving.caveats(target, r["kv_dtype"], vllm_version=vllm_version, per_head=granularity == "head",
                              checkpoint_scales=held["granularity"] is not None)
-    lines += serving.unrun(target, r["kv_dtype"])
+    if not (engine_target == target and "emulated_verdict" in r):  # judged on the target's engine: it was run
+        lines += serving.unrun(target, r["kv_dtype"])
     skip_layers = ([serving.SLIDING] if skip else []) + (skip_probe["skip"] if skip_probe else [])
     return lines, serving.serve_command(path, r["kv_dtype"], target=target, per_head=granularity == "head", skip_layers=skip_layers)

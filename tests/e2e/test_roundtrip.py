@@ -34,7 +34,7 @@ SEQ_LEN = 128
 # KL (nats/position) and top-1 agreement with the reference where transformers applies kvcal's FP8 K/V scales,
 # measured on this test's own inputs by scripts/measure_roundtrip_band.py (seed 0, transformers 5.17 +
 # compressed-tensors 0.19). The test allows MARGIN either way on the KL and MARGIN times the disagreements: room
-# for another CPU's arithmetic, while a KL regression of 1.6× or more fails (docs/checkpoints.md, "Round trips").
+# for another CPU's arithmetic, while a KL regression of more than 1.6× fails (docs/checkpoints.md, "Round trips").
 BAND = {"kv-only": (0.02370, 0.9375), "per-head": (0.02408, 0.9414), "fp8-weights": (0.08734, 0.8828)}
 MARGIN = 1.6
 

@@ -226,3 +226,10 @@ def test_engine_flags_need_the_engine(tmp_path, tiny_dir):
         VerifyConfig.from_options(tiny_dir, [str(data)], engine="vllm", max_model_len=64, seq_len=128).validate()
     with pytest.raises(ValueError, match="unknown engine 'sglang'"):
         VerifyConfig.from_options(tiny_dir, [str(data)], engine="sglang").validate()
+
+
+def test_every_platform_verify_compares_on_names_the_serving_target_it_judges():
+    """The recommendation drops its "not run in the engine" line only for the target whose engine ran the scheme."""
+    from calibrate.choices import TARGETS
+
+    assert set(engine.PLATFORM_TARGETS) == set(engine.LIKE_FOR_LIKE) and set(engine.PLATFORM_TARGETS.values()) <= set(TARGETS)

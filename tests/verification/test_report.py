@@ -1,4 +1,4 @@
-"""Tests for calibrate/verification/report.py: kvcal's version stamp, verify's terminal text, and the report folder
+"""Tests for calibrate/verification/report.py: verify's terminal text, and the report folder
 (report.json, the plots, report.md), on the hand-built report of builders.py."""
 
 import json
