@@ -7,6 +7,7 @@ back from the checkpoint's safetensors shard.
 """
 
 import json
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -256,3 +257,20 @@ def test_export_names_a_target_config_key_it_needs(calibrated, tmp_path):
     with pytest.raises(ValueError, match=r"target/config.json has no 'num_attention_heads'"):
         api.export(str(calibrated.out), str(tmp_path / "o"), model=str(target))
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_attention_heads", 0, "has num_attention_heads 0, not a positive integer; fix config.json"),
+    ("architectures", ["BertForMaskedLM"], "holds a BertForMaskedLM; kvcal calibrates the decoders vLLM serves"),
+])
+def test_apply_refuses_a_target_config_as_every_command_does(calibrated, tmp_path, field, value, message):
+    """apply reads the target's config.json once and still gives read_config's refusals, in its words, before any
+    arithmetic on a zero head count."""
+    target = tmp_path / "target"
+    shutil.copytree(calibrated.model, target)
+    config = json.loads((target / "config.json").read_text())
+    config[field] = value
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        api.apply(str(calibrated.out), str(target), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
