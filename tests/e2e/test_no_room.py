@@ -213,7 +213,7 @@ def test_a_disk_that_fills_after_the_compute_keeps_the_statistics_in_tmpdir(root
 def test_a_disk_too_small_is_refused_injected(root, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("shutil.disk_usage", lambda path: shutil._ntuple_diskusage(20 << 20, 20 << 20, 0))
     code, err = kvcal(capsys, "export", str(root / "out"), "--out", str(tmp_path / "new"))
-    assert_refused(code, err, "has 0.0 MiB free, but this run writes", "nothing was written")
+    assert_refused(code, err, "has 0 B free, but this run writes", "nothing was written")
     assert os.listdir(tmp_path) == []
 
 
