@@ -32,7 +32,7 @@ from .checkpoint.weights import quantize_weights
 from .checkpoint.write import prepare_output, scale_tensors, stored_scales, write_checkpoint
 from .config import CalibrationConfig, ScaleConfig
 from .data.sources import local_paths
-from .files import check_model_dir, no_room
+from .files import no_room
 from .fp8 import get_format
 from .layout import KVCAL_DIR, PROVENANCE_FILE, is_pack, sibling
 from .model.description import ModelDescription, describe, describe_checked
@@ -333,8 +333,7 @@ def apply(source: str, checkpoint: str, out: str, *, overwrite: bool = False, ot
 def _apply_pack(pack: Path, checkpoint: Path, out: Path, *, overwrite: bool, other_weights: bool) -> AppliedPack:
     """``apply`` from a pack: its scales beside CHECKPOINT's weights, linked (checkpoint/pack.py)."""
     manifest = packs.read_pack(pack)
-    check_model_dir(checkpoint)
-    described = describe_checked(checkpoint, read_config_json(checkpoint))  # without config.json: refused in its own words
+    described = describe(checkpoint)  # a missing directory or config.json: refused in its own words
     seen = prepare_output(out, [checkpoint, pack], overwrite)
     packs.check_fits(pack, manifest, described)
     seconds = None if other_weights else packs.check_weights(pack, manifest, described)
@@ -364,7 +363,7 @@ def export_pack(source: str, pack: str, *, overwrite: bool = False) -> PackResul
     if not (base / "config.json").is_file():
         raise ValueError(f"{base}, the model {source}'s scales were written beside, is not there any more: a pack pins "
                          "that model's weight files by sha256; put it back (or fetch it again) and run again")
-    described = describe_checked(base, read_config_json(base))
+    described = describe(base)
     origin = provenance.get("base_model") or hub.base_model(base)  # as the card names it (hub.base_model)
     manifest = packs.write_pack(
         Path(source), Path(pack), base=described, base_id=origin["id"] if origin else None,

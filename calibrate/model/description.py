@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .directory import mla_dims, quant_config, text_part
 from .layers import ModelSignature, max_context, signature_of, sliding_layers
-from .load import check_config, read_config
+from .load import check_config, read_config_file
 
 
 @dataclass(frozen=True)
@@ -52,5 +52,5 @@ def describe_checked(directory: str | Path, config: dict) -> ModelDescription:
 
 
 def describe(directory: str | Path) -> ModelDescription:
-    """Read ``directory``'s config.json once (``load.read_config``: refused unless a causal LM's) and describe it."""
-    return describe_config(directory, read_config(directory))
+    """Read ``directory``'s config.json once (refused unless a causal LM's, as ``load.read_config`` does) and describe it."""
+    return describe_checked(directory, read_config_file(directory))
