@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from calibrate.checkpoint.space import config_stats_bytes
 from calibrate.config import CalibrationConfig
 from calibrate.data.config import DataConfig
-from calibrate.model import description
+from calibrate.model import directory
 from calibrate.model.description import describe
 from calibrate.run import inputs as step1
 from calibrate.run.distributed import Group
@@ -19,12 +19,14 @@ def config_for(model, data, out) -> CalibrationConfig:
 
 
 def test_step_one_reads_config_json_once_and_loads_no_model(tiny_dir, text_file, tmp_path, monkeypatch):
+    """Counted where every reader of config.json ends (``directory.read_config_json`` reads it through
+    ``read_json_object``), so a second read by any route, however named, fails the test."""
     reads = []
-    read_config = description.read_config
-    monkeypatch.setattr(description, "read_config", lambda d: reads.append(d) or read_config(d))
+    read_json = directory.read_json_object
+    monkeypatch.setattr(directory, "read_json_object", lambda path, fix: reads.append(path) or read_json(path, fix))
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("step 1 loaded a model"))
     got = step1.check_inputs(config_for(tiny_dir, text_file, tmp_path / "out"), Group(device="cpu"))
-    assert reads == [str(tiny_dir)]
+    assert [p for p in reads if p.name == "config.json"] == [tiny_dir / "config.json"]
     assert got.described.config == describe(tiny_dir).config and got.described.num_layers == 3
     assert got.statistics == config_stats_bytes(got.described) > 0
     assert got.fmt.name == "e4m3fn" and got.saved is None and got.seen is None
