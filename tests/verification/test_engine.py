@@ -83,6 +83,7 @@ def test_per_token_head_on_vllm_cpu_is_not_what_the_name_says(verified):
     assert json.loads((verified.report_dir / "report.json").read_text())["engine"]["schemes"]["tensor"]["kl"] > 0
     card = (Path(verified.checkpoint) / "README.md").read_text()  # the report names the checkpoint, never its path
     assert "CPU_ATTN" in card
+    assert f"the engine lines under it ran vLLM {verified.report['engine']['vllm_version']} itself (target cpu)" in card
 
 
 @pytest.mark.slow
