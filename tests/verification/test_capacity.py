@@ -89,10 +89,10 @@ def test_skipped_layers_count_at_bf16():
 
 
 def test_fit_weights_that_do_not_fit_hold_no_sequence():
-    # 0.9 · 80 GB = 72 GB < 75 GB of weights
+    # 0.92 · 80 GB = 73.6 GB < 75 GB of weights
     assert fit(80 * GB, 75 * GB, GIB) == 0
-    assert fit(80 * GB, 72 * GB, GIB) == 0  # nothing left over
-    assert fit(80 * GB, 70 * GB, GIB, reserve_bytes=2 * GB) == 0  # 72 − 70 − 2
+    assert fit(80 * GB, 73.6 * GB, GIB) == 0  # nothing left over
+    assert fit(80 * GB, 70 * GB, GIB, reserve_bytes=3.6 * GB) == 0  # 73.6 − 70 − 3.6
 
 
 def test_fit_exact_boundary():
@@ -100,12 +100,13 @@ def test_fit_exact_boundary():
     exact = weights + n * sequence
     assert fit(exact, weights, sequence, utilization=1.0) == n
     assert fit(exact - 1, weights, sequence, utilization=1.0) == n - 1
-    # default 0.9: 0.9 · 100 GB − 10 GB = 80 GB = 80 sequences of 1 GB; one byte less, 79
-    assert GPU_MEMORY_UTILIZATION == 0.9
-    assert fit(100 * GB, 10 * GB, GB) == 80
-    assert fit(100 * GB - 1, 10 * GB, GB) == 79
+    # default 0.92 (vLLM 0.32's, docs/vllm-notes.md "GPU memory"): 0.92 · 100 GB − 12 GB = 80 GB = 80 sequences of
+    # 1 GB; one byte less, 79
+    assert GPU_MEMORY_UTILIZATION == 0.92
+    assert fit(100 * GB, 12 * GB, GB) == 80
+    assert fit(100 * GB - 1, 12 * GB, GB) == 79
     # a reserve is taken off the room: 80 − 3 GB
-    assert fit(100 * GB, 10 * GB, GB, reserve_bytes=3 * GB) == 77
+    assert fit(100 * GB, 12 * GB, GB, reserve_bytes=3 * GB) == 77
 
 
 def test_tensor_parallel_splits_heads_and_replicates_below_one_per_gpu():
@@ -115,11 +116,11 @@ def test_tensor_parallel_splits_heads_and_replicates_below_one_per_gpu():
     assert per_token(LLAMA3_70B, auto, 1, tp=16) == 80 * 2 * 1 * 128 * 2  # replicated: still 1 head per GPU
     assert per_token(LLAMA3_70B, auto, 1, tp=3) == 80 * 2 * 2 * 128 * 2  # 8 // 3 = 2: not refused
     assert [layer.heads for layer in per_gpu(LLAMA3_70B[:1], 16)] == [1]
-    # 140 GB of weights over 8 H100s: 0.9 · 80 GB − 17.5 GB = 54.5 GB; 40960 · 8192 = 335,544,320 B per sequence
-    # 54.5e9 / 335544320 = 162.4 → 162
+    # 140 GB of weights over 8 GPUs of 80 GB: 0.92 · 80 GB − 17.5 GB = 56.1 GB; 40960 · 8192 = 335,544,320 B per sequence
+    # 56.1e9 / 335544320 = 167.2 → 167
     sequence = kv_bytes(LLAMA3_70B, auto, 8192, tp=8)
     assert sequence == 335_544_320
-    assert fit(80 * GB, 140 * GB, sequence, tp=8) == 162
+    assert fit(80 * GB, 140 * GB, sequence, tp=8) == 167
 
 
 def test_parse_memory_names_and_sizes():
@@ -193,17 +194,17 @@ def test_break_even_context_with_sliding_layers():
 def test_plan_llama3_8b_on_h100():
     result = plan(LLAMA3_8B, 16 * GB, 8192, "H100", {"auto": auto, "fp8": fp8})
     json.dumps(result)  # JSON-able
-    assert (result["memory_bytes"], result["weight_bytes"], result["context"], result["utilization"]) == (H100, 16 * GB, 8192, 0.9)
+    assert (result["memory_bytes"], result["weight_bytes"], result["context"], result["utilization"]) == (H100, 16 * GB, 8192, 0.92)
     rows = result["dtypes"]
-    # room 0.9 · 85,520,809,984 − 16e9 = 60,968,728,985.6 B; / 2**30 = 56.8 → 56 bf16 sequences, / 2**29 = 113.6 → 113 fp8
-    assert rows["auto"]["max_sequences"] == 56 and rows["fp8"]["max_sequences"] == 113
-    assert rows["fp8"]["capacity_ratio"] == pytest.approx(113 / 56) and rows["auto"]["capacity_ratio"] == 1.0
+    # room 0.92 · 85,520,809,984 − 16e9 = 62,679,145,185.28 B; / 2**30 = 58.4 → 58 bf16 sequences, / 2**29 = 116.7 → 116 fp8
+    assert rows["auto"]["max_sequences"] == 58 and rows["fp8"]["max_sequences"] == 116
+    assert rows["fp8"]["capacity_ratio"] == pytest.approx(116 / 58) and rows["auto"]["capacity_ratio"] == 1.0
     assert rows["auto"]["bytes_per_token"] == 131072 and rows["fp8"]["kv_bytes_per_sequence"] == 2**29
     assert rows["fp8"]["decode_bytes_per_token"] == 16e9 + 2**29
-    assert rows["fp8"]["decode_bytes_per_token_at_max_batch"] == pytest.approx(16e9 / 113 + 2**29)
+    assert rows["fp8"]["decode_bytes_per_token_at_max_batch"] == pytest.approx(16e9 / 116 + 2**29)
     fp8_read = (16e9 + 2**29) / (16e9 + 2**30)  # 0.9686
     assert rows["fp8"]["decode_ratio"] == pytest.approx(fp8_read)
-    assert rows["fp8"]["verdict"] == ("at 8192 tokens fp8 holds 2.02× the sequences of auto (113 vs 56) "
+    assert rows["fp8"]["verdict"] == ("at 8192 tokens fp8 holds 2.00× the sequences of auto (116 vs 58) "
                                       "and reads 0.97× the bytes per decoded token at batch 1")
     assert result["kvcal_figures"]["fp8_decode_bytes_vs_bf16"] == pytest.approx(fp8_read)
     assert result["kvcal_figures"]["break_even_context_tokens"] == 122071
@@ -223,10 +224,10 @@ def test_plan_when_the_weights_do_not_fit_and_with_tp():
     assert result["dtypes"]["fp8"]["decode_bytes_per_token_at_max_batch"] is None
     assert "fits no sequence" in result["dtypes"]["fp8"]["verdict"]
     plan_text(result)
-    # tp=8 on an H100: 0.9 · 85,520,809,984 − 17.5e9 = 59,468,728,985.6 B per GPU; 335,544,320 B per bf16 sequence
-    # per GPU → 177.2 → 177, 167,772,160 per fp8 one → 354.5 → 354
+    # tp=8 on an H100: 0.92 · 85,520,809,984 − 17.5e9 = 61,179,145,185.28 B per GPU; 335,544,320 B per bf16 sequence
+    # per GPU → 182.3 → 182, 167,772,160 per fp8 one → 364.7 → 364
     rows = plan(LLAMA3_70B, 140 * GB, 8192, "H100", {"auto": auto, "fp8": fp8}, tp=8)["dtypes"]
-    assert (rows["auto"]["max_sequences"], rows["fp8"]["max_sequences"]) == (177, 354)
+    assert (rows["auto"]["max_sequences"], rows["fp8"]["max_sequences"]) == (182, 364)
     assert rows["fp8"]["decode_bytes_per_token"] == 17.5e9 + 167_772_160
 
 

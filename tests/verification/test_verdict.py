@@ -89,19 +89,19 @@ def llama_8b_plan(memory: str, context: int) -> dict:
 
 
 def test_pays_lines_say_when_bf16_already_fits():
-    p = llama_8b_plan("H100", 8192)  # 0.9 · 81559 MiB − 16 GB = 56.8 GiB: 56 sequences of 1 GiB in bf16, 113 in fp8
-    assert (p["dtypes"]["auto"]["max_sequences"], p["dtypes"]["fp8"]["max_sequences"]) == (56, 113)
+    p = llama_8b_plan("H100", 8192)  # 0.92 · 81559 MiB − 16 GB = 58.4 GiB: 58 sequences of 1 GiB in bf16, 116 in fp8
+    assert (p["dtypes"]["auto"]["max_sequences"], p["dtypes"]["fp8"]["max_sequences"]) == (58, 116)
     warn = pays_lines(p, "fp8", "warn")
-    assert warn[0].startswith("At 8,192 tokens per sequence on H100: fp8 holds 113 full-length sequences where bf16 holds 56")
+    assert warn[0].startswith("At 8,192 tokens per sequence on H100: fp8 holds 116 full-length sequences where bf16 holds 58")
     assert "keep bf16 then" in warn[1]
     assert len(pays_lines(p, "fp8", "pass")) == 1  # a pass costs nothing worth weighing against the memory
 
 
 def test_pays_lines_when_bf16_does_not_fit_or_nothing_does():
-    p = llama_8b_plan("18GB", 16384)  # 16.2 GB − 16 GB: no 2 GiB bf16 sequence, no 1 GiB fp8 one either
+    p = llama_8b_plan("18GB", 16384)  # 0.92 · 18 GB − 16 GB = 0.56 GB: no 2 GiB bf16 sequence, no 1 GiB fp8 one either
     assert p["dtypes"]["fp8"]["max_sequences"] == 0
     assert "not one sequence fits beside the weights even in fp8" in pays_lines(p, "fp8", "pass")[0]
-    p = llama_8b_plan("19GB", 12288)  # 17.1 GB − 16 GB = 1.1 GB: a 1.61 GB bf16 sequence does not fit, a 0.81 GB fp8 one does
+    p = llama_8b_plan("19GB", 12288)  # 0.92 · 19 GB − 16 GB = 1.48 GB: a 1.61 GB bf16 sequence does not fit, a 0.81 GB fp8 one does
     assert (p["dtypes"]["auto"]["max_sequences"], p["dtypes"]["fp8"]["max_sequences"]) == (0, 1)
     assert pays_lines(p, "fp8", "warn")[1] == "bf16 fits no full-length sequence beside the weights; fp8 is what makes this context servable here."
 
