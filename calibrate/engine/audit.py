@@ -19,7 +19,7 @@ from ..checkpoint.loaders import BASE_PATH_METHODS, quant_method
 from ..checkpoint.read import load_scales
 from ..model.description import describe_config
 from ..model.directory import attention_prefixes, read_config_json, tensor_names, vllm_files
-from .caveats import CPU_FP8_REFUSAL
+from .caveats import CPU_HOST_REFUSALS
 from .launch import DEFAULT_TIMEOUT_S, find_vllm_python, run_job, vllm_version
 
 UNQUANTIZED = ("auto", "bfloat16", "float16")  # cache dtypes under which the base path keeps no k/v scale
@@ -104,7 +104,7 @@ def audit(out: str | Path, python: str | Path | None = None, *, kv_cache_dtype: 
     if answer["error"] is not None:
         result.vllm_version = vllm_version(python)
         refusal = re.split(r"(?<=\.)\s", answer["error"].splitlines()[0], maxsplit=1)[0]  # vLLM's first sentence
-        if CPU_FP8_REFUSAL in refusal:
+        if any(words in refusal for words in CPU_HOST_REFUSALS):
             result.status, result.reason = NOT_AUDITABLE, (f"vLLM {result.vllm_version} runs no --kv-cache-dtype "
                                                            f"{dtype} here ({refusal})")
         else:

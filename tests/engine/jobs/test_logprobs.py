@@ -1,0 +1,37 @@
+"""calibrate/engine/jobs/logprobs.py, the parts that need no vLLM: the runner step it wraps, or a one-line refusal
+where a vLLM release no longer has it (0.34 removed the V1 model runner; docs/engine.md, "Which vLLM")."""
+
+import importlib
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+JOBS = Path(__file__).resolve().parents[3] / "calibrate" / "engine" / "jobs"
+
+
+@pytest.fixture
+def logprobs(monkeypatch):
+    """The job module as launch.py runs it: a script beside jobkit, which it imports by that name."""
+    monkeypatch.syspath_prepend(str(JOBS))
+    monkeypatch.delitem(sys.modules, "logprobs", raising=False)
+    return importlib.import_module("logprobs")
+
+
+def test_the_v1_runner_step_is_the_one_wrapped(logprobs):
+    def step(*args, **kwargs):
+        return "vLLM's own"
+
+    assert logprobs._prompt_step(SimpleNamespace(_get_prompt_logprobs_dict=step), "0.32.0") is step
+
+
+def test_a_runner_without_it_is_refused_naming_the_release_and_the_fix(logprobs):
+    class GPUModelRunner:  # 0.34's runner: prompt log-probabilities through a worker object, no such method
+        prompt_logprobs_worker = object()
+
+    with pytest.raises(RuntimeError) as refused:
+        logprobs._prompt_step(GPUModelRunner(), "0.34.0")
+    message = str(refused.value)
+    assert "\n" not in message and "vLLM 0.34.0's model runner (GPUModelRunner)" in message
+    assert "scripts/setup-vllm" in message and "--vllm-python" in message
