@@ -130,7 +130,7 @@ def test_a_rendezvous_nobody_answers_is_one_line(tiny_dir, text_file, tmp_path):
 
 
 LEAVE = """
-import os, sys
+import os, sys, time
 from transformers import AutoTokenizer
 from calibrate import calibrate
 from calibrate.run.distributed import session
@@ -138,9 +138,16 @@ from calibrate.run.distributed import session
 def gloo_threads():
     return [t for t in os.listdir("/proc/self/task") if open(f"/proc/self/task/{t}/comm").read().startswith(("pt_gloo", "gloo"))]
 
+def named_within(seconds):  # a gloo thread names itself once it runs, which a busy machine can delay
+    deadline = time.monotonic() + seconds
+    while not gloo_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return gloo_threads()
+
 model, data, out = sys.argv[1:]
 with session("cpu", 30) as group:
-    assert group.active and gloo_threads()
+    assert group.active, "no process group"
+    assert named_within(30), "no gloo worker thread within 30 s of the join"
     AutoTokenizer.from_pretrained(model)  # imports torch.distributed.nn inside the session
 print(len(gloo_threads()))
 calibrate(model, [data], out, seq_len=64, max_tokens=256, progress=False, verify=False)  # a whole run, rank 0 of 1
