@@ -262,13 +262,13 @@ def test_shipped_recipes_are_found_without_the_checkout(tmp_path, monkeypatch):
     assert recipes.shipped_recipes() == {"default": package / "default.yaml"}
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "qwen3_moe"])
 def test_families_whose_vllm_drops_scales_warn_before_calibrating(tmp_path, text_file, model_type):
     model_dir = tmp_path / model_type
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({"model_type": model_type, "architectures": ["XForCausalLM"]}))
     # Warned in the run's first step, before anything is loaded (the directory has no tokenizer: the run then stops).
-    with pytest.warns(UserWarning, match=r"vllm#(54623|25047)"), pytest.raises(ValueError, match="holds no tokenizer files"):
+    with pytest.warns(UserWarning, match=r"vllm#(35656|25047)"), pytest.raises(ValueError, match="holds no tokenizer files"):
         api.calibrate(str(model_dir), [str(text_file)], str(tmp_path / "o"))
 
 

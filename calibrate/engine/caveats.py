@@ -108,16 +108,15 @@ CPU_HOST_REFUSALS = (CPU_FP8_REFUSAL, CPU_BACKEND_REFUSAL)
 # vLLM's refusal of an e5m2 cache over a checkpoint that brings KV scales, its words and where (loaders.REFUSALS).
 E5M2_OVER_SCALES = ("'fp8_e5m2 kv-cache is not supported with fp8 checkpoints' (vLLM attention.py:205-220: a checkpoint "
                     "whose quantization config brings KV scales)")
-_QWEN3_5 = ("vLLM's Qwen3.5 loaders do not load checkpoint KV scales (vllm#54623, open): an FP8 cache runs at scale 1.0 "
-            "whatever the checkpoint holds")
-# Families whose vLLM loader has dropped checkpoint KV scales: model_type → (severity, what to tell the user).
+# Families whose vLLM loader has dropped checkpoint KV scales: model_type → (severity, what to tell the user). Not
+# Qwen3.5: vllm#54623 (open, filed against 0.27.1 with an NVFP4 checkpoint) says its loaders drop them, but vLLM 0.32.0
+# loaded kvcal's scales into every Qwen3.5 attention layer exactly, text and multimodal, dense and MoE
+# (docs/vllm-notes.md, "Hybrid families").
 FAMILY_LOADER_GAPS = {
     "qwen3_moe": ("warning", "vLLM dropped checkpoint KV scales for Qwen3-MoE (vllm#25047) until vllm#35656 (merged "
                   "2026-03-01); serve with a vLLM release that has the fix, and check its log for 'scaling factor 1.0'"),
     "qwen3_vl_moe": ("warning", "vLLM dropped checkpoint KV scales for Qwen3-VL-MoE until vllm#35656 (merged 2026-03-01); "
                      "serve with a vLLM release that has the fix"),
-    "qwen3_5": ("error", _QWEN3_5),
-    "qwen3_5_moe": ("error", _QWEN3_5),
 }
 PER_TOKEN_HEAD = ("fp8_per_token_head", "int8_per_token_head", "int4_per_token_head")
 # What a caveat hangs on beyond (target, dtype): the keyword ``applying`` takes for each.
@@ -165,7 +164,7 @@ CAVEATS: tuple[Caveat, ...] = (
 
 
 def _family_caveats(model_type: str | None) -> list[Caveat]:
-    """The family loader gap of ``model_type`` as a caveat on every FP8 cache (vllm-project/vllm#54623 and the like)."""
+    """The family loader gap of ``model_type`` as a caveat on every FP8 cache (Qwen3-MoE's vllm#25047 and the like)."""
     if model_type not in FAMILY_LOADER_GAPS:
         return []
     return [Caveat(FAMILY_LOADER_GAPS[model_type][1], READ_IN, _QUANTIZED_FP8, needs="model_type", evidence="reported")]

@@ -255,7 +255,8 @@ def test_scales_without_a_quantization_config_are_ignored_by_vllm(tmp_path):
     assert not found.ok() and "no KV-cache scales" in messages(found, "error")[0]
 
 
-@pytest.mark.parametrize("model_type, severity", [("qwen3_5", "error"), ("qwen3_5_moe", "error"), ("qwen3_moe", "warning"), ("qwen3", None)])
+@pytest.mark.parametrize("model_type, severity", [("qwen3_moe", "warning"), ("qwen3_vl_moe", "warning"), ("qwen3", None),
+                                                   ("qwen3_5", None), ("qwen3_5_moe", None)])  # 3.5: measured loading (docs/vllm-notes.md)
 def test_families_whose_vllm_loader_drops_scales(tmp_path, model_type, severity):
     found = inspect(str(make_checkpoint(tmp_path / "f", {"model.safetensors": weights() | generic_scales()}, model_type=model_type)))
     flagged = [p.severity for p in found.problems if "vllm#" in p.message]
