@@ -7,6 +7,8 @@ import sys
 import numpy as np
 import torch
 
+GATED_QUERY = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # q_proj gives [query | gate] per head
+
 
 def reference_qkv(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[int, dict[str, torch.Tensor]]:
     """Q, K, V per layer computed independently: the attention module's own projections, q/k norms, multipliers and
@@ -23,7 +25,7 @@ def reference_qkv(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[int, 
             nq = module.config.num_attention_heads * D
             nkv = module.config.num_key_value_heads * D
             q, k, v = qkv[..., :nq], qkv[..., nq : nq + nkv], qkv[..., nq + nkv :]
-        elif model.config.model_type == "qwen3_next":  # the query projection carries an output gate beside the query
+        elif model.config.model_type in GATED_QUERY:  # the query projection carries an output gate beside the query
             q, k, v = module.q_proj(h).view(B, S, -1, 2 * D)[..., :D], module.k_proj(h), module.v_proj(h)
         else:
             q, k, v = module.q_proj(h), module.k_proj(h), module.v_proj(h)

@@ -23,6 +23,14 @@ FAMILIES = {
         **COMMON, num_hidden_layers=4, head_dim=16, layer_types=["linear_attention"] * 3 + ["full_attention"],
         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32), [3]),
+    # Qwen3.5 (text part, dense and MoE): Qwen3-Next's layout, its RoPE on a quarter of each head (partial rotary)
+    "qwen3_5_text": (lambda: T.Qwen3_5TextConfig(
+        **COMMON, num_hidden_layers=4, head_dim=16, layer_types=["linear_attention", "full_attention"] * 2,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16), [1, 3]),
+    "qwen3_5_moe_text": (lambda: T.Qwen3_5MoeTextConfig(
+        **COMMON, num_hidden_layers=4, head_dim=16, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32), [3]),
     # Jamba: Mamba layers with an attention layer every second one (no RoPE), MoE every second layer
     "jamba": (lambda: T.JambaConfig(
         **COMMON, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
