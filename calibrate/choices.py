@@ -163,33 +163,38 @@ def check_observer(text: str) -> None:
         raise ValueError(f"unknown observer {text!r}; choose one of: {', '.join(OBSERVERS)}")
 
 
+def check_name(what: str, name: str, choices: tuple[str, ...], *, suggest: bool = False) -> None:
+    """The one refusal of a name that is not among ``choices``: "unknown WHAT 'x'; choose one of: ...", with a near
+    miss named first where ``suggest``."""
+    if name not in choices:
+        hint = closest(name, choices) if suggest else ""
+        raise ValueError(f"unknown {what} {name!r}; {hint}choose one of: {', '.join(choices)}")
+
+
 def check_granularity(text: str) -> None:
     """Refuse a granularity kvcal does not know."""
-    if text not in GRANULARITIES:
-        raise ValueError(f"unknown granularity {text!r}; choose one of: {', '.join(GRANULARITIES)}")
+    check_name("granularity", text, GRANULARITIES)
 
 
 def check_fp8_format(name: str) -> None:
     """Refuse an FP8 format kvcal does not know (``fp8.get_format`` looks it up)."""
-    if name not in FP8_FORMATS:
-        raise ValueError(f"unknown FP8 format {name!r}; choose one of: {', '.join(FP8_FORMATS)}")
+    check_name("FP8 format", name, FP8_FORMATS)
 
 
 def check_backend(name: str) -> None:
     """Refuse a ``--backend`` kvcal does not emulate (``fp8.WRITERS`` gives each its writer)."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+    check_name("backend", name, BACKENDS)
 
 
 def check_engine(name: str | None) -> None:
-    if name is not None and name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}; choose one of: {', '.join(ENGINES)}")
+    """Refuse an ``--engine`` kvcal cannot run (None: no engine)."""
+    if name is not None:
+        check_name("engine", name, ENGINES)
 
 
 def check_target(name: str) -> None:
     """Refuse a serving ``--target`` kvcal has no facts for (``serving.TARGET_BUILDS`` describes each)."""
-    if name not in TARGETS:
-        raise ValueError(f"unknown serving target {name!r}; {closest(name, TARGETS)}choose one of: {', '.join(TARGETS)}")
+    check_name("serving target", name, TARGETS, suggest=True)
 
 
 def check_weights(value: str | None) -> None:
@@ -206,8 +211,7 @@ def closest(name: str, choices: tuple[str, ...]) -> str:
 
 def check_form_name(value: str) -> None:
     """Refuse an export form that is not one of EXPORT_FORMS."""
-    if value not in EXPORT_FORMS:
-        raise ValueError(f"unknown export form {value!r}; {closest(value, EXPORT_FORMS)}choose one of: {', '.join(EXPORT_FORMS)}")
+    check_name("export form", value, EXPORT_FORMS, suggest=True)
 
 
 def verify_scheme(name: str) -> str:
