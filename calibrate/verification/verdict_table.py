@@ -156,17 +156,27 @@ def engine_lines(engine: dict | None) -> list[str]:
         return []
     floor = engine["floor"]
     floor_text = "n/a" if floor is None else f"{floor['kl']:.4g}" + (f" ± {floor['kl_stderr']:.2g}" if floor["kl_stderr"] else "")
-    lines = [f"Engine: vLLM {engine['vllm_version']} ({engine['platform']}, {engine['isa']}, attention backend "
-             f"{engine['attention_backend']}); its floor (auto cache vs the reference) KL {floor_text}; "
-             f"run-to-run KL {engine['noise_kl']:.3g}; settings {engine['settings']}", "",
-             "| scheme | cache dtype | emulated KL | engine KL | ratio | tolerance | top-1 (engine) | drift (engine) | stored as named |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    twin = engine.get("like_for_like", True)
+    lines = [*([f"kvcal set: {engine['set']}"] if engine.get("set") else []),
+             f"Engine: vLLM {engine['vllm_version']} ({engine['platform']}, {engine['isa']}, attention backend "
+             f"{engine['attention_backend']}, target {engine['target']}); its floor (auto cache vs the reference) KL {floor_text}; "
+             f"run-to-run KL {engine['noise_kl']:.3g}; settings {engine['settings']}",
+             *([] if twin else [f"No measured like-for-like emulation of {engine['platform']}: the emulated column is for "
+                                "orientation, and no agreement is judged (docs/engine.md)."]),
+             *([f"offered by vLLM {engine['vllm_version']}, not emulated: {', '.join(engine['not_emulated'])}"]
+               if engine.get("not_emulated") else []), "",
+             "| scheme | cache dtype | emulated KL | engine KL | KL vs reference | ratio | tolerance | top-1 (engine) | drift (engine) | stored as named |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in engine["schemes"].items():
+        label = name
         if "kl" not in row:
-            lines.append(f"| {name} | {row['kv_cache_dtype'] or '-'} | {row['emulated_kl']:.4g} | {row['why']} | - | - | - | - | - |")
+            lines.append(f"| {label} | {row['kv_cache_dtype'] or '-'} | {row['emulated_kl']:.4g} | {row['why']} | - | - | - | - | - | - |")
             continue
-        lines.append(f"| {name} | {row['kv_cache_dtype']} | {row['emulated_kl']:.4g} | {row['kl']:.4g} ± {row['kl_stderr'] or 0:.2g} | "
-                     f"{_ratio_text(row['ratio'])}{'' if row['within_tolerance'] else ' ⚠'} | ±{row['tolerance_kl']:.2g} | "
+        vs_ref = "-" if row.get("kl_vs_reference") is None else f"{row['kl_vs_reference']:.4g}"
+        flag = "" if row["within_tolerance"] is not False else " ⚠"
+        tolerance = "-" if row["tolerance_kl"] is None else f"±{row['tolerance_kl']:.2g}"
+        lines.append(f"| {label} | {row['kv_cache_dtype']} | {row['emulated_kl']:.4g} | {row['kl']:.4g} ± {row['kl_stderr'] or 0:.2g} | "
+                     f"{vs_ref} | {_ratio_text(row['ratio'])}{flag} | {tolerance} | "
                      f"{row['top1']:.2%} | {drift_cell(row.get('drift'))} | {row['stored_text']} |")
     if engine.get("noise_drift"):
         noise = engine["noise_drift"]

