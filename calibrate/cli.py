@@ -6,6 +6,7 @@ Parsing imports neither torch nor transformers: a command's modules are imported
 
 import argparse
 import json
+import os
 import signal
 import sys
 import warnings
@@ -61,7 +62,7 @@ def _card_options(p: argparse.ArgumentParser) -> None:
 
 
 def _calibrate_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipe", help="recipe name (kvcal recipes list) or YAML file; flags given here override it (default: default)")
+    p.add_argument("--recipe", type=_user_path, help="recipe name (kvcal recipes list) or YAML file; flags given here override it (default: default)")
     p.add_argument("--force", action="store_true", help="use a recipe written for another model family")
     p.add_argument("--seq-len", type=int, help=f"tokens per calibration sequence (default {_DEFAULTS['seq_len']})")
     p.add_argument("--max-tokens", type=int, help=f"token budget (default {_DEFAULTS['max_tokens']})")
@@ -77,7 +78,7 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-memory", metavar="DEVICE=SIZE[,...]",
                    help="budget per device for the device map, e.g. 0=70GiB,cpu=200GiB (devices 0, cuda:1, cpu, disk); "
                         "only the devices named are used")
-    p.add_argument("--offload-folder", metavar="DIR",
+    p.add_argument("--offload-folder", type=_user_path, metavar="DIR",
                    help="where weights offloaded to disk are re-saved when the checkpoint's own files cannot be read in place")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
     p.add_argument("--weights", choices=WEIGHT_SCHEMES,
@@ -101,6 +102,12 @@ def _calibrate_options(p: argparse.ArgumentParser) -> None:
     _scale_options(p, dict.fromkeys(_SCALE_DEFAULTS))
 
 
+def _user_path(text: str) -> str:
+    """A path as typed, with a leading ``~`` expanded as a shell would (a quoted or ``--flag=~/x`` one reaches kvcal
+    as typed); Hub ids and other names pass through unchanged."""
+    return os.path.expanduser(text)
+
+
 class _Parser(argparse.ArgumentParser):
     """Argument errors as one line, like every other kvcal error (argparse prints the usage first)."""
 
@@ -122,26 +129,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("calibrate", help="run data through a model and write a checkpoint with FP8 KV scales")
-    p.add_argument("model", help="local Hugging Face model directory, or a Hub model id (org/name), fetched into the Hub cache")
-    p.add_argument("--data", action="append", help="data source (repeatable; default: the recipe's); SRC::WEIGHT for a mixture")
-    p.add_argument("--out", required=True, help="output checkpoint directory (created atomically)")
+    p.add_argument("model", type=_user_path, help="local Hugging Face model directory, or a Hub model id (org/name), fetched into the Hub cache")
+    p.add_argument("--data", type=_user_path, action="append", help="data source (repeatable; default: the recipe's); SRC::WEIGHT for a mixture")
+    p.add_argument("--out", type=_user_path, required=True, help="output checkpoint directory (created atomically)")
     p.add_argument("--revision", help="branch, tag or commit of a Hub model (default: main)")
     p.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="run the modeling code a model ships with (off, as in transformers and vLLM)")
     _calibrate_options(p)
 
     p = sub.add_parser("export", help="re-derive scales from a kvcal output's statistics, without running the model")
-    p.add_argument("source", help="a directory written by kvcal calibrate")
+    p.add_argument("source", type=_user_path, help="a directory written by kvcal calibrate")
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--out", help="new output checkpoint directory")
-    where.add_argument("--pack", help="write SOURCE's scales as they are, without the weights, into this new folder, pinned "
+    where.add_argument("--out", type=_user_path, help="new output checkpoint directory")
+    where.add_argument("--pack", type=_user_path, help="write SOURCE's scales as they are, without the weights, into this new folder, pinned "
                        "to the base model's weight files (docs/pack.md); kvcal apply PACK MODEL serves them")
-    p.add_argument("--model", help="write into this checkpoint instead of SOURCE's model files")
+    p.add_argument("--model", type=_user_path, help="write into this checkpoint instead of SOURCE's model files")
     _scale_options(p, _SCALE_DEFAULTS)
     _card_options(p)
 
     p = sub.add_parser("demo", help="calibrate SmolLM2-135M-Instruct on packaged text, fully offline")
-    p.add_argument("--out", default="demo-out", help="output directory (default demo-out)")
+    p.add_argument("--out", type=_user_path, default="demo-out", help="output directory (default demo-out)")
     p.add_argument("--max-tokens", type=int, default=DEMO_TOKENS, help=f"token budget (default {DEMO_TOKENS})")
     p.add_argument("--seq-len", type=int, default=DEMO_SEQ_LEN, help=f"tokens per sequence (default {DEMO_SEQ_LEN})")
     p.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET, help=f"{_TARGET_HELP} (default {DEFAULT_TARGET})")
@@ -151,19 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?", help="recipe to show")
 
     p = sub.add_parser("inspect", help="print the KV scales vLLM would load from a checkpoint; exit 1 on problems")
-    p.add_argument("checkpoint", help="checkpoint directory (kvcal, llm-compressor, ModelOpt, Quark or legacy form)")
+    p.add_argument("checkpoint", type=_user_path, help="checkpoint directory (kvcal, llm-compressor, ModelOpt, Quark or legacy form)")
     p.add_argument("--json", action="store_true", help="print JSON for machines")
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     p.add_argument("--check-weights", action="store_true", help="compare scales with what the weights suggest (heuristic; reads k/v weights)")
     p.add_argument("--engine", choices=["vllm"], help="also load the checkpoint in vLLM and compare the scales it holds "
                    "with the checkpoint's (the load audit; about a minute)")
-    p.add_argument("--vllm-python", help="the python of a venv with vLLM (default: this one, else .venv-vllm)")
+    p.add_argument("--vllm-python", type=_user_path, help="the python of a venv with vLLM (default: this one, else .venv-vllm)")
 
     p = sub.add_parser("apply", help="write one calibration's scales into another checkpoint of the same architecture")
-    p.add_argument("source", help="a directory written by kvcal calibrate, or a pack (kvcal export --pack)")
-    p.add_argument("checkpoint", help="the checkpoint to write into: a local directory or a Hub model id (a pack's base "
+    p.add_argument("source", type=_user_path, help="a directory written by kvcal calibrate, or a pack (kvcal export --pack)")
+    p.add_argument("checkpoint", type=_user_path, help="the checkpoint to write into: a local directory or a Hub model id (a pack's base "
                    "model; a fine-tune, a re-quantized variant)")
-    p.add_argument("--out", required=True, help="new output checkpoint directory")
+    p.add_argument("--out", type=_user_path, required=True, help="new output checkpoint directory")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
     _card_options(p)
     p.add_argument("--other-weights", action="store_true",
@@ -173,8 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Defaults come from VerifyConfig (not repeated here), filled in only when help is shown.
     p = sub.add_parser("verify", help="measure what an FP8 KV cache costs a checkpoint, per scheme, and how to serve it",
                        argument_default=argparse.SUPPRESS, formatter_class=_VerifyHelp)
-    p.add_argument("checkpoint", help="model directory: a kvcal output, or any checkpoint (scales are read from it when present)")
-    p.add_argument("--data", action="append", required=True, help="data source (repeatable), as for calibrate")
+    p.add_argument("checkpoint", type=_user_path, help="model directory: a kvcal output, or any checkpoint (scales are read from it when present)")
+    p.add_argument("--data", type=_user_path, action="append", required=True, help="data source (repeatable), as for calibrate")
     p.add_argument("--schemes", help=f"comma-separated: {', '.join(VERIFY_SCHEMES)}, vLLM's --kv-cache-dtype names "
                    f"{', '.join(f'{n} (= {s})' for n, s in VLLM_SCHEME_NAMES.items())}, or a .safetensors scales file "
                    f"(default {','.join(DEFAULT_VERIFY_SCHEMES)})")
@@ -221,9 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: the installed vLLM's, where one is found)")
     p.add_argument("--engine", choices=ENGINES, metavar="ENGINE", help="vllm: also run the same sequences in the installed engine, once per cache dtype, "
                    "beside the emulation (docs/engine.md); verdicts then rest on the engine's figures")
-    p.add_argument("--vllm-python", help="--engine vllm: the python of a venv with vLLM (default: this one, else .venv-vllm)")
+    p.add_argument("--vllm-python", type=_user_path, help="--engine vllm: the python of a venv with vLLM (default: this one, else .venv-vllm)")
     p.add_argument("--block-size", type=int, help="--engine vllm: vLLM's --block-size (default: the platform's, 32 on CPU)")
-    p.add_argument("--report", dest="report_dir", help="write report.json, report.md and plots into this directory; "
+    p.add_argument("--report", dest="report_dir", type=_user_path, help="write report.json, report.md and plots into this directory; "
                    "a kvcal output's README.md model card gets this verify table too")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
     return parser
