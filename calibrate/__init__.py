@@ -20,6 +20,7 @@ _PUBLIC = {
     "apply": "api",
     "audit": "engine.audit",
     "calibrate": "api",
+    "check_delivery": "engine.delivery",
     "export": "api",
     "export_pack": "api",
     "inspect": "checkpoint.inspect",

@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     p.add_argument("--check-weights", action="store_true", help="compare scales with what the weights suggest (heuristic; reads k/v weights)")
     p.add_argument("--engine", choices=["vllm"], help="also load the checkpoint in vLLM and compare the scales it holds "
-                   "with the checkpoint's (the load audit; about a minute)")
+                   "with the checkpoint's (the load audit), then run it with its scales as written and x64 to see that "
+                   "they reach the kernel (the delivery check; a few minutes in all)")
     p.add_argument("--vllm-python", type=_user_path, help="the python of a venv with vLLM (default: this one, else .venv-vllm)")
 
     p = sub.add_parser("apply", help="write one calibration's scales into another checkpoint of the same architecture")
@@ -298,17 +299,24 @@ def _main(argv: list[str] | None) -> int:
             if not args.json:
                 print(found.text(), flush=True)
             if args.engine:
-                from .engine.audit import audit
+                from .engine.audit import OK, audit
+                from .engine.delivery import check_delivery
                 from .engine.launch import EngineError
 
                 try:
                     checked = audit(args.checkpoint, args.vllm_python)
+                    if not args.json:
+                        print(checked.text(), flush=True)
+                    # the scales reach the kernel: asked only of scales the engine holds
+                    delivered = check_delivery(args.checkpoint, args.vllm_python) if checked.status == OK else None
                 except EngineError as e:
                     print(f"kvcal: error: {e}", file=sys.stderr)
                     return 2
                 ok, report = ok and checked.ok(strict=args.strict), report | {"engine_audit": checked.to_json()}
-                if not args.json:
-                    print(checked.text())
+                if delivered is not None:
+                    ok, report = ok and delivered.ok(strict=args.strict), report | {"engine_delivery": delivered.to_json()}
+                    if not args.json:
+                        print(delivered.text())
             if args.json:
                 print(json.dumps(report, indent=2))
             return 0 if ok else 1

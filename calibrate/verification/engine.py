@@ -14,7 +14,6 @@ ranked differently only when both orders are clear: each gap beyond 3 paired sta
 """
 
 import math
-import shutil
 import tempfile
 import time
 from collections.abc import Sequence
@@ -23,9 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 
-from ..checkpoint.write import scales_file
+from ..checkpoint.write import rescaled_copy
 from ..choices import CACHE_DTYPES, SCHEMES, SchemeSpec
 from ..engine.launch import EngineError, find_vllm_python, run_job
 from ..engine.platforms import PLATFORMS
@@ -103,18 +101,8 @@ def kv_cache_bytes(num_layers: int, kv_heads: int, head_dim: int, max_model_len:
 
 
 def scale1_checkpoint(checkpoint: Path, into: Path) -> Path:
-    """A copy of a kvcal output whose every KV scale is 1.0: the weights hard-linked, the scales shard rewritten."""
-    shard = scales_file(checkpoint)
-    out = into / "scale1"
-    out.mkdir()
-    for path in checkpoint.iterdir():
-        if path.is_file() and path != shard:
-            try:
-                (out / path.name).hardlink_to(path.resolve())
-            except OSError:
-                shutil.copyfile(path, out / path.name)
-    save_file({name: torch.ones_like(t) for name, t in load_file(shard).items()}, out / shard.name, metadata={"format": "pt"})
-    return out
+    """A copy of a kvcal output whose every KV scale is 1.0 (``checkpoint.write.rescaled_copy``)."""
+    return rescaled_copy(checkpoint, into / "scale1", lambda name, t: torch.ones_like(t))
 
 
 def check_stored(dtype: str, stored: dict, scheme_scales: dict | None) -> dict:
