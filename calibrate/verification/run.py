@@ -31,8 +31,9 @@ from ..capture.stats import Stats, position_bucket_starts
 from ..checkpoint.write import tensor_bytes, weight_files
 from ..data.config import DataConfig
 from ..data.stream import Layout, iter_sequences, portable_manifest, read_digests
-from ..engine.audit import FAILED, AuditResult, audit
+from ..engine.audit import FAILED, OK, AuditResult, audit
 from ..engine.caveats import installed_vllm_version
+from ..engine.delivery import DeliveryResult, check_delivery
 from ..engine.dtypes import EngineDtypes, engine_dtypes
 from ..engine.launch import EngineError
 from ..engine.platforms import platform
@@ -140,6 +141,8 @@ class VerifyResult:
         engine = self.report.get("engine")
         if engine and engine["audit"]["failures"]:
             return 1, f"the load audit failed: {engine['audit']['failures'][0]}"
+        if engine and engine["delivery"] and not engine["delivery"]["ok"]:
+            return 1, f"the delivery check failed: {engine['delivery']['text'].splitlines()[0]}"
         return 0, None
 
     def summary(self, skip_layers: Sequence[str | int] = ()) -> str:
@@ -330,6 +333,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
                                       mla=bool(sig.latent_dim), model_type=model_config.get("model_type"))
     if started is not None:
         recommendation[:0] = [*(f"Load audit: {line}" for line in started.audit.failures),
+                              *([f"Delivery: {started.delivery.text()}"] if started.delivery and not started.delivery.ok() else []),
                               *([f"The engine failed after the emulation, which alone is judged here: {engine_error}"] if engine_error else
                                 [f"Ranked and judged on the engine's figures (vLLM {engine_result['vllm_version']}, "
                                  f"{engine_result['attention_backend']}, target {engine_result['target']}) where it ran a "
@@ -434,14 +438,16 @@ class EngineStart:
 
     host: engine.EngineHost
     audit: AuditResult
+    delivery: DeliveryResult | None  # None: the audit did not pass, so delivery was not asked
     settings: str  # the line saying what kvcal set, and why
     dtypes: EngineDtypes
 
 
 def _start_engine(config: VerifyConfig) -> EngineStart:
     """Find vLLM, set the emulation and the target to its platform (``VerifyConfig.match_engine``, said on stderr with
-    the progress), read its cache dtypes and run the load audit: a vLLM that cannot load the checkpoint ends the run
-    here, in one line, before the emulation's long passes."""
+    the progress), read its cache dtypes, run the load audit and, where it passed on a kvcal output, the delivery check
+    (``engine.delivery``: the kernel uses the scales): a vLLM that cannot load the checkpoint ends the run here, in one
+    line, before the emulation's long passes."""
     host = engine.probe(config.vllm_python)
     settings = config.match_engine(host.platform, platform(host.platform))
     if config.progress:
@@ -450,13 +456,14 @@ def _start_engine(config: VerifyConfig) -> EngineStart:
     try:
         dtypes = engine_dtypes(host.python)
         held = audit(checkpoint, host.python)
+        delivered = check_delivery(checkpoint, host.python) if held.status == OK and is_kvcal_output(checkpoint) else None
     except EngineError as e:
         raise ValueError(f"vLLM {host.version} could not start on {checkpoint.name}, so nothing can be measured in the "
                          f"engine: {e}") from None
     if held.status == FAILED and not held.layers:  # vLLM refused the load itself
         raise ValueError(f"{held.failures[0]}: nothing can be measured in the engine; fix the checkpoint (kvcal inspect "
                          f"{config.checkpoint}), or verify without --engine")
-    return EngineStart(host, held, settings, dtypes)
+    return EngineStart(host, held, delivered, settings, dtypes)
 
 
 def _engine(config: VerifyConfig, started: EngineStart, model, sig: ModelSignature, layers, schemes: list[Scheme],
@@ -495,6 +502,7 @@ def _engine(config: VerifyConfig, started: EngineStart, model, sig: ModelSignatu
     result["audit"] = {"status": held.status, "failures": held.failures, "reason": held.reason,
                        "kv_cache_dtype": held.kv_cache_dtype}
     result["set"], result["not_emulated"] = started.settings, started.dtypes.not_emulated()
+    result["delivery"] = started.delivery.to_json() | {"text": started.delivery.text()} if started.delivery else None
     return result, None
 
 

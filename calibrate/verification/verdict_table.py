@@ -164,7 +164,8 @@ def engine_lines(engine: dict | None) -> list[str]:
              *([] if twin else [f"No measured like-for-like emulation of {engine['platform']}: the emulated column is for "
                                 "orientation, and no agreement is judged (docs/engine.md)."]),
              *([f"offered by vLLM {engine['vllm_version']}, not emulated: {', '.join(engine['not_emulated'])}"]
-               if engine.get("not_emulated") else []), "",
+               if engine.get("not_emulated") else []),
+             *(engine["delivery"]["text"].splitlines() if engine.get("delivery") else []), "",
              "| scheme | cache dtype | emulated KL | engine KL | KL vs reference | ratio | tolerance | top-1 (engine) | drift (engine) | stored as named |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in engine["schemes"].items():

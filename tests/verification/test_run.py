@@ -642,10 +642,12 @@ class FakeEngine:
     runs): each run's log-probabilities are the reference's own, moved by noise of a size fixed per scheme, so the
     engine's figures differ from the emulation's and a test can tell which ones the recommendation carries."""
 
-    def __init__(self, monkeypatch, platform: str, *, auto_fails: bool = False, load_refused: bool = False):
+    def __init__(self, monkeypatch, platform: str, *, auto_fails: bool = False, load_refused: bool = False,
+                 not_delivered: bool = False):
         import numpy as np
 
         from calibrate.engine import audit as audit_module
+        from calibrate.engine import delivery
         from calibrate.engine.dtypes import EngineDtypes
         from calibrate.verification import engine, run
 
@@ -682,7 +684,15 @@ class FakeEngine:
                               "rss_peak_delta_mib": 0.0, "kv_cache_dtype": dtype}
             return runs
 
+        def check_delivery(checkpoint, python):
+            self.calls["delivery"] = checkpoint
+            status = delivery.NOT_USED if not_delivered else delivery.USED
+            return delivery.DeliveryResult(str(checkpoint), "fp8", status, "0.32.0", tokens=255, noise=0.0,
+                                           groups=[{"layers": [0, 1, 2], "shift_max": 0.0 if not_delivered else 0.5,
+                                                    "shift_mean": 0.0, "moved": not not_delivered}])
+
         monkeypatch.setattr(run, "audit", audit)
+        monkeypatch.setattr(run, "check_delivery", check_delivery)
         monkeypatch.setattr(engine, "run_schemes", run_schemes)
 
 
@@ -722,6 +732,18 @@ def test_engine_on_a_gpu_decides_the_recommendation_for_its_own_target(plain_ckp
     assert f"KL {r['kl']:.4g} nats/token" in line and f"measured in {r['measured_by']}" in line
     assert f"kvcal's emulation: KL {r['emulated']['kl']:.4g}" in line
     assert not any(x.startswith("Not run in") for x in rep["recommendation"])  # the gpu engine ran it
+    assert fake.calls["delivery"].is_absolute() and rep["engine"]["delivery"]["status"] == "used"
+    assert "engine delivery (vLLM 0.32.0, --kv-cache-dtype fp8): used" in out
+
+
+def test_scales_the_engine_loads_but_never_uses_fail_verify_with_exit_1(plain_ckpt, data_file, tmp_path, monkeypatch, capsys):
+    FakeEngine(monkeypatch, "CpuPlatform", not_delivered=True)
+    code = _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch)
+    captured = capsys.readouterr()
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert code == 1 and captured.err.strip().splitlines()[-1].startswith(
+        "kvcal: error: the delivery check failed: engine delivery (vLLM 0.32.0, --kv-cache-dtype fp8): loaded but not used")
+    assert rep["recommendation"][0].startswith("Delivery: engine delivery") and rep["engine"]["delivery"]["ok"] is False
 
 
 def test_a_target_other_than_the_engines_is_refused_before_anything_runs(plain_ckpt, data_file, tmp_path, monkeypatch, capsys):
