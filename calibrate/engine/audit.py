@@ -8,7 +8,6 @@ per-head q reduced per group, the CPU backend's max over heads, storage in the m
 """
 
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from ..checkpoint.loaders import BASE_PATH_METHODS, quant_method
 from ..checkpoint.read import load_scales
 from ..model.description import describe_config
 from ..model.directory import attention_prefixes, read_config_json, tensor_names, vllm_files
-from .caveats import CPU_HOST_REFUSALS
+from .caveats import first_sentence
 from .launch import DEFAULT_TIMEOUT_S, find_vllm_python, run_job, vllm_version
 
 UNQUANTIZED = ("auto", "bfloat16", "float16")  # cache dtypes under which the base path keeps no k/v scale
@@ -103,8 +102,8 @@ def audit(out: str | Path, python: str | Path | None = None, *, kv_cache_dtype: 
                                         "kv_cache_space_gib": 1}, deny_isa=deny_isa, timeout_s=timeout_s)
     if answer["error"] is not None:
         result.vllm_version = vllm_version(python)
-        refusal = re.split(r"(?<=\.)\s", answer["error"].splitlines()[0], maxsplit=1)[0]  # vLLM's first sentence
-        if any(words in refusal for words in CPU_HOST_REFUSALS):
+        refusal, host = first_sentence(answer["error"])
+        if host:
             result.status, result.reason = NOT_AUDITABLE, (f"vLLM {result.vllm_version} runs no --kv-cache-dtype "
                                                            f"{dtype} here ({refusal})")
         else:

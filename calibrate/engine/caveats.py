@@ -8,6 +8,7 @@ each marked with its release, and "read for 0.32.0, not checked for X" where the
 Background and sources: docs/vllm-notes.md.
 """
 
+import re
 from dataclasses import dataclass
 
 from packaging.version import InvalidVersion, Version
@@ -105,6 +106,13 @@ SUPPORT: tuple[Support, ...] = (
 CPU_FP8_REFUSAL = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
 CPU_BACKEND_REFUSAL = "is not supported by the CPU attention backend on this host"
 CPU_HOST_REFUSALS = (CPU_FP8_REFUSAL, CPU_BACKEND_REFUSAL)
+
+
+def first_sentence(error: str) -> tuple[str, bool]:
+    """A job's error as vLLM's first sentence (the line it wrote for the user), and whether it is this host's refusal
+    of the cache (CPU_HOST_REFUSALS: not auditable here, not a broken checkpoint)."""
+    refusal = re.split(r"(?<=\.)\s", error.splitlines()[0], maxsplit=1)[0]
+    return refusal, any(words in refusal for words in CPU_HOST_REFUSALS)
 # vLLM's refusal of an e5m2 cache over a checkpoint that brings KV scales, its words and where (loaders.REFUSALS).
 E5M2_OVER_SCALES = ("'fp8_e5m2 kv-cache is not supported with fp8 checkpoints' (vLLM attention.py:205-220: a checkpoint "
                     "whose quantization config brings KV scales)")

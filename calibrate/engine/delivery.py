@@ -19,7 +19,7 @@ from ..checkpoint.write import rescaled_copy, scales_file
 from ..choices import SCHEMES
 from ..model.directory import tensor_names
 from .audit import FAILED, NOT_AUDITABLE, UNQUANTIZED
-from .caveats import CPU_HOST_REFUSALS
+from .caveats import first_sentence
 from .launch import DEFAULT_TIMEOUT_S, find_vllm_python, run_job, vllm_version
 
 USED = "used"
@@ -172,8 +172,7 @@ def _answered(result: DeliveryResult, answer: dict, python: Path) -> bool:
     if answer["error"] is None:
         return True
     result.vllm_version = vllm_version(python)
-    refusal = re.split(r"(?<=\.)\s", answer["error"].splitlines()[0], maxsplit=1)[0]  # vLLM's first sentence
-    host = any(words in refusal for words in CPU_HOST_REFUSALS)
+    refusal, host = first_sentence(answer["error"])
     result.status = NOT_AUDITABLE if host else FAILED
     result.reason = (f"vLLM runs no --kv-cache-dtype {result.kv_cache_dtype} here ({refusal})" if host
                      else f"vLLM refuses to run the checkpoint: {refusal}")
