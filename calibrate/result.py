@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from . import serving
 from .capture.stats import Stats
-from .checkpoint.loaders import quant_method, stored_dtype
+from .checkpoint.loaders import MLA_AT_ONE, quant_method, stored_dtype
 from .choices import DEFAULT_TARGET
 from .config import LITTLE_DATA_TOKENS
 from .engine.caveats import installed_vllm_version
@@ -130,7 +130,7 @@ class CalibrationResult:
                 + ", ".join(f"{k} {100 * frac:.3g}%" for k, frac in worst.items())]
 
     def _latent_note(self) -> list[str]:
-        """For MLA: the latent and k_pe under the one k scale, and what vLLM 0.32's scale of 1.0 does to them."""
+        """For MLA: the latent and k_pe under the one k scale, and what vLLM's scale of 1.0 (MLA_AT_ONE) does to them."""
         mla = self.provenance.get("mla")
         if mla is None:
             return []
@@ -139,7 +139,7 @@ class CalibrationResult:
         at_one = mla["saturated_at_scale_1"]
         return [f"MLA latent cache (kv_c_normed | k_pe under one k scale): absmax latent {latent:.4g}, k_pe {pe:.4g}; a "
                 f"latent-only scale would saturate k_pe in {clipped} of {len(mla['k_pe_absmax'])} layers",
-                f"vLLM 0.32 loads no MLA scales and runs at 1.0: there k saturates {100 * max(at_one['k']):.3g}%, q "
+                f"{MLA_AT_ONE}: there k saturates {100 * max(at_one['k']):.3g}%, q "
                 f"{100 * max(at_one['q']):.3g}% (worst layer; docs/vllm-notes.md, MLA)"]
 
     def _little_data(self) -> list[str]:

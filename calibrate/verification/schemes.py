@@ -11,7 +11,15 @@ import torch
 
 from ..capture.hooks import latent_view
 from ..capture.stats import Stats
-from ..checkpoint.loaders import MLA_SCALES_IGNORED, Servable, loaded_multiplier, quant_method, refusal, stored_dtype
+from ..checkpoint.loaders import (
+    MLA_AT_ONE,
+    MLA_SCALES_IGNORED,
+    Servable,
+    loaded_multiplier,
+    quant_method,
+    refusal,
+    stored_dtype,
+)
 from ..checkpoint.read import read_scales
 from ..choices import SCHEMES, SchemeSpec
 from ..fp8 import E5M2, FP8Format, per_token_head_round_trip, per_token_scale, quantize_dequantize
@@ -210,7 +218,7 @@ def build_schemes(
             skipped[scheme.name] = "not a cache vLLM's MLA layers take: kvcal emulates the latent cache in fp8 with per-tensor scales"
         schemes = [s for s in schemes if s not in other]
         if "scale1" not in config.schemes:
-            schemes.append(Scheme("scale1", Mode.STATIC, "1.0: what vLLM 0.32 uses for MLA layers, whatever the checkpoint holds", fmt, "tensor", ones, q))
+            schemes.append(Scheme("scale1", Mode.STATIC, f"1.0: {MLA_AT_ONE}, whatever the checkpoint holds", fmt, "tensor", ones, q))
         held["serving"].append(f"{MLA_SCALES_IGNORED[1]}: the scale1 row is what serving gives today.")
         notes.append("MLA: K and V are decompressed from the quantized latent; unless --kv-only, the absorbed query is "
                      "quantized too and attention runs in vLLM's decode form, as on FlashMLA and the other backends that "

@@ -174,7 +174,7 @@ def test_verify_runs_on_an_mla_checkpoint(smol_tokenizer, kjv_path, tmp_path):
                     schemes="tensor,token,int8_per_token_head,head", progress=False).report
     assert set(report["schemes"]) == {"tensor", "scale1"}  # scale1: what vLLM 0.32 serves for MLA
     assert set(report["skipped"]) == {"token", "int8_per_token_head", "head"}
-    assert report["recommendation"][0].startswith("vLLM 0.32 loads no checkpoint KV scales into MLA layers")
+    assert report["recommendation"][0].startswith("vLLM 0.32.0 loads no checkpoint KV scales into MLA layers")
     for name in ("tensor", "scale1"):
         r = report["schemes"][name]
         assert 0 < r["kl"] < 1 and r["bytes_per_token"] == 3 * (32 + 16)  # fp8: one byte per latent element, no V

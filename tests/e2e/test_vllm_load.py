@@ -99,7 +99,7 @@ def test_vllm_serves_kvcal_mla_output_but_loads_no_mla_scale(smol_tokenizer, kjv
     model = T.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     model.save_pretrained(tmp_path / "model")
     smol_tokenizer.save_pretrained(tmp_path / "model")
-    with pytest.warns(UserWarning, match="vLLM 0.32 loads no checkpoint KV scales into MLA layers"):
+    with pytest.warns(UserWarning, match="vLLM 0.32.0 loads no checkpoint KV scales into MLA layers"):
         result = calibrate(str(tmp_path / "model"), [str(kjv_path)], str(tmp_path / "out"), seq_len=64, max_tokens=512,
                            progress=False, verify=False)
     assert result.stats.signature.head_dim == 576 and result.stats.signature.num_kv_heads == 1

