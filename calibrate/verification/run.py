@@ -354,10 +354,8 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "engine": engine_result,
         "position_profile": _position_profile(stats),
         "tails": {k: v for k, v in tail_result.items() if k != "schemes"},
-        "depth": {"rule": depth.rule(), "first_end": depth.FIRST_END, "growth": depth.GROWTH, "min_sequences": depth.MIN_SEQUENCES,
-                  "se_multiple": depth.SE_MULTIPLE},
-        "token_kinds": {"rule": token_kinds.rule(), "ratio": token_kinds.RATIO, "min_tokens": token_kinds.MIN_TOKENS,
-                        "se_multiple": token_kinds.SE_MULTIPLE},
+        "depth": {"rule": depth.rule(), "first_end": depth.FIRST_END, "growth": depth.GROWTH, "min_sequences": depth.MIN_SEQUENCES},
+        "token_kinds": {"rule": token_kinds.rule(), "ratio": token_kinds.RATIO, "min_tokens": token_kinds.MIN_TOKENS},
         "drift": {"steps": config.generate, "prompts": len(prompts), "prompts_asked": config.prompts, "prompt_len": config.prompt_len,
                   "prompt_source": prompt_source, "near_tie_nats": NEAR_TIE_NATS} if prompts else None,
         "timings": {
