@@ -44,7 +44,7 @@ from ..thresholds import Thresholds
 from ..version import kvcal_version
 from . import depth, engine, fa3, report, token_kinds
 from .capacity import LayerKV, per_token, plan
-from .card import PLACEHOLDER, served_name, write_card
+from .card import PLACEHOLDER, refresh_applied, served_name, write_card
 from .config import FLOOR, NEAR_TIE_NATS, REFERENCE, VerifyConfig
 from .drift import measure_drift, prompts_from
 from .kvdtypes import DTYPES
@@ -439,10 +439,12 @@ def _engine(config: VerifyConfig, host: engine.EngineHost, model, sig: ModelSign
 
 
 def _refresh_card(checkpoint: str, rep: dict) -> None:
-    """Rewrite the verify table in the card of a kvcal output (a checkpoint kvcal did not write is left alone)."""
-    if not is_kvcal_output(checkpoint):
-        return
+    """Rewrite the verify table in the card of a kvcal output, or kvcal's section in that of a pack applied to other
+    weights (``card.refresh_applied``); any other card is left alone."""
     try:
+        if not is_kvcal_output(checkpoint):
+            refresh_applied(checkpoint, rep)
+            return
         write_card(checkpoint, read_json_object(provenance_path(checkpoint), "calibrate it again"), rep)
     except OSError as e:
         warnings.warn(f"{checkpoint}/README.md keeps its old verify table: {e.strerror or e}", stacklevel=3)
