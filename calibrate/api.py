@@ -34,7 +34,7 @@ from .config import CalibrationConfig, ScaleConfig
 from .data.sources import local_paths
 from .files import no_room
 from .fp8 import get_format
-from .layout import KVCAL_DIR, PROVENANCE_FILE, is_pack, sibling
+from .layout import KVCAL_DIR, PROVENANCE_FILE, card_path, is_pack, sibling
 from .model.description import ModelDescription, describe, describe_checked
 from .model.directory import checkpoint_prefixes, read_config_json
 from .model.layers import AttentionLayer
@@ -338,9 +338,18 @@ def _apply_pack(pack: Path, checkpoint: Path, out: Path, *, overwrite: bool, oth
     packs.check_fits(pack, manifest, described)
     seconds = None if other_weights else packs.check_weights(pack, manifest, described)
     scales = packs.pack_scales(pack, manifest)
+    extras = packs.applied_extras(pack, manifest, copy_card=not other_weights)
+
+    def write_extras(directory: Path) -> None:
+        extras(directory)
+        if other_weights:  # the pack's card is the base model's: keep CHECKPOINT's own, with kvcal's section added
+            from .verification.card import write_applied_card  # huggingface_hub's card support, as _write_extras
+
+            write_applied_card(directory.parent, manifest, card_path(pack))
+
     written = write_checkpoint(
         described, out, scales=scales, strategy=packs.strategy_of(scales),
-        write_extras=packs.applied_extras(pack, manifest), fp8_format=manifest["scales"]["fp8_format"],
+        write_extras=write_extras, fp8_format=manifest["scales"]["fp8_format"],
         overwrite=overwrite, inputs=(pack,), seen=seen,
     )
     return AppliedPack(written, checkpoint, manifest, seconds)

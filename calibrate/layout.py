@@ -22,6 +22,8 @@
       config_fragment.json        config file name → the keys vLLM needs set in it
       kvcal/records.txt           the calibration's record digests, as in OUT
     OUT/kvcal/manifest.json       in an OUT applied from a pack: that pack's manifest
+    OUT/README.md                 applied from a pack to other weights (--other-weights): the target's own card, with
+                                  kvcal's section between SECTION_BEGIN and SECTION_END
 
 Siblings named with a PID belong to that process while it lives; ``sweep`` removes those of dead processes.
 
@@ -41,6 +43,10 @@ VERIFY_DIR = "verify"
 CARD_FILE = "README.md"  # where the Hugging Face Hub looks for a model card
 # Ends kvcal's section in every card kvcal writes, the source's card or nothing after it: a refresh keeps what follows.
 CARD_MARKER = "<!-- kvcal's section ends here; what follows is the source model's own card, unchanged -->"
+# Around kvcal's section in a card kvcal did not write (a pack applied to other weights): the card's own front matter and
+# text stay outside them, untouched; a refresh rewrites what lies between them.
+SECTION_BEGIN = "<!-- kvcal's section begins: kvcal rewrites what lies between these markers, and nothing else -->"
+SECTION_END = "<!-- kvcal's section ends -->"
 PACK_MANIFEST = "manifest.json"
 PACK_SCALES = "kv_scales.safetensors"
 PACK_FRAGMENT = "config_fragment.json"

@@ -185,15 +185,16 @@ def check_weights(pack: Path, manifest: dict, described: ModelDescription) -> fl
     return seconds
 
 
-def applied_extras(pack: Path, manifest: dict) -> Callable[[Path], None]:
+def applied_extras(pack: Path, manifest: dict, *, copy_card: bool) -> Callable[[Path], None]:
     """What an OUT applied from ``pack`` gets besides the checkpoint, for ``write_checkpoint(write_extras=...)``: the
-    pack's record digests and manifest in its kvcal/ folder (the manifest marks it as kvcal's), the pack's card."""
+    pack's record digests and manifest in its kvcal/ folder (the manifest marks it as kvcal's), and with ``copy_card``
+    the pack's card (the base model's: right only on the base model's weights)."""
 
     def write(directory: Path) -> None:
         (directory / PACK_MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         if records_path(pack).is_file():
             shutil.copyfile(records_path(pack), directory / RECORDS_FILE)
-        if card_path(pack).is_file():
+        if copy_card and card_path(pack).is_file():
             shutil.copyfile(card_path(pack), card_path(directory.parent))
 
     return write

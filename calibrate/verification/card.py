@@ -8,6 +8,11 @@ scales' scheme and observer, the data manifest, the verify table with its floor 
 here measured. The source's own card follows below a marker line, kept whole, so a refresh (a later
 ``kvcal verify --report``) rewrites kvcal's section and never the source's. Written with huggingface_hub's
 ``ModelCard``/``ModelCardData``, so the front matter is the Hub's YAML.
+
+A pack applied to other weights (``kvcal apply PACK MODEL --other-weights``, a fine-tune) keeps MODEL's own card whole,
+its front matter and licence included, and adds kvcal's section at its end between ``layout.SECTION_BEGIN`` and
+``SECTION_END``: which scales came from which base model and revision, and that the verify figures are the base
+model's until ``kvcal verify --report`` measures this checkpoint and rewrites that section (``refresh_applied``).
 """
 
 import re
@@ -18,9 +23,9 @@ from huggingface_hub import ModelCard, ModelCardData
 from .. import serving
 from ..checkpoint.loaders import MLA_AT_ONE
 from ..data.stream import portable_manifest
-from ..files import write_atomically
+from ..files import read_json_object, write_atomically
 from ..layout import CARD_MARKER as MARKER
-from ..layout import card_path
+from ..layout import KVCAL_DIR, PACK_MANIFEST, SECTION_BEGIN, SECTION_END, card_path
 from .report_md import markdown_table, target_serve_markdown
 from .verdict_table import (
     VERIFY_HEADER,
@@ -37,6 +42,9 @@ TAGS = ["kvcal", "fp8", "kv-cache", "vllm"]
 KEPT_METADATA = ("license", "license_name", "license_link", "language", "pipeline_tag", "library_name")
 _FRONT_MATTER = re.compile(r"\A---\s*\n.*?\n---\s*(\n|\Z)", re.DOTALL)
 
+
+VERIFICATION = "## Verification"  # the heading of the verify figures in kvcal's section (read back by _verification_of)
+NOT_VERIFIED = "Not verified yet."  # how that part starts before any verify
 
 # The serve lines' model when no --hub-id names the repo OUT goes to: the reader replaces it (the card says so).
 PLACEHOLDER = "YOUR-ORG/YOUR-REPO"
@@ -122,8 +130,8 @@ def _section(out: str, provenance: dict, report: dict | None, base: dict | None)
                   "some layer): rarer outliers were likely not seen."]
     lines += ["", "## Calibration data", "", markdown_table(
         ["source", "records read", "tokens", "files (size, sha256) or Hub revision"], data_rows(provenance["data"]))]
-    lines += ["", "## Verification", ""] + (_verification(report) if report else [
-        "Not verified yet. `kvcal verify` measures what each KV-cache scheme costs this model on held-out text, "
+    lines += ["", VERIFICATION, ""] + (_verification(report) if report else [
+        f"{NOT_VERIFIED} `kvcal verify` measures what each KV-cache scheme costs this model on held-out text, "
         "and with `--report` it writes its table here."])
     lines += ["", "## Not measured", "", _engine_bullet(report),
               "- Contexts longer than the verify sample's sequences; FP8 attention on Hopper (FlashAttention 3) "
@@ -198,4 +206,87 @@ def write_card(directory: str | Path, provenance: dict, report: dict | None = No
     path = card_path(directory)
     previous = path.read_text(errors="replace") if path.is_file() else None
     text = card_text(out or str(directory), provenance, report, previous)
+    write_atomically(path, lambda tmp: tmp.write_text(text))
+
+
+def _base_named(manifest: dict) -> str:
+    """The pack's base model as a card names it: Hub id and revision, or what pins it when it has no id."""
+    base = manifest["base_model"]
+    if not base.get("id"):
+        return "a base model that is not on the Hub (its weight files' sha256 are in kvcal/manifest.json)"
+    return f"`{base['id']}`" + (f" at revision `{base['revision']}`" if base.get("revision") else "")
+
+
+def _verification_of(card: str | None) -> list[str]:
+    """The verify figures in a card kvcal wrote (a pack's: the base model's); empty when it has none."""
+    section = (card or "").split(MARKER, 1)[0].splitlines()
+    if VERIFICATION not in section:
+        return []
+    start = section.index(VERIFICATION) + 1
+    end = next((i for i in range(start, len(section)) if section[i].startswith("## ")), len(section))
+    figures = section[start:end]
+    return [] if "\n".join(figures).strip().startswith(NOT_VERIFIED) else figures
+
+
+def applied_section(manifest: dict, report: dict | None, base_verification: list[str]) -> list[str]:
+    """kvcal's section in the card of a pack applied to other weights: whose scales, the serve lines, and verify
+    figures said to be this checkpoint's (``report``) or the base model's (``base_verification``, from the pack's card)."""
+    base, granularity, version = _base_named(manifest), manifest["scales"]["granularity"], manifest.get("kvcal_version")
+    provenance = {"scales": {"granularity": granularity}}  # serve_lines' placeholder model, no recipe skip layers
+    lines = [
+        "## FP8 KV-cache scales (kvcal)",
+        "",
+        f"The KV-cache scales in this checkpoint ({granularity}, FP8 {manifest['scales']['fp8_format']}) were calibrated by "
+        f"kvcal{' ' + version if version else ''} on {base}, and written beside this model's weights by "
+        "`kvcal apply --other-weights`: these weights are not the ones the scales were calibrated on. The weights and "
+        "the rest of this card are this model's own.",
+        "",
+        "### Serve",
+        "",
+        *target_serve_markdown(serve_lines("", provenance, report), heading=False),
+        f"Replace `{PLACEHOLDER}` with the Hub repo you upload this folder to, or the folder's path.",
+        "",
+    ]
+    if report:
+        lines += ["### Verification of this checkpoint", "", *_verification(report)]
+    else:
+        lines += ["### Verification: the base model's figures, not this checkpoint's", "",
+                  f"What follows was measured on {base} before its scales were applied here. `kvcal verify` on this "
+                  "folder with `--report` measures this checkpoint and replaces this section.", "",
+                  *(base_verification or ["None: the base model was not verified when the pack was made."])]
+    return [*lines, "", "### Not measured", "", _engine_bullet(report)]
+
+
+def applied_card(card: str | None, manifest: dict, report: dict | None, base_verification: list[str]) -> str:
+    """``card`` (the target's own) with kvcal's ``applied_section`` between SECTION_BEGIN and SECTION_END: put in place
+    of the one there, else appended; without a card, a card of kvcal's tags and that section alone."""
+    section = "\n".join([SECTION_BEGIN, "", *applied_section(manifest, report, base_verification), "", SECTION_END])
+    if not card:
+        return str(ModelCard(f"---\n{ModelCardData(tags=TAGS).to_yaml()}\n---\n\n{section}\n"))
+    if SECTION_BEGIN in card and SECTION_END in card.split(SECTION_BEGIN, 1)[1]:
+        before, rest = card.split(SECTION_BEGIN, 1)
+        return before + section + rest.split(SECTION_END, 1)[1]
+    return f"{card.rstrip()}\n\n{section}\n"
+
+
+def write_applied_card(directory: str | Path, manifest: dict, pack_card: Path) -> None:
+    """``directory``/README.md for a pack applied to other weights: the target's card as write_checkpoint copied it (or
+    none), with kvcal's section naming the base model whose figures the pack's card (``pack_card``) holds."""
+    path = card_path(directory)
+    card = path.read_text(errors="replace") if path.is_file() else None
+    pack_text = pack_card.read_text(errors="replace") if pack_card.is_file() else None
+    text = applied_card(card, manifest, None, _verification_of(pack_text))
+    write_atomically(path, lambda tmp: tmp.write_text(text))
+
+
+def refresh_applied(directory: str | Path, report: dict) -> None:
+    """Rewrite kvcal's section of an applied pack's card with ``report``'s figures, this checkpoint's; the rest of the
+    card is left as it is. A card without the section (not applied to other weights) is left alone."""
+    path, manifest = card_path(directory), Path(directory) / KVCAL_DIR / PACK_MANIFEST
+    if not (path.is_file() and manifest.is_file()):
+        return
+    card = path.read_text(errors="replace")
+    if SECTION_BEGIN not in card:
+        return
+    text = applied_card(card, read_json_object(manifest, "apply the pack again"), report, [])
     write_atomically(path, lambda tmp: tmp.write_text(text))

@@ -12,8 +12,8 @@ Position p of a sequence reads tokens 0..p and predicts token p + 1; its depth i
 token p (a record's closing EOS is its own).
 
 The trend: the mean KL of the deepest bucket that at least ``MIN_SEQUENCES`` sequences reach, minus that of the first
-bucket, paired by sequence (the same sequences, each its own difference), against its standard error: *grows* beyond
-``SE_MULTIPLE`` standard errors, *shrinks* below minus that, else *flat*.
+bucket, paired by sequence (the same sequences, each its own difference): *grows* or *shrinks* when the difference is
+significant (``significance.significant``: Student's t, two-sided 5%), else *flat*.
 
 Plain numbers in, numbers out: nothing here runs a model.
 """
@@ -21,12 +21,12 @@ Plain numbers in, numbers out: nothing here runs a model.
 import torch
 
 from ..data.stream import Layout
+from .significance import RULE, significant
 from .verdict import mean_stderr
 
 FIRST_END = 128  # the first bucket is positions 0-127
 GROWTH = 4  # each next bucket ends GROWTH times further: 512, 2048, 8192, 32768...
 MIN_SEQUENCES = 2  # sequences a bucket needs for the trend to use it (a standard error needs two)
-SE_MULTIPLE = 2.0  # how many standard errors a trend must clear
 
 
 def buckets(positions: int) -> list[tuple[int, int]]:
@@ -111,8 +111,7 @@ def trend(rows: list[dict], ends: torch.Tensor) -> dict:
     base = {s: v for s, v in zip(reach_first, first["kl_per_sequence"])}
     diffs = [v - base[s] for s, v in zip(sorted(reach_last), last["kl_per_sequence"])]
     mean, se = mean_stderr(diffs)
-    verdict = ("grows" if mean > SE_MULTIPLE * se else "shrinks" if mean < -SE_MULTIPLE * se else "flat") if se else (
-        "flat" if mean == 0 else "grows" if mean > 0 else "shrinks")
+    verdict = ("grows" if mean > 0 else "shrinks") if significant(mean, se, len(diffs)) else "flat"
     return {"first": first["label"], "last": last["label"], "sequences": len(diffs), "difference": mean, "stderr": se,
             "verdict": verdict}
 
@@ -133,4 +132,4 @@ def rule() -> str:
     """The depth rule in words a user reads."""
     return (f"KL of positions inside the record a sequence starts with, in buckets from 0–{FIRST_END - 1} growing "
             f"{GROWTH}× each, a bucket only over records that cover it; the trend is the deepest bucket (with ≥ "
-            f"{MIN_SEQUENCES} records) minus the first, paired by record, beyond {SE_MULTIPLE:g} standard errors")
+            f"{MIN_SEQUENCES} records) minus the first, paired by record, judged by {RULE}")

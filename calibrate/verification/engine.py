@@ -9,8 +9,9 @@ engine's *floor* is its ``auto`` cache against the reference model kvcal loaded 
 dtype).
 
 The tolerance, per scheme: the emulation and the engine agree when |engine KL − emulated KL| ≤ engine floor +
-run-to-run noise + 3 × the paired standard error of the per-sequence difference (``tolerance``). Two schemes are
-ranked differently only when both orders are clear: each gap beyond 3 paired standard errors plus the noise.
+run-to-run noise + ``significance.margin`` of the per-sequence difference (its paired standard error × Student's t at
+n − 1 degrees of freedom, two-sided 5%: ``tolerance``). Two schemes are ranked differently only when both orders are
+clear: each gap beyond its own margin plus the noise.
 """
 
 import math
@@ -29,6 +30,7 @@ from ..engine.launch import EngineError, find_vllm_python, run_job
 from ..engine.platforms import PLATFORMS
 from .drift import engine_drift
 from .passes import token_kl
+from .significance import margin
 from .verdict import judge, mean_stderr
 
 
@@ -60,7 +62,6 @@ PROMISES = {"auto": (2, "none"), "bfloat16": (2, "none"), "float16": (2, "none")
             "fp8_e5m2": (1, "none (scale 1.0)"), "fp8_per_token_head": (1, "per token and head, computed as written"),
             "int8_per_token_head": (1, "per token and head, computed as written"),
             "int4_per_token_head": (0.5, "per token and head, computed as written")}
-SE_FACTOR = 3.0  # paired standard errors in the tolerance and the ranking rule
 NOT_AS_NAMED = "not what the name says"
 
 
@@ -216,9 +217,9 @@ def short_reason(error: str) -> str:
     return text.split(". ")[0][:90]
 
 
-def tolerance(floor_kl: float, noise_kl: float, diff_se: float | None) -> float:
+def tolerance(floor_kl: float, noise_kl: float, diff_se: float | None, sequences: int) -> float:
     """How far the engine's KL may lie from the emulation's and still agree (nats/token): see the module's docstring."""
-    return floor_kl + noise_kl + SE_FACTOR * (diff_se or 0.0)
+    return floor_kl + noise_kl + margin(diff_se, sequences)
 
 
 def compare(results: dict[str, dict], runs: dict[str, dict], ref_npy: np.ndarray | None,
@@ -256,7 +257,7 @@ def compare(results: dict[str, dict], runs: dict[str, dict], ref_npy: np.ndarray
         vs_ref = mean_stderr(compare_logprobs(ref_npy, logprobs)[0])[0] if ref_npy is not None else None
         ppl = math.exp(mean_nll(logprobs, targets) - auto_nll) - 1 if auto_nll is not None else None
         diff_se = mean_stderr([a - b for a, b in zip(kls, r["kl_per_sequence"])])[1]
-        tol = tolerance(floor["kl"] if floor else 0.0, noise_kl, diff_se)
+        tol = tolerance(floor["kl"] if floor else 0.0, noise_kl, diff_se, len(kls))
         stored = check_stored(run["kv_cache_dtype"], run["stored"], scheme_scales.get(name))
         schemes[name] = {**row, "kl": kl, "kl_stderr": se, "kl_per_sequence": kls, "top1": sum(top1) / len(top1),
                          "kl_vs_reference": vs_ref, "ppl_change": ppl,
@@ -270,7 +271,7 @@ def compare(results: dict[str, dict], runs: dict[str, dict], ref_npy: np.ndarray
     return {"engine": "vllm", "vllm_version": host.version, "platform": host.platform, "target": PLATFORMS[host.platform].target,
             "isa": auto["isa"], "like_for_like": twin,
             "attention_backend": stored_auto["attention_backend"], "settings": settings, "noise_kl": noise_kl,
-            "floor": floor, "schemes": schemes, "ranking_flips": ranking, "se_factor": SE_FACTOR, "noise_drift": noise_drift,
+            "floor": floor, "schemes": schemes, "ranking_flips": ranking, "noise_drift": noise_drift,
             "rss_peak_delta_mib": auto["rss_peak_delta_mib"],
             "seconds": sum(r.get("seconds", 0.0) for r in runs.values())}
 
@@ -283,8 +284,8 @@ def _drift(auto: dict, run: dict) -> dict | None:
 
 
 def ranking_flips(schemes: dict[str, dict], results: dict[str, dict], noise_kl: float) -> list[tuple[str, str]]:
-    """Pairs (a, b) the emulation clearly ranks a < b and the engine clearly b < a (each gap beyond SE_FACTOR paired
-    standard errors of the per-sequence difference, plus the noise)."""
+    """Pairs (a, b) the emulation clearly ranks a < b and the engine clearly b < a (each gap beyond the
+    ``significance.margin`` of the per-sequence difference, plus the noise)."""
     measured = [n for n, row in schemes.items() if "kl" in row]
     flips = []
     for i, a in enumerate(measured):
@@ -292,8 +293,8 @@ def ranking_flips(schemes: dict[str, dict], results: dict[str, dict], noise_kl: 
             emu = [x - y for x, y in zip(results[a]["kl_per_sequence"], results[b]["kl_per_sequence"])]
             eng = [x - y for x, y in zip(schemes[a]["kl_per_sequence"], schemes[b]["kl_per_sequence"])]
             (me, se_e), (mg, se_g) = mean_stderr(emu), mean_stderr(eng)
-            clear_e = abs(me) > SE_FACTOR * (se_e or 0.0) + noise_kl
-            clear_g = abs(mg) > SE_FACTOR * (se_g or 0.0) + noise_kl
+            clear_e = abs(me) > margin(se_e, len(emu)) + noise_kl
+            clear_g = abs(mg) > margin(se_g, len(eng)) + noise_kl
             if clear_e and clear_g and (me > 0) != (mg > 0):
                 flips.append((a, b))
     return flips

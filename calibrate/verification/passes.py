@@ -259,6 +259,7 @@ def probe_skip_layers(model, layers, scheme: Scheme, result: dict, sequences: li
         gain = [a - b for a, b in zip(result["kl_per_sequence"], tallies[variant.name].seq_kl)]
         mean, se = mean_stderr(gain)
         measured.append({"layer": layers[row].layer_idx, "row": row, "estimate": estimate[row],
-                         "kl_without": sum(tallies[variant.name].seq_kl) / len(sequences), "gain": mean, "gain_stderr": se})
+                         "kl_without": sum(tallies[variant.name].seq_kl) / len(sequences), "gain": mean, "gain_stderr": se,
+                         "sequences": len(gain)})
     return {"scheme": scheme.name, "kl": result["kl"], "estimate": estimate, "layers": [layer.layer_idx for layer in layers],
             "measured": measured, "seconds": time.perf_counter() - start, **skip_choice(result["kl"], measured, len(layers))}

@@ -48,7 +48,7 @@ from ..thresholds import Thresholds
 from ..version import kvcal_version
 from . import depth, engine, fa3, report, token_kinds
 from .capacity import LayerKV, per_token, plan
-from .card import PLACEHOLDER, served_name, write_card
+from .card import PLACEHOLDER, refresh_applied, served_name, write_card
 from .config import FLOOR, NEAR_TIE_NATS, REFERENCE, VerifyConfig
 from .drift import measure_drift, prompts_from
 from .kvdtypes import DTYPES
@@ -376,10 +376,8 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         "engine_error": engine_error,  # the engine's failure after the emulation ran (None: it ran, or was not asked)
         "position_profile": _position_profile(stats),
         "tails": {k: v for k, v in tail_result.items() if k != "schemes"},
-        "depth": {"rule": depth.rule(), "first_end": depth.FIRST_END, "growth": depth.GROWTH, "min_sequences": depth.MIN_SEQUENCES,
-                  "se_multiple": depth.SE_MULTIPLE},
-        "token_kinds": {"rule": token_kinds.rule(), "ratio": token_kinds.RATIO, "min_tokens": token_kinds.MIN_TOKENS,
-                        "se_multiple": token_kinds.SE_MULTIPLE},
+        "depth": {"rule": depth.rule(), "first_end": depth.FIRST_END, "growth": depth.GROWTH, "min_sequences": depth.MIN_SEQUENCES},
+        "token_kinds": {"rule": token_kinds.rule(), "ratio": token_kinds.RATIO, "min_tokens": token_kinds.MIN_TOKENS},
         "drift": {"steps": config.generate, "prompts": len(prompts), "prompts_asked": config.prompts, "prompt_len": config.prompt_len,
                   "prompt_source": prompt_source, "near_tie_nats": NEAR_TIE_NATS} if prompts else None,
         "timings": {
@@ -507,10 +505,12 @@ def _engine(config: VerifyConfig, started: EngineStart, model, sig: ModelSignatu
 
 
 def _refresh_card(checkpoint: str, rep: dict) -> None:
-    """Rewrite the verify table in the card of a kvcal output (a checkpoint kvcal did not write is left alone)."""
-    if not is_kvcal_output(checkpoint):
-        return
+    """Rewrite the verify table in the card of a kvcal output, or kvcal's section in that of a pack applied to other
+    weights (``card.refresh_applied``); any other card is left alone."""
     try:
+        if not is_kvcal_output(checkpoint):
+            refresh_applied(checkpoint, rep)
+            return
         write_card(checkpoint, read_json_object(provenance_path(checkpoint), "calibrate it again"), rep)
     except OSError as e:
         warnings.warn(f"{checkpoint}/README.md keeps its old verify table: {e.strerror or e}", stacklevel=3)

@@ -2,12 +2,13 @@
 
 vLLM serves an FP8 cache at scale 1.0 when a checkpoint has no KV scales, so this is the question behind every
 calibration. The answer is one of three, each with what to do: the calibrated scales are better (by how much, with
-the paired test), equal within noise (with the smallest difference this sample could have detected: 2 standard
-errors of the paired difference), or worse. Plain numbers in, a dict and a sentence out; nothing here runs a model.
+the paired test, ``significance.significant``), equal within noise (with the difference this sample would have
+found 4 times in 5: ``significance.detectable``), or worse. Plain numbers in, a dict and a sentence out; nothing here runs a model.
 """
 
 import math
 
+from .significance import detectable
 from .verdict import compare
 
 SCALE1 = "scale1"
@@ -25,7 +26,8 @@ def _calibrated(results: dict[str, dict]) -> str | None:
 
 def scale1_answer(results: dict[str, dict]) -> dict | None:
     """The answer, for report.json: which calibrated scheme, both KLs, the paired difference (calibrated − scale 1.0,
-    nats/token) with its standard error, the smallest detectable difference (2 s.e.), the outcome and what to do.
+    nats/token) with its standard error, the detectable difference (``significance.detectable``: found with 80% power
+    by the two-sided 5% t test), the outcome and what to do.
     None when verify did not measure scale 1.0 and calibrated FP8 scales side by side."""
     one = results.get(SCALE1)
     name = _calibrated(results)
@@ -34,8 +36,9 @@ def scale1_answer(results: dict[str, dict]) -> dict | None:
     mean, se, significant = compare(results[name], one)
     ka, k1 = results[name]["kl"], one["kl"]
     outcome = UNTESTED if se is None else (EQUAL if not significant else BETTER if mean < 0 else WORSE)
+    n = len(one["kl_per_sequence"])
     answer = {"calibrated": name, "calibrated_kl": ka, "scale1_kl": k1, "difference": mean, "stderr": se,
-              "detectable": None if se is None else 2 * se, "sequences": len(one["kl_per_sequence"]), "outcome": outcome}
+              "detectable": None if se is None else detectable(se, n), "sequences": n, "outcome": outcome}
     return {**answer, "text": _sentence(answer)}
 
 
@@ -46,7 +49,7 @@ def _sentence(a: dict) -> str:
     if a["outcome"] == UNTESTED:
         return (f"Is scale 1.0 enough? Not tested: {name} scales vs scale 1.0, {figures}, on one sequence, which gives "
                 "no standard error; verify with a larger --max-tokens to answer it.")
-    paired = f"difference {a['difference']:+.3g} ± {a['stderr']:.2g} nats/token, paired over {n} sequences"
+    paired = f"difference {a['difference']:+.3g} ± {a['stderr']:.2g} nats/token (standard error), paired over {n} sequences"
     change = abs(ka / k1 - 1) if k1 > 0 else 0.0
     if a["outcome"] == BETTER:
         return (f"Is scale 1.0 enough? No: the calibrated {name} scales lower the KL by {change:.0%} against scale 1.0 "
@@ -56,6 +59,6 @@ def _sentence(a: dict) -> str:
                 f"({figures}; {paired}, significant). Serve without KV scales (vLLM then uses 1.0), or try another "
                 "observer (`kvcal export OUT --out NEW --observer mse`) and verify again.")
     return (f"Is scale 1.0 enough? On this sample, yes: the calibrated {name} scales and scale 1.0 are equal within noise "
-            f"({figures}; {paired}); a difference of {a['detectable']:.2g} nats/token ({a['detectable'] / k1:.0%} of scale "
-            "1.0's KL) or more would have shown. Either serves; the calibrated scales also guard against values beyond "
+            f"({figures}; {paired}, t test at 5%); a difference of {a['detectable']:.2g} nats/token ({a['detectable'] / k1:.0%} "
+            "of scale 1.0's KL) would have shown 4 times in 5. Either serves; the calibrated scales also guard against values beyond "
             "FP8's range in other data, and a larger --max-tokens can detect a smaller difference.")

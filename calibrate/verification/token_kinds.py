@@ -7,7 +7,7 @@ JSON answer is a JSON token predicted wrongly. Two classifications, each over th
 
 A kind is *much worse* when its mean KL is at least ``RATIO`` times that of the rest of its classification, it holds
 at least ``MIN_TOKENS`` tokens, and the difference (the kind's mean minus the rest's, within each sequence that holds
-both, then averaged over those sequences) is beyond ``SE_MULTIPLE`` standard errors.
+both, then averaged over those sequences) is significant (``significance.significant``: Student's t, two-sided 5%).
 
 Plain numbers in, numbers out: nothing here runs a model.
 """
@@ -16,11 +16,11 @@ import torch
 
 from ..data.kinds import FORM_SHIFT, FORMS, ROLES
 from ..data.stream import Layout
+from .significance import RULE, significant
 from .verdict import mean_stderr
 
 RATIO = 2.0  # a kind's KL over the rest's for it to be much worse
 MIN_TOKENS = 50  # tokens a kind needs to be judged
-SE_MULTIPLE = 2.0  # standard errors the per-sequence difference must clear
 CLASSIFICATIONS = {"role": ROLES, "form": FORMS}
 
 
@@ -82,8 +82,8 @@ def _judge(token_kl: torch.Tensor, mine: torch.Tensor, rest: torch.Tensor) -> di
     diffs = [token_kl[s][mine[s]].double().mean().item() - token_kl[s][rest[s]].double().mean().item() for s in both]
     mean, se = mean_stderr(diffs) if diffs else (None, None)
     ratio = kl / rest_kl if rest_kl > 0 else None
-    worse = (ratio is not None and ratio >= RATIO and int(mine.sum()) >= MIN_TOKENS and se is not None
-             and mean > SE_MULTIPLE * se)
+    worse = (ratio is not None and ratio >= RATIO and int(mine.sum()) >= MIN_TOKENS and mean is not None and mean > 0
+             and significant(mean, se, len(diffs)))
     return {"rest_kl": rest_kl, "ratio": ratio, "paired_sequences": len(diffs), "difference": mean, "stderr": se,
             "much_worse": worse}
 
@@ -98,5 +98,5 @@ def worse_text(d: dict) -> list[str]:
 def rule() -> str:
     """The rule in words a user reads."""
     return (f"token kinds: a kind (chat role, or JSON/code/prose) is much worse when its KL is ≥ {RATIO:g}× the rest of "
-            f"its classification's over ≥ {MIN_TOKENS} tokens and the per-sequence difference is beyond "
-            f"{SE_MULTIPLE:g} standard errors")
+            f"its classification's over ≥ {MIN_TOKENS} tokens and the per-sequence difference is "
+            f"significant ({RULE})")

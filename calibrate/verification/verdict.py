@@ -14,6 +14,7 @@ from ..model.layers import AttentionLayer
 from ..thresholds import Thresholds
 from .config import FLOOR, percent
 from .kvdtypes import DTYPES
+from .significance import significant
 from .tails import COMPARED, CONFIDENCE
 
 # Each scheme's note, from the one table (choices.SCHEMES; a cache dtype's from kvdtypes.DTYPES), and the floor's.
@@ -104,10 +105,11 @@ def judge(result: dict, limits: Thresholds) -> tuple[str, list[str]]:
 
 
 def compare(a: dict, b: dict) -> tuple[float, float | None, bool]:
-    """KL of scheme a minus scheme b, paired by sequence: (mean, stderr or None, significant at 2 s.e.)."""
+    """KL of scheme a minus scheme b, paired by sequence: (mean, stderr or None, significant by
+    ``significance.significant``)."""
     diff = [x - y for x, y in zip(a["kl_per_sequence"], b["kl_per_sequence"])]
     mean, se = mean_stderr(diff)
-    return mean, se, se is not None and abs(mean) > 2 * se
+    return mean, se, significant(mean, se, len(diff))
 
 
 def _servable(r: dict) -> bool:
@@ -154,7 +156,7 @@ def choose(results: dict[str, dict]) -> str | None:
 
 
 def _significantly_above(a: dict, b: dict) -> bool:
-    """Whether scheme a's KL is above b's beyond 2 standard errors, paired by sequence (one sequence: never)."""
+    """Whether scheme a's KL is significantly above b's, paired by sequence (``compare``; one sequence: never)."""
     mean, _, significant = compare(a, b)
     return significant and mean > 0
 
@@ -173,10 +175,12 @@ def skip_choice(kl: float, measured: list[dict], num_layers: int) -> dict:
     """Which measured layers to keep unquantized, and how far the cheap estimate agreed with the measurement.
 
     A layer is worth keeping when leaving it unquantized removes at least twice its fair share of the scheme's
-    KL (2 · KL / layers) and that gain is significant (over 2 standard errors, paired by sequence).
+    KL (2 · KL / layers) and that gain is significant (``significance.significant``, paired over ``m["sequences"]``);
+    with one sequence there is no test and the share alone decides.
     """
     share = 2 * kl / num_layers
-    keep = [m["layer"] for m in measured if m["gain"] > share and (m["gain_stderr"] is None or m["gain"] > 2 * m["gain_stderr"])]
+    keep = [m["layer"] for m in measured if m["gain"] > share
+            and (m["gain_stderr"] is None or significant(m["gain"], m["gain_stderr"], m["sequences"]))]
     estimate, gain = [m["estimate"] for m in measured], [m["gain"] for m in measured]
     top_agrees = bool(measured) and max(measured, key=lambda m: m["estimate"]) is max(measured, key=lambda m: m["gain"])
     return {"skip": keep, "share_limit": share, "rank_correlation": rank_correlation(estimate, gain), "top_agrees": top_agrees}

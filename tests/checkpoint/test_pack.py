@@ -194,6 +194,39 @@ def test_apply_refuses_other_weights_in_one_line_unless_told(calibrated, packed,
     assert os.stat(applied / shard_name(1, 2)).st_ino == os.stat(finetune / "model.safetensors").st_ino
 
 
+FINE_TUNE_CARD = "---\nlicense: apache-2.0\nbase_model: someone/base\n---\n\n# my-fine-tune\n\nTuned on legal text by us.\n"
+
+
+def test_other_weights_keep_the_target_s_own_card_and_say_whose_figures_they_are(calibrated, packed, tmp_path,
+                                                                                  smol_tokenizer):
+    """The pack's card is the base model's ("the weights are ..., unchanged"): on a fine-tune, apply keeps the fine-tune's
+    card (licence, base_model, text) whole and adds kvcal's section, which names the base model and says the figures
+    are the base's; a verify --report of the result rewrites that section alone, with this checkpoint's figures."""
+    from calibrate import verify
+    from calibrate.layout import SECTION_BEGIN, SECTION_END
+
+    base, _ = calibrated
+    finetune = save_tiny_checkpoint(tmp_path / "finetune", "llama", smol_tokenizer, seed=1)
+    (finetune / "README.md").write_text(FINE_TUNE_CARD)
+    applied = tmp_path / "applied"
+    assert main(["apply", str(packed), str(finetune), "--out", str(applied), "--other-weights"]) == 0
+
+    card = (applied / "README.md").read_text()
+    assert card.startswith(FINE_TUNE_CARD)  # front matter (licence, its own base_model) and text, byte for byte
+    section = card.split(SECTION_BEGIN, 1)[1].split(SECTION_END, 1)[0]
+    assert "written beside this model's weights by `kvcal apply --other-weights`" in section
+    assert "a base model that is not on the Hub" in section  # the fixture's base is a local folder
+    assert "the base model's figures, not this checkpoint's" in section and "unchanged" not in section
+
+    verify(str(applied), [str(base.parent / "data.txt")], include_calibration_data=True, report_dir=str(tmp_path / "r"),
+           schemes="bf16", seq_len=64, max_tokens=128, device="cpu", progress=False)
+    refreshed = (applied / "README.md").read_text()
+    assert refreshed.startswith(FINE_TUNE_CARD) and refreshed.count(SECTION_BEGIN) == 1
+    section = refreshed.split(SECTION_BEGIN, 1)[1].split(SECTION_END, 1)[0]
+    assert "### Verification of this checkpoint" in section and "the base model's figures" not in section
+    assert "Measured by kvcal verify" in section
+
+
 def test_other_weights_still_needs_the_same_architecture(packed, tmp_path, smol_tokenizer, capsys):
     other = save_tiny_checkpoint(tmp_path / "other", "llama", smol_tokenizer, seed=1, num_key_value_heads=4)
     assert main(["apply", str(packed), str(other), "--out", str(tmp_path / "o"), "--other-weights"]) == 2

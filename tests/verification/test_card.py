@@ -220,3 +220,23 @@ def test_not_measured_says_what_ran_vllm_and_which_targets_never_did(carded, mon
     measured = caveats.Support("gpu", "fp8", caveats.IMPLEMENTED, "run on an H100", "0.32.0", "measured")
     monkeypatch.setattr(serving, "SUPPORT", (*caveats.SUPPORT, measured))
     assert "never run vLLM's kernels on rocm (vLLM (ROCm) 0.32.0) (docs" in not_measured(card_text(str(out), provenance, None, None))
+
+
+def test_an_applied_pack_s_card_without_a_target_card_names_whose_figures_they_are():
+    """A fine-tune with no card of its own gets kvcal's section alone: kvcal's tags but no licence or base_model (the
+    base model's are not the fine-tune's), the base model and revision the scales came from, and the base's verify
+    lines said to be the base's; applying again replaces the section instead of adding a second."""
+    from calibrate.layout import SECTION_BEGIN, SECTION_END
+    from calibrate.verification.card import applied_card
+
+    manifest = {"kvcal_version": "9.9", "base_model": {"id": "org/base", "revision": COMMIT},
+                "scales": {"granularity": "tensor", "fp8_format": "e4m3"}}
+    card = applied_card(None, manifest, None, ["| scheme | KL |", "| tensor | 0.01 |"])
+    data = ModelCard(card).data.to_dict()
+    assert data == {"tags": ["kvcal", "fp8", "kv-cache", "vllm"]}
+    assert f"calibrated by kvcal 9.9 on `org/base` at revision `{COMMIT}`" in card
+    assert "the base model's figures, not this checkpoint's" in card and "| tensor | 0.01 |" in card
+    assert "--kv-cache-dtype fp8" in card and PLACEHOLDER in card
+    again = applied_card(card, manifest, None, [])
+    assert again.count(SECTION_BEGIN) == again.count(SECTION_END) == 1
+    assert "None: the base model was not verified" in again and "| tensor | 0.01 |" not in again

@@ -171,9 +171,12 @@ def test_ranking_flips_only_when_both_orders_are_clear():
     assert engine.ranking_flips(noisy, results, noise_kl=0.0) == []  # the engine's order is not clear
 
 
-def test_tolerance_adds_floor_noise_and_three_paired_errors():
-    assert engine.tolerance(0.002, 0.001, 0.0005) == pytest.approx(0.002 + 0.001 + 3 * 0.0005)
-    assert engine.tolerance(0.002, 0.0, None) == 0.002
+def test_tolerance_adds_floor_noise_and_the_t_margin_of_the_paired_error():
+    """The margin is the paired standard error times Student's t₀.₉₇₅ at n − 1 degrees of freedom (tables: 3.1824 at
+    3, 2.1314 at 15); it was a fixed 3 before, which flagged too often at 4 sequences or fewer and too seldom at 5 or more."""
+    assert engine.tolerance(0.002, 0.001, 0.0005, 4) == pytest.approx(0.002 + 0.001 + 3.182446 * 0.0005)
+    assert engine.tolerance(0.002, 0.001, 0.0005, 16) == pytest.approx(0.002 + 0.001 + 2.131450 * 0.0005)
+    assert engine.tolerance(0.002, 0.0, None, 1) == 0.002
 
 
 def _stored(dtype: str, offered: list[str], k: float = 0.5) -> dict:

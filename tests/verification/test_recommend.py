@@ -248,7 +248,8 @@ def test_every_scheme_failing_or_refused_on_the_target_names_the_refused_ones():
 
 def test_the_paired_comparison_says_significant_within_noise_or_untested():
     """tensor's per-sequence KL spreads by ±0.01 around 0.010 and scale1's not at all: the paired differences are
-    -0.012, 0.008, -0.012, 0.008, mean -0.002, standard error 0.01155/√4 = 0.00577, so |mean| < 2 s.e."""
+    -0.012, 0.008, -0.012, 0.008, mean -0.002, standard error 0.01155/√4 = 0.00577, so |mean| < 3.18 s.e. (t at 3
+    degrees of freedom)."""
     results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.010, spread=0.01), "scale1": scheme("warn", 0.012, source="1.0")}
     lines, _ = recommend(results, held(), layers(), CKPT)
     assert ("tensor vs scale1: KL 0.01 vs 0.012 nats/token; tensor is lower by 17% (within noise, paired over 4 "
