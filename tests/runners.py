@@ -2,6 +2,7 @@
 and their scripts, torchrun, and the hardware reasons that are the only skips CI allows."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -113,3 +114,15 @@ def free_port() -> int:
 
 
 QUIET = dict(progress=False)
+
+def _sigint_default() -> None:
+    """In the child, before exec: SIGINT at its default action and unblocked, whatever this process inherited."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+SIGINT_DEFAULT = dict(preexec_fn=_sigint_default)
+"""``subprocess.Popen(..., **SIGINT_DEFAULT)`` for every child a test signals: started in the background by a
+non-interactive shell (``scripts/test &``, nohup, some CI runners) this process has SIGINT ignored, the child would
+inherit that, and Python installs its KeyboardInterrupt handler only where SIGINT is not ignored. (``restore_signals``
+restores SIGPIPE, SIGXFZ and SIGXFSZ only, not SIGINT.) tests/test_launch_proof.py runs the interrupt tests so."""

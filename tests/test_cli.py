@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from runners import SIGINT_DEFAULT
 
 from calibrate.cli import build_parser, main
 
@@ -89,7 +90,7 @@ def test_interrupted_run_leaves_no_output(tiny_dir, text_file, tmp_path, sig):
     cmd = [sys.executable, "-m", "calibrate", "calibrate", str(tiny_dir), "--data", str(text_file), "--out", str(out),
            "--seq-len", "32", "--max-tokens", "100000", "--checkpoint-every", "32", "--no-verify"]
     env = {**os.environ, "PYTHONPATH": REPO, "KVCAL_PAUSE_AT": "capture", "KVCAL_PAUSE_MARKER": str(marker)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, **SIGINT_DEFAULT)
     try:
         deadline = time.monotonic() + 300  # against a hang only: the test goes on as soon as the marker appears
         while not marker.exists():

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from builders import kjv_jsonl
-from runners import TORCHRUN, free_port
+from runners import SIGINT_DEFAULT, TORCHRUN, free_port
 
 from calibrate import CalibrationConfig, calibrate
 from calibrate.api import load_calibration
@@ -199,7 +199,7 @@ def test_a_sigkilled_run_resumes_to_the_uninterrupted_result(tiny_dir, long_text
     pause = {"KVCAL_PAUSE_AT": "capture", "KVCAL_PAUSE_MARKER": str(marker)}  # layout.pause_at: held after a save
     with log.open("w") as err:
         proc = subprocess.Popen([*base, "--out", str(out), "--checkpoint-every", "2048"], stdout=subprocess.DEVNULL,
-                                stderr=err, env=env | pause)
+                                stderr=err, env=env | pause, **SIGINT_DEFAULT)
     try:
         deadline = time.monotonic() + 300  # against a hang only: the test goes on as soon as the marker appears
         while not marker.exists():
