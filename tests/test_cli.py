@@ -17,6 +17,7 @@ from calibrate.cli import build_parser, main
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout whose code subprocesses run
 
 
+@pytest.mark.smoke
 def test_calibrate_then_export_from_the_command_line(tiny_dir, text_file, tmp_path, capsys):
     out = tmp_path / "out"
     code = main(["calibrate", str(tiny_dir), "--data", str(text_file), "--out", str(out), "--seq-len", "64",
@@ -74,6 +75,7 @@ def test_bad_input_is_one_clear_line_and_nothing_written(tiny_dir, text_file, tm
     assert not out.exists()
 
 
+@pytest.mark.smoke
 def test_every_subcommand_has_help():
     parser = build_parser()
     for command in ("calibrate", "export", "demo"):
