@@ -277,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGINT stays as kvcal was started with it: Python turns it into KeyboardInterrupt unless it was ignored at start
+    # (nohup, `kvcal ... &` from a script), and such a run keeps ignoring Ctrl-C, as POSIX has background jobs do.
     signal.signal(signal.SIGTERM, _interrupt)
     options = {k: v for k, v in vars(args).items() if k != "command"}
     try:

@@ -1,6 +1,7 @@
 """The KL and top-1 agreement the round-trip tests see when transformers applies kvcal's FP8 K/V scales, over seeds.
 
     .venv/bin/python scripts/measure_roundtrip_band.py [--seeds 3] [--clients transformers-main,transformers-llmc]
+    .venv/bin/python scripts/measure_roundtrip_band.py --spread 1,2 --clients transformers-llmc   # the margin's figure
 
 tests/e2e/test_roundtrip.py loads kvcal's outputs of SmolLM2 with plain ``from_pretrained`` and compares them with the
 same checkpoint without kvcal's scales (tests/clients/hf_load.py). Where the client applies the ``kv_cache_scheme``
@@ -13,6 +14,11 @@ export the per-head form and, where the llm-compressor venv exists, calibrate be
 place in the text. Each client (a venv's interpreter) runs hf_load.py on every form. Prints one row per (client, form, seed) and, per form,
 the range over the seeds where the scheme was applied: top-1 min, KL min and max. The band the test asserts is that
 range widened by the stated margin for noise (docs/checkpoints.md, "Round trips").
+
+``--spread THREADS`` measures what the margin is for instead: the test's own inputs (seed 0), calibrated and compared
+once per torch thread count given (each count changes the order of the float reductions, as another machine's
+kernels do), and each comparison run twice. Per form it prints the KL's spread, max/min over those runs; the
+test's MARGIN is derived from it (docs/checkpoints.md, "Round trips").
 """
 
 import argparse
@@ -26,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
@@ -60,9 +67,12 @@ def fp8_weights(root: Path, seed: int, model: Path, data: Path) -> tuple[Path, P
     return out, reference
 
 
-def run_client(python: Path, *args) -> dict:
-    """hf_load.py under ``python``, as the tests run it (no VIRTUAL_ENV or PYTHONPATH of this process)."""
+def run_client(python: Path, *args, threads: int | None = None) -> dict:
+    """hf_load.py under ``python``, as the tests run it (no VIRTUAL_ENV or PYTHONPATH of this process), on ``threads``
+    torch threads (OMP_NUM_THREADS) where given."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     out = Path(args[-1])
     proc = subprocess.run([str(python), str(REPO / "tests" / "clients" / "hf_load.py"), *map(str, args)],
                           capture_output=True, text=True, env=env, timeout=900)
@@ -71,15 +81,47 @@ def run_client(python: Path, *args) -> dict:
     return json.loads(out.read_text())
 
 
+def spread(clients: dict[str, Path], threads: list[int], root: Path) -> None:
+    """The test's inputs (seed 0) calibrated and compared on each torch thread count in ``threads``, each comparison
+    twice: per form, the KL of every run and its spread (max/min)."""
+    model, data = smollm2_dir(), kjv_path()
+    ids = root / "tokens-0.safetensors"
+    tokens(ids, 0)
+    kls: dict[str, list[float]] = {}
+    print(f"{'client':<18} {'form':<11} {'threads':>7} {'run':>3} {'top-1':>7} {'KL':>9}")
+    for n in threads:
+        torch.set_num_threads(n)
+        kv = calibrate(str(model), [str(data)], str(root / f"kv-t{n}"), seq_len=SEQ_LEN, max_tokens=4 * SEQ_LEN,
+                       progress=False, verify=False)
+        head = export(str(kv.out), str(root / f"head-t{n}"), granularity="head")
+        for name, python in clients.items():
+            for form, out in {"kv-only": kv.out, "per-head": head.out}.items():
+                for run in range(2):
+                    r = run_client(python, out, model, ids, root / "hf.json", threads=n)
+                    if not any(k.endswith(".k_scale") for k in r["scales"]):
+                        sys.exit(f"{name} did not apply the kv_cache_scheme: run --spread with transformers-llmc")
+                    print(f"{name:<18} {form:<11} {n:>7} {run:>3} {r['top1']:>7.4f} {r['mean_kl']:>9.6f}", flush=True)
+                    kls.setdefault(form, []).append(r["mean_kl"])
+    for form, values in kls.items():
+        print(f"{form}: {len(values)} runs, KL {min(values):.6f}–{max(values):.6f}, spread (max/min) "
+              f"{max(values) / min(values):.4f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3, help="calibration seeds 0..N-1 (default 3)")
     parser.add_argument("--clients", default=",".join(CLIENTS), help=f"comma-separated, of {', '.join(CLIENTS)}")
+    parser.add_argument("--spread", metavar="THREADS", help="comma-separated torch thread counts: measure the KL's "
+                        "spread on the test's inputs over these and repeated runs, instead of the seeds")
     args = parser.parse_args()
     clients = {name: CLIENTS[name] for name in args.clients.split(",")}
     missing = [name for name, python in clients.items() if not python.is_file()]
     if missing:
         sys.exit(f"no interpreter for {', '.join(missing)} (scripts/setup-llmcompressor builds .venv-llmc)")
+    if args.spread:
+        with tempfile.TemporaryDirectory() as tmp:
+            spread(clients, [int(n) for n in args.spread.split(",")], Path(tmp))
+        return
     model, data = smollm2_dir(), kjv_path()
     applied: dict[str, list[tuple[float, float]]] = {}
     print(f"{'client':<18} {'transformers':<13} {'form':<11} {'seed':>4} {'applied':>7} {'top-1':>7} {'KL':>8}")

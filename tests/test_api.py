@@ -93,6 +93,7 @@ def test_summary_shows_each_layer_and_the_serve_command(granularity, sliding):
     assert len(hint) == (1 if sliding else 0)
 
 
+@pytest.mark.smoke
 def test_max_observer_scales_saturate_nothing_they_saw():
     """The max observer's promise (recipes/default.yaml): nothing seen in calibration saturates, sinks included.
 

@@ -10,12 +10,14 @@ import sys
 import time
 
 import pytest
+from runners import SIGINT_DEFAULT
 
 from calibrate.cli import build_parser, main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout whose code subprocesses run
 
 
+@pytest.mark.smoke
 def test_calibrate_then_export_from_the_command_line(tiny_dir, text_file, tmp_path, capsys):
     out = tmp_path / "out"
     code = main(["calibrate", str(tiny_dir), "--data", str(text_file), "--out", str(out), "--seq-len", "64",
@@ -73,6 +75,7 @@ def test_bad_input_is_one_clear_line_and_nothing_written(tiny_dir, text_file, tm
     assert not out.exists()
 
 
+@pytest.mark.smoke
 def test_every_subcommand_has_help():
     parser = build_parser()
     for command in ("calibrate", "export", "demo"):
@@ -89,7 +92,7 @@ def test_interrupted_run_leaves_no_output(tiny_dir, text_file, tmp_path, sig):
     cmd = [sys.executable, "-m", "calibrate", "calibrate", str(tiny_dir), "--data", str(text_file), "--out", str(out),
            "--seq-len", "32", "--max-tokens", "100000", "--checkpoint-every", "32", "--no-verify"]
     env = {**os.environ, "PYTHONPATH": REPO, "KVCAL_PAUSE_AT": "capture", "KVCAL_PAUSE_MARKER": str(marker)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, **SIGINT_DEFAULT)
     try:
         deadline = time.monotonic() + 300  # against a hang only: the test goes on as soon as the marker appears
         while not marker.exists():

@@ -40,6 +40,7 @@ def test_calibration_settings_are_the_flat_layout_calibration_json_always_had(tm
     assert json.loads(json.dumps(settings)) == settings
 
 
+@pytest.mark.smoke
 def test_verify_settings_and_defaults():
     config = VerifyConfig.from_options("ckpt", "d.txt", seq_len=128, max_kl=0.5, fa3=True)
     assert (config.data.seq_len, config.data.max_tokens, config.thresholds.max_kl, config.fa3) == (128, 4096, 0.5, True)

@@ -108,6 +108,7 @@ def test_quantize_dequantize_with_scale_equals_reference(name, scale):
     assert np.abs(got).max() <= fmt.max * np.float32(scale) * (1 + 2**-23)
 
 
+@pytest.mark.smoke
 def test_quantize_dequantize_keeps_dtype_and_broadcasts_per_head_scales():
     x = torch.randn(2, 3, 5, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     scale = torch.tensor([0.01, 0.02, 0.5], dtype=torch.float32).view(1, 3, 1, 1)  # one per head

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from calibrate.layout import is_kvcal_output, provenance_path, sibling, sweep
 
 
@@ -14,6 +16,7 @@ def dead_pid() -> int:
     return int(proc.stdout)
 
 
+@pytest.mark.smoke
 def test_sweep_removes_dead_runs_temporaries_and_keeps_live_ones(tmp_path):
     out, dead = tmp_path / "out", dead_pid()
     for kind in ("tmp", "weights"):

@@ -232,6 +232,7 @@ def test_extends_merges_sections_and_replaces_lists(tmp_path):
     assert "(--kv-cache-dtype-skip-layers 0 3;" in recipes.serve_notes(child)[-1]
 
 
+@pytest.mark.smoke
 def test_recipes_list_and_show(capsys):
     assert main(["recipes", "list"]) == 0
     listed = capsys.readouterr().out.splitlines()

@@ -48,6 +48,7 @@ def test_refusal_per_target(target, dtype, printable):
     assert (serving.refusal(target, dtype) is None) == printable
 
 
+@pytest.mark.smoke
 def test_per_head_scales_only_where_a_backend_reads_them():
     assert serving.refusal("gpu", "fp8", per_head=True) is None
     assert serving.refusal("cpu", "fp8", per_head=True).status == caveats.ABSENT

@@ -50,6 +50,7 @@ def test_chunked_prefill_observes_each_position_once(family):
         torch.testing.assert_close(b.pos_absmax, a.pos_absmax, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.smoke
 def test_positions_follow_the_cache_in_chunked_prefill():
     model = tiny_model("llama")
     layers = attention_layers(model)
@@ -68,6 +69,7 @@ def test_positions_follow_the_cache_in_chunked_prefill():
     del layers
 
 
+@pytest.mark.smoke
 def test_hook_is_removed_after_an_error():
     model = tiny_model("llama")
 

@@ -51,6 +51,7 @@ def _float32_test_values() -> np.ndarray:
     return np.concatenate([edges, below, randoms, powers, [np.float32(2.0**HIST_MAX_EXP)], [np.float32(3e38)]])
 
 
+@pytest.mark.smoke
 def test_bin_edges_layout():
     edges = bin_edges().numpy()
     assert edges.shape == (NUM_BINS, 2)

@@ -282,6 +282,7 @@ def test_not_a_checkpoint(tmp_path, capsys):
     assert "decoder checkpoints only" in capsys.readouterr().err
 
 
+@pytest.mark.smoke
 def test_json_output_for_machines(tmp_path, capsys):
     scales = generic_scales(k=[0.01, 0.0, 0.03])
     directory = make_checkpoint(tmp_path / "j", {"model.safetensors": weights() | scales},
@@ -295,6 +296,7 @@ def test_json_output_for_machines(tmp_path, capsys):
                                    "negative (0); vLLM treats it as absent or fails"}]
 
 
+@pytest.mark.smoke
 def test_text_output_lists_layers_and_problems(tmp_path, capsys):
     directory = make_checkpoint(tmp_path / "t", {"model.safetensors": weights() | generic_scales(k=[0.01, float("nan"), 0.03])})
     assert main(["inspect", str(directory)]) == 1

@@ -28,6 +28,7 @@ def test_loaded_multiplier_per_loader(method, fmt):
     assert loaded_multiplier(method, fmt) == MULTIPLIERS[method, fmt]
 
 
+@pytest.mark.smoke
 def test_every_written_name_is_one_vllm_maps_and_kvcal_replaces():
     for form, names in WRITE_NAMES.items():
         for kind, suffix in names.items():

@@ -144,6 +144,7 @@ def loaded_scales(checkpoint: Path) -> dict[str, torch.Tensor]:
     return scales
 
 
+@pytest.mark.smoke
 def test_round_trip_pack_then_apply_gives_the_output_s_scales(calibrated, packed, tmp_path):
     base, out = calibrated
     applied = tmp_path / "applied"

@@ -25,6 +25,7 @@ def run(tiny_dir, text_file, out, **options):
     return calibrate(str(tiny_dir), [str(text_file)], str(out), **options)
 
 
+@pytest.mark.smoke
 def test_output_reloads_with_same_logits_and_lists_every_tensor_once(tiny_dir, text_file, tmp_path):
     before = digest(tiny_dir)
     out = tmp_path / "out"

@@ -158,6 +158,7 @@ def test_packed_sequences_start_with_bos_when_the_tokenizer_adds_it(tmp_path, bo
     check_packed(sequences, bos_tokenizer, TEXTS, seq_len=12, prefix=[bos_tokenizer.bos_token_id])
 
 
+@pytest.mark.smoke
 def test_unpacked_gives_one_record_per_sequence(tmp_path, bos_tokenizer):
     sequences = read_all(bos_tokenizer, [write_jsonl(tmp_path)], seq_len=64, pack=False)
     assert sorted(sequences) == sorted([bos_tokenizer.bos_token_id] + encode(bos_tokenizer, t) for t in TEXTS)

@@ -9,7 +9,7 @@ Every row runs one command in a process of its own, as a user would, against the
 * no new entry beside OUT (nor OUT itself, nor a hidden ``.OUT.kvcal-*`` temporary).
 
 tests/e2e/test_bad_input.py runs most of these cases in-process; the inputs here are built once for the module. Rows
-that need a read-only directory run under ``setpriv`` without CAP_DAC_OVERRIDE when the tests run as root.
+that need a read-only directory run without CAP_DAC_OVERRIDE when the tests run as root (``runners.as_a_user``).
 """
 
 import hashlib
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from builders import kjv_jsonl, save_tiny_checkpoint, tiny_config
-from runners import hardware_skip
+from runners import as_a_user
 
 from calibrate import calibrate
 
@@ -428,20 +428,15 @@ def test_bad_input_is_one_line_and_changes_nothing(root, name):
     env = {k: fill(v) for k, v in case.env.items()}
     out = (cwd / fill(case.out)).resolve() if case.out else root
     beside = next(p for p in out.parents if p.is_dir()) if case.out else root  # an OUT's parent may be missing
-    prefix = []
-    if case.read_only and os.geteuid() == 0:  # root writes anywhere unless it drops the capability to
-        if shutil.which("setpriv") is None:
-            hardware_skip("setpriv", "as root a read-only directory is writable")
-        caps = "-dac_override,-dac_read_search"
-        prefix = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"]
+    user = as_a_user() if case.read_only else {}  # root writes anywhere unless it drops the capability to
     inputs = _inputs(argv, cwd, env, root)
     before = {p: _digests(p) for p in inputs}
     listed = sorted(os.listdir(beside))
 
     result = subprocess.run(
-        [*prefix, *_kvcal(), *argv], cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S,
+        [*_kvcal(), *argv], cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S,
         env=os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-                          "HF_HUB_OFFLINE": "1"} | env,
+                          "HF_HUB_OFFLINE": "1"} | env, **user,
     )
 
     created = sorted(set(os.listdir(beside)) - set(listed))

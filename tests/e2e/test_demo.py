@@ -60,6 +60,7 @@ def test_publish_dir_failure_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.smoke
 def test_publish_dir_keeps_an_earlier_publish(tmp_path):
     """Two processes converting at once: the second finds the first's directory in place and keeps it."""
     first = demo.publish_dir(tmp_path / "model", lambda out: (out / "config.json").write_text('"first"'))

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from builders import kjv_jsonl, save_tiny_checkpoint
+from runners import SIGINT_DEFAULT
 
 from calibrate.checkpoint.write import check_index
 from calibrate.layout import is_kvcal_output, provenance_path
@@ -50,7 +51,7 @@ def start_paused(cmd: list[str], phase: str, tmp_path: Path) -> subprocess.Popen
     marker = tmp_path / f"paused-at-{phase}"
     log = open(tmp_path / f"{phase}.stderr", "w")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log,
-                            env=_env(KVCAL_PAUSE_AT=phase, KVCAL_PAUSE_MARKER=str(marker)))
+                            env=_env(KVCAL_PAUSE_AT=phase, KVCAL_PAUSE_MARKER=str(marker)), **SIGINT_DEFAULT)
     log.close()
     deadline = time.monotonic() + REACH_S
     while not marker.exists():

@@ -16,6 +16,7 @@ def test_every_row_says_its_release_and_names_known_dtypes_and_targets():
         assert row.needs in (None, *C.CONDITIONS) and row.evidence in ("source", "measured", "reported")
 
 
+@pytest.mark.smoke
 def test_conditions_select_the_rows():
     assert C.applying("gpu", "fp8") == []
     per_head = C.applying("gpu", "fp8", per_head=True)

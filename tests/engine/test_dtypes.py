@@ -29,6 +29,7 @@ def test_the_installed_vllms_list_is_its_own():
         assert set(found.not_emulated()) >= {"fp8_inc", "fp8_ds_mla", "turboquant_k8v4"}
 
 
+@pytest.mark.smoke
 def test_a_dtype_a_newer_vllm_adds_is_not_emulated_and_a_dropped_one_is_named():
     names = tuple(name for name in (*CACHE_DTYPES, "bfloat16", "octave_k3v4") if name != "nvfp4_4over6")
     rows = dict(EngineDtypes("0.33.0", names).rows())

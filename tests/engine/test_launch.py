@@ -13,6 +13,7 @@ def python():
     return client_python("vLLM")
 
 
+@pytest.mark.smoke
 def test_explicit_interpreter_without_vllm_is_one_line(tmp_path):
     with pytest.raises(EngineError, match="vLLM is not installed there; run scripts/setup-vllm"):
         find_vllm_python(sys.executable)

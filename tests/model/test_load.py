@@ -72,12 +72,14 @@ def test_signature_matches_the_shapes_the_model_computes_with(case):
     assert sig.model_type == model.config.get_text_config().model_type
 
 
+@pytest.mark.smoke
 def test_signature_head_dim_differs_from_hidden_over_heads():
     """The case that tells ``head_dim`` from ``hidden_size // heads`` apart is really in the table above."""
     model = build("qwen3-wide-heads")
     assert signature(model, attention_layers(model)).head_dim == 32 != COMMON["hidden_size"] // COMMON["num_attention_heads"]
 
 
+@pytest.mark.smoke
 def test_a_model_without_attention_layers_is_refused():
     class NoAttention(nn.Module):
         def __init__(self):

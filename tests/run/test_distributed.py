@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runners import TORCHRUN, free_port
+from runners import SIGINT_DEFAULT, TORCHRUN, free_port
 
 from calibrate import calibrate
 from calibrate.api import load_calibration
@@ -80,7 +80,7 @@ def test_a_killed_rank_ends_the_run_on_every_rank(tiny_dir, text_file, tmp_path)
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     pause = {"KVCAL_PAUSE_AT": "capture", "KVCAL_PAUSE_MARKER": str(marker)}
     procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=logs[r].open("w"),
-                              env=rank_env(r, 2, port) | (pause if r == 1 else {})) for r in range(2)]
+                              env=rank_env(r, 2, port) | (pause if r == 1 else {}), **SIGINT_DEFAULT) for r in range(2)]
     try:
         deadline = time.monotonic() + 300  # against a hang only: the test goes on as soon as the marker appears
         while not marker.exists():

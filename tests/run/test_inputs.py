@@ -18,6 +18,7 @@ def config_for(model, data, out) -> CalibrationConfig:
                                                                              max_tokens=128)).validate()
 
 
+@pytest.mark.smoke
 def test_step_one_reads_config_json_once_and_loads_no_model(tiny_dir, text_file, tmp_path, monkeypatch):
     """Counted where every reader of config.json ends (``directory.read_config_json`` reads it through
     ``read_json_object``), so a second read by any route, however named, fails the test."""

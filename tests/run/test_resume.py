@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from builders import kjv_jsonl
-from runners import TORCHRUN, free_port
+from runners import SIGINT_DEFAULT, TORCHRUN, free_port
 
 from calibrate import CalibrationConfig, calibrate
 from calibrate.api import load_calibration
@@ -44,6 +44,7 @@ def interrupted(tiny_dir, text_file, out, **options) -> dict:
     return json.loads((resume_dir(out) / "state-rank0.json").read_text())
 
 
+@pytest.mark.smoke
 def test_a_resumed_run_equals_an_uninterrupted_one(tiny_dir, text_file, tmp_path):
     saved = interrupted(tiny_dir, text_file, tmp_path / "out")
     assert saved["world"] == 1 and saved["sequences"] > 0 and saved["tokens"] == 64 * saved["sequences"]
@@ -131,6 +132,7 @@ def test_observer_and_granularity_may_change_on_resume(tiny_dir, text_file, tmp_
     assert resumed.provenance["scales"]["observer"] == "mse" and resumed.provenance["scales"]["granularity"] == "head"
 
 
+@pytest.mark.smoke
 def test_a_resume_on_other_data_or_ranks_is_refused(tiny_dir, text_file, tmp_path, monkeypatch):
     """Refused before the model loads: a large model would otherwise load for minutes to be told no."""
     out = tmp_path / "out"
@@ -199,7 +201,7 @@ def test_a_sigkilled_run_resumes_to_the_uninterrupted_result(tiny_dir, long_text
     pause = {"KVCAL_PAUSE_AT": "capture", "KVCAL_PAUSE_MARKER": str(marker)}  # layout.pause_at: held after a save
     with log.open("w") as err:
         proc = subprocess.Popen([*base, "--out", str(out), "--checkpoint-every", "2048"], stdout=subprocess.DEVNULL,
-                                stderr=err, env=env | pause)
+                                stderr=err, env=env | pause, **SIGINT_DEFAULT)
     try:
         deadline = time.monotonic() + 300  # against a hang only: the test goes on as soon as the marker appears
         while not marker.exists():

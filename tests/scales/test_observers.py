@@ -197,6 +197,7 @@ def test_mse_search_finds_the_best_of_its_candidates(kind):
     assert abs(j - round(j)) < 1e-3 and 0 <= round(j) < 128  # one of the candidates
 
 
+@pytest.mark.smoke
 def test_never_observed_layer_gets_floor():
     stats = TensorStats.zeros(2, H, D)  # no update at all
     for observer in ("max", "percentile:99.9", "mse", "sink-aware"):

@@ -12,6 +12,7 @@ from calibrate.verification.report import verify_text, write_verify_report
 from calibrate.verification.report_md import verify_markdown
 
 
+@pytest.mark.smoke
 def test_verify_text_has_a_row_per_scheme_with_its_numbers_and_verdict():
     rep = report_dict()
     lines = verify_text(rep).splitlines()

@@ -413,6 +413,7 @@ def test_needle_probe_and_report(plain_ckpt, data_file, tmp_path):
         assert (tmp_path / "rep" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.smoke
 def test_cli_verify(plain_ckpt, data_file, tmp_path, capsys):
     rc = cli.main(["verify", str(plain_ckpt), "--data", str(data_file), "--seq-len", "64", "--max-tokens", "128",
                    "--schemes", "bf16,tensor", "--report", str(tmp_path / "r"), "--quiet"])

@@ -63,6 +63,7 @@ def test_within_a_verdict_the_measured_kl_ranks_the_schemes(kls, expected):
     assert choose(one) == "tensor"  # one sequence: nothing is significant, portability decides
 
 
+@pytest.mark.smoke
 def test_rank_correlation_is_spearmans():
     # ranks of y: 0, 1, 3, 2 → Σd² = 2, ρ = 1 − 6·2 / (4·15) = 0.8
     assert rank_correlation([1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 40.0, 30.0]) == pytest.approx(0.8)
