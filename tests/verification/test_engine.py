@@ -20,6 +20,9 @@ from calibrate.verification import engine
 SEQ_LEN, SEQUENCES, CHUNK = 256, 2, 128  # 2 × 256 held-out tokens, chunked prefill in two chunks
 PROMPTS, STEPS = 2, 12  # decode drift: 12 greedy tokens after each of 2 prompts, emulated and in the engine
 SCHEMES = "scale1,tensor,token,int8_per_token_head"
+# verify --engine starts vLLM ten times (its dtypes, the load audit, the delivery check's two runs, six cache runs):
+# about 10 minutes on a quiet 2-core machine, over 18 under load (measured: a 1,100 s limit ran out at load ~8).
+pytestmark = pytest.mark.timeout(2400)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,7 @@ def verified(calibrated, held_out, python, tmp_path_factory):
         [sys.executable, "-m", "calibrate", "verify", "ckpt", "--data", os.path.relpath(held_out, work), "--schemes", SCHEMES,
          "--seq-len", str(SEQ_LEN), "--max-tokens", str(SEQ_LEN * SEQUENCES), "--chunk-len", str(CHUNK), "--probe-layers", "0",
          "--generate", str(STEPS), "--prompts", str(PROMPTS), "--engine", "vllm", "--vllm-python", os.path.relpath(python, work),
-         "--report", "report"], cwd=work, capture_output=True, text=True, timeout=1100)
+         "--report", "report"], cwd=work, capture_output=True, text=True, timeout=2300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((work / "report" / "report.json").read_text())
     return SimpleNamespace(report=report, schemes=report["schemes"], report_dir=work / "report", checkpoint=str(work / "ckpt"),
