@@ -15,7 +15,7 @@ from runners import client_python, needs_avx512
 
 from calibrate.checkpoint.write import scales_file
 
-TIMEOUT_S = 600
+TIMEOUT_S = 1500  # a command, under load; inspect --engine starts vLLM three times
 
 
 def kvcal(home: Path, cwd: Path, *argv: str) -> subprocess.CompletedProcess:
@@ -70,17 +70,12 @@ def test_verify_export_pack_apply_inspect_with_relative_linked_and_tilde_paths(u
 
 @pytest.mark.slow
 @needs_avx512
-def test_inspect_and_verify_in_the_engine_with_relative_paths(user):
+@pytest.mark.timeout(1800)  # three vLLM starts (the load audit, the delivery check's two runs)
+def test_inspect_in_the_engine_with_relative_paths(user):
     """The engine's jobs run in a temporary folder: a relative checkpoint there would read as a Hub repository id
-    (the Hub is offline for them, so that would fail, not reach the network). ``--vllm-python`` relative too."""
+    (the Hub is offline for them, so that would fail, not reach the network). ``--vllm-python`` relative too.
+    ``verify --engine`` from another folder, relative and through a symlink: tests/verification/test_engine.py."""
     home, work = user
     python = os.path.relpath(client_python("vLLM"), work)
     out = ok(kvcal(home, work, "inspect", "link-out", "--engine", "vllm", "--vllm-python", python))
-    assert "engine audit OK" in out
-    proc = kvcal(home, work, "verify", "link-out", "--data", "text.jsonl", "--seq-len", "64", "--max-tokens", "128",
-                 "--schemes", "tensor", "--probe-layers", "0", "--generate", "0", "--include-calibration-data",
-                 "--engine", "vllm", "--vllm-python", python, "--report", "engine-report")
-    ok(proc)
-    rep = json.loads((work / "engine-report" / "report.json").read_text())
-    assert rep["engine"]["schemes"]["tensor"]["kl"] > 0 and rep["target"] == "cpu"
-    assert "kvcal: --engine vllm on CpuPlatform" in proc.stderr
+    assert "engine audit OK" in out and "engine delivery (vLLM" in out and ": used:" in out
