@@ -17,10 +17,12 @@ BETTER, EQUAL, WORSE, UNTESTED = "better", "equal within noise", "worse", "not t
 
 def _calibrated(results: dict[str, dict]) -> str | None:
     """The calibrated FP8 scales to set against scale 1.0: the static fp8 scheme with scales other than 1.0 (the
-    checkpoint's, an observer's, a scales file) that measured the lowest finite KL and that vLLM serves as measured."""
+    checkpoint's, an observer's, a scales file) that measured the lowest finite KL and that vLLM serves as measured,
+    measured as scale 1.0 was (both in the engine, or both by the emulation: a paired test needs the same baseline)."""
+    by = results[SCALE1].get("measured_by") if SCALE1 in results else None
     candidates = {n: r for n, r in results.items() if n != SCALE1 and r["mode"] == "static" and r.get("kv_dtype", "fp8") == "fp8"
                   and not str(r.get("source", "")).startswith("1.0") and math.isfinite(r["kl"])
-                  and r.get("servable", True) and not r.get("target_refusal")}
+                  and r.get("servable", True) and not r.get("target_refusal") and r.get("measured_by") == by}
     return min(candidates, key=lambda n: candidates[n]["kl"]) if candidates else None
 
 

@@ -106,9 +106,12 @@ def judge(result: dict, limits: Thresholds) -> tuple[str, list[str]]:
 
 def compare(a: dict, b: dict) -> tuple[float, float | None, bool]:
     """KL of scheme a minus scheme b, paired by sequence: (mean, stderr or None, significant by
-    ``significance.significant``)."""
+    ``significance.significant``). Two schemes measured apart (one in the engine, ``measured_by``, the other by the
+    emulation) have KLs against different unquantized runs: no paired test between them (stderr None)."""
     diff = [x - y for x, y in zip(a["kl_per_sequence"], b["kl_per_sequence"])]
     mean, se = mean_stderr(diff)
+    if a.get("measured_by") != b.get("measured_by"):
+        return mean, None, False
     return mean, se, significant(mean, se, len(diff))
 
 
@@ -260,7 +263,9 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
         ka, kb = results[a]["kl"], results[b]["kl"]
         change = f"{a} is {'lower' if ka < kb else 'higher'} by {abs(ka / kb - 1):.0%}"  # kb ≠ 0: check_measured
         paired = f", paired over {len(results[a]['kl_per_sequence'])} sequences"
-        test = "one sequence: not tested" if se is None else ("significant" if sig else "within noise") + paired
+        apart = results[a].get("measured_by") != results[b].get("measured_by")
+        test = ("measured apart (engine and emulation): not tested" if apart else "one sequence: not tested" if se is None
+                else ("significant" if sig else "within noise") + paired)
         return f"{a} vs {b}: KL {ka:.4g} vs {kb:.4g} nats/token; {change} ({test})"
 
     broken = {n: r for n, r in ranked.items() if r["verdict"] == NOT_FINITE}

@@ -299,3 +299,15 @@ def test_mla_and_family_caveats_stand_beside_the_recommendation():
     moe = recommend(results, held(), layers(), CKPT, model_type="qwen3_moe")[0]
     assert any("MLA layers" in x for x in mla) and not any("MLA layers" in x for x in plain)
     assert any("vllm#25047" in x for x in moe) and not any("vllm#25047" in x for x in plain)
+
+
+def test_schemes_measured_apart_are_not_paired():
+    """An engine-measured KL (against the engine's own unquantized cache) and an emulated one (against the reference)
+    have different baselines: no paired test between them, and the line says why."""
+    results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01, spread=0.001), "mse": scheme("pass", 0.03, spread=0.001)}
+    results["tensor"].update(measured_by="vLLM 0.32.0 engine (CPU_ATTN)", emulated={"kl": 0.011, "top1": 0.99, "verdict": "pass"})
+    line = next(x for x in recommend(results, held(), layers(), CKPT)[0] if x.startswith("tensor vs mse"))
+    assert line.endswith("(measured apart (engine and emulation): not tested)")
+    del results["tensor"]["measured_by"]
+    line = next(x for x in recommend(results, held(), layers(), CKPT)[0] if x.startswith("tensor vs mse"))
+    assert line.endswith("significant, paired over 4 sequences)")
