@@ -33,8 +33,10 @@ def percent_cell(x: float | None, digits: int = 2) -> str:
 
 
 def _kl(r: dict) -> str:
+    """KL ± s.e., marked "(engine)" where the engine measured it (``engine.judge_on_engine``; the emulation's is in the
+    engine table beside it)."""
     se = r.get("kl_stderr")
-    return f"{r['kl']:.4g}" + (f" ± {se:.2g}" if se is not None else "")
+    return f"{r['kl']:.4g}" + (f" ± {se:.2g}" if se is not None else "") + (" (engine)" if r.get("measured_by") else "")
 
 
 def _worst(r: dict, kind: str, what: str) -> float | None:
