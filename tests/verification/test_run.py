@@ -721,6 +721,7 @@ def test_engine_on_a_gpu_decides_the_recommendation_for_its_own_target(plain_ckp
     assert eng["target"] == "gpu" and eng["like_for_like"] is False and eng["ranking_flips"] == []
     assert eng["not_emulated"] == ["fp8_ds_mla"] and "offered by vLLM 0.32.0, not emulated: fp8_ds_mla" in out
     assert "No measured like-for-like emulation of CudaPlatform" in out and "kvcal set: --engine vllm on CudaPlatform" in out
+    assert f"{rep['schemes']['scale1']['kl']:.4g} ± {rep['schemes']['scale1']['kl_stderr']:.2g} (engine)" in out  # the verdict table
     for name in ("scale1", "int8_per_token_head"):
         row, r = eng["schemes"][name], rep["schemes"][name]
         assert row["within_tolerance"] is None and row["tolerance_kl"] is None
