@@ -97,7 +97,7 @@ def risk_lines(rep: dict, risks: Sequence[str] = ()) -> list[str]:
     caveats = [line for line in lines if line.startswith(serving.caveat_prefix(target))]
     unrun = [line for line in lines if line.startswith(serving.UNRUN_PREFIX)]
     elsewhere = [line.split(" (")[0].strip() for line in other_target_lines(rep)[1:]]
-    other = [f"serving on {' or '.join(elsewhere)}? its line differs (--verbose or the report gives it)"] if elsewhere else []
+    other = [f"serving on {' or '.join(elsewhere)}? its serve line differs; --verbose gives it"] if elsewhere else []
     return [*failed, *risks, *other, *caveats, *unrun]
 
 

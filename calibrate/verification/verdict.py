@@ -240,7 +240,7 @@ def short_evidence(r: dict, floor_kl: float | None) -> str:
     KL itself without a floor), top-1, drift, verdict, and who measured it."""
     kl = f"KL {r['kl'] / floor_kl:.3g}× the floor" if floor_kl else f"KL {r['kl']:.3g} nats/token"
     drift = r.get("drift")
-    drift_text = "" if drift is None else f", drift {drift['agreement']:.0%} of tokens agree"
+    drift_text = "" if drift is None else f", drift {drift['agreement']:.0%} agree"
     who = ("kvcal's emulation" if "measured_by" not in r else
            f"{r['measured_by']} (emulation: KL {r['emulated']['kl']:.3g}, top-1 {r['emulated']['top1']:.1%})")
     return f"{kl}, top-1 {r['top1']:.1%}{drift_text}, {r['verdict']}; measured by {who}"

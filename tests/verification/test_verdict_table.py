@@ -46,7 +46,7 @@ def test_every_other_targets_line_that_differs_is_printed_before_the_chosen_one(
     lines = verify_text(rep, verbose=True).splitlines()
     at = lines.index(other_target_lines(rep)[0])
     assert lines[at:at + 2] == other_target_lines(rep) and lines[-2:] == ["serve it with:", f"  {gpu}"]
-    assert "check: serving on cpu? its line differs (--verbose or the report gives it)" in verify_text(rep).splitlines()
+    assert "check: serving on cpu? its serve line differs; --verbose gives it" in verify_text(rep).splitlines()
     rep["serve_lines"]["cpu"]["line"] = gpu
     assert other_target_lines(rep) == []
     del rep["serve_lines"]
