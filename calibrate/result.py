@@ -54,7 +54,8 @@ class CalibrationResult:
                     for k in ("k", "v")
                 ),
                 *self._sink_note(), *self._latent_note(), *self._search_note(),
-                serving.SERVE_NOTES[s.granularity], *self._release_note(), *self._recipe_notes(),
+                *([serving.SERVE_NOTES[s.granularity]] if self.verification is not None else []),
+                *self._release_note(), *self._recipe_notes(),
             ]
         lines.append(f"wrote {self.out}")
         # One answer per run, printed last: the short verify's when it ran, else the written scales'.
@@ -98,8 +99,8 @@ class CalibrationResult:
         return serve_notes(recipe) if recipe else []
 
     def _written_serve_line(self, *, verbose: bool = False) -> list[str]:
-        """The target, then the serve line of the written scales on it, before any verify (nothing when the target does
-        not read them as written); the sliding-window hint and the engine caveats for the installed vLLM come first
+        """The target and what the written granularity needs, then the serve line of the written scales on it, before
+        any verify (nothing when the target does not read them as written); the sliding-window hint and the engine caveats for the installed vLLM come first
         (the first alone, with a count of the rest, unless ``verbose``), so the line is last."""
         written = serving.written_dtype(self.scale_set.granularity, self.target)
         if written is None:
@@ -114,7 +115,7 @@ class CalibrationResult:
         notes = [*self._little_data(), *hint, *caveats]
         if not verbose and len(notes) > 1:
             notes = [f"{notes[0]} (+{len(notes) - 1} more with --verbose)"]
-        return [serving.target_text(self.target), *notes, "serve it with:",
+        return [serving.target_text(self.target), serving.SERVE_NOTES[self.scale_set.granularity], *notes, "serve it with:",
                 f"  {serving.serve_command(str(self.out), dtype, target=self.target, per_head=per_head, skip_layers=self._recipe_skip())}"]
 
     def _release_note(self) -> list[str]:
