@@ -81,8 +81,8 @@ class CalibrationResult:
         table = scale_table([self.layers[i].layer_idx for i in rows], {k: a[rows] for k, a in absmax.items()},
                             {k: v[rows] for k, v in s.scales.items()}, {k: v[rows] for k, v in saturated.items()})
         rest = len(self.layers) - len(rows)
-        return [table, *([f"... {rest} more layers, each less saturated and nearer the median absmax (--verbose shows "
-                          "every layer; every scale is in kvcal/calibration.json)"] if rest else []), ""]
+        return [table, *([f"... {rest} more layers, less saturated and nearer the median absmax (--verbose shows them; "
+                          "kvcal/calibration.json)"] if rest else []), ""]
 
     @property
     def target(self) -> str:
