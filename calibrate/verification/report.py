@@ -89,8 +89,9 @@ RISK_WIDTH = 118  # the answer's risk line is wrapped to this width, at most thr
 
 def risk_lines(rep: dict, risks: Sequence[str] = ()) -> list[str]:
     """The warnings behind the recommendation, the most serious first: the engine's failures (load audit, delivery,
-    a failed run), the caller's ``risks``, other targets whose serve line differs (a reader serving there must not take
-    this one), the target's vLLM caveats, then "not run in vLLM's engine"."""
+    a failed run), a sample that may hold the calibration's own records, the caller's ``risks``, other targets whose
+    serve line differs (a reader serving there must not take this one), the target's vLLM caveats, then "not run in
+    vLLM's engine"."""
     target = rep.get("target", serving.DEFAULT_TARGET)
     lines = rep["recommendation"]
     failed = [line for line in lines if line.startswith(("Load audit:", "Delivery:", "The engine failed"))]
@@ -98,7 +99,8 @@ def risk_lines(rep: dict, risks: Sequence[str] = ()) -> list[str]:
     unrun = [line for line in lines if line.startswith(serving.UNRUN_PREFIX)]
     elsewhere = [line.split(" (")[0].strip() for line in other_target_lines(rep)[1:]]
     other = [f"serving on {' or '.join(elsewhere)}? its serve line differs; --verbose gives it"] if elsewhere else []
-    return [*failed, *risks, *other, *caveats, *unrun]
+    seen = [line for line in held_out_text(rep) if line.startswith("the sample may hold")]  # data the scales have seen
+    return [*failed, *seen, *risks, *other, *caveats, *unrun]
 
 
 def write_verify_report(directory: Path, rep: dict) -> None:

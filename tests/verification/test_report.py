@@ -104,3 +104,11 @@ def test_write_verify_report_refuses_a_file(tmp_path):
     with pytest.raises(ValueError, match="is a file; pass a directory"):
         write_verify_report(target, report_dict())
     assert target.read_text() == "mine"
+
+
+def test_a_sample_that_may_hold_the_calibration_data_is_the_risk_named_first_after_the_engines():
+    rep = report_dict() | {"held_out": {"calibration_known": True, "include_calibration_data": True,
+                                        "calibration_records": 20, "excluded_records": 0}}
+    assert risk_lines(rep, ["little data"])[:2] == [
+        "the sample may hold the 20 records the checkpoint was calibrated on (--include-calibration-data): it measures "
+        "data the scales have seen", "little data"]
