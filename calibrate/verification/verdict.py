@@ -241,9 +241,9 @@ def short_evidence(r: dict, floor_kl: float | None) -> str:
     kl = f"KL {r['kl'] / floor_kl:.3g}× the floor" if floor_kl else f"KL {r['kl']:.3g} nats/token"
     drift = r.get("drift")
     drift_text = "" if drift is None else f", drift {drift['agreement']:.0%} agree"
-    who = ("kvcal's emulation" if "measured_by" not in r else
-           f"{r['measured_by']} (emulation: KL {r['emulated']['kl']:.3g}, top-1 {r['emulated']['top1']:.1%})")
-    return f"{kl}, top-1 {r['top1']:.1%}{drift_text}, {r['verdict']}; measured by {who}"
+    who = ("emulated by kvcal" if "measured_by" not in r else
+           f"measured in {r['measured_by']} (emulated: KL {r['emulated']['kl']:.3g}, top-1 {r['emulated']['top1']:.1%})")
+    return f"{kl}, top-1 {r['top1']:.1%}{drift_text}, {r['verdict']}; {who}"
 
 
 def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,

@@ -73,7 +73,7 @@ def test_the_recommendation_carries_the_engines_figures_for_the_cpu_target(verif
     assert r["kl"] == row["kl"] and r["emulated"]["kl"] == row["emulated_kl"]
     line = next(x for x in rep["recommendation"] if x.startswith("Recommended:"))
     assert f"KL {row['kl']:.4g} nats/token" in line and "measured in vLLM" in line and "kvcal's emulation: KL" in line
-    assert "target cpu" in verified.summary(verbose=True) and f"measured by {r['measured_by']}" in verified.summary()
+    assert "target cpu" in verified.summary(verbose=True) and f"measured in {r['measured_by']}" in verified.summary()
     assert not any(x.startswith("Not run in") for x in rep["recommendation"])
 
 

@@ -52,8 +52,7 @@ def test_the_answer_names_the_recommended_scheme_its_evidence_and_the_first_risk
     rep |= {"floor": {**rep["schemes"]["tensor"], "kl": 0.0025, "source": "float32"}, "serve_lines": {"gpu": gpu},
             "recommendation": ["Recommended: ...", "vLLM: a caveat of the target's vLLM", "Not run in vLLM 0.32.0's engine by kvcal: ..."]}
     answer = answer_lines(rep, risks=["scales rest on little data"])
-    assert answer[1] == ("recommended: fp8, calibrated per tensor: KL 2× the floor, top-1 98.5%, pass; measured by kvcal's "
-                         "emulation")
+    assert answer[1] == ("recommended: fp8, calibrated per tensor: KL 2× the floor, top-1 98.5%, pass; emulated by kvcal")
     assert answer[2] == "check: scales rest on little data (+2 more in the report)"
     assert answer[-2:] == ["serve it with:", f"  {rep['serve_command']}"] and len(answer) <= 10
     assert risk_lines(rep) == rep["recommendation"][1:]
