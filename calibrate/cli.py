@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", type=_user_path, action="append", required=True, help="data source (repeatable), as for calibrate")
     p.add_argument("--schemes", help=f"comma-separated: {', '.join(map(scheme_typed, VERIFY_SCHEMES))} (or as the tables "
                    "label them), vLLM's --kv-cache-dtype names "
-                   f"{', '.join(f'{n} (= {scheme_typed(s)})' for n, s in VLLM_SCHEME_NAMES.items())}, or a .safetensors scales file "
+                   f"{', '.join(f'{n} (= {scheme_typed(s)})' for n, s in VLLM_SCHEME_NAMES.items() if n != scheme_typed(s))}, or a .safetensors scales file "
                    f"(default {','.join(map(scheme_typed, DEFAULT_VERIFY_SCHEMES))})")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default {seq_len})")
     p.add_argument("--max-tokens", type=int, help="sample size in tokens: max-tokens // seq-len sequences (default {max_tokens})")
