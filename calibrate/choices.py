@@ -28,12 +28,13 @@ CACHE_DTYPES = ("auto", "fp8", "fp8_e5m2", "fp8_per_token_head", "int8_per_token
 class SchemeSpec(NamedTuple):
     """What a verify scheme is: the data the verifier builds it from, the verdict ranks it by and reports name it by."""
 
-    label: str  # how tables and the recommendation name it: vLLM's --kv-cache-dtype, and where its scales come from
+    label: str  # how everything a person reads names it: vLLM's --kv-cache-dtype, and where its scales come from
     kv_dtype: str  # the --kv-cache-dtype that serves it (verification/kvdtypes.py's DTYPES gives its layout)
     scales: str  # where its scales come from: one of SCALE_SOURCES
     granularity: str | None  # tensor, head or token; None for the unquantized reference
     rank: int  # among schemes level on verdict and KL, the lower is recommended (the most portable first)
     note: str | None = None  # what it stands for; None: kvdtypes.DTYPES' note of its kv_dtype
+    typed: str | None = None  # the label's form without ", " (``--schemes`` is comma-separated); None: the label itself
 
 
 # Where a scheme's scales come from: none (the reference), 1.0 everywhere, the checkpoint's (derived from its kvcal
@@ -47,21 +48,26 @@ SCALE_SOURCES = ("none", "ones", "checkpoint", "observer", "computed")
 # dtypes kvcal emulates, by their --kv-cache-dtype names. The first five run by default. Rank: among schemes level
 # on verdict and KL, the most portable first (per-tensor fp8 on every backend), then the other cache dtypes from the
 # most to the least precise; scale 1.0 last. A scales file a user names ranks after tensor (FILE_RANK).
+# Labels are what a person types to get the scheme (vLLM's --kv-cache-dtype, and the scale source where it matters);
+# kvcal's internal names (scale1, tensor, ...) stay in code and report.json's keys, never in what a person reads.
+# --schemes takes a label as printed, its typed form (fp8:tensor) or the internal name.
 SCHEMES = {
-    "bf16": SchemeSpec("auto (reference)", "auto", "none", None, 99, "reference: no quantization"),
-    "scale1": SchemeSpec("fp8 (scale 1.0)", "fp8", "ones", "tensor", 90,
-                         "scale 1.0 everywhere: what vLLM uses when a checkpoint has no scales (ModelOpt's fp8_cast)"),
-    "tensor": SchemeSpec("fp8 (tensor)", "fp8", "checkpoint", "tensor", 0,
-                         "one static scale per layer (--kv-cache-dtype fp8, every backend)"),
-    "head": SchemeSpec("fp8 (head)", "fp8", "checkpoint", "head", 4, "one static scale per layer and head (read by FLASH_ATTN only)"),
+    "bf16": SchemeSpec("auto (reference)", "auto", "none", None, 99, "reference: no quantization", "auto"),
+    "scale1": SchemeSpec("fp8, scale 1.0", "fp8", "ones", "tensor", 90,
+                         "scale 1.0 everywhere: what vLLM uses when a checkpoint has no scales (ModelOpt's fp8_cast)",
+                         "fp8:scale1"),
+    "tensor": SchemeSpec("fp8, calibrated per tensor", "fp8", "checkpoint", "tensor", 0,
+                         "one static scale per layer (--kv-cache-dtype fp8, every backend)", "fp8:tensor"),
+    "head": SchemeSpec("fp8, per head", "fp8", "checkpoint", "head", 4,
+                       "one static scale per layer and head (read by FLASH_ATTN only)", "fp8:head"),
     "token": SchemeSpec("fp8_per_token_head", "fp8_per_token_head", "computed", "token", 5,
                         "dynamic scale per token and KV head (--kv-cache-dtype fp8_per_token_head, Triton; queries stay "
                         "unquantized)"),
-    "max": SchemeSpec("fp8 (max observer)", "fp8", "observer", "tensor", 2,
-                      "per-tensor scales of the max observer (absmax / 448), from the checkpoint's statistics"),
-    "mse": SchemeSpec("fp8 (mse observer)", "fp8", "observer", "tensor", 3,
+    "max": SchemeSpec("fp8, max observer", "fp8", "observer", "tensor", 2,
+                      "per-tensor scales of the max observer (absmax / 448), from the checkpoint's statistics", "fp8:max"),
+    "mse": SchemeSpec("fp8, mse observer", "fp8", "observer", "tensor", 3,
                       "per-tensor scales of the mse observer (least expected FP8 error of K or V), from the checkpoint's "
-                      "statistics"),
+                      "statistics", "fp8:mse"),
     "fp8_e5m2": SchemeSpec("fp8_e5m2", "fp8_e5m2", "checkpoint", "tensor", 6),
     "int8_per_token_head": SchemeSpec("int8_per_token_head", "int8_per_token_head", "computed", "token", 7),
     "int4_per_token_head": SchemeSpec("int4_per_token_head", "int4_per_token_head", "computed", "token", 10),
@@ -79,8 +85,20 @@ VLLM_SCHEME_NAMES = {"auto": "bf16", "bfloat16": "bf16", "fp8": "tensor", "fp8_e
 
 
 def scheme_label(name: str) -> str:
-    """How tables name scheme ``name``: its SCHEMES label, or a scales file's (named by its stem) as the fp8 it serves."""
-    return SCHEMES[name].label if name in SCHEMES else f"fp8 ({name})"
+    """How everything a person reads names scheme ``name`` (kvcal's internal name, or a scales file's stem): its SCHEMES
+    label, a scales file as the fp8 it serves, the floor as itself."""
+    if name in SCHEMES:
+        return SCHEMES[name].label
+    return name if name == "floor" else f"fp8, scales {name}"
+
+
+def scheme_typed(name: str) -> str:
+    """How ``--schemes`` takes scheme ``name`` inside its comma-separated list: the label, or its form without ", "."""
+    return SCHEMES[name].typed or SCHEMES[name].label
+
+
+# Every form a person may type in --schemes for a scheme: its label, the label's typed form, kvcal's internal name.
+SCHEME_ALIASES = {form: name for name, spec in SCHEMES.items() for form in (name, spec.label, spec.typed) if form}
 
 
 def scheme_rank(name: str) -> int:
@@ -215,20 +233,34 @@ def check_form_name(value: str) -> None:
     check_name("export form", value, EXPORT_FORMS, suggest=True)
 
 
+def split_schemes(text: str) -> list[str]:
+    """``--schemes``' names: split at commas, except the ", " inside a label (``fp8, per head,fp8_per_token_head``)."""
+    names: list[str] = []
+    for piece in (p.strip() for p in text.split(",")):
+        joined = f"{names[-1]}, {piece}" if names else ""
+        if joined in SCHEME_ALIASES:
+            names[-1] = joined
+        elif piece:
+            names.append(piece)
+    return names
+
+
 def verify_scheme(name: str) -> str:
-    """The scheme ``name`` stands for: one of VERIFY_SCHEMES (a vLLM --kv-cache-dtype name mapped through
-    VLLM_SCHEME_NAMES) or a .safetensors scales file, as given. The one refusal of a name verify cannot run."""
-    if name in SCHEMES:
-        return name
+    """The scheme ``name`` stands for: one of VERIFY_SCHEMES (by its label, typed form or internal name; a vLLM
+    --kv-cache-dtype name mapped through VLLM_SCHEME_NAMES) or a .safetensors scales file, as given. The one refusal of
+    a name verify cannot run."""
+    if name in SCHEME_ALIASES:
+        return SCHEME_ALIASES[name]
     if name in VLLM_SCHEME_NAMES:
         return VLLM_SCHEME_NAMES[name]
+    typed = ", ".join(scheme_typed(n) for n in VERIFY_SCHEMES)
     if name in CACHE_DTYPES:
         raise ValueError(f"verify scheme {name!r}: vLLM's --kv-cache-dtype {name} is not emulated by kvcal; choose from: "
-                         f"{', '.join(VERIFY_SCHEMES)} (or vLLM's {', '.join(VLLM_SCHEME_NAMES)})")
+                         f"{typed} (or vLLM's {', '.join(VLLM_SCHEME_NAMES)})")
     if str(name).endswith(".safetensors") and Path(name).is_file():
         return name
-    known = (*VERIFY_SCHEMES, *VLLM_SCHEME_NAMES)
-    raise ValueError(f"unknown verify scheme {name!r}; {closest(name, known)}choose from: {', '.join(VERIFY_SCHEMES)} "
+    known = (*SCHEME_ALIASES, *VLLM_SCHEME_NAMES)
+    raise ValueError(f"unknown verify scheme {name!r}; {closest(name, known)}choose from: {typed} "
                      f"(or vLLM's {', '.join(VLLM_SCHEME_NAMES)}), or name an existing .safetensors scales file")
 
 

@@ -28,6 +28,7 @@ from .choices import (
     VERIFY_SCHEMES,
     VLLM_SCHEME_NAMES,
     WEIGHT_SCHEMES,
+    scheme_typed,
 )
 from .config import CalibrationConfig, ScaleConfig
 from .demo import DEMO_SEQ_LEN, DEMO_TOKENS
@@ -59,6 +60,11 @@ def _card_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-model", metavar="ORG/NAME[@REV]",
                    help="the Hub model the scales belong to, named in the model card (default: the Hub model calibrated, if it was one)")
     p.add_argument("--hub-id", metavar="ORG/NAME", help="the Hub repo OUT_DIR will be uploaded to: the model card's serve lines name it")
+
+
+# The terminal ends with the verdict table and a short answer; --verbose prints above them what report.md holds.
+_VERBOSE_HELP = ("also print every detail the report holds (every layer, thresholds, paired comparisons, depth, caveats, "
+                 "does it pay, other targets' serve lines) above the answer")
 
 
 def _calibrate_options(p: argparse.ArgumentParser) -> None:
@@ -136,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="run the modeling code a model ships with (off, as in transformers and vLLM)")
     _calibrate_options(p)
+    p.add_argument("--verbose", action="store_true", help=_VERBOSE_HELP)
 
     p = sub.add_parser("export", help="re-derive scales from a kvcal output's statistics, without running the model")
     p.add_argument("source", type=_user_path, help="a directory written by kvcal calibrate")
@@ -152,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=DEMO_TOKENS, help=f"token budget (default {DEMO_TOKENS})")
     p.add_argument("--seq-len", type=int, default=DEMO_SEQ_LEN, help=f"tokens per sequence (default {DEMO_SEQ_LEN})")
     p.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET, help=f"{_TARGET_HELP} (default {DEFAULT_TARGET})")
+    p.add_argument("--verbose", action="store_true", help=_VERBOSE_HELP)
 
     p = sub.add_parser("recipes", help="list the shipped recipes, or show one with its reasoning")
     p.add_argument("action", choices=["list", "show"])
@@ -183,9 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
                        argument_default=argparse.SUPPRESS, formatter_class=_VerifyHelp)
     p.add_argument("checkpoint", type=_user_path, help="model directory: a kvcal output, or any checkpoint (scales are read from it when present)")
     p.add_argument("--data", type=_user_path, action="append", required=True, help="data source (repeatable), as for calibrate")
-    p.add_argument("--schemes", help=f"comma-separated: {', '.join(VERIFY_SCHEMES)}, vLLM's --kv-cache-dtype names "
-                   f"{', '.join(f'{n} (= {s})' for n, s in VLLM_SCHEME_NAMES.items())}, or a .safetensors scales file "
-                   f"(default {','.join(DEFAULT_VERIFY_SCHEMES)})")
+    p.add_argument("--schemes", help=f"comma-separated: {', '.join(map(scheme_typed, VERIFY_SCHEMES))} (or as the tables "
+                   "label them), vLLM's --kv-cache-dtype names "
+                   f"{', '.join(f'{n} (= {scheme_typed(s)})' for n, s in VLLM_SCHEME_NAMES.items() if n != scheme_typed(s))}, or a .safetensors scales file "
+                   f"(default {','.join(map(scheme_typed, DEFAULT_VERIFY_SCHEMES))})")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default {seq_len})")
     p.add_argument("--max-tokens", type=int, help="sample size in tokens: max-tokens // seq-len sequences (default {max_tokens})")
     p.add_argument("--chunk-len", type=int, help="longer sequences run as chunked prefill (default {chunk_len})")
@@ -234,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", dest="report_dir", type=_user_path, help="write report.json, report.md and plots into this directory; "
                    "a kvcal output's README.md model card gets this verify table too")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", default=False, help=_VERBOSE_HELP)
     return parser
 
 
@@ -280,7 +290,8 @@ def _main(argv: list[str] | None) -> int:
     # SIGINT stays as kvcal was started with it: Python turns it into KeyboardInterrupt unless it was ignored at start
     # (nohup, `kvcal ... &` from a script), and such a run keeps ignoring Ctrl-C, as POSIX has background jobs do.
     signal.signal(signal.SIGTERM, _interrupt)
-    options = {k: v for k, v in vars(args).items() if k != "command"}
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "verbose")}
+    verbose = bool(getattr(args, "verbose", False))
     try:
         if args.command == "recipes":
             from . import recipes
@@ -328,7 +339,7 @@ def _main(argv: list[str] | None) -> int:
             result = api.run_calibration(recipes.calibration_config(**options))
             if result is None:  # a torchrun rank other than 0: it has left its process group, and writes nothing
                 return 0
-            print(result.summary())  # the recipe's notes, then the serve line last
+            print(result.summary(verbose=verbose))  # the answer, the serve line last
             return 0
         if args.command == "apply":
             from .api import apply
@@ -338,7 +349,7 @@ def _main(argv: list[str] | None) -> int:
             from .verification.run import verify
 
             result = verify(**options)
-            print(result.summary())
+            print(result.summary(verbose=verbose))
             status, why = result.outcome()
             if why:
                 print(f"kvcal: error: {why}", file=sys.stderr)
@@ -355,7 +366,8 @@ def _main(argv: list[str] | None) -> int:
         else:
             from .demo import run_demo
 
-            result = run_demo(**options)
+            print(run_demo(**options).summary(verbose=verbose))
+            return 0
     except ValueError as e:
         print(f"kvcal: error: {e}", file=sys.stderr)
         return 2

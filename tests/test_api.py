@@ -72,7 +72,7 @@ def test_summary_shows_each_layer_and_the_serve_command(granularity, sliding):
     stats, raw = fed_stats()
     layers = [AttentionLayer(i, f"model.layers.{i}.self_attn", sliding and i % 2 == 0) for i in SIG.layers]
     scale_set = derive_scales(stats.kinds, observer="max", granularity=granularity, fmt=FORMATS["e4m3fn"])
-    text = CalibrationResult(Path("/models/out"), layers, stats, scale_set, {}).summary()
+    text = CalibrationResult(Path("/models/out"), layers, stats, scale_set, {}).summary(verbose=True)
     lines = text.splitlines()
 
     for layer, cells in zip(layers, table_rows(text, len(layers))):
@@ -117,7 +117,7 @@ def test_summary_says_when_scales_rest_on_little_data(tokens, little):
     if tokens is not None:
         stats.tokens[:] = tokens
     scale_set = derive_scales(stats.kinds, observer="max", granularity="tensor", fmt=FORMATS["e4m3fn"])
-    lines = CalibrationResult(Path("o"), LAYERS, stats, scale_set, {}).summary().splitlines()
+    lines = CalibrationResult(Path("o"), LAYERS, stats, scale_set, {}).summary(verbose=True).splitlines()
     notes = [line for line in lines if line.startswith("scales rest on little data")]
     assert notes == (["scales rest on little data: 64 tokens per layer (< 100,000); rarer outliers were likely not seen: "
                       "calibrate on more data (--max-tokens) or add --headroom before serving"] if little else [])
@@ -127,7 +127,7 @@ def test_summary_reports_saturated_sink_tokens_of_the_sink_aware_observer():
     """K's first positions hold 20, the rest at most 1: sink-aware scales from the rest saturate every sink value."""
     stats, raw = fed_stats(sink_value=20.0)
     scale_set = derive_scales(stats.kinds, observer="sink-aware", granularity="tensor", fmt=FORMATS["e4m3fn"])
-    text = CalibrationResult(Path("o"), LAYERS, stats, scale_set, {}).summary()
+    text = CalibrationResult(Path("o"), LAYERS, stats, scale_set, {}).summary(verbose=True)
     for layer, cells in zip(LAYERS, table_rows(text, len(LAYERS))):
         later = raw["k"][layer.layer_idx][:, :, SINK_POSITIONS:].abs().max().double().item()
         assert cells[1] == pytest.approx(20.0) and cells[2] == pytest.approx(later / E4M3_MAX, rel=1e-3)
@@ -176,7 +176,8 @@ def test_summary_of_a_real_calibration_matches_the_written_scales(calibrated):
     assert f"wrote {out}" in lines
     assert lines[-2:] == ["serve it with:", f"  vllm serve {out} --kv-cache-dtype fp8"]
     # No GPU engine has run fp8 (engine.caveats: no measured row on target gpu), and the summary says so before the line.
-    assert lines[-3].startswith("note: Not run in vLLM 0.32.0's engine by kvcal: fp8 on target gpu")
+    assert lines[-3].startswith("scales rest on little data") and lines[-3].endswith("more with --verbose)")
+    assert r.summary(verbose=True).splitlines()[-3].startswith("note: Not run in vLLM 0.32.0's engine by kvcal: fp8 on target gpu")
 
 
 def test_provenance_holds_the_runs_settings_and_scales(calibrated):
@@ -275,3 +276,19 @@ def test_apply_refuses_a_target_config_as_every_command_does(calibrated, tmp_pat
     with pytest.raises(ValueError, match=message):
         api.apply(str(calibrated.out), str(target), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+def test_summary_of_many_layers_shows_the_ones_that_matter_and_counts_the_rest(monkeypatch):
+    """Past TOP_LAYERS + 1 layers the table shows the TOP_LAYERS most saturated, then the largest absmax against the
+    median layer's; --verbose (and calibration.json) keep every layer."""
+    from calibrate import result
+
+    stats, _ = fed_stats()
+    stats.kinds["v"].absmax[1] *= 50  # layer 1's V: an outlier among the three
+    scale_set = derive_scales(stats.kinds, observer="max", granularity="tensor", fmt=FORMATS["e4m3fn"])
+    monkeypatch.setattr(result, "TOP_LAYERS", 1)
+    lines = CalibrationResult(Path("o"), LAYERS, stats, scale_set, {}).summary().splitlines()
+    assert [row[0] for row in table_rows("\n".join(lines), 1)] == [1]
+    assert lines[3].startswith("... 2 more layers")
+    verbose = CalibrationResult(Path("o"), LAYERS, stats, scale_set, {}).summary(verbose=True)
+    assert [row[0] for row in table_rows(verbose, 3)] == [0, 1, 2]

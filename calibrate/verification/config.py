@@ -16,6 +16,8 @@ from ..choices import (
     check_engine,
     check_fp8_format,
     check_target,
+    scheme_typed,
+    split_schemes,
     verify_scheme,
 )
 from ..data.config import DataConfig, as_sources, check_int
@@ -179,9 +181,10 @@ class VerifyConfig:
         self.thresholds.validate()
         if self.vllm_version is not None:
             version_note(READ_IN, self.vllm_version)  # a one-line refusal of a string that is no version
-        self.schemes = _split(self.schemes)
+        self.schemes = split_schemes(self.schemes) if isinstance(self.schemes, str) else _split(self.schemes)
         if not self.schemes:
-            raise ValueError(f"--schemes names no scheme; choose from {', '.join(VERIFY_SCHEMES)} or name a .safetensors scales file")
+            raise ValueError(f"--schemes names no scheme; choose from {', '.join(map(scheme_typed, VERIFY_SCHEMES))} or "
+                             "name a .safetensors scales file")
         self.schemes = canonical_schemes(self.schemes)
         if not 1 <= self.accum_bits <= 40:
             raise ValueError(f"--accum-bits must be between 1 and 40 (13 models Hopper, 25 B200), got {self.accum_bits}")

@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from ..choices import scheme_label
 from ..fp8 import FORMATS, FP8Format, quantize
 from .config import HOPPER_ACCUM_BITS
 
@@ -269,7 +270,7 @@ def probe(
         unmodelled: schemes FA3 does not run (per-token scales), named in the notes.
     """
     results, exact_check = {}, None
-    notes = [f"{name}: not an FA3 mode (vLLM runs it on Triton), not emulated" for name in unmodelled]
+    notes = [f"{scheme_label(name)}: not an FA3 mode (vLLM runs it on Triton), not emulated" for name in unmodelled]
     for row, cap in sorted(capture.items()):
         idx = layer_idx[row]
         if cap["softcap"]:

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from ..choices import scheme_label
 from .verdict_table import measured_schemes
 
 
@@ -12,7 +13,7 @@ def plot_layer_error(path: Path, rep: dict) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     for name, r in rep["schemes"].items():
         if r["mode"] != "reference":
-            ax.plot(layers, r["layer_rel_error"], marker="o", ms=3, label=name)
+            ax.plot(layers, r["layer_rel_error"], marker="o", ms=3, label=scheme_label(name))
     ax.set_yscale("log")
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set(xlabel="layer", ylabel="relative RMS error of attention output", title="Per-layer attention error (each layer's own inputs)")
@@ -33,10 +34,10 @@ def plot_kl_by_depth(path: Path, rep: dict) -> None:
         if d is None:
             continue
         real = [b for b in d["buckets"] if b["kl"] is not None]
-        line = ax.plot([(b["start"] + b["end"]) / 2 for b in real], [b["kl"] for b in real], marker="o", ms=4, label=name)[0]
+        line = ax.plot([(b["start"] + b["end"]) / 2 for b in real], [b["kl"] for b in real], marker="o", ms=4, label=scheme_label(name))[0]
         if d["packed"]:
             ax.plot([(b["start"] + b["end"]) / 2 for b in d["packed"]], [b["kl"] for b in d["packed"]], ls="--", marker="x", ms=4,
-                    color=line.get_color(), label=f"{name} (packed positions)")
+                    color=line.get_color(), label=f"{scheme_label(name)} (packed positions)")
     ax.set_xscale("log")
     ax.set(xlabel="depth in the record (positions; bucket middles)", ylabel="KL(reference ‖ scheme), nats/token",
            title="KL by context depth")

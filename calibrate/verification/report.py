@@ -2,15 +2,22 @@
 the plots, report.md)."""
 
 import json
+import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
+from .. import serving
+from ..choices import scheme_label
 from .capacity import plan_text
 from .plots import plot_kl_by_depth, plot_layer_error, plot_position_profile, plot_scale_heatmap
 from .report_md import verify_markdown
+from .verdict import short_evidence
 from .verdict_table import (
+    SHORT_COLUMNS,
     VERIFY_HEADER,
     depth_lines,
     drift_note,
+    engine_brief,
     engine_lines,
     held_out_text,
     measured_schemes,
@@ -21,16 +28,30 @@ from .verdict_table import (
 )
 
 
-def verify_text(rep: dict, report_md: Path | None = None) -> str:
-    """The verdict table, recommendation and serve command (the last line) as plain text; ``report_md``: where the
-    report was written."""
-    rows = [VERIFY_HEADER, *verify_rows(rep)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(VERIFY_HEADER))]
+def verify_text(rep: dict, report_md: Path | None = None, *, verbose: bool = False, risks: Sequence[str] = ()) -> str:
+    """What the terminal shows: the verdict table, then the answer (``answer_lines``: the serve command last);
+    ``verbose``: the full table and every detail report.md holds between them. ``report_md``: where the report was
+    written; ``risks``: the caller's own warnings (calibrate's little-data line), weighed for the answer's one risk."""
+    brief = engine_brief(rep["engine"]) + [""] if rep.get("engine") and not verbose else []
+    return "\n".join([*table_lines(rep, full=verbose), "", *(detail_lines(rep) + [""] if verbose else []), *brief,
+                      *answer_lines(rep, report_md, risks=risks, verbose=verbose)])
+
+
+def table_lines(rep: dict, *, full: bool = False) -> list[str]:
+    """The verdict table as aligned text: every column when ``full``, else ``SHORT_COLUMNS`` (about 110 wide)."""
+    keep = list(range(len(VERIFY_HEADER))) if full else [VERIFY_HEADER.index(name) for name in SHORT_COLUMNS]
+    rows = [[row[i] for i in keep] for row in (VERIFY_HEADER, *verify_rows(rep))]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(keep))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "-" * len(lines[0]))
+    return lines
+
+
+def detail_lines(rep: dict) -> list[str]:
+    """Everything behind the answer, as report.md says it: sample, thresholds, drift, depth, the engine's run, the
+    recommendation's reasoning, does it pay, the other targets' serve lines (``--verbose``)."""
     sample = rep["sample"]
-    lines += [
-        "",
+    return [
         f"reference: {rep['reference'].get('model', 'unquantized model')} in {rep['reference']['dtype']} on {rep['reference']['device']}; "
         f"{sample['sequences']} sequences of {sample['seq_len']} tokens; FP8 {rep['fp8_format']}, "
         f"{rep.get('backend', 'cuda')} writer",
@@ -38,18 +59,50 @@ def verify_text(rep: dict, report_md: Path | None = None) -> str:
         thresholds_text(rep),
         *([note] if (note := drift_note(rep)) else []),
         *depth_lines(rep),
-        *[f"skipped {name}: {why}" for name, why in rep["skipped"].items()],
+        *[f"skipped {scheme_label(name)}: {why}" for name, why in rep["skipped"].items()],
         *(["", *engine_lines(rep.get("engine")), ""] if rep.get("engine") else []),
-        target_text(rep),
         *rep["recommendation"],
-        *(["", "does it pay (KV memory and bytes per decoded token, per GPU):", plan_text(rep["does_it_pay"]), ""]
+        *(["", "does it pay (KV memory and bytes per decoded token, per GPU):", plan_text(rep["does_it_pay"])]
           if rep["does_it_pay"] else []),
-        *([f"report: {report_md}"] if report_md else []),
         *other_target_lines(rep),
-        "serve it with:",
-        f"  {rep['serve_command']}",
     ]
-    return "\n".join(lines)
+
+
+def answer_lines(rep: dict, report_md: Path | None = None, *, risks: Sequence[str] = (), verbose: bool = False) -> list[str]:
+    """At most ten lines a person acts on: the target and its vLLM build, what to serve and the evidence for it, the
+    one risk worth checking, where the full report is, and the serve command (last)."""
+    target = rep.get("target", serving.DEFAULT_TARGET)
+    line = rep.get("serve_lines", {}).get(target)  # None: a report written before kvcal chose per target
+    floor = rep["floor"]["kl"] if rep["floor"] and rep["floor"]["kl"] > 0 else None
+    answer = ([] if line is None or "scheme" not in line else
+              [f"recommended: {scheme_label(line['scheme'])}: {short_evidence(rep['schemes'][line['scheme']], floor)}"]
+              if line["scheme"] in rep["schemes"] else
+              ["recommended: keep the KV cache unquantized (no quantized scheme qualifies on this target)"])
+    found = risk_lines(rep, risks)
+    risk = [] if not found else textwrap.wrap(f"check: {found[0]}" + (f" (+{len(found) - 1} more in the report)" if len(found) > 1 else ""),
+                                              RISK_WIDTH, subsequent_indent="  ", max_lines=3, placeholder=" …")
+    where = (f"full report: {report_md}" + ("" if verbose else " (--verbose prints its details here)") if report_md
+             else "" if verbose else "details: --verbose (--report DIR writes them to report.md)")
+    return [target_text(rep), *answer, *risk, *([where] if where else []), "serve it with:", f"  {rep['serve_command']}"]
+
+
+RISK_WIDTH = 118  # the answer's risk line is wrapped to this width, at most three lines
+
+
+def risk_lines(rep: dict, risks: Sequence[str] = ()) -> list[str]:
+    """The warnings behind the recommendation, the most serious first: the engine's failures (load audit, delivery,
+    a failed run), a sample that may hold the calibration's own records, the caller's ``risks``, other targets whose
+    serve line differs (a reader serving there must not take this one), the target's vLLM caveats, then "not run in
+    vLLM's engine"."""
+    target = rep.get("target", serving.DEFAULT_TARGET)
+    lines = rep["recommendation"]
+    failed = [line for line in lines if line.startswith(("Load audit:", "Delivery:", "The engine failed"))]
+    caveats = [line for line in lines if line.startswith(serving.caveat_prefix(target))]
+    unrun = [line for line in lines if line.startswith(serving.UNRUN_PREFIX)]
+    elsewhere = [line.split(" (")[0].strip() for line in other_target_lines(rep)[1:]]
+    other = [f"serving on {' or '.join(elsewhere)}? its serve line differs; --verbose gives it"] if elsewhere else []
+    seen = [line for line in held_out_text(rep) if line.startswith("the sample may hold")]  # data the scales have seen
+    return [*failed, *seen, *risks, *other, *caveats, *unrun]
 
 
 def write_verify_report(directory: Path, rep: dict) -> None:
@@ -65,7 +118,8 @@ def write_verify_report(directory: Path, rep: dict) -> None:
     if with_scales:
         name = with_scales[0]
         plots["scales"], plots["scales_scheme"] = "scales.png", name
-        plot_scale_heatmap(directory / plots["scales"], layers, rep["schemes"][name]["scales"], f"K/V scales of scheme {name!r} (dequantization multipliers)")
+        plot_scale_heatmap(directory / plots["scales"], layers, rep["schemes"][name]["scales"],
+                           f"K/V scales of scheme {scheme_label(name)} (dequantization multipliers)")
     if any(r.get("depth") for r in measured_schemes(rep).values()):
         plots["depth"] = "kl_by_depth.png"
         plot_kl_by_depth(directory / plots["depth"], rep)

@@ -90,7 +90,8 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
     if "layer_error" in plots:
         out += [f"![per-layer error]({plots['layer_error']})", ""]
     names = [n for n, r in s.items() if r["mode"] != "reference"]
-    out += [markdown_table(["layer", *names], [[str(idx), *(f"{s[n]['layer_rel_error'][i]:.3e}" for n in names)] for i, idx in enumerate(layers)]), ""]
+    out += [markdown_table(["layer", *map(scheme_label, names)],
+                           [[str(idx), *(f"{s[n]['layer_rel_error'][i]:.3e}" for n in names)] for i, idx in enumerate(layers)]), ""]
     out += ["## Saturation and underflow", "",
             "Fraction of values beyond the format's max (saturated) and below its smallest normal (stored as subnormal "
             "or zero), mean over layers / worst layer; — = not quantized by that scheme.", ""]
@@ -99,10 +100,10 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
         for kind in ("k", "v", "q"):
             f = s[n]["fractions"].get(kind)
             if f:
-                rows.append([n, kind, f"{percent_cell(sum(f['saturated']) / len(layers), 4)} / {percent_cell(max(f['saturated']), 4)}",
+                rows.append([scheme_label(n), kind, f"{percent_cell(sum(f['saturated']) / len(layers), 4)} / {percent_cell(max(f['saturated']), 4)}",
                              f"{percent_cell(sum(f['underflow']) / len(layers), 4)} / {percent_cell(max(f['underflow']), 4)}"])
             else:
-                rows.append([n, kind, "—", "—"])
+                rows.append([scheme_label(n), kind, "—", "—"])
     out += [markdown_table(["scheme", "kind", "saturated", "underflow"], rows), ""]
     out += drift_markdown(rep) + tails_markdown(rep) + depth_markdown(rep, plots.get("depth")) + kinds_markdown(rep)
     if rep.get("engine"):
@@ -114,7 +115,7 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
     out += ["## Scales and statistics", ""]
     if "scales" in plots:
         name = plots["scales_scheme"]
-        out += [f"K/V scales of scheme {name} ({s[name]['source']}):", "", f"![K/V scales]({plots['scales']})", ""]
+        out += [f"K/V scales of scheme {scheme_label(name)} ({s[name]['source']}):", "", f"![K/V scales]({plots['scales']})", ""]
     else:
         out += ["No K/V scales to plot: no static scheme with scales ran.", ""]
     if "position" in plots:
@@ -126,7 +127,7 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
             f"- kvcal statistics in the checkpoint: {'yes' if rep['checkpoint_scales']['statistics'] else 'no'}",
             "", "```json", json.dumps(rep["settings"], indent=1), "```", "",
             f"Time: {rep['timings']['total_s']:.1f} s in all; reference pass {rep['timings']['reference_pass_s']:.1f} s; "
-            + ", ".join(f"{n} {t:.1f} s" for n, t in rep["timings"]["scheme_pass_s"].items()) + ". Every number is in report.json.", ""]
+            + ", ".join(f"{scheme_label(n)} {t:.1f} s" for n, t in rep["timings"]["scheme_pass_s"].items()) + ". Every number is in report.json.", ""]
     return "\n".join(out)
 
 
@@ -142,7 +143,7 @@ def drift_markdown(rep: dict) -> list[str]:
             continue
         first = ", ".join("—" if f is None else str(f) for f in x["first_divergence"])
         kl = f"{x['decode_kl']:.4g}" + (f" ± {x['decode_kl_stderr']:.2g}" if x["decode_kl_stderr"] is not None else "")
-        rows.append([name, first, f"{x['first_divergence_median']:g}", str(x["first_divergence_min"]), percent_cell(x["identical"], 0),
+        rows.append([scheme_label(name), first, f"{x['first_divergence_median']:g}", str(x["first_divergence_min"]), percent_cell(x["identical"], 0),
                      percent_cell(x["agreement"], 1), kl, str(x["near_ties_followed"])])
     few = (f" Only {d['prompts']} of the {d['prompts_asked']} prompts asked for: the sample has no more record boundaries "
            "with room for a prompt." if d["prompts"] < d["prompts_asked"] else "")
@@ -175,9 +176,10 @@ def tails_markdown(rep: dict) -> list[str]:
         if x is None:
             continue
         vs = x["vs_floor"]
-        rows.append([name, str(x["tokens"]), *(value(x, p) for p in PERCENTILES), f"{x['max']:.4g}", percent_cell(x["clear_flips"], 3),
+        rows.append([scheme_label(name), str(x["tokens"]), *(value(x, p) for p in PERCENTILES), f"{x['max']:.4g}", percent_cell(x["clear_flips"], 3),
                      "—" if vs is None else f"{vs['ratio']:.3g}× ({interval(vs['interval'])})"])
-    pairs = [[c["a"], c["b"], "—" if c["ratio"] is None else f"{c['ratio']:.3g}×", interval(c["interval"])] for c in t["comparisons"]]
+    pairs = [[scheme_label(c["a"]), scheme_label(c["b"]), "—" if c["ratio"] is None else f"{c['ratio']:.3g}×", interval(c["interval"])]
+             for c in t["comparisons"]]
     return ["## Tails", "",
             f"Per-token KL(reference ‖ scheme) over every position of the sample: a percentile is given only when at least "
             f"{t['min_beyond']} tokens lie beyond it; the maximum is the sample's own. Clear flips: the share of positions "
@@ -199,8 +201,8 @@ def depth_markdown(rep: dict, plot: str | None = None) -> list[str]:
         d = r.get("depth")
         if d is None:
             continue
-        rows += [[name, b["label"], str(b["sequences"]), f"{b['tokens']:,}", _kl_cell(b["kl"]), percent_cell(b["top1"])] for b in d["buckets"]]
-        packed += [[name, b["label"], str(b["sequences"]), f"{b['tokens']:,}", _kl_cell(b["kl"]), percent_cell(b["top1"])] for b in d["packed"]]
+        rows += [[scheme_label(name), b["label"], str(b["sequences"]), f"{b['tokens']:,}", _kl_cell(b["kl"]), percent_cell(b["top1"])] for b in d["buckets"]]
+        packed += [[scheme_label(name), b["label"], str(b["sequences"]), f"{b['tokens']:,}", _kl_cell(b["kl"]), percent_cell(b["top1"])] for b in d["packed"]]
     if not rows:
         return []
     header = ["scheme", "depth (positions)", "records", "tokens", "KL nats/token", "top-1 agree"]
@@ -222,7 +224,7 @@ def kinds_markdown(rep: dict) -> list[str]:
         for classification, c in (r.get("token_kinds") or {}).items():
             for kind, k in c["kinds"].items():
                 vs = k.get("vs_rest")
-                rows.append([name, classification, kind, f"{k['tokens']:,}", _kl_cell(k["kl"]), percent_cell(k["top1"]),
+                rows.append([scheme_label(name), classification, kind, f"{k['tokens']:,}", _kl_cell(k["kl"]), percent_cell(k["top1"]),
                              "—" if vs is None or vs["ratio"] is None else f"{vs['ratio']:.3g}×" + (" **much worse**" if vs["much_worse"] else "")])
     if not rows:
         return []
@@ -245,7 +247,7 @@ def _skip_markdown(probe: dict | None) -> list[str]:
              "yes" if layer in probe["skip"] else ""]
             for row, layer in enumerate(probe["layers"])]
     return ["## Layers to keep in bf16", "",
-            f"Scheme {probe['scheme']} (KL {probe['kl']:.4g} nats/token with every layer quantized). Estimate: the layer's own "
+            f"Scheme {scheme_label(probe['scheme'])} (KL {probe['kl']:.4g} nats/token with every layer quantized). Estimate: the layer's own "
             "attention-output error; measured: KL with that one layer left unquantized, and the gain paired by sequence. "
             f"Kept: a significant gain above {probe['share_limit']:.3g} (twice an average layer's share).", "",
             markdown_table(["layer", "estimate", "KL without it", "gain", "keep"], rows), ""]
@@ -266,7 +268,8 @@ def _fa3_markdown(f: dict) -> list[str]:
     rows = []
     for layer, r in f["layers"].items():
         for name, modes in r["schemes"].items():
-            rows.append([str(layer), name, *(f"{modes[m]['rel_error']:.3e} ({modes[m]['bias']:+.2e})" for m in ("fp8_inputs", "two_level", "single_chain"))])
+            rows.append([str(layer), scheme_label(name),
+                         *(f"{modes[m]['rel_error']:.3e} ({modes[m]['bias']:+.2e})" for m in ("fp8_inputs", "two_level", "single_chain"))])
     out += [markdown_table(["layer", "scheme", "FP8 inputs, exact arithmetic", "two_level", "single_chain"], rows), ""]
     v = f["validation"]
     out += ["Validation:", "",
@@ -289,9 +292,9 @@ def _needle_markdown(n: dict) -> list[str]:
            "log-probability of its tokens (✓ = every answer token is the greedy choice).", ""]
     rows = [[str(c["length"]), f"{c['depth']:g}", c["code"], *(f"{c['schemes'][m]['logprob']:.2f} {'✓' if c['schemes'][m]['greedy'] else '✗'}" for m in names)]
             for c in n["cases"]]
-    out += [markdown_table(["length", "depth", "code", *names], rows), ""]
+    out += [markdown_table(["length", "depth", "code", *map(scheme_label, names)], rows), ""]
     for m, r in n["summary"].items():
         if "lost" in r:
-            out.append(f"- {m}: found {r['found']}/{len(n['cases'])}, lost {r['lost']} the reference found, "
+            out.append(f"- {scheme_label(m)}: found {r['found']}/{len(n['cases'])}, lost {r['lost']} the reference found, "
                        f"mean log-prob change {r['mean_logprob_change']:+.3f}")
     return out + [""]

@@ -145,16 +145,18 @@ class VerifyResult:
             return 1, f"the delivery check failed: {engine['delivery']['text'].splitlines()[0]}"
         return 0, None
 
-    def summary(self, skip_layers: Sequence[str | int] = ()) -> str:
-        """The verdict table, the recommendation and the serve command (last), for a person; ``skip_layers`` (a
-        recipe's) are added to every serve line, and each names the checkpoint as the user typed it."""
+    def summary(self, skip_layers: Sequence[str | int] = (), *, verbose: bool = False, risks: Sequence[str] = ()) -> str:
+        """The verdict table and the answer, the serve command last (``report.verify_text``; ``verbose``: with every
+        detail report.md holds), for a person; ``skip_layers`` (a recipe's) are added to every serve line, and each
+        names the checkpoint as the user typed it; ``risks``: the caller's warnings, weighed for the answer."""
 
         def local(line: str) -> str:
             return serving.with_skip_layers(line if self.checkpoint is None else serving.with_model(line, self.checkpoint), skip_layers)
 
         rep = {**self.report, "serve_command": local(self.report["serve_command"]),
                "serve_lines": {t: {**s, "line": local(s["line"])} for t, s in self.report.get("serve_lines", {}).items()}}
-        return report.verify_text(rep, report_md=self.report_dir / "report.md" if self.report_dir else None)
+        return report.verify_text(rep, report_md=self.report_dir / "report.md" if self.report_dir else None,
+                                  verbose=verbose, risks=risks)
 
 
 def _load_stats(directory: Path, sig: ModelSignature) -> Stats | None:

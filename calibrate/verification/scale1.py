@@ -8,6 +8,7 @@ found 4 times in 5: ``significance.detectable``), or worse. Plain numbers in, a 
 
 import math
 
+from ..choices import scheme_label
 from .significance import detectable
 from .verdict import compare
 
@@ -46,21 +47,21 @@ def scale1_answer(results: dict[str, dict]) -> dict | None:
 
 def _sentence(a: dict) -> str:
     """The answer for a person, with what to do."""
-    name, ka, k1, n = a["calibrated"], a["calibrated_kl"], a["scale1_kl"], a["sequences"]
+    name, ka, k1, n = scheme_label(a["calibrated"]), a["calibrated_kl"], a["scale1_kl"], a["sequences"]
     figures = f"KL {ka:.4g} vs {k1:.4g} nats/token"
     if a["outcome"] == UNTESTED:
-        return (f"Is scale 1.0 enough? Not tested: {name} scales vs scale 1.0, {figures}, on one sequence, which gives "
+        return (f"Is scale 1.0 enough? Not tested: {name} vs scale 1.0, {figures}, on one sequence, which gives "
                 "no standard error; verify with a larger --max-tokens to answer it.")
     paired = f"difference {a['difference']:+.3g} ± {a['stderr']:.2g} nats/token (standard error), paired over {n} sequences"
     change = abs(ka / k1 - 1) if k1 > 0 else 0.0
     if a["outcome"] == BETTER:
-        return (f"Is scale 1.0 enough? No: the calibrated {name} scales lower the KL by {change:.0%} against scale 1.0 "
+        return (f"Is scale 1.0 enough? No: {name} lowers the KL by {change:.0%} against scale 1.0 "
                 f"({figures}; {paired}, significant). Serve the calibrated scales.")
     if a["outcome"] == WORSE:
-        return (f"Is scale 1.0 enough? Yes, and better here: scale 1.0 is {change:.0%} below the calibrated {name} scales "
+        return (f"Is scale 1.0 enough? Yes, and better here: scale 1.0 is {change:.0%} below {name} "
                 f"({figures}; {paired}, significant). Serve without KV scales (vLLM then uses 1.0), or try another "
                 "observer (`kvcal export OUT --out NEW --observer mse`) and verify again.")
-    return (f"Is scale 1.0 enough? On this sample, yes: the calibrated {name} scales and scale 1.0 are equal within noise "
+    return (f"Is scale 1.0 enough? On this sample, yes: {name} and scale 1.0 are equal within noise "
             f"({figures}; {paired}, t test at 5%); a difference of {a['detectable']:.2g} nats/token ({a['detectable'] / k1:.0%} "
             "of scale 1.0's KL) would have shown 4 times in 5. Either serves; the calibrated scales also guard against values beyond "
             "FP8's range in other data, and a larger --max-tokens can detect a smaller difference.")

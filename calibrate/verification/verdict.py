@@ -193,7 +193,7 @@ def skip_lines(probe: dict) -> list[str]:
     """The skip-layer finding, for a person."""
     best = max(probe["measured"], key=lambda m: m["gain"])
     rho = probe["rank_correlation"]
-    lines = [f"Layers kept in bf16 ({probe['scheme']}, measured end to end for {len(probe['measured'])} of {len(probe['layers'])} layers, "
+    lines = [f"Layers kept in bf16 ({scheme_label(probe['scheme'])}, measured end to end for {len(probe['measured'])} of {len(probe['layers'])} layers, "
              f"ranked by each layer's own error): the largest gain is layer {best['layer']}, KL {probe['kl']:.4g} → {best['kl_without']:.4g}; "
              f"estimate and measurement {'agree' if probe['top_agrees'] else 'disagree'} on the top layer"
              + (f" (rank correlation {rho:.2f})." if rho is not None else ".")]
@@ -238,6 +238,17 @@ def evidence_text(r: dict) -> str:
             f"verdict {e['verdict']})")
 
 
+def short_evidence(r: dict, floor_kl: float | None) -> str:
+    """``evidence_text`` in a few words for the terminal's answer: KL as a multiple of the floor's (``floor_kl``; the
+    KL itself without a floor), top-1, drift, verdict, and who measured it."""
+    kl = f"KL {r['kl'] / floor_kl:.3g}× the floor" if floor_kl else f"KL {r['kl']:.3g} nats/token"
+    drift = r.get("drift")
+    drift_text = "" if drift is None else f", drift {drift['agreement']:.0%} agree"
+    who = ("emulated by kvcal" if "measured_by" not in r else
+           f"measured in {r['measured_by']} (emulated: KL {r['emulated']['kl']:.3g}, top-1 {r['emulated']['top1']:.1%})")
+    return f"{kl}, top-1 {r['top1']:.1%}{drift_text}, {r['verdict']}; {who}"
+
+
 def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
               skip_probe: dict | None = None, pays: dict | None = None, *, target: str = DEFAULT_TARGET,
               unquantized: str = "auto", scale1: str | None = None, vllm_version: str | None = None,
@@ -255,22 +266,22 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     lines = [*held.get("serving", []), *(n for n in held["notes"] if "no KV scales" in n), *([scale1] if scale1 else [])]
     ranked = {n: r for n, r in results.items() if r["mode"] != "reference"}
     if "token" in ranked and any(r["quantizes_query"] for r in ranked.values()):
-        lines.append("The static schemes here quantize Q as well (as FA3 on Hopper does); token leaves Q unquantized, "
+        lines.append("The static schemes here quantize Q as well (as FA3 on Hopper does); fp8_per_token_head leaves Q unquantized, "
                      "so part of its lead may be Q's: --kv-only compares K and V alone.")
 
     def versus(a: str, b: str) -> str:
         mean, se, sig = compare(results[a], results[b])
         ka, kb = results[a]["kl"], results[b]["kl"]
-        change = f"{a} is {'lower' if ka < kb else 'higher'} by {abs(ka / kb - 1):.0%}"  # kb ≠ 0: check_measured
+        change = f"{scheme_label(a)} is {'lower' if ka < kb else 'higher'} by {abs(ka / kb - 1):.0%}"  # kb ≠ 0: check_measured
         paired = f", paired over {len(results[a]['kl_per_sequence'])} sequences"
         apart = results[a].get("measured_by") != results[b].get("measured_by")
         test = ("measured apart (engine and emulation): not tested" if apart else "one sequence: not tested" if se is None
                 else ("significant" if sig else "within noise") + paired)
-        return f"{a} vs {b}: KL {ka:.4g} vs {kb:.4g} nats/token; {change} ({test})"
+        return f"{scheme_label(a)} vs {scheme_label(b)}: KL {ka:.4g} vs {kb:.4g} nats/token; {change} ({test})"
 
     broken = {n: r for n, r in ranked.items() if r["verdict"] == NOT_FINITE}
     for name, r in broken.items():
-        lines.append(f"{name} measured non-finite numbers ({non_finite(r, [layer.layer_idx for layer in layers])}): it has "
+        lines.append(f"{scheme_label(name)} measured non-finite numbers ({non_finite(r, [layer.layer_idx for layer in layers])}): it has "
                      "no verdict and is never recommended.")
     for a, b in (("token", "tensor"), ("tensor", "scale1"), ("head", "tensor"), ("tensor", "max"), ("tensor", "mse")):
         if a in ranked and b in ranked and a not in broken and b not in broken:
@@ -280,7 +291,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     if choice is None:
         refused = [n for n, r in ranked.items() if r.get("target_refusal")]
         lines.append("Every quantized scheme measured fails the thresholds"
-                     + (f" or is not served as measured on target {target} ({', '.join(refused)})" if refused else "")
+                     + (f" or is not served as measured on target {target} ({', '.join(map(scheme_label, refused))})" if refused else "")
                      + ": keep this model's KV cache in bf16.")
         return lines, serving.serve_command(served or checkpoint, unquantized, target=target)
     if skip_probe is not None and skip_probe["scheme"] != choice:
@@ -289,19 +300,19 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     lines.append(f"Recommended: {scheme_label(choice)} ({SCHEME_NOTES.get(choice, r['source'])}): {evidence_text(r)}.")
     for name, other in usable.items():
         if name != choice and compare(other, r)[2] and other["kl"] < r["kl"]:
-            lines.append(f"{name} has significantly lower KL than {choice} ({other['kl']:.4g} vs {r['kl']:.4g}); "
+            lines.append(f"{scheme_label(name)} has significantly lower KL than {scheme_label(choice)} ({other['kl']:.4g} vs {r['kl']:.4g}); "
                          f"prefer it if that matters more than backend support: {SCHEME_NOTES.get(name, other['source'])}.")
     smaller = [n for n, o in usable.items() if o["bytes_per_token"] < r["bytes_per_token"] and o["verdict"] == r["verdict"]]
     if smaller:
         lines.append("Smaller caches with the same verdict: " + "; ".join(
-            f"{n} ({usable[n]['bytes_per_token'] / r['bytes_per_token']:.2f}× the bytes, KL {usable[n]['kl']:.4g})" for n in smaller) + ".")
+            f"{scheme_label(n)} ({usable[n]['bytes_per_token'] / r['bytes_per_token']:.2f}× the bytes, KL {usable[n]['kl']:.4g})" for n in smaller) + ".")
     path = served or checkpoint
     if r["mode"] != "token" and r["granularity"] in ("tensor", "head") and r["source"] not in ("checkpoint", "1.0"):
         path = serving.EXPORT_FIRST
         observer = f" --observer {choice}" if choice in SCHEMES and SCHEMES[choice].scales == "observer" else ""
         how = (f"write them with `kvcal export {checkpoint} --out {path} --granularity {r['granularity']}{observer}`" if choice in SCHEMES
                else f"write {r['source']} into a copy of the checkpoint")
-        lines.append(f"These {choice} scales are not in the checkpoint: {how} and serve {path}.")
+        lines.append(f"Its scales ({scheme_label(choice)}) are not in the checkpoint: {how} and serve {path}.")
     if choice == "scale1" and held["granularity"] is not None:
         lines.append("Scale 1.0 needs a checkpoint without KV scales; this one has scales, which vLLM would use instead.")
     sliding = [i for i, layer in enumerate(layers) if layer.sliding_window]

@@ -8,9 +8,11 @@ from .config import percent
 from .depth import trend_text
 from .tails import COMPARED, PERCENTILES, tail_rule, tokens_needed
 
-# The verdict table's columns, one per cell of ``verify_rows``.
+# The verdict table's columns, one per cell of ``verify_rows``; the terminal's short table shows SHORT_COLUMNS of them
+# (report.md, the card and --verbose all).
 VERIFY_HEADER = ["scheme", "KL nats/token", "KL / floor", "KV bytes/token", "ppl change", "top-1 agree",
                  "drift: 1st diff (min) · agree", "saturated K / V / Q (worst layer)", "verdict", "why"]
+SHORT_COLUMNS = ("scheme", "KL / floor", "top-1 agree", "drift: 1st diff (min) · agree", "KV bytes/token", "verdict")
 
 
 def verify_rows(rep: dict) -> list[list[str]]:
@@ -20,7 +22,7 @@ def verify_rows(rep: dict) -> list[list[str]]:
     floor = rep["floor"]["kl"] if rep["floor"] and rep["floor"]["kl"] > 0 else None
     for name, r in rep["schemes"].items():
         sat = " / ".join(percent_cell(_worst(r, k, "saturated"), 3) for k in ("k", "v", "q"))
-        times = "—" if floor is None or r["mode"] == "reference" else f"{r['kl'] / floor:.3g}×"
+        times = "—" if floor is None or r["mode"] == "reference" else f"{r['kl'] / floor:.3g}×" + (" (engine)" if r.get("measured_by") else "")
         size = f"{r['bytes_per_token']:,.0f} ({r['bytes_vs_bf16']:.2f}×)"
         rows.append([scheme_label(name), _kl(r), times, size, f"{100 * r['ppl_change']:+.3f}%", percent_cell(r["top1"]), drift_cell(r.get("drift")), sat,
                      r.get("target_refusal") or r["verdict"], "; ".join(r["reasons"])])
@@ -78,8 +80,14 @@ def drift_note(rep: dict) -> str:
 
 
 def depth_lines(rep: dict) -> list[str]:
-    """One line per measured scheme: how its KL changes with context depth (``depth.trend_text``)."""
-    return [f"depth, {name}: {trend_text(r['depth'])}" for name, r in measured_schemes(rep).items() if r.get("depth")]
+    """One line per measured scheme: how its KL changes with context depth (``depth.trend_text``); schemes whose line
+    says the same (not measured, and why) share one."""
+    texts: dict[str, list[str]] = {}
+    for name, r in measured_schemes(rep).items():
+        if r.get("depth"):
+            texts.setdefault(trend_text(r["depth"]), []).append(scheme_label(name))
+    return [f"depth, {'every scheme' if len(names) > 1 and len(names) == len(measured_schemes(rep)) else '; '.join(names)}: "
+            f"{text}" for text, names in texts.items()]
 
 
 def thresholds_text(rep: dict) -> str:
@@ -171,7 +179,7 @@ def engine_lines(engine: dict | None) -> list[str]:
              "| scheme | cache dtype | emulated KL | engine KL | KL vs reference | ratio | tolerance | top-1 (engine) | drift (engine) | stored as named |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in engine["schemes"].items():
-        label = name
+        label = scheme_label(name)
         if "kl" not in row:
             lines.append(f"| {label} | {row['kv_cache_dtype'] or '-'} | {row['emulated_kl']:.4g} | {row['why']} | - | - | - | - | - | - |")
             continue
@@ -189,8 +197,18 @@ def engine_lines(engine: dict | None) -> list[str]:
                       f"run against the first: {drift_cell(noise)}."]
     if engine["ranking_flips"]:
         lines.append("")
-        lines.append("Ranked differently by the engine: " + ", ".join(f"{a} and {b}" for a, b in engine["ranking_flips"]))
+        lines.append("Ranked differently by the engine: " + ", ".join(f"{scheme_label(a)} and {scheme_label(b)}"
+                                                                        for a, b in engine["ranking_flips"]))
     return lines
+
+
+def engine_brief(engine: dict) -> list[str]:
+    """The engine's run in the default terminal output, above the answer: what kvcal set to match it, the delivery
+    check's line, and the cache dtypes it offers that kvcal does not emulate (each once; the table is --verbose's)."""
+    return [*([f"kvcal set: {engine['set']}"] if engine.get("set") else []),
+            *(engine["delivery"]["text"].splitlines()[:1] if engine.get("delivery") else []),
+            *([f"offered by vLLM {engine['vllm_version']}, not emulated: {', '.join(engine['not_emulated'])}"]
+              if engine.get("not_emulated") else [])]
 
 
 def _ratio_text(ratio: float | None) -> str:

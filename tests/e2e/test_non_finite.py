@@ -69,12 +69,13 @@ def test_a_scheme_whose_kl_went_non_finite_is_named_and_never_recommended(root, 
                  "bf16,scale1,tensor,token", "--report", str(report)])
     out = capsys.readouterr().out
     assert code == 0
-    assert "tensor measured non-finite numbers (kl nan, per-layer error at layers [1]): it has no verdict" in out
+    out = (report / "report.md").read_text().replace("- ", "") + out  # the reasoning is in report.md (and --verbose)
+    assert "fp8, calibrated per tensor measured non-finite numbers (kl nan, per-layer error at layers [1]): it has no verdict" in out
     recommended = next(line for line in out.splitlines() if line.startswith("Recommended: "))
-    assert not recommended.startswith("Recommended: fp8 (tensor)"), recommended
+    assert not recommended.startswith("Recommended: fp8, calibrated per tensor"), recommended
     serve = out.split("serve it with:")[1].strip().splitlines()[0]
     assert serve.startswith("vllm serve") and "--kv-cache-dtype fp8 " not in serve + " ", serve
-    assert "tensor vs scale1" not in out and "token vs tensor" not in out  # no comparison with a NaN
+    assert "per tensor vs" not in out and "vs fp8, calibrated per tensor" not in out  # no comparison with a NaN
 
 
 @pytest.mark.parametrize("model, dtype, fragment", [

@@ -106,12 +106,13 @@ def test_the_report_shows_buckets_packed_positions_and_one_trend_line_per_scheme
     for i, name in enumerate(("tensor", "scale1", "token")):
         rep["schemes"][name]["depth"] = depth.by_depth(torch.rand(4, 699) * (i + 1), torch.ones(4, 699, dtype=torch.bool), layouts)
     rep["depth"] = {"rule": depth.rule()}
-    text = verify_text(rep)
+    text = verify_text(rep, verbose=True)
     assert [line.split(":")[0] for line in text.splitlines() if line.startswith("depth, ")] == [
-        "depth, tensor", "depth, scale1", "depth, token"]
+        "depth, fp8, calibrated per tensor", "depth, fp8, scale 1.0", "depth, fp8_per_token_head"]
+    assert not any(line.startswith("depth, ") for line in verify_text(rep).splitlines())  # --verbose and report.md only
     section = verify_markdown(rep, {"depth": "kl_by_depth.png"}).split("## KL by context depth", 1)[1].split("\n## ", 1)[0]
     assert "![KL by depth](kl_by_depth.png)" in section and "**Packed positions**" in section
-    assert "| tensor | 512–698 | 3 | 561 |" in section
+    assert "| fp8, calibrated per tensor | 512–698 | 3 | 561 |" in section
     assert all(f"- {line}" in section for line in depth_lines(rep))
     assert "## KL by context depth" not in verify_markdown(report_dict(), {})  # an older report: no section
 
@@ -136,4 +137,4 @@ def test_verify_reports_depth_on_long_records(tmp_path, tiny_dir, kjv_path):
     assert result.report["floor"]["depth"]["buckets"][0]["tokens"] > 0 and d["packed"]
     assert (tmp_path / "r" / "kl_by_depth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "## KL by context depth" in (tmp_path / "r" / "report.md").read_text()
-    assert "depth, token: KL" in result.summary()
+    assert "depth, fp8_per_token_head: KL" in result.summary(verbose=True)

@@ -230,11 +230,11 @@ def test_the_drift_column_and_section():
     for name, first in found.items():
         drifts = [drift.PromptDrift(f, None, 1.0 if f is None else f / 16) for f in first]
         rep["schemes"][name]["drift"] = drift.summarize(drifts, [0.01, 0.02, 0.03], steps=16)
-    rows = [re.split(r"\s{2,}", line) for line in verify_text(rep).splitlines()[2:2 + len(rep["schemes"])]]
+    rows = [re.split(r"\s{2,}", line) for line in verify_text(rep, verbose=True).splitlines()[2:2 + len(rep["schemes"])]]
     for cells, name in zip(rows, rep["schemes"]):
         check_verdict_row(cells, name, rep["schemes"][name])
     assert drift_cell(rep["schemes"]["tensor"]["drift"]) == "none in 16 · 100%"
     assert drift_cell(rep["schemes"]["token"]["drift"]) == f"9 (min 2) · {(2 / 16 + 1 + 9 / 16) / 3:.0%}"
     md = verify_markdown(rep, {})
     section = md.split("## Decode drift", 1)[1].split("\n## ", 1)[0]
-    assert "Only 3 of the 4 prompts" in section and "| token | 2, —, 9 | 9 | 2 | 33% |" in section
+    assert "Only 3 of the 4 prompts" in section and "| fp8_per_token_head | 2, —, 9 | 9 | 2 | 33% |" in section

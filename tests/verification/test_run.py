@@ -29,6 +29,7 @@ from calibrate.model.directory import INDEX_FILE
 from calibrate.model.load import load_model
 from calibrate.thresholds import Thresholds
 from calibrate.verification.needle import needle_prompt
+from calibrate.verification.report import verify_text
 from calibrate.verification.run import verify
 from calibrate.verification.schemes import Scheme
 
@@ -204,9 +205,10 @@ def test_per_token_beating_per_tensor_is_reported(token_outlier_ckpt, data_file)
     assert tensor["fractions"]["k"]["underflow"][0] > 0.5  # every non-EOS key is stored as zero or subnormal
     assert token["layer_rel_error"][0] < tensor["layer_rel_error"][0] / 3
     assert token["kl"] < tensor["kl"]
-    line = next(line for line in result.report["recommendation"] if line.startswith("token vs tensor"))
-    assert "token is lower" in line and "significant," in line
-    assert any(line.startswith(("Recommended: fp8_per_token_head", "token has significantly lower KL than tensor")) for line in result.report["recommendation"])
+    line = next(line for line in result.report["recommendation"] if line.startswith("fp8_per_token_head vs fp8, calibrated per tensor"))
+    assert "fp8_per_token_head is lower" in line and "significant," in line
+    assert any(line.startswith(("Recommended: fp8_per_token_head", "fp8_per_token_head has significantly lower KL than fp8, calibrated"))
+               for line in result.report["recommendation"])
 
 
 def outlier_head(model, tokenizer):
@@ -433,7 +435,7 @@ def test_calibrate_runs_a_short_verify_unless_disabled(tmp_path, tokenizer, data
     assert "Not verified yet" not in card and all(f"| {scheme_label(name)} |" in card for name in result.verification.schemes)
     answer = result.verification.report["scale1"]["text"]  # "is scale 1.0 enough?" on the card, in report.md and printed
     assert answer in card and answer in (tmp_path / "a" / "kvcal" / "verify" / "report.md").read_text()
-    assert answer in result.summary()
+    assert answer in result.summary(verbose=True)
     result = api.calibrate(str(model), [str(data_file)], str(tmp_path / "b"), seq_len=128, max_tokens=512, verify=False, **QUIET)
     assert result.verification is None and not (tmp_path / "b" / "kvcal" / "verify").exists()
 
@@ -587,7 +589,7 @@ def test_verify_leaves_out_the_records_calibration_used(plain_ckpt, tokenizer, d
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     excluded = report["held_out"]["excluded_records"]
     assert excluded > 0 and report["held_out"]["calibration_records"] == len(written)
-    assert f"held out: {excluded:,} records" in result.summary()
+    assert f"held out: {excluded:,} records" in result.summary(verbose=True)
     # Opting in samples the calibration's records again (seed 0 starts where calibration started).
     verify(str(plain_ckpt), [str(data_file)], schemes="bf16,tensor", seq_len=128, max_tokens=1024,
            include_calibration_data=True, **QUIET)
@@ -720,8 +722,13 @@ def test_engine_on_a_gpu_decides_the_recommendation_for_its_own_target(plain_ckp
     eng = rep["engine"]
     assert eng["target"] == "gpu" and eng["like_for_like"] is False and eng["ranking_flips"] == []
     assert eng["not_emulated"] == ["fp8_ds_mla"] and "offered by vLLM 0.32.0, not emulated: fp8_ds_mla" in out
-    assert "No measured like-for-like emulation of CudaPlatform" in out and "kvcal set: --engine vllm on CudaPlatform" in out
-    assert f"{rep['schemes']['scale1']['kl']:.4g} ± {rep['schemes']['scale1']['kl_stderr']:.2g} (engine)" in out  # the verdict table
+    assert "kvcal set: --engine vllm on CudaPlatform" in out and "No measured like-for-like emulation" not in out
+    floor = rep["floor"]["kl"]
+    assert f"{rep['schemes']['scale1']['kl'] / floor:.3g}× (engine)" in out  # the short verdict table
+    verbose = verify_text(rep, verbose=True)
+    assert "No measured like-for-like emulation of CudaPlatform" in verbose  # the engine table, --verbose and report.md
+    assert f"{rep['schemes']['scale1']['kl']:.4g} ± {rep['schemes']['scale1']['kl_stderr']:.2g} (engine)" in verbose
+    assert "No measured like-for-like emulation of CudaPlatform" in (tmp_path / "r" / "report.md").read_text()
     for name in ("scale1", "int8_per_token_head"):
         row, r = eng["schemes"][name], rep["schemes"][name]
         assert row["within_tolerance"] is None and row["tolerance_kl"] is None

@@ -25,7 +25,7 @@ SHIFT_4 = 4.2559  # standard errors the t test over 4 sequences finds 4 times in
 @pytest.mark.parametrize(
     "tensor, outcome, says",
     [
-        pytest.param([0.010, 0.013, 0.009, 0.012], BETTER, "No: the calibrated tensor scales lower the KL by {change}", id="better"),
+        pytest.param([0.010, 0.013, 0.009, 0.012], BETTER, "No: fp8, calibrated per tensor lowers the KL by {change}", id="better"),
         pytest.param([0.021, 0.023, 0.019, 0.021], EQUAL, "On this sample, yes", id="equal"),
         pytest.param([0.030, 0.035, 0.027, 0.031], WORSE, "Yes, and better here: scale 1.0 is {change} below", id="worse"),
     ],

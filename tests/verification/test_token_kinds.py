@@ -119,5 +119,5 @@ def test_the_report_and_the_reasons_name_a_much_worse_kind():
     rep["schemes"]["tensor"]["token_kinds"] = result
     rep["token_kinds"] = {"rule": token_kinds.rule()}
     section = verify_markdown(rep, {}).split("## KL by kind of token", 1)[1].split("\n## ", 1)[0]
-    assert "| tensor | form | json | 160 |" in section and "**much worse**" in section
+    assert "| fp8, calibrated per tensor | form | json | 160 |" in section and "**much worse**" in section
     assert "## KL by kind of token" not in verify_markdown(report_dict(), {})

