@@ -16,6 +16,7 @@ from runners import client_python, needs_avx512
 
 from calibrate.engine import audit
 from calibrate.verification import engine
+from calibrate.verification.report import verify_text
 
 SEQ_LEN, SEQUENCES, CHUNK = 256, 2, 128  # 2 × 256 held-out tokens, chunked prefill in two chunks
 PROMPTS, STEPS = 2, 12  # decode drift: 12 greedy tokens after each of 2 prompts, emulated and in the engine
@@ -54,7 +55,8 @@ def verified(calibrated, held_out, python, tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((work / "report" / "report.json").read_text())
     return SimpleNamespace(report=report, schemes=report["schemes"], report_dir=work / "report", checkpoint=str(work / "ckpt"),
-                           summary=lambda: proc.stdout, stderr=proc.stderr)
+                           summary=lambda verbose=False: verify_text(report, verbose=True) if verbose else proc.stdout,
+                           stderr=proc.stderr)
 
 
 @pytest.mark.slow
