@@ -1,4 +1,5 @@
-"""VerifyConfig.match_engine: with --engine, the engine's platform sets the emulation and the target; a flag the user
+"""verification/config.py (a basename apart from tests/test_config.py's: pytest imports test modules by it).
+VerifyConfig.match_engine: with --engine, the engine's platform sets the emulation and the target; a flag the user
 typed that contradicts a measured platform is refused in one line, and an unmeasured platform keeps what was typed."""
 
 import re
