@@ -131,7 +131,7 @@ def test_kvcal_demo_runs_to_its_verdict_table(smol_dir, tmp_path):
 
     from calibrate.choices import scheme_label
     from calibrate.config import SHORT_VERIFY_SCHEMES
-    from calibrate.verification.verdict_table import VERIFY_HEADER
+    from calibrate.verification.verdict_table import SHORT_COLUMNS
 
     out = tmp_path / "demo-out"
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))  # this checkout's code
@@ -139,10 +139,11 @@ def test_kvcal_demo_runs_to_its_verdict_table(smol_dir, tmp_path):
                            "--seq-len", "64"], capture_output=True, text=True, env=env, timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith(VERIFY_HEADER[0]) and VERIFY_HEADER[1] in line)
+    # The short verdict table (SHORT_COLUMNS), the terminal's default.
+    header = next(i for i, line in enumerate(lines) if line.startswith(SHORT_COLUMNS[0]) and SHORT_COLUMNS[1] in line)
     rows = lines[header + 2: lines.index("", header)]  # under the dashes, up to the blank line
-    verdict_at = lines[header].index(VERIFY_HEADER[-2])
-    name_ends = lines[header].index(VERIFY_HEADER[1])  # the scheme column: vLLM's labels hold single spaces
+    verdict_at = lines[header].index(SHORT_COLUMNS[-1])
+    name_ends = lines[header].index(SHORT_COLUMNS[1])  # the scheme column: vLLM's labels hold single spaces
     table = {row[:name_ends].rstrip(): row[verdict_at:].split("  ")[0] for row in rows}
     # Scale 1.0, the written (per-tensor) scales and the short verify's per-token schemes, in that order.
     assert list(table) == [scheme_label(name) for name in ("scale1", "tensor", *SHORT_VERIFY_SCHEMES)], rows
