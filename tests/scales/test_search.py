@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from calibrate import api, cli
 from calibrate.capture.hooks import hooked_attention
 from calibrate.capture.stats import Stats
+from calibrate.choices import scheme_label
 from calibrate.data.config import DataConfig
 from calibrate.data.stream import iter_sequences, read_digests
 from calibrate.fp8 import FORMATS
@@ -97,7 +98,9 @@ def test_verify_sets_the_searched_scales_beside_max_and_mse(searched, data_file)
     assert list(result.schemes) == ["tensor", "max", "mse"]
     assert result.schemes["max"]["source"] == "the max observer on the checkpoint's kvcal statistics"
     lines = result.report["recommendation"]
-    assert any(line.startswith("tensor vs max: KL") for line in lines) and any(line.startswith("tensor vs mse: KL") for line in lines)
+    tensor = scheme_label("tensor")  # the lines name schemes as a user types them (choices.SCHEMES' labels)
+    assert any(line.startswith(f"{tensor} vs {scheme_label('max')}: KL") for line in lines)
+    assert any(line.startswith(f"{tensor} vs {scheme_label('mse')}: KL") for line in lines)
 
 
 def test_output_needs_the_model_and_held_back_data(searched, tokenizer, data_file, tmp_path, capsys):
