@@ -13,6 +13,7 @@ from .plots import plot_kl_by_depth, plot_layer_error, plot_position_profile, pl
 from .report_md import verify_markdown
 from .verdict import short_evidence
 from .verdict_table import (
+    ENGINE_FAILURES,
     SHORT_COLUMNS,
     VERIFY_HEADER,
     depth_lines,
@@ -96,7 +97,7 @@ def risk_lines(rep: dict, risks: Sequence[str] = ()) -> list[str]:
     vLLM's engine"."""
     target = rep.get("target", serving.DEFAULT_TARGET)
     lines = rep["recommendation"]
-    failed = [line for line in lines if line.startswith(("Load audit:", "Delivery:", "The engine failed"))]
+    failed = [line for line in lines if line.startswith(ENGINE_FAILURES)]
     caveats = [line for line in lines if line.startswith(serving.caveat_prefix(target))]
     unrun = [line for line in lines if line.startswith(serving.UNRUN_PREFIX)]
     elsewhere = [line.split(" (")[0].strip() for line in other_target_lines(rep)[1:]]

@@ -58,6 +58,7 @@ from .scale1 import scale1_answer
 from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
 from .tails import tails
 from .verdict import check_measured, check_reference, choose, judge, recommend, serve_lines, target_refusals
+from .verdict_table import AUDIT_FAILED, ENGINE_FAILED, NOT_DELIVERED
 
 # ---- scales: from the checkpoint, its statistics, or a file --------------------------------------------------------
 
@@ -334,9 +335,9 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
                                       engine_target=engine_result["target"] if engine_result else None,
                                       mla=bool(sig.latent_dim), model_type=model_config.get("model_type"))
     if started is not None:
-        recommendation[:0] = [*(f"Load audit: {line}" for line in started.audit.failures),
-                              *([f"Delivery: {started.delivery.text()}"] if started.delivery and not started.delivery.ok() else []),
-                              *([f"The engine failed after the emulation, which alone is judged here: {engine_error}"] if engine_error else
+        recommendation[:0] = [*(f"{AUDIT_FAILED}{line}" for line in started.audit.failures),
+                              *([f"{NOT_DELIVERED}{started.delivery.text()}"] if started.delivery and not started.delivery.ok() else []),
+                              *([f"{ENGINE_FAILED}, which alone is judged here: {engine_error}"] if engine_error else
                                 [f"Ranked and judged on the engine's figures (vLLM {engine_result['vllm_version']}, "
                                  f"{engine_result['attention_backend']}, target {engine_result['target']}) where it ran a "
                                  "scheme, the emulation's beside them; docs/engine.md."])]

@@ -167,15 +167,12 @@ def engine_lines(engine: dict | None) -> list[str]:
     floor = engine["floor"]
     floor_text = "n/a" if floor is None else f"{floor['kl']:.4g}" + (f" ± {floor['kl_stderr']:.2g}" if floor["kl_stderr"] else "")
     twin = engine.get("like_for_like", True)
-    lines = [*([f"kvcal set: {engine['set']}"] if engine.get("set") else []),
+    lines = [*engine_brief(engine, whole=True),
              f"Engine: vLLM {engine['vllm_version']} ({engine['platform']}, {engine['isa']}, attention backend "
              f"{engine['attention_backend']}, target {engine['target']}); its floor (auto cache vs the reference) KL {floor_text}; "
              f"run-to-run KL {engine['noise_kl']:.3g}; settings {engine['settings']}",
              *([] if twin else [f"No measured like-for-like emulation of {engine['platform']}: the emulated column is for "
-                                "orientation, and no agreement is judged (docs/engine.md)."]),
-             *([f"offered by vLLM {engine['vllm_version']}, not emulated: {', '.join(engine['not_emulated'])}"]
-               if engine.get("not_emulated") else []),
-             *(engine["delivery"]["text"].splitlines() if engine.get("delivery") else []), "",
+                                "orientation, and no agreement is judged (docs/engine.md)."]), "",
              "| scheme | cache dtype | emulated KL | engine KL | KL vs reference | ratio | tolerance | top-1 (engine) | drift (engine) | stored as named |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in engine["schemes"].items():
@@ -202,11 +199,19 @@ def engine_lines(engine: dict | None) -> list[str]:
     return lines
 
 
-def engine_brief(engine: dict) -> list[str]:
-    """The engine's run in the default terminal output, above the answer: what kvcal set to match it, the delivery
-    check's line, and the cache dtypes it offers that kvcal does not emulate (each once; the table is --verbose's)."""
+# The recommendation's first lines when the engine found something wrong (verify's run writes them, the answer's
+# risk picks them out): a failed load audit, scales loaded but not used, an engine that failed after the emulation.
+AUDIT_FAILED, NOT_DELIVERED, ENGINE_FAILED = "Load audit: ", "Delivery: ", "The engine failed after the emulation"
+ENGINE_FAILURES = (AUDIT_FAILED, NOT_DELIVERED, ENGINE_FAILED)
+
+
+def engine_brief(engine: dict, *, whole: bool = False) -> list[str]:
+    """What kvcal set to match the engine, the delivery check's line (``whole``: with the layers it names), and the
+    cache dtypes the engine offers that kvcal does not emulate: the default terminal output shows these above the
+    answer, and ``engine_lines`` above its table."""
+    delivery = engine["delivery"]["text"].splitlines() if engine.get("delivery") else []
     return [*([f"kvcal set: {engine['set']}"] if engine.get("set") else []),
-            *(engine["delivery"]["text"].splitlines()[:1] if engine.get("delivery") else []),
+            *(delivery if whole else delivery[:1]),
             *([f"offered by vLLM {engine['vllm_version']}, not emulated: {', '.join(engine['not_emulated'])}"]
               if engine.get("not_emulated") else [])]
 
