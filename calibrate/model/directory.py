@@ -216,7 +216,11 @@ def attention_prefixes(names: list[str]) -> dict[int, str]:
     return dict(sorted(found.items()))
 
 
+def prefixes_in(files: list[Path]) -> dict[int, str]:
+    """Layer index → attention prefix, from the headers of these safetensors files."""
+    return attention_prefixes([n for path in files for n in tensor_names(path)])
+
+
 def checkpoint_prefixes(checkpoint: str | Path) -> dict[int, str]:
     """Layer index → attention prefix of a checkpoint directory, from the headers of the files vLLM loads."""
-    directory = Path(checkpoint)
-    return attention_prefixes([n for path in vllm_files(directory)[0] for n in tensor_names(path)])
+    return prefixes_in(vllm_files(Path(checkpoint))[0])

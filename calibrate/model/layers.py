@@ -1,11 +1,10 @@
 """What a model is, for kvcal: its attention layers, their checkpoint names, and the signature statistics must match."""
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from torch import nn
 
-from .directory import checkpoint_prefixes, is_decoder_module, mla_dims, text_part
+from .directory import is_decoder_module, mla_dims, text_part
 
 
 @dataclass(frozen=True)
@@ -122,15 +121,15 @@ def is_latent(module: nn.Module) -> bool:
     return isinstance(getattr(module, "kv_lora_rank", None), int) and callable(getattr(type(module), "expand_kv", None))
 
 
-def checkpoint_named(layers: list[AttentionLayer], model_dir: str | Path) -> list[AttentionLayer]:
+def checkpoint_named(layers: list[AttentionLayer], prefixes: dict[int, str]) -> list[AttentionLayer]:
     """``layers`` with the prefix their tensors have in the checkpoint's own files, where that differs.
 
     transformers 5 renames some families' modules on load and back on save (Gemma 3's checkpoint holds
     ``language_model.model.layers.N.self_attn``, its module is ``model.language_model.layers.N.self_attn``); vLLM
-    maps the checkpoint's names, so scales are written and read under those.
+    maps the checkpoint's names, so scales are written and read under those. ``prefixes``: layer index → prefix in the
+    checkpoint's files (``directory.checkpoint_prefixes``).
     """
-    names = checkpoint_prefixes(model_dir)
-    return [replace(layer, prefix=names.get(layer.layer_idx, layer.prefix)) for layer in layers]
+    return [replace(layer, prefix=prefixes.get(layer.layer_idx, layer.prefix)) for layer in layers]
 
 
 def signature(model: nn.Module, layers: list[AttentionLayer]) -> ModelSignature:

@@ -15,6 +15,7 @@ from ..config import CalibrationConfig
 from ..data.stream import SequenceStream, iter_sequences
 from ..fp8 import get_format
 from ..model.description import ModelDescription
+from ..model.directory import checkpoint_prefixes
 from ..model.layers import AttentionLayer, ModelSignature, attention_layers, checkpoint_named, signature
 from ..model.load import input_device, load_model, resolve_placement
 from ..scales.observers import ScaleSet
@@ -67,7 +68,7 @@ def load_and_capture(config: CalibrationConfig, described: ModelDescription, gro
     model, tokenizer = load_model(config.model, device=placement.device, dtype=dtype, placement=placement,
                                   trust_remote_code=config.trust_remote_code, tokenizer=stream.tokenizer,
                                   config=described.config)
-    layers = checkpoint_named(attention_layers(model), config.model)
+    layers = checkpoint_named(attention_layers(model), checkpoint_prefixes(config.model))
     sig = signature(model, layers)
     if "auto_map" in described.config:  # modeling code of its own: can kvcal see its K and V at all?
         check_visible(model, layers, sig.model_type)

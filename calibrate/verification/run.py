@@ -29,7 +29,6 @@ import torch
 from .. import serving
 from ..capture.stats import Stats, position_bucket_starts
 from ..checkpoint.write import tensor_bytes, weight_files
-from ..data.config import DataConfig
 from ..data.stream import Layout, iter_sequences, portable_manifest, read_digests
 from ..engine.audit import FAILED, OK, AuditResult, audit
 from ..engine.caveats import installed_vllm_version
@@ -41,7 +40,8 @@ from ..files import read_json_object
 from ..fp8 import get_format
 from ..hub import snapshot_origin
 from ..layout import is_kvcal_output, provenance_path, records_path, stats_path
-from ..model.description import describe
+from ..model.description import ModelDescription, describe
+from ..model.directory import prefixes_in
 from ..model.layers import AttentionLayer, ModelSignature, attention_layers, checkpoint_named, signature
 from ..model.load import check_known_type, check_tokenizer_fits, load_model, load_tokenizer, resolve_device
 from ..thresholds import Thresholds
@@ -60,10 +60,7 @@ from .tails import tails
 from .verdict import check_measured, check_reference, choose, judge, recommend, serve_lines, target_refusals
 from .verdict_table import AUDIT_FAILED, ENGINE_FAILED, NOT_DELIVERED
 
-# ---- scales: from the checkpoint, its statistics, or a file --------------------------------------------------------
-
-
-# ---- the passes ---------------------------------------------------------------------------------------------------
+# ---- the probes ---------------------------------------------------------------------------------------------------
 
 
 def _fa3(probe: ReferenceProbe, rows: torch.Tensor, schemes: list[Scheme], layers, sig: ModelSignature, config: VerifyConfig) -> dict:
@@ -160,34 +157,349 @@ class VerifyResult:
                                   verbose=verbose, risks=risks)
 
 
-def _load_stats(directory: Path, sig: ModelSignature) -> Stats | None:
-    """The checkpoint's kvcal statistics, checked against the model, or None when it has none."""
-    path = stats_path(directory)
-    if not path.is_file():
-        return None
-    stats = Stats.load(path)
-    stats.signature.check_matches(sig, f"the statistics in {path}")
-    return stats
+@dataclass(frozen=True)
+class Subject:
+    """The checkpoint verify measures, described once: config.json's facts, the weight files vLLM loads (headers
+    checked), whether kvcal wrote it, and the calibration records its sample leaves out. Every step takes this
+    instead of reading the directory again."""
+
+    path: str  # as the user typed it
+    described: ModelDescription
+    files: list[Path]
+    prefixes: dict[int, str]  # layer index → attention prefix in those files (``directory.prefixes_in``)
+    absolute: Path  # resolved: vLLM runs elsewhere, where a relative path would read as a Hub id
+    kvcal_output: bool
+    calibration: frozenset[str]  # digests of the records calibration used (empty: none known, or opted in)
+    calibration_records: int  # how many it used, for the report (counted even when opted in)
+    calibration_known: bool  # the checkpoint says which records calibration used
 
 
-def _sample(data_config: DataConfig, tokenizer, context: int | None,
-            exclude: frozenset[str]) -> tuple[list[torch.Tensor], list[Layout], list[dict], int]:
-    """Whole sequences of exactly seq_len tokens (a shorter last one is dropped) of the records not in ``exclude``,
-    their layouts (records and kinds of token), the data manifest, and how many records were left out for being in
-    ``exclude``."""
-    stream = iter_sequences(data_config, tokenizer, max_context=context, exclude=exclude, layouts=True)
-    kept = [(s, layout) for s, layout in zip(list(stream), stream.layouts()) if s.numel() == data_config.seq_len]
+@dataclass
+class Sample:
+    """The held-out sequences (exactly seq_len tokens each), their layouts, the data manifest, how many records were
+    left out as calibration's, and the decode-drift prompts cut from them."""
+
+    tokenizer: object
+    sequences: list[torch.Tensor]
+    layouts: list[Layout]
+    manifest: list[dict]
+    excluded: int
+    prompts: list[torch.Tensor]
+    prompt_source: str | None
+
+
+@dataclass
+class Reference:
+    """The reference model on its device, its attention layers under the checkpoint's names, their signature and the
+    checkpoint's kvcal statistics (None: it has none)."""
+
+    model: torch.nn.Module
+    device: torch.device
+    layers: list[AttentionLayer]
+    sig: ModelSignature
+    stats: Stats | None
+
+
+@dataclass
+class Emulation:
+    """What the emulated passes measured: the schemes run (and the floor), those skipped, what the checkpoint holds,
+    the tallies, the reference pass's probe, NLL and time, and the optional probes' results."""
+
+    schemes: list[Scheme]
+    floor: list[Scheme]
+    skipped: dict
+    held: dict
+    tallies: dict
+    probe: ReferenceProbe
+    ref_nll: list[float]
+    ref_seconds: float
+    fa3: dict | None
+    needle: dict | None
+    drifts: dict
+
+
+@dataclass
+class Judged:
+    """Per-scheme results with verdicts, the floor's, the limits they were judged by and the tails' summary."""
+
+    results: dict[str, dict]
+    floor: dict | None
+    limits: Thresholds
+    tails: dict
+
+
+def _describe(config: VerifyConfig) -> Subject:
+    """Read the checkpoint once (config.json, its weight files' headers, kvcal's files) and check every option and
+    data source, before anything is loaded."""
+    described = describe(config.checkpoint)
+    config.validate()
+    check_known_type(config.checkpoint, described.config)
+    files = weight_files(described)  # vLLM's files, every header checked
+    path = records_path(config.checkpoint)
+    if config.include_calibration_data:  # counted for the report only, never checked: opting in must always work
+        records = frozenset(path.read_text().split()) if path.is_file() else frozenset()
+    else:
+        records = read_digests(path)
+    return Subject(config.checkpoint, described, files, prefixes_in(files), Path(config.checkpoint).resolve(),
+                   is_kvcal_output(config.checkpoint),
+                   frozenset() if config.include_calibration_data else records, len(records), path.is_file())
+
+
+def _sample(config: VerifyConfig, subject: Subject) -> Sample:
+    """Whole sequences of exactly seq_len tokens (a shorter last one is dropped) of the records calibration did not
+    use, and the drift prompts cut from them; data too short for one sequence is refused before the model loads."""
+    data = config.data
+    tokenizer = load_tokenizer(config.checkpoint)
+    check_tokenizer_fits(config.checkpoint, subject.described.config, tokenizer)
+    stream = iter_sequences(data, tokenizer, max_context=subject.described.context, exclude=subject.calibration, layouts=True)
+    kept = [(s, layout) for s, layout in zip(list(stream), stream.layouts()) if s.numel() == data.seq_len]
     sequences, layouts = [s for s, _ in kept], [layout for _, layout in kept]
     manifest = stream.manifest()
     excluded = sum(source["records_excluded"] for source in manifest)
     if not sequences and excluded:
         raise ValueError(f"the data holds {stream.tokens_yielded} tokens outside the {excluded} records calibration used, less "
-                         f"than one sequence of --seq-len {data_config.seq_len}: verify on other text (--data), calibrate "
+                         f"than one sequence of --seq-len {data.seq_len}: verify on other text (--data), calibrate "
                          "with a smaller --max-tokens, or pass --include-calibration-data")
     if not sequences:
         raise ValueError(f"the data gives {stream.tokens_yielded} tokens, less than one sequence of --seq-len "
-                         f"{data_config.seq_len}; lower --seq-len or add data")
-    return sequences, layouts, manifest, excluded
+                         f"{data.seq_len}; lower --seq-len or add data")
+    prompts, source = (prompts_from(sequences, tokenizer.eos_token_id, config.prompts, config.prompt_len)
+                       if config.generate else ([], None))
+    return Sample(tokenizer, sequences, layouts, manifest, excluded, prompts, source)
+
+
+def _reference(config: VerifyConfig, subject: Subject, device: torch.device, tokenizer) -> Reference:
+    """The reference model (float32 on CPU by default, K and V unquantized), its attention layers under the names the
+    checkpoint's files give them, and the checkpoint's statistics checked against it."""
+    model, _ = load_model(config.checkpoint, device=device, dtype=getattr(torch, config.dtype) if config.dtype else None,
+                          tokenizer=tokenizer, config=subject.described.config)
+    layers = checkpoint_named(attention_layers(model), subject.prefixes)
+    sig = signature(model, layers)
+    if sig.latent_dim and config.fa3:
+        raise ValueError("--fa3 models FlashAttention-3, which vLLM does not run for latent attention (MLA): drop --fa3")
+    path = stats_path(config.checkpoint)
+    stats = Stats.load(path) if path.is_file() else None
+    if stats is not None:
+        stats.signature.check_matches(sig, f"the statistics in {path}")
+    return Reference(model, device, layers, sig, stats)
+
+
+def _emulate(config: VerifyConfig, subject: Subject, ref: Reference, sample: Sample, clock: "Clock") -> Emulation:
+    """The schemes (the checkpoint's scales, scales derived from its statistics, named files), the reference pass and
+    one pass per scheme, then the optional probes: the FA3 numeric model on sampled rows, the needle, decode drift."""
+    fmt = get_format(config.fp8_format)
+    schemes, skipped, held = build_schemes(config, subject.described, subject.files, ref.layers, ref.sig, ref.stats, fmt)
+    floor = [floor_scheme(ref.model.dtype, fmt)] if config.floor else []
+    rows = fa3.query_rows(config.data.seq_len, config.data.chunk_len, config.fa3_rows) if config.fa3 else None
+    tallies, probe, ref_nll, ref_seconds = measure(ref.model, ref.layers, schemes + floor, sample.sequences, config, rows)
+    clock.mark("passes")
+    fa3_result = _fa3(probe, rows, schemes, ref.layers, ref.sig, config) if config.fa3 else None
+    clock.mark("fa3")
+    needle_result = (_needle(ref.model, sample.tokenizer, ref.layers, schemes, config, subject.described.context)
+                     if config.needle else None)
+    clock.mark("needle")
+    drifts = (measure_drift(ref.model, ref.layers, schemes + floor, sample.prompts, config.generate, progress=config.progress)
+              if sample.prompts else {})
+    clock.mark("drift")
+    return Emulation(schemes, floor, skipped, held, tallies, probe, ref_nll, ref_seconds, fa3_result, needle_result, drifts)
+
+
+def _judge(config: VerifyConfig, sample: Sample, emulated: Emulation) -> Judged:
+    """Each scheme's numbers; the limits, from the floor unless set; the tails, depth and kinds of token; verdicts."""
+    tallies, schemes = emulated.tallies, emulated.schemes
+    results = {s.name: scheme_result(s, tallies[s.name], emulated.probe.ref_sq, emulated.ref_nll)
+               for s in schemes + emulated.floor}
+    for name, r in results.items():
+        check_measured(name, r)
+    check_reference(emulated.ref_nll, results.get(FLOOR))  # NaN or Inf there: nothing can be judged against it
+    floor_result = results.pop(FLOOR, None)
+    limits = config.thresholds.resolve(floor_result, len(sample.sequences) * (config.data.seq_len - 1))
+    measured_kl = {n: t for n, t in tallies.items()  # the quantized schemes and the floor; a non-finite one has no verdict
+                   if (n == FLOOR or n in results and results[n]["mode"] != Mode.REFERENCE) and math.isfinite(t.token_kl.sum())}
+    tail_result = tails({n: t.token_kl for n, t in measured_kl.items()}, {n: t.clear_flips for n, t in measured_kl.items()},
+                        seed=config.data.seed, floor=FLOOR if floor_result else None, floor_pass=limits.floor_pass)
+    for name, r in [*results.items(), *([(FLOOR, floor_result)] if floor_result else [])]:
+        r["tails"], r["drift"] = tail_result["schemes"].get(name), emulated.drifts.get(name)
+        t = measured_kl.get(name)
+        r["depth"] = depth.by_depth(t.token_kl, t.token_top1, sample.layouts) if t is not None else None
+        r["token_kinds"] = token_kinds.by_kind(t.token_kl, t.token_top1, sample.layouts) if t is not None else None
+    not_servable = emulated.held["not_servable"]
+    for name, r in results.items():
+        if emulated.needle and r["mode"] != Mode.REFERENCE:
+            r["needle_lost"] = emulated.needle["summary"][name]["lost"]
+        r["verdict"], r["reasons"] = judge(r, limits)
+        r["reasons"] += _evidence_reasons(r)
+        r["servable"] = name not in not_servable
+        if not r["servable"]:
+            r["reasons"].append(not_servable[name])
+        r["kv_dtype"] = scheme_dtype(next(s for s in schemes if s.name == name))
+    return Judged(results, floor_result, limits, tail_result)
+
+
+class Clock:
+    """Seconds since the run started, marked at the end of each step, for the report's timings."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.marks = {"start": self.start}
+
+    def mark(self, step: str) -> None:
+        self.marks[step] = time.perf_counter()
+
+    def between(self, first: str, last: str) -> float:
+        return self.marks[last] - self.marks[first]
+
+
+def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> VerifyResult:
+    """Measure what an FP8 KV cache costs ``checkpoint`` on ``data``, per scheme, and recommend how to serve it.
+
+    ``options`` are flat settings, each going to the part of ``VerifyConfig`` that owns it: ``seq_len``,
+    ``max_tokens``, ``chunk_len``, ``text_field``, ``seed`` (the sample), ``max_kl``, ``fail_kl``, ``min_top1``,
+    ``fail_top1`` (the thresholds) and VerifyConfig's own fields (schemes, fa3, accum_bits, needle, report_dir...).
+    """
+    return run_verify(VerifyConfig.from_options(checkpoint, data, **options))
+
+
+def run_verify(config: VerifyConfig) -> VerifyResult:
+    """Run a verify; see ``verify``."""
+    clock = Clock()
+    # 1. Describe the checkpoint once (config.json, vLLM's weight files, kvcal's records) and check every option and
+    # data source, before anything is loaded.
+    subject, device = _describe(config), resolve_device(config.device)
+    # 2. The engine (--engine), started before anything long: its platform sets the emulation and the target, and the
+    # load audit shows it loads this checkpoint, or ends the run in its first minute.
+    started = _start_engine(config, subject) if config.engine else None
+    # 3. The held-out sample, before the model is loaded: data too short for one sequence is refused cheaply.
+    sample = _sample(config, subject)
+    clock.mark("sample")
+    # 4. The reference model (float32 on CPU by default, K and V unquantized) and its attention layers.
+    ref = _reference(config, subject, device, sample.tokenizer)
+    clock.mark("load")
+    # 5. Emulate every scheme and the floor as vLLM's cache write does it; the optional probes.
+    emulated = _emulate(config, subject, ref, sample, clock)
+    # 6. Judge the emulation: limits from the floor unless set, tails, depth, kinds of token, verdicts.
+    judged = _judge(config, sample, emulated)
+    # 7. The engine runs the same sequences per scheme it serves; its figures replace the emulation's where it did.
+    engine_result, engine_error = _run_engine(config, subject, started, ref, sample, emulated, judged) if started else (None, None)
+    # 8. Recommend for the target, on the figures that decide: what its vLLM refuses, the choice, the layers to keep
+    # unquantized, what the cache costs and frees, whether scale 1.0 is enough.
+    advice = _recommend(config, subject, ref, sample, emulated, judged, engine_result)
+    if started is not None:
+        advice["recommendation"][:0] = _engine_lines(started, engine_result, engine_error)
+    # 9. The report; a kvcal output's model card gets its table.
+    rep = _report(config, subject, ref, sample, emulated, judged, advice, engine_result, engine_error, clock)
+    out = None
+    if config.report_dir is not None:
+        out = Path(config.report_dir)
+        report.write_verify_report(out, rep)
+        _refresh_card(subject, rep)
+    return VerifyResult(rep, out, config.checkpoint)
+
+
+def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: Sample, emulated: Emulation,
+               judged: Judged, engine_result: dict | None) -> dict:
+    """The recommendation for ``config.target`` and its serve line, every target's serve line, the layers to keep
+    unquantized, the cache's bytes and what FP8 frees (``does_it_pay``), and the answer to "is scale 1.0 enough?"."""
+    results, layers, sig, model_config = judged.results, ref.layers, ref.sig, subject.described.config
+    # The serving target's vLLM: a dtype it lacks or serves wrongly is marked so instead of a verdict, never chosen.
+    for name, why in target_refusals(results, config.target).items():
+        results[name]["target_refusal"] = why.short
+        results[name]["reasons"].append(f"{why.note} ({'measured' if why.evidence == 'measured' else 'read in the source'}, "
+                                        f"{serving.build_name(config.target)})")
+    choice = choose(results)
+    skip_probe = None
+    if choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
+        skip_probe = probe_skip_layers(ref.model, layers, next(s for s in emulated.schemes if s.name == choice),
+                                       results[choice], sample.sequences, config)
+    for r in results.values():
+        r["bytes_per_token"] = len(layers) * DTYPES[r["kv_dtype"]].bytes_per_token(sig.num_kv_heads, sig.head_dim, _value_dim(sig))
+        r["bytes_vs_bf16"] = (DTYPES[r["kv_dtype"]].bytes_per_token(1, sig.head_dim, _value_dim(sig))
+                              / DTYPES["auto"].bytes_per_token(1, sig.head_dim, _value_dim(sig)))
+    kv_layers = _kv_layers(ref.model.config, layers, sig)
+    pays = does_it_pay(config, kv_layers, subject.files, results, subject.described.context or config.data.seq_len)
+    if skip_probe is not None:
+        skip_probe["bytes_per_token"] = skip_cost(kv_layers, results[skip_probe["scheme"]]["kv_dtype"], skip_probe["skip"], pays["context"])
+    plain = serving.unquantized_dtype(model_config)  # auto, unless a kv_cache_scheme would make auto fp8
+    scale1 = scale1_answer(results)
+    vllm_version = config.vllm_version or installed_vllm_version()  # the release the caveats are said for
+    served = served_model(subject)  # the report's serve lines name no local path
+    recommendation, serve = recommend(results, emulated.held, layers, checkpoint_name(config.checkpoint), skip_probe, pays,
+                                      target=config.target, unquantized=plain, scale1=scale1["text"] if scale1 else None,
+                                      vllm_version=vllm_version, served=served,
+                                      engine_target=engine_result["target"] if engine_result else None,
+                                      mla=bool(sig.latent_dim), model_type=model_config.get("model_type"))
+    return {"recommendation": recommendation, "serve": serve, "skip_probe": skip_probe, "pays": pays, "scale1": scale1,
+            "vllm_version": vllm_version,
+            "serve_lines": serve_lines(results, emulated.held, layers, served, skip_probe, unquantized=plain)}
+
+
+def _engine_lines(started: "EngineStart", engine_result: dict | None, engine_error: str | None) -> list[str]:
+    """The recommendation's first lines under --engine: a failed audit or delivery, the engine's failure, or which
+    figures ranked and judged."""
+    return [*(f"{AUDIT_FAILED}{line}" for line in started.audit.failures),
+            *([f"{NOT_DELIVERED}{started.delivery.text()}"] if started.delivery and not started.delivery.ok() else []),
+            *([f"{ENGINE_FAILED}, which alone is judged here: {engine_error}"] if engine_error else
+              [f"Ranked and judged on the engine's figures (vLLM {engine_result['vllm_version']}, "
+               f"{engine_result['attention_backend']}, target {engine_result['target']}) where it ran a "
+               "scheme, the emulation's beside them; docs/engine.md."])]
+
+
+def _report(config: VerifyConfig, subject: Subject, ref: Reference, sample: Sample, emulated: Emulation, judged: Judged,
+            advice: dict, engine_result: dict | None, engine_error: str | None, clock: Clock) -> dict:
+    """report.json's content: every number of the run, no local path."""
+    model, config_data, prompts = ref.model, config.data, sample.prompts
+    dtype = str(model.dtype).removeprefix("torch.")
+    skip_probe, floor_result, limits = advice["skip_probe"], judged.floor, judged.limits
+    return {
+        "kvcal_version": kvcal_version(),
+        "caveats_for_vllm": advice["vllm_version"],  # the release the recommendation's engine caveats are said for (None: unknown)
+        "checkpoint": checkpoint_name(config.checkpoint),  # no local path: the report travels with OUT's card
+        "reference": {"name": REFERENCE, "dtype": dtype, "device": str(ref.device),
+                      "model": (what := reference_model(subject.described.quant, model, dtype)),
+                      "note": f"the reference is the {what} in {dtype}, called {REFERENCE} as vLLM would serve it"},
+        "fp8_format": get_format(config.fp8_format).name,
+        "backend": config.backend,
+        "settings": portable_settings(config.settings()),
+        "data": portable_manifest(sample.manifest),
+        "sample": {"sequences": len(sample.sequences), "seq_len": config_data.seq_len,
+                   "tokens": len(sample.sequences) * config_data.seq_len},
+        "held_out": {"calibration_records": subject.calibration_records, "excluded_records": sample.excluded,
+                     "include_calibration_data": config.include_calibration_data,
+                     "calibration_known": subject.calibration_known},
+        "layers": [vars(layer) for layer in ref.layers],
+        "checkpoint_scales": emulated.held,
+        "floor": floor_result,
+        "thresholds": {**{name: getattr(limits, name) for name in Thresholds.LIMITS}, "origin": config.thresholds.origin(),
+                       "floor_pass": limits.floor_pass, "floor_fail": limits.floor_fail,
+                       "relative_to_floor": floor_result is not None and floor_result["kl"] > 0},
+        "schemes": judged.results,
+        "skip_layers": skip_probe,
+        "does_it_pay": advice["pays"],
+        "skipped": emulated.skipped,
+        "fa3": emulated.fa3,
+        "needle": emulated.needle,
+        "recommendation": advice["recommendation"],
+        "scale1": advice["scale1"],
+        "target": config.target,
+        "serve_command": advice["serve"],  # the line for ``target``, printed last
+        "serve_lines": advice["serve_lines"],  # every target's line, with the vLLM build it was checked against
+        "engine": engine_result,
+        "engine_error": engine_error,  # the engine's failure after the emulation ran (None: it ran, or was not asked)
+        "position_profile": _position_profile(ref.stats),
+        "tails": {k: v for k, v in judged.tails.items() if k != "schemes"},
+        "depth": {"rule": depth.rule(), "first_end": depth.FIRST_END, "growth": depth.GROWTH, "min_sequences": depth.MIN_SEQUENCES},
+        "token_kinds": {"rule": token_kinds.rule(), "ratio": token_kinds.RATIO, "min_tokens": token_kinds.MIN_TOKENS},
+        "drift": {"steps": config.generate, "prompts": len(prompts), "prompts_asked": config.prompts, "prompt_len": config.prompt_len,
+                  "prompt_source": sample.prompt_source, "near_tie_nats": NEAR_TIE_NATS} if prompts else None,
+        "timings": {
+            "sample_s": clock.between("start", "sample"), "load_s": clock.between("sample", "load"),
+            "passes_s": clock.between("load", "passes"), "reference_pass_s": emulated.ref_seconds,
+            "scheme_pass_s": {n: t.seconds for n, t in emulated.tallies.items()},
+            "skip_probe_s": skip_probe["seconds"] if skip_probe else 0.0, "fa3_s": clock.between("passes", "fa3"),
+            "needle_s": clock.between("fa3", "needle"), "drift_s": clock.between("needle", "drift"),
+            "total_s": time.perf_counter() - clock.start,
+        },
+    }
 
 
 def _position_profile(stats: Stats | None) -> dict | None:
@@ -213,192 +525,6 @@ def reference_model(quant: dict | None, model: torch.nn.Module, dtype: str) -> s
             f"dequantized by transformers to {dtype})")
 
 
-def verify(checkpoint: str | Path, data: str | Path | list[str], **options) -> VerifyResult:
-    """Measure what an FP8 KV cache costs ``checkpoint`` on ``data``, per scheme, and recommend how to serve it.
-
-    ``options`` are flat settings, each going to the part of ``VerifyConfig`` that owns it: ``seq_len``,
-    ``max_tokens``, ``chunk_len``, ``text_field``, ``seed`` (the sample), ``max_kl``, ``fail_kl``, ``min_top1``,
-    ``fail_top1`` (the thresholds) and VerifyConfig's own fields (schemes, fa3, accum_bits, needle, report_dir...).
-    """
-    return run_verify(VerifyConfig.from_options(checkpoint, data, **options))
-
-
-def run_verify(config: VerifyConfig) -> VerifyResult:
-    """Run a verify; see ``verify``."""
-    start = time.perf_counter()
-    # 1. Cheap checks of the checkpoint (its config.json, read once for every step below), every option and data
-    # source, before the model is loaded.
-    described = describe(config.checkpoint)
-    config.validate()
-    fmt = get_format(config.fp8_format)
-    files = weight_files(described)  # vLLM's files, every header checked
-    # 2. The engine (--engine), started before anything long: its platform sets the emulation and the target, and the
-    # load audit shows it loads this checkpoint, or ends the run in its first minute.
-    started = _start_engine(config) if config.engine else None
-
-    # 3. The sample, before the model is loaded: data too short for one sequence is refused cheaply.
-    device = resolve_device(config.device)
-    model_config = described.config
-    check_known_type(config.checkpoint, model_config)
-    context = described.context
-    tokenizer = load_tokenizer(config.checkpoint)
-    check_tokenizer_fits(config.checkpoint, model_config, tokenizer)
-    # A kvcal output's own calibration records are left out unless asked for: the sample is then held out.
-    path = records_path(config.checkpoint)
-    if config.include_calibration_data:  # counted for the report only, never checked: opting in must always work
-        calibration = frozenset(path.read_text().split()) if path.is_file() else frozenset()
-    else:
-        calibration = read_digests(path)
-    sequences, layouts, manifest, excluded = _sample(config.data, tokenizer, context,
-                                            frozenset() if config.include_calibration_data else calibration)
-    prompts, prompt_source = (prompts_from(sequences, tokenizer.eos_token_id, config.prompts, config.prompt_len)
-                              if config.generate else ([], None))
-    sampled = time.perf_counter()
-
-    # 4. The reference model (float32 on CPU by default, K and V unquantized) and its attention layers.
-    model, _ = load_model(config.checkpoint, device=device, dtype=getattr(torch, config.dtype) if config.dtype else None,
-                          tokenizer=tokenizer, config=model_config)
-    layers = checkpoint_named(attention_layers(model), config.checkpoint)
-    sig = signature(model, layers)
-    if sig.latent_dim and config.fa3:
-        raise ValueError("--fa3 models FlashAttention-3, which vLLM does not run for latent attention (MLA): drop --fa3")
-    loaded = time.perf_counter()
-
-    # 5. Schemes (the checkpoint's scales, scales derived from its statistics, named files), then the reference
-    # pass and one pass per scheme.
-    stats = _load_stats(Path(config.checkpoint), sig)
-    schemes, skipped, held = build_schemes(config, described, files, layers, sig, stats, fmt)
-    floor = [floor_scheme(model.dtype, fmt)] if config.floor else []
-    fa3_rows = fa3.query_rows(config.data.seq_len, config.data.chunk_len, config.fa3_rows) if config.fa3 else None
-    tallies, probe, ref_nll, ref_seconds = measure(model, layers, schemes + floor, sequences, config, fa3_rows)
-    measured = time.perf_counter()
-
-    # 6. Optional probes: the FA3 numeric model on sampled rows, the needle, decode drift.
-    fa3_result = _fa3(probe, fa3_rows, schemes, layers, sig, config) if config.fa3 else None
-    probed = time.perf_counter()
-    needle_result = _needle(model, tokenizer, layers, schemes, config, context) if config.needle else None
-    needled = time.perf_counter()
-    drifts = measure_drift(model, layers, schemes + floor, prompts, config.generate, progress=config.progress) if prompts else {}
-    drifted = time.perf_counter()
-
-    # 7. Numbers; the limits, from the floor unless set; verdicts; which layers to keep unquantized; the recommendation.
-    results = {s.name: scheme_result(s, tallies[s.name], probe.ref_sq, ref_nll) for s in schemes + floor}
-    for name, r in results.items():
-        check_measured(name, r)
-    check_reference(ref_nll, results.get(FLOOR))  # NaN or Inf there: nothing can be judged against it
-    floor_result = results.pop(FLOOR, None)
-    limits = config.thresholds.resolve(floor_result, len(sequences) * (config.data.seq_len - 1))
-    measured_kl = {n: t for n, t in tallies.items()  # the quantized schemes and the floor; a non-finite one has no verdict
-                   if (n == FLOOR or n in results and results[n]["mode"] != Mode.REFERENCE) and math.isfinite(t.token_kl.sum())}
-    tail_result = tails({n: t.token_kl for n, t in measured_kl.items()}, {n: t.clear_flips for n, t in measured_kl.items()},
-                        seed=config.data.seed, floor=FLOOR if floor_result else None, floor_pass=limits.floor_pass)
-    for name, r in [*results.items(), *([(FLOOR, floor_result)] if floor_result else [])]:
-        r["tails"], r["drift"] = tail_result["schemes"].get(name), drifts.get(name)
-        t = measured_kl.get(name)
-        r["depth"] = depth.by_depth(t.token_kl, t.token_top1, layouts) if t is not None else None
-        r["token_kinds"] = token_kinds.by_kind(t.token_kl, t.token_top1, layouts) if t is not None else None
-    for name, r in results.items():
-        if needle_result and r["mode"] != Mode.REFERENCE:
-            r["needle_lost"] = needle_result["summary"][name]["lost"]
-        r["verdict"], r["reasons"] = judge(r, limits)
-        r["reasons"] += _evidence_reasons(r)
-        r["servable"] = name not in held["not_servable"]
-        if not r["servable"]:
-            r["reasons"].append(held["not_servable"][name])
-        r["kv_dtype"] = scheme_dtype(next(s for s in schemes if s.name == name))
-    engine_result, engine_error = _engine(config, started, model, sig, layers, schemes, sequences, prompts, results, limits,
-                                          serving.unquantized_dtype(model_config)) if started else (None, None)
-    # The serving target's vLLM: a dtype it lacks or serves wrongly is marked so instead of a verdict, never chosen.
-    for name, why in target_refusals(results, config.target).items():
-        results[name]["target_refusal"] = why.short
-        results[name]["reasons"].append(f"{why.note} ({'measured' if why.evidence == 'measured' else 'read in the source'}, "
-                                        f"{serving.build_name(config.target)})")
-    choice = choose(results)
-    skip_probe = None
-    if choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
-        skip_probe = probe_skip_layers(model, layers, next(s for s in schemes if s.name == choice), results[choice], sequences, config)
-    for r in results.values():
-        r["bytes_per_token"] = len(layers) * DTYPES[r["kv_dtype"]].bytes_per_token(sig.num_kv_heads, sig.head_dim, _value_dim(sig))
-        r["bytes_vs_bf16"] = (DTYPES[r["kv_dtype"]].bytes_per_token(1, sig.head_dim, _value_dim(sig))
-                              / DTYPES["auto"].bytes_per_token(1, sig.head_dim, _value_dim(sig)))
-    kv_layers = _kv_layers(model.config, layers, sig)
-    pays = does_it_pay(config, kv_layers, files, results, context or config.data.seq_len)
-    if skip_probe is not None:
-        skip_probe["bytes_per_token"] = skip_cost(kv_layers, results[skip_probe["scheme"]]["kv_dtype"], skip_probe["skip"], pays["context"])
-    plain = serving.unquantized_dtype(model_config)  # auto, unless a kv_cache_scheme would make auto fp8
-    scale1 = scale1_answer(results)  # "is scale 1.0 enough?"
-    vllm_version = config.vllm_version or installed_vllm_version()  # the release the caveats are said for
-    served = served_model(config.checkpoint)  # the report's serve lines name no local path
-    recommendation, serve = recommend(results, held, layers, checkpoint_name(config.checkpoint), skip_probe, pays,
-                                      target=config.target, unquantized=plain, scale1=scale1["text"] if scale1 else None,
-                                      vllm_version=vllm_version, served=served,
-                                      engine_target=engine_result["target"] if engine_result else None,
-                                      mla=bool(sig.latent_dim), model_type=model_config.get("model_type"))
-    if started is not None:
-        recommendation[:0] = [*(f"{AUDIT_FAILED}{line}" for line in started.audit.failures),
-                              *([f"{NOT_DELIVERED}{started.delivery.text()}"] if started.delivery and not started.delivery.ok() else []),
-                              *([f"{ENGINE_FAILED}, which alone is judged here: {engine_error}"] if engine_error else
-                                [f"Ranked and judged on the engine's figures (vLLM {engine_result['vllm_version']}, "
-                                 f"{engine_result['attention_backend']}, target {engine_result['target']}) where it ran a "
-                                 "scheme, the emulation's beside them; docs/engine.md."])]
-    per_target = serve_lines(results, held, layers, served, skip_probe, unquantized=plain)
-    dtype = str(model.dtype).removeprefix("torch.")
-    rep = {
-        "kvcal_version": kvcal_version(),
-        "caveats_for_vllm": vllm_version,  # the release the recommendation's engine caveats are said for (None: unknown)
-        "checkpoint": checkpoint_name(config.checkpoint),  # no local path: the report travels with OUT's card
-        "reference": {"name": REFERENCE, "dtype": dtype, "device": str(device),
-                      "model": (what := reference_model(described.quant, model, dtype)),
-                      "note": f"the reference is the {what} in {dtype}, called {REFERENCE} as vLLM would serve it"},
-        "fp8_format": fmt.name,
-        "backend": config.backend,
-        "settings": portable_settings(config.settings()),
-        "data": portable_manifest(manifest),
-        "sample": {"sequences": len(sequences), "seq_len": config.data.seq_len, "tokens": len(sequences) * config.data.seq_len},
-        "held_out": {"calibration_records": len(calibration), "excluded_records": excluded,
-                     "include_calibration_data": config.include_calibration_data,
-                     "calibration_known": records_path(config.checkpoint).is_file()},
-        "layers": [vars(layer) for layer in layers],
-        "checkpoint_scales": held,
-        "floor": floor_result,
-        "thresholds": {**{name: getattr(limits, name) for name in Thresholds.LIMITS}, "origin": config.thresholds.origin(),
-                       "floor_pass": limits.floor_pass, "floor_fail": limits.floor_fail,
-                       "relative_to_floor": floor_result is not None and floor_result["kl"] > 0},
-        "schemes": results,
-        "skip_layers": skip_probe,
-        "does_it_pay": pays,
-        "skipped": skipped,
-        "fa3": fa3_result,
-        "needle": needle_result,
-        "recommendation": recommendation,
-        "scale1": scale1,
-        "target": config.target,
-        "serve_command": serve,  # the line for ``target``, printed last
-        "serve_lines": per_target,  # every target's line, with the vLLM build it was checked against
-        "engine": engine_result,
-        "engine_error": engine_error,  # the engine's failure after the emulation ran (None: it ran, or was not asked)
-        "position_profile": _position_profile(stats),
-        "tails": {k: v for k, v in tail_result.items() if k != "schemes"},
-        "depth": {"rule": depth.rule(), "first_end": depth.FIRST_END, "growth": depth.GROWTH, "min_sequences": depth.MIN_SEQUENCES},
-        "token_kinds": {"rule": token_kinds.rule(), "ratio": token_kinds.RATIO, "min_tokens": token_kinds.MIN_TOKENS},
-        "drift": {"steps": config.generate, "prompts": len(prompts), "prompts_asked": config.prompts, "prompt_len": config.prompt_len,
-                  "prompt_source": prompt_source, "near_tie_nats": NEAR_TIE_NATS} if prompts else None,
-        "timings": {
-            "sample_s": sampled - start, "load_s": loaded - sampled, "passes_s": measured - loaded,
-            "reference_pass_s": ref_seconds, "scheme_pass_s": {n: t.seconds for n, t in tallies.items()},
-            "skip_probe_s": skip_probe["seconds"] if skip_probe else 0.0, "fa3_s": probed - measured,
-            "needle_s": needled - probed, "drift_s": drifted - needled, "total_s": time.perf_counter() - start,
-        },
-    }
-    # 8. Report files; a kvcal output's model card gets this table.
-    out = None
-    if config.report_dir is not None:
-        out = Path(config.report_dir)
-        report.write_verify_report(out, rep)
-        _refresh_card(config.checkpoint, rep)
-    return VerifyResult(rep, out, config.checkpoint)
-
-
 def checkpoint_name(checkpoint: str) -> str:
     """How the report names the checkpoint verified: its Hub id and revision when it is a Hub snapshot, else its
     folder's name (never a local path)."""
@@ -406,12 +532,12 @@ def checkpoint_name(checkpoint: str) -> str:
     return f"{origin['id']}@{origin['revision']}" if origin else Path(checkpoint).resolve().name
 
 
-def served_model(checkpoint: str) -> str:
+def served_model(subject: Subject) -> str:
     """The model the report's serve lines name: a kvcal output's card name (``card.served_name``: its --hub-id, else a
     placeholder), a Hub snapshot's repo id, else the placeholder; the terminal names the checkpoint as typed."""
-    if is_kvcal_output(checkpoint):
-        return served_name(read_json_object(provenance_path(checkpoint), "calibrate it again"))
-    origin = snapshot_origin(checkpoint)
+    if subject.kvcal_output:
+        return served_name(read_json_object(provenance_path(subject.path), "calibrate it again"))
+    origin = snapshot_origin(subject.path)
     return origin["id"] if origin else PLACEHOLDER
 
 
@@ -444,7 +570,7 @@ class EngineStart:
     dtypes: EngineDtypes
 
 
-def _start_engine(config: VerifyConfig) -> EngineStart:
+def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
     """Find vLLM, set the emulation and the target to its platform (``VerifyConfig.match_engine``, said on stderr with
     the progress), read its cache dtypes, run the load audit and, where it passed on a kvcal output, the delivery check
     (``engine.delivery``: the kernel uses the scales): a vLLM that cannot load the checkpoint ends the run here, in one
@@ -453,11 +579,11 @@ def _start_engine(config: VerifyConfig) -> EngineStart:
     settings = config.match_engine(host.platform, platform(host.platform))
     if config.progress:
         print(f"kvcal: {settings}", file=sys.stderr, flush=True)
-    checkpoint = Path(config.checkpoint).resolve()  # vLLM runs elsewhere: a relative path would read as a Hub id there
+    checkpoint = subject.absolute
     try:
         dtypes = engine_dtypes(host.python)
         held = audit(checkpoint, host.python)
-        delivered = check_delivery(checkpoint, host.python) if held.status == OK and is_kvcal_output(checkpoint) else None
+        delivered = check_delivery(checkpoint, host.python) if held.status == OK and subject.kvcal_output else None
     except EngineError as e:
         raise ValueError(f"vLLM {host.version} could not start on {checkpoint.name}, so nothing can be measured in the "
                          f"engine: {e}") from None
@@ -467,38 +593,39 @@ def _start_engine(config: VerifyConfig) -> EngineStart:
     return EngineStart(host, held, delivered, settings, dtypes)
 
 
-def _engine(config: VerifyConfig, started: EngineStart, model, sig: ModelSignature, layers, schemes: list[Scheme],
-            sequences: list[torch.Tensor], prompts: list[torch.Tensor], results: dict, limits: Thresholds,
-            unquantized: str) -> tuple[dict | None, str | None]:
+def _run_engine(config: VerifyConfig, subject: Subject, started: EngineStart, ref: Reference, sample: Sample,
+                emulated: Emulation, judged: Judged) -> tuple[dict | None, str | None]:
     """The same sequences in the engine, once per scheme it can serve, judged there (``engine.judge_on_engine``); with
     decode drift's prompts, the engine's own greedy decode after each too. (result, None), or (None, the failure in
     one line) when the engine failed after the emulation ran, which then stands alone."""
     import tempfile
 
-    host = started.host
+    host, sig, sequences, prompts = started.host, ref.sig, sample.sequences, sample.prompts
     block = config.block_size or platform(host.platform).block_size
     longest = max(config.data.seq_len + 1, max((len(p) + config.generate for p in prompts), default=0))
     max_len = config.max_model_len or engine.model_len(longest, block)
     settings = {"max_model_len": max_len, "block_size": block, "dtype": config.dtype, "chunk_len": config.data.chunk_len,
                 "prefix_caching": False, "enforce_eager": True}
+    schemes = emulated.schemes
     names = ["auto", "auto2", *(s.name for s in schemes if s.mode != Mode.REFERENCE)]
     targets = torch.stack([s[1:] for s in sequences]).numpy()  # the next tokens, for the engine's perplexity
     try:
         with tempfile.TemporaryDirectory(prefix="kvcal-engine-") as tmp:
-            ref = engine.reference_logprobs(model, sequences, Path(tmp) / "reference.npy")
-            runs = engine.run_schemes(host, Path(config.checkpoint).resolve(), names, [s.tolist() for s in sequences],
+            logprobs = engine.reference_logprobs(ref.model, sequences, Path(tmp) / "reference.npy")
+            runs = engine.run_schemes(host, subject.absolute, names, [s.tolist() for s in sequences],
                                       dtype=config.dtype or "auto", chunk_len=config.data.chunk_len, max_model_len=max_len,
-                                      block_size=block, kv_bytes=engine.kv_cache_bytes(len(layers), sig.num_kv_heads,
+                                      block_size=block, kv_bytes=engine.kv_cache_bytes(len(ref.layers), sig.num_kv_heads,
                                                                                        sig.head_dim, max_len, block),
-                                      vocab_size=ref.shape[-1], workdir=Path(tmp), unquantized=unquantized,
+                                      vocab_size=logprobs.shape[-1], workdir=Path(tmp),
+                                      unquantized=serving.unquantized_dtype(subject.described.config),
                                       offered=started.dtypes.names, prompts=[p.tolist() for p in prompts],
                                       steps=config.generate)
-            result = engine.compare(results, runs, ref, {s.name: s.scales for s in schemes if s.scales}, host, settings,
-                                    targets)
-            del ref
+            result = engine.compare(judged.results, runs, logprobs, {s.name: s.scales for s in schemes if s.scales}, host,
+                                    settings, targets)
+            del logprobs
     except (ValueError, EngineError) as e:
         return None, str(e)
-    engine.judge_on_engine(results, result, limits)
+    engine.judge_on_engine(judged.results, result, judged.limits)
     held = started.audit
     result["audit"] = {"status": held.status, "failures": held.failures, "reason": held.reason,
                        "kv_cache_dtype": held.kv_cache_dtype}
@@ -507,11 +634,12 @@ def _engine(config: VerifyConfig, started: EngineStart, model, sig: ModelSignatu
     return result, None
 
 
-def _refresh_card(checkpoint: str, rep: dict) -> None:
+def _refresh_card(subject: Subject, rep: dict) -> None:
     """Rewrite the verify table in the card of a kvcal output, or kvcal's section in that of a pack applied to other
     weights (``card.refresh_applied``); any other card is left alone."""
+    checkpoint = subject.path
     try:
-        if not is_kvcal_output(checkpoint):
+        if not subject.kvcal_output:
             refresh_applied(checkpoint, rep)
             return
         write_card(checkpoint, read_json_object(provenance_path(checkpoint), "calibrate it again"), rep)

@@ -567,7 +567,7 @@ def records_in(records: dict[str, list[int]], sequences) -> set[str]:
 
 
 def sampled(monkeypatch) -> list:
-    """Makes verify's ``_sample`` calls record what they return (sequences, layouts, manifest, excluded) here."""
+    """Makes verify's ``_sample`` calls record what they return here (``run.Sample``)."""
     import calibrate.verification.run as run
 
     seen, original = [], run._sample
@@ -584,7 +584,7 @@ def test_verify_leaves_out_the_records_calibration_used(plain_ckpt, tokenizer, d
     seen = sampled(monkeypatch)
     result = verify(str(plain_ckpt), [str(data_file)], schemes="bf16,tensor", seq_len=128, max_tokens=1024,
                     report_dir=str(tmp_path / "r"), **QUIET)
-    held = records_in(records, seen[-1][0])
+    held = records_in(records, seen[-1].sequences)
     assert held and not held & written
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     excluded = report["held_out"]["excluded_records"]
@@ -593,7 +593,7 @@ def test_verify_leaves_out_the_records_calibration_used(plain_ckpt, tokenizer, d
     # Opting in samples the calibration's records again (seed 0 starts where calibration started).
     verify(str(plain_ckpt), [str(data_file)], schemes="bf16,tensor", seq_len=128, max_tokens=1024,
            include_calibration_data=True, **QUIET)
-    assert records_in(records, seen[-1][0]) & written and seen[-1][-1] == 0  # none excluded
+    assert records_in(records, seen[-1].sequences) & written and seen[-1].excluded == 0  # none excluded
 
 
 @pytest.mark.parametrize("write", ["export", "apply"])
@@ -612,7 +612,7 @@ def test_export_and_apply_carry_the_records_and_verify_of_their_output_still_lea
     seen = sampled(monkeypatch)
     verify(str(out), [str(data_file)], schemes="bf16,scale1", seq_len=128, max_tokens=1024, report_dir=str(tmp_path / "r"),
            probe_layers=0, **QUIET)
-    held = records_in(records, seen[-1][0])
+    held = records_in(records, seen[-1].sequences)
     assert held and not held & listed  # the sample verify drew holds none of the calibration's records
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert report["held_out"]["calibration_records"] == len(listed) and report["held_out"]["excluded_records"] > 0
