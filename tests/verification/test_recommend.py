@@ -301,6 +301,8 @@ def test_mla_and_family_caveats_stand_beside_the_recommendation():
     moe = recommend(results, held(), layers(), CKPT, model_type="qwen3_moe")[0]
     assert any("MLA layers" in x for x in mla) and not any("MLA layers" in x for x in plain)
     assert any("vllm#25047" in x for x in moe) and not any("vllm#25047" in x for x in plain)
+    on_cpu = recommend(results, held(), layers(), CKPT, target="cpu", mla=True)[0]
+    assert any("AMX_MLA" in x and "--kv-cache-dtype auto" in x for x in on_cpu) and not any("AMX_MLA" in x for x in mla)
 
 
 def test_schemes_measured_apart_are_not_paired():
