@@ -12,6 +12,22 @@ from runners import HARDWARE, HARDWARE_PREFIX
 from transformers import AutoTokenizer
 
 
+def pytest_configure(config) -> None:
+    """In a pytest-xdist worker (scripts/test runs two), one core's worth of threads: this process's torch, and the
+    processes it starts (kvcal, vLLM, the clients) through OMP_NUM_THREADS and vLLM's CPU thread binding, each worker
+    on its own core. Two workers whose tests each spin a thread on every core slow each other down 3 to 8 times
+    (docs/development.md); one thread each keeps both cores busy without that."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    import torch
+
+    core = int(worker.removeprefix("gw")) % (os.cpu_count() or 1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def smol_dir():
     """SmolLM2-135M-Instruct as a plain HF directory, converted once from the packaged GGUF."""
