@@ -22,10 +22,32 @@ def pytest_configure(config) -> None:
         return
     import torch
 
+    global _HOST_THREADS
+    _HOST_THREADS = torch.get_num_threads()
     core = int(worker.removeprefix("gw")) % (os.cpu_count() or 1)
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
     torch.set_num_threads(1)
+
+
+_HOST_THREADS: int | None = None  # torch's thread count before a worker took one (None: not a worker)
+
+
+@pytest.fixture(scope="module")
+def host_threads():
+    """The module's tests, and the processes they start, at the host's default thread count again (a module whose
+    measured figures depend on it: tests/e2e/test_roundtrip.py)."""
+    if _HOST_THREADS is None:
+        yield
+        return
+    import torch
+
+    omp = os.environ.pop("OMP_NUM_THREADS", None)
+    torch.set_num_threads(_HOST_THREADS)
+    yield
+    torch.set_num_threads(1)
+    if omp is not None:
+        os.environ["OMP_NUM_THREADS"] = omp
 
 
 @pytest.fixture(scope="session")

@@ -66,20 +66,10 @@ def test_the_band_fails_a_planted_regression_of_the_kl(form):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def measured_threads():
+def measured_threads(host_threads):
     """The band was measured at the host's default thread count; a pytest-xdist worker runs one thread
     (conftest.py), and on an AMX host that moves these outputs by more than the margin (one thread: per-head top-1 5
     of 256 tokens lower, fp8-weights KL 0.101 for 0.087; docs/development.md). This module runs at the default."""
-    import os
-
-    import torch
-
-    threads, omp = torch.get_num_threads(), os.environ.pop("OMP_NUM_THREADS", None)
-    torch.set_num_threads(os.cpu_count() or 1)
-    yield
-    torch.set_num_threads(threads)
-    if omp is not None:
-        os.environ["OMP_NUM_THREADS"] = omp
 
 
 @pytest.fixture(scope="module")
