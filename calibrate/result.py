@@ -102,15 +102,16 @@ class CalibrationResult:
         """The target and what the written granularity needs, then the serve line of the written scales on it, before
         any verify (nothing when the target does not read them as written); the sliding-window hint and the engine caveats for the installed vLLM come first
         (the first alone, with a count of the rest, unless ``verbose``), so the line is last."""
-        written = serving.written_dtype(self.scale_set.granularity, self.target)
+        shape = serving.model_shape(vars(self.stats.signature))
+        written = serving.written_dtype(self.scale_set.granularity, self.target, **shape)
         if written is None:
-            return [serving.target_text(self.target), f"{self.target} does not read {self.scale_set.granularity} scales as written "
-                    f"({serving.refusal(self.target, 'fp8', per_head=True).note}): export --granularity tensor to serve there"]
+            return [serving.target_text(self.target), serving.unserved(self.scale_set.granularity, self.target, **shape)]
         dtype, per_head = written
         hint = ([f"(this model has sliding-window layers; to keep them in bf16 add {serving.skip_flag([serving.SLIDING])})"]
                 if any(layer.sliding_window for layer in self.layers) and serving.SLIDING not in map(str, self._recipe_skip()) else [])
         caveats = [f"note: {line}" for line in serving.caveats(self.target, dtype, vllm_version=installed_vllm_version(),
-                                                                per_head=per_head, checkpoint_scales=True)
+                                                                per_head=per_head, checkpoint_scales=True, mla=shape["mla"],
+                                                                model_type=self.stats.signature.model_type)
                                                 + serving.unrun(self.target, dtype)]
         notes = [*self._little_data(), *hint, *caveats]
         if not verbose and len(notes) > 1:
@@ -209,7 +210,8 @@ class AppliedPack:
                    if self.check_seconds is not None else "its weights were not checked against the pack's (--other-weights)")
         scales = self.manifest["scales"]
         target = self.manifest.get("target") or DEFAULT_TARGET
-        written = serving.written_dtype(scales["granularity"], target)
+        shape = serving.model_shape(scales["signature"])
+        written = serving.written_dtype(scales["granularity"], target, **shape)
         serve = (["serve it with:", f"  {serving.serve_command(str(self.out), written[0], target=target, per_head=written[1])}"]
-                 if written else [f"{target} does not read {scales['granularity']} scales as written"])
+                 if written else [serving.unserved(scales["granularity"], target, **shape)])
         return "\n".join([f"wrote {self.out}: the pack's scales beside {self.model}'s weights, linked; {checked}", *serve])

@@ -13,10 +13,10 @@ Torch-free: the CLI, recipes, verify and inspect all import it.
 
 import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .choices import CACHE_DTYPES, DEFAULT_TARGET, GRANULARITIES, TARGETS, check_table, check_target
-from .engine.caveats import ABSENT, PER_HEAD_READERS, PRINTABLE, READ_IN, SUPPORT, Support, applying
+from .engine.caveats import ABSENT, PER_HEAD_READERS, PRINTABLE, READ_IN, SUPPORT, Support, applying, limit
 
 # What each target stands for: the hardware, the vLLM build kvcal's facts were read in, and its release.
 TARGET_BUILDS = {
@@ -47,13 +47,23 @@ PER_HEAD_BACKEND = {"gpu": "FLASH_ATTN"}
 _PER_HEAD_ELSEWHERE = f"per-head scales are read only by {PER_HEAD_READERS}"
 
 
-def refusal(target: str, dtype: str, *, per_head: bool = False) -> Support | None:
-    """The row that keeps kvcal from printing ``dtype`` (with per-head scales) for ``target``, or None when it may."""
+def refusal(target: str, dtype: str, *, per_head: bool = False, mla: bool = False,
+            head_size: int | None = None) -> Support | None:
+    """The row that keeps kvcal from printing ``dtype`` (with per-head scales) for ``target``, or None when it may;
+    with the model's ``mla`` and ``head_size`` (None: unknown), the ``engine.caveats.LIMITS`` row that holds for it too."""
     check_target(target)
     if per_head and target not in PER_HEAD_BACKEND:
         return Support(target, dtype, ABSENT, _PER_HEAD_ELSEWHERE, TARGET_BUILDS[target][2],
                        short=f"per-head scales: not on {target} (FLASH_ATTN only)")
-    return next((r for r in rows(target, dtype) if r.status not in PRINTABLE), None)
+    refused = next((r for r in rows(target, dtype) if r.status not in PRINTABLE), None)
+    if refused is None and (row := limit(target, dtype, mla=mla, head_size=head_size)):
+        refused = Support(target, dtype, ABSENT, row.note, row.read_in, row.evidence, row.short)
+    return refused
+
+
+def model_shape(signature: Mapping) -> dict:
+    """``refusal``'s model conditions from a ``ModelSignature`` (or its saved dict): MLA, and the cached head size."""
+    return {"mla": bool(signature.get("latent_dim")), "head_size": signature.get("head_dim")}
 
 
 def printable(target: str) -> list[str]:
@@ -64,7 +74,7 @@ def printable(target: str) -> list[str]:
 def caveats(target: str, dtype: str, *, vllm_version: str | None = None, **conditions: bool | str | None) -> list[str]:
     """What must be said beside ``dtype`` when it is served on ``target``, one sentence each, each with the vLLM release
     it was read in (``engine.caveats.applying``, which takes ``conditions``: per_head, mla, checkpoint_scales,
-    model_type)."""
+    model_type, scale_one)."""
     return [caveat_prefix(target) + line for line in applying(target, dtype, vllm_version=vllm_version, **conditions)]
 
 
@@ -129,15 +139,24 @@ def serve_lines_in(text: str) -> list[tuple[str | None, str]]:
     return found
 
 
-def written_dtype(granularity: str, target: str) -> tuple[str, bool] | None:
+def written_dtype(granularity: str, target: str, *, mla: bool = False, head_size: int | None = None) -> tuple[str, bool] | None:
     """(``--kv-cache-dtype``, per-head) that serves scales written at ``granularity`` on ``target``, before any verify:
-    per-tensor scales as fp8; per-head ones where a backend reads them (else None); the token granularity as
-    fp8_per_token_head where the target implements it, else its per-tensor fallback scales as fp8."""
-    if granularity == "head":
-        return ("fp8", True) if target in PER_HEAD_BACKEND else None
-    if granularity == "token" and refusal(target, "fp8_per_token_head") is None:
+    per-tensor scales as fp8; per-head ones where a backend reads them; the token granularity as fp8_per_token_head
+    where the target implements it, else its per-tensor fallback scales as fp8. None where the target serves none of
+    these for this model (``unserved`` says why)."""
+    shape = {"mla": mla, "head_size": head_size}
+    if granularity == "token" and refusal(target, "fp8_per_token_head", **shape) is None:
         return "fp8_per_token_head", False
-    return "fp8", False
+    per_head = granularity == "head"
+    return None if refusal(target, "fp8", per_head=per_head, **shape) else ("fp8", per_head)
+
+
+def unserved(granularity: str, target: str, *, mla: bool = False, head_size: int | None = None) -> str:
+    """Why ``written_dtype`` found no serve line, and what to do, in one sentence."""
+    if granularity == "head" and (why := refusal(target, "fp8", per_head=True)):
+        return f"{target} does not serve these head scales ({why.note}): export --granularity tensor to serve there"
+    why = refusal(target, "fp8", mla=mla, head_size=head_size)
+    return f"{target} does not serve these {granularity} scales for this model ({why.short}: {why.note})"
 
 
 # What each granularity of written scales needs from vLLM at serve time.
@@ -241,9 +260,11 @@ _SKIP_WORDS = re.compile(rf"{SKIP_FLAG}(?:=|[ \t]+)((?:[^\s`'\"-][^\s`'\"]*[ \t]
 _JOINED = re.compile(r"\w,\w")
 
 
-def check_serve_text(text: str, targets: Sequence[str] = TARGETS) -> list[str]:
+def check_serve_text(text: str, targets: Sequence[str] = TARGETS, *, mla: bool = False,
+                     head_size: int | None = None) -> list[str]:
     """Problems with the serve flags ``text`` holds, for a person: a skip list vLLM would read as one entry (a comma
-    joins layers), and a ``--kv-cache-dtype`` that a target in ``targets`` does not serve as it says."""
+    joins layers), and a ``--kv-cache-dtype`` that a target in ``targets`` does not serve as it says (or not for a
+    model with this ``mla`` and ``head_size``)."""
     problems = []
     for match in _SKIP_WORDS.finditer(text):
         joined = [word.strip(")].;:") for word in match.group(1).split() if _JOINED.search(word)]
@@ -255,7 +276,7 @@ def check_serve_text(text: str, targets: Sequence[str] = TARGETS) -> list[str]:
         if dtype not in CACHE_DTYPES:
             continue
         for target in targets:
-            refused = refusal(target, dtype)
+            refused = refusal(target, dtype, mla=mla, head_size=head_size)
             if refused is not None:
                 problems.append(f"--kv-cache-dtype {dtype} on target {target}: {refused.short} ({refused.note})")
     return problems

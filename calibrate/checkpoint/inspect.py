@@ -241,22 +241,22 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
         _weight_checks(layers, where, sig, model_type, problems)
     loaders = _loader_checks(directory, files, quant, sources, problems)
     if is_kvcal_output(directory):
-        _serve_line_checks(directory, problems)
+        _serve_line_checks(directory, problems, serving.model_shape(vars(sig)) if sig is not None else {})
     problems.sort(key=lambda p: -1 if p.layer is None else p.layer)  # checkpoint-wide first, then by layer
     return Inspection(str(directory), model_type, _producer(directory, quant), method, strategy, list(layers.values()), problems,
                       loaders, notes)
 
 
-def _serve_line_checks(directory: Path, problems: list[Problem]) -> None:
+def _serve_line_checks(directory: Path, problems: list[Problem], shape: dict) -> None:
     """Warn about serve flags in kvcal's section of the card and in the recipe's notes that the target's vLLM would not
     apply as written (``serving.check_serve_text``): a comma-joined skip list, a dtype the target serves wrongly or not
-    at all. A card line labelled for a target is checked for that target, an unlabelled one (older cards) for every
-    target; the recipe's notes for the run's target."""
+    at all, or not for this model (``shape``: ``serving.model_shape``). A card line labelled for a target is checked for
+    that target, an unlabelled one (older cards) for every target; the recipe's notes for the run's target."""
     card = card_path(directory)
     if card.is_file():
         section = card.read_text(errors="replace").split(CARD_MARKER, 1)[0]
         for target, line in serving.serve_lines_in(section):
-            for message in serving.check_serve_text(line, [target] if target else serving.TARGETS):
+            for message in serving.check_serve_text(line, [target] if target else serving.TARGETS, **shape):
                 problems.append(Problem("warning", f"{card.name}'s serve line `{line}`: {message}"))
     try:
         provenance = read_json(provenance_path(directory))
@@ -268,7 +268,8 @@ def _serve_line_checks(directory: Path, problems: list[Problem]) -> None:
     settings = provenance.get("settings") if isinstance(provenance.get("settings"), dict) else {}
     target = settings.get("target")
     notes = [note for note in recipe.get("notes") or [] if isinstance(note, str)]
-    for message in serving.check_serve_text("\n".join(notes), [target] if target in serving.TARGETS else serving.TARGETS):
+    for message in serving.check_serve_text("\n".join(notes), [target] if target in serving.TARGETS else serving.TARGETS,
+                                            **shape):
         problems.append(Problem("warning", f"recipe {recipe.get('name', '?')}'s notes: {message}"))
     try:
         serving.skip_entries(recipe.get("skip_layers") or [])

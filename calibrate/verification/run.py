@@ -54,7 +54,7 @@ from .drift import measure_drift, prompts_from
 from .kvdtypes import DTYPES
 from .needle import needle_probe
 from .passes import ApplyScheme, ReferenceProbe, measure, probe_skip_layers, scheme_result
-from .scale1 import scale1_answer
+from .scale1 import EQUAL, WORSE, scale1_answer
 from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
 from .tails import tails
 from .verdict import check_measured, check_reference, choose, judge, recommend, serve_lines, target_refusals
@@ -228,6 +228,20 @@ class Judged:
     tails: dict
 
 
+@dataclass
+class Advice:
+    """What the target is told: the recommendation's lines and its serve line, every target's serve line, the layers
+    to keep unquantized, what the cache costs and frees, whether scale 1.0 is enough, the vLLM release said."""
+
+    recommendation: list[str]
+    serve: str
+    serve_lines: dict[str, dict]
+    skip_probe: dict | None
+    pays: dict | None
+    scale1: dict | None
+    vllm_version: str | None
+
+
 def _describe(config: VerifyConfig) -> Subject:
     """Read the checkpoint once (config.json, its weight files' headers, kvcal's files) and check every option and
     data source, before anything is loaded."""
@@ -385,7 +399,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     # unquantized, what the cache costs and frees, whether scale 1.0 is enough.
     advice = _recommend(config, subject, ref, sample, emulated, judged, engine_result)
     if started is not None:
-        advice["recommendation"][:0] = _engine_lines(started, engine_result, engine_error)
+        advice.recommendation[:0] = _engine_lines(started, engine_result, engine_error)
     # 9. The report; a kvcal output's model card gets its table.
     rep = _report(config, subject, ref, sample, emulated, judged, advice, engine_result, engine_error, clock)
     out = None
@@ -397,12 +411,13 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
 
 
 def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: Sample, emulated: Emulation,
-               judged: Judged, engine_result: dict | None) -> dict:
+               judged: Judged, engine_result: dict | None) -> Advice:
     """The recommendation for ``config.target`` and its serve line, every target's serve line, the layers to keep
     unquantized, the cache's bytes and what FP8 frees (``does_it_pay``), and the answer to "is scale 1.0 enough?"."""
     results, layers, sig, model_config = judged.results, ref.layers, ref.sig, subject.described.config
     # The serving target's vLLM: a dtype it lacks or serves wrongly is marked so instead of a verdict, never chosen.
-    for name, why in target_refusals(results, config.target).items():
+    shape = serving.model_shape(vars(sig))
+    for name, why in target_refusals(results, config.target, **shape).items():
         results[name]["target_refusal"] = why.short
         results[name]["reasons"].append(f"{why.note} ({'measured' if why.evidence == 'measured' else 'read in the source'}, "
                                         f"{serving.build_name(config.target)})")
@@ -427,10 +442,10 @@ def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: S
                                       target=config.target, unquantized=plain, scale1=scale1["text"] if scale1 else None,
                                       vllm_version=vllm_version, served=served,
                                       engine_target=engine_result["target"] if engine_result else None,
-                                      mla=bool(sig.latent_dim), model_type=model_config.get("model_type"))
-    return {"recommendation": recommendation, "serve": serve, "skip_probe": skip_probe, "pays": pays, "scale1": scale1,
-            "vllm_version": vllm_version,
-            "serve_lines": serve_lines(results, emulated.held, layers, served, skip_probe, unquantized=plain)}
+                                      mla=bool(sig.latent_dim), model_type=model_config.get("model_type"),
+                                      scale_one=bool(scale1) and scale1["outcome"] in (EQUAL, WORSE))
+    return Advice(recommendation, serve, serve_lines(results, emulated.held, layers, served, skip_probe, unquantized=plain,
+                                                     **shape), skip_probe, pays, scale1, vllm_version)
 
 
 def _engine_lines(started: "EngineStart", engine_result: dict | None, engine_error: str | None) -> list[str]:
@@ -445,14 +460,14 @@ def _engine_lines(started: "EngineStart", engine_result: dict | None, engine_err
 
 
 def _report(config: VerifyConfig, subject: Subject, ref: Reference, sample: Sample, emulated: Emulation, judged: Judged,
-            advice: dict, engine_result: dict | None, engine_error: str | None, clock: Clock) -> dict:
+            advice: Advice, engine_result: dict | None, engine_error: str | None, clock: Clock) -> dict:
     """report.json's content: every number of the run, no local path."""
     model, config_data, prompts = ref.model, config.data, sample.prompts
     dtype = str(model.dtype).removeprefix("torch.")
-    skip_probe, floor_result, limits = advice["skip_probe"], judged.floor, judged.limits
+    skip_probe, floor_result, limits = advice.skip_probe, judged.floor, judged.limits
     return {
         "kvcal_version": kvcal_version(),
-        "caveats_for_vllm": advice["vllm_version"],  # the release the recommendation's engine caveats are said for (None: unknown)
+        "caveats_for_vllm": advice.vllm_version,  # the release the recommendation's engine caveats are said for (None: unknown)
         "checkpoint": checkpoint_name(config.checkpoint),  # no local path: the report travels with OUT's card
         "reference": {"name": REFERENCE, "dtype": dtype, "device": str(ref.device),
                       "model": (what := reference_model(subject.described.quant, model, dtype)),
@@ -474,15 +489,15 @@ def _report(config: VerifyConfig, subject: Subject, ref: Reference, sample: Samp
                        "relative_to_floor": floor_result is not None and floor_result["kl"] > 0},
         "schemes": judged.results,
         "skip_layers": skip_probe,
-        "does_it_pay": advice["pays"],
+        "does_it_pay": advice.pays,
         "skipped": emulated.skipped,
         "fa3": emulated.fa3,
         "needle": emulated.needle,
-        "recommendation": advice["recommendation"],
-        "scale1": advice["scale1"],
+        "recommendation": advice.recommendation,
+        "scale1": advice.scale1,
         "target": config.target,
-        "serve_command": advice["serve"],  # the line for ``target``, printed last
-        "serve_lines": advice["serve_lines"],  # every target's line, with the vLLM build it was checked against
+        "serve_command": advice.serve,  # the line for ``target``, printed last
+        "serve_lines": advice.serve_lines,  # every target's line, with the vLLM build it was checked against
         "engine": engine_result,
         "engine_error": engine_error,  # the engine's failure after the emulation ran (None: it ran, or was not asked)
         "position_profile": _position_profile(ref.stats),

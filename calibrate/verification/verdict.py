@@ -120,20 +120,25 @@ def _servable(r: dict) -> bool:
     return r.get("servable", True) and not r.get("target_refusal")
 
 
-def target_refusals(results: dict[str, dict], target: str) -> dict[str, serving.Support]:
+def target_refusals(results: dict[str, dict], target: str, *, mla: bool = False,
+                    head_size: int | None = None) -> dict[str, serving.Support]:
     """The schemes ``target``'s vLLM does not serve as measured (a dtype it lacks or serves wrongly, per-head scales
-    it does not read): name → the ``engine.caveats.SUPPORT`` row that says why. Needs each result's ``kv_dtype``."""
+    it does not read, a dtype it refuses for this model's MLA or head size): name → the row that says why
+    (``serving.refusal``). Needs each result's ``kv_dtype``."""
     return {n: why for n, r in results.items() if r["mode"] != "reference"
-            and (why := serving.refusal(target, r["kv_dtype"], per_head=r["granularity"] == "head"))}
+            and (why := serving.refusal(target, r["kv_dtype"], per_head=r["granularity"] == "head", mla=mla,
+                                        head_size=head_size))}
 
 
 def serve_lines(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
-                skip_probe: dict | None = None, *, unquantized: str = "auto") -> dict[str, dict]:
-    """The serve line for every target, each chosen among the schemes that target's vLLM serves as measured:
-    target → {"scheme": name or None (bf16), "label": its ``choices.scheme_label``, "kv_dtype", "line", "build": the vLLM build its facts were read in}."""
+                skip_probe: dict | None = None, *, unquantized: str = "auto", mla: bool = False,
+                head_size: int | None = None) -> dict[str, dict]:
+    """The serve line for every target, each chosen among the schemes that target's vLLM serves as measured for this
+    model (``target_refusals``): target → {"scheme": name or None (bf16), "label": its ``choices.scheme_label``,
+    "kv_dtype", "line", "build": the vLLM build its facts were read in}."""
     out = {}
     for target in TARGETS:
-        refused = target_refusals(results, target)
+        refused = target_refusals(results, target, mla=mla, head_size=head_size)
         judged = {n: {**r, "target_refusal": refused[n].short if n in refused else None} for n, r in results.items()}
         _, line = recommend(judged, held, layers, checkpoint, skip_probe, target=target, unquantized=unquantized)
         scheme = choose(judged)
@@ -253,7 +258,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
               skip_probe: dict | None = None, pays: dict | None = None, *, target: str = DEFAULT_TARGET,
               unquantized: str = "auto", scale1: str | None = None, vllm_version: str | None = None,
               served: str | None = None, engine_target: str | None = None, mla: bool = False,
-              model_type: str | None = None) -> tuple[list[str], str]:
+              model_type: str | None = None, scale_one: bool = False) -> tuple[list[str], str]:
     """What to serve on ``target``, from the measured numbers only: (sentences, vllm serve line). ``checkpoint``: how
     the sentences name it (an export from it); ``served``: the model the serve line names (default ``checkpoint``). A scheme with a
     ``target_refusal`` is never recommended; ``skip_probe`` counts only when it probed the scheme chosen;
@@ -262,7 +267,8 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     ``vllm_version``: the release the engine caveats are said for (``engine.caveats.applying``); ``engine_target``: the
     target whose engine judged the verdicts (``verify --engine``), so a scheme it ran there is not called unrun and its
     figures are the engine's (``engine.judge_on_engine``); ``mla`` and ``model_type``: the model's, for the caveats
-    that depend on them (``engine.caveats.applying``)."""
+    that depend on them (``engine.caveats.applying``); ``scale_one``: the scale-1.0 answer says 1.0 is enough (a
+    recommendation that serves 1.0 counts too)."""
     lines = [*held.get("serving", []), *(n for n in held["notes"] if "no KV scales" in n), *([scale1] if scale1 else [])]
     ranked = {n: r for n, r in results.items() if r["mode"] != "reference"}
     if "token" in ranked and any(r["quantizes_query"] for r in ranked.values()):
@@ -332,7 +338,8 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     if r["kv_dtype"] in ("fp8", "fp8_per_token_head"):  # other dtypes' notes are in the Recommended line already
         lines.append(serving.SERVE_NOTES[granularity])
     lines += serving.caveats(target, r["kv_dtype"], vllm_version=vllm_version, per_head=granularity == "head",
-                             checkpoint_scales=held["granularity"] is not None, mla=mla, model_type=model_type)
+                             checkpoint_scales=held["granularity"] is not None, mla=mla, model_type=model_type,
+                             scale_one=scale_one or r["source"] == "1.0")
     if not (engine_target == target and "measured_by" in r):  # judged on the target's engine: it was run
         lines += serving.unrun(target, r["kv_dtype"])
     skip_layers = ([serving.SLIDING] if skip else []) + (skip_probe["skip"] if skip_probe else [])

