@@ -8,7 +8,7 @@ topics, which kvcal never calibrates on. Each round runs, as whole processes one
 without the engine (the emulation), the same command with ``--engine vllm`` (emulation, engine start, load audit,
 delivery check and one engine run per cache dtype plus two unquantized ones), and the delivery check alone. Printed per
 round and as medians: wall seconds and peak resident memory of each verify (the largest process of its tree, from
-``wait4``), the engine runs' own seconds and the largest vLLM job's memory growth (report.json), the delivery check's
+``wait4``), the engine start's seconds (describe, version, cache dtypes, audit, delivery), the engine runs' own seconds and the largest vLLM job's memory growth (report.json), the delivery check's
 seconds, and the ratio of the two verify runs. No decode drift and no skip-layer probe (``--generate 0 --probe-layers 0``), so
 the two sides run the same passes. Run it on a quiet machine: the figures are wall time.
 """
@@ -67,7 +67,8 @@ def main() -> None:
         rep = json.loads((work / f"engine-{i}" / "report.json").read_text())
         job_mib = max(r.get("rss_peak_delta_mib", 0.0) for r in rep["engine"]["schemes"].values() if "kl" in r)
         rows.append({"emulation_s": emulation[0], "emulation_peak_mib": emulation[1], "engine_verify_s": engine[0],
-                     "engine_verify_peak_mib": engine[1], "engine_runs_s": rep["engine"]["seconds"],
+                     "engine_verify_peak_mib": engine[1], "engine_start_s": rep["timings"]["engine_start_s"],
+                     "engine_runs_s": rep["engine"]["seconds"],
                      "vllm_job_growth_mib": job_mib, "delivery_s": alone[0], "ratio": engine[0] / emulation[0]})
         print(f"round {i + 1}: " + ", ".join(f"{k} {v:.3g}" for k, v in rows[-1].items()), flush=True)
     print(f"median of {len(rows)} round(s), {args.sequences} x {args.seq_len} tokens, schemes {args.schemes}:")

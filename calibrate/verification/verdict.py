@@ -299,6 +299,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
         lines.append("Every quantized scheme measured fails the thresholds"
                      + (f" or is not served as measured on target {target} ({', '.join(map(scheme_label, refused))})" if refused else "")
                      + ": keep this model's KV cache in bf16.")
+        lines += serving.caveats(target, unquantized, vllm_version=vllm_version, mla=mla)
         return lines, serving.serve_command(served or checkpoint, unquantized, target=target)
     if skip_probe is not None and skip_probe["scheme"] != choice:
         skip_probe = None

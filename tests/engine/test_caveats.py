@@ -14,7 +14,7 @@ def test_every_row_says_its_release_and_names_known_dtypes_and_targets():
     for row in C.LIMITS:
         assert set(row.dtypes) <= set(CACHE_DTYPES) and row.target in TARGETS and row.short and (row.mla or row.multiple)
     for row in C.CAVEATS:
-        assert set(row.dtypes) <= set(CACHE_DTYPES) and set(row.targets) <= set(TARGETS)
+        assert set(row.dtypes) <= {*CACHE_DTYPES, *serving.UNQUANTIZED} and set(row.targets) <= set(TARGETS)
         assert row.needs in (None, *C.CONDITIONS) and row.evidence in ("source", "measured", "reported")
 
 
@@ -35,6 +35,9 @@ def test_conditions_select_the_rows():
     assert any("vllm#25047" in line for line in C.applying("gpu", "fp8", model_type="qwen3_moe"))
     assert C.applying("gpu", "fp8", model_type="qwen3_5") == []  # measured loading in vLLM 0.32 (docs/vllm-notes.md)
     assert C.applying("gpu", "fp8", model_type="llama") == []
+    (amx_mla,) = C.applying("cpu", "bfloat16", mla=True)  # AMX_MLA takes auto only
+    assert "serve the source model there with --kv-cache-dtype auto" in amx_mla
+    assert C.applying("cpu", "bfloat16") == [] and C.applying("gpu", "bfloat16", mla=True) == []
     amx = [line for line in C.applying("cpu", "fp8", scale_one=True) if "AMX" in line and "scale 1.0" in line]
     assert len(amx) == 1 and "measure there with verify --engine vllm" in amx[0]
     assert not any("scale 1.0 at" in line for line in (*C.applying("gpu", "fp8", scale_one=True),

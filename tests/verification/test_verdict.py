@@ -324,6 +324,11 @@ def test_a_model_vllm_cpu_cannot_serve_quantized_keeps_its_cache_unquantized_the
     assert lines["gpu"] == before["gpu"] and lines["rocm"] == before["rocm"]
     refused = target_refusals(measured_schemes, "cpu", **shape)
     assert words in refused["tensor"].short and refused["tensor"].evidence == "measured"
+    judged = {n: {**r, "target_refusal": refused[n].short if n in refused else None} for n, r in measured_schemes.items()}
+    said, _ = recommend(judged, {"notes": [], "granularity": "tensor"}, layers, "/m", target="cpu", unquantized="bfloat16",
+                        mla=shape["mla"])
+    # An MLA model's bfloat16 line carries AMX_MLA's refusal of it, and what to serve there instead.
+    assert any("AMX_MLA" in line and "source model" in line for line in said) == shape["mla"]
     assert set(refused) >= {n for n, r in measured_schemes.items() if r["mode"] != "reference"}  # every quantized one
 
 
