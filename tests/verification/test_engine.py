@@ -148,6 +148,22 @@ def test_full_vocabulary_logprobs_match_the_model_in_float32(calibrated, held_ou
 
 
 @pytest.mark.slow
+@needs_avx512
+def test_a_source_model_without_scales_runs_at_scale_one_as_it_is(smol_dir, held_out, python, smol_tokenizer, tmp_path):
+    """The demo's source model (one weight file, no index, no KV scale): vLLM serves its fp8 cache at 1.0 from the
+    checkpoint itself. An earlier kvcal looked for a scales shard to rewrite and ended verify --engine in a
+    traceback on every such checkpoint."""
+    ids = smol_tokenizer(json.loads(held_out.read_text())["text"])["input_ids"][:96]
+    assert not (Path(smol_dir) / "model.safetensors.index.json").exists()
+    host = engine.probe(str(python))
+    runs = engine.run_schemes(host, Path(smol_dir), ["auto", "scale1"], [ids], dtype="bfloat16", chunk_len=64,
+                              max_model_len=128, block_size=32, kv_bytes=64 << 20, vocab_size=49152, workdir=tmp_path)
+    assert runs["scale1"]["stored"]["layers"][0]["cache_dtype"] == "uint8"  # fp8, stored as bytes
+    kls, _ = engine.compare_logprobs(np.load(runs["auto"]["npy"]), np.load(runs["scale1"]["npy"]))
+    assert 0 < kls[0] < 0.5, kls
+
+
+@pytest.mark.slow
 def test_refusals_without_avx512_are_vllms_own_and_the_rest_runs(calibrated, python, tmp_path):
     host = engine.probe(str(python))
     runs = engine.run_schemes(host, Path(calibrated.out), ["auto", "tensor", "head"], [list(range(100, 164))], dtype="bfloat16",
@@ -220,7 +236,8 @@ def test_each_scheme_runs_as_choices_says_or_says_why_not():
 
 def test_run_schemes_serves_each_scheme_its_dtype_and_scale1_from_a_copy(tmp_path, monkeypatch):
     """Which checkpoint and --kv-cache-dtype each run gets, without vLLM: scale1 a copy whose every scale is 1.0,
-    the others the checkpoint as it is; no run for a scheme the engine cannot stand for, or a dtype vLLM lacks."""
+    the others the checkpoint as it is; no run for a scheme the engine cannot stand for, or a dtype vLLM lacks. A
+    checkpoint without KV scales is its own scale-1.0 run; scales outside a kvcal shard get no run and say why."""
     from safetensors.torch import load_file, save_file
 
     checkpoint = tmp_path / "out"
@@ -249,6 +266,19 @@ def test_run_schemes_serves_each_scheme_its_dtype_and_scale1_from_a_copy(tmp_pat
     assert runs["head"]["why"] == engine.NOT_RUN["head"] and runs["max"]["why"] == engine.NOT_RUN["max"]
     assert runs["scales.safetensors"] == {"why": "a scales file: not run in the engine"}
     assert set(served) == {"auto", "scale1", "tensor", "token"}
+    # A checkpoint with no KV scale (a source model, one file, no index): vLLM serves it at 1.0 as it is.
+    source = tmp_path / "source"
+    source.mkdir()
+    save_file({"model.layers.0.self_attn.k_proj.weight": torch.ones(2, 2)}, source / "model.safetensors")
+    served.clear()
+    runs = engine.run_schemes(host, source, ["auto", "scale1"], [[1, 2, 3]], dtype="bfloat16", chunk_len=64, max_model_len=64,
+                              block_size=32, kv_bytes=64 << 20, vocab_size=8, workdir=tmp_path, offered=["auto", "fp8"])
+    assert served == {"auto": (source, "auto"), "scale1": (source, "fp8")}
+    # Scales kvcal did not write (no scales shard to rewrite): that run is not made, and the cell says why.
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.05)}, source / "model.safetensors")
+    runs = engine.run_schemes(host, source, ["scale1"], [[1, 2, 3]], dtype="bfloat16", chunk_len=64, max_model_len=64,
+                              block_size=32, kv_bytes=64 << 20, vocab_size=8, workdir=tmp_path, offered=["auto", "fp8"])
+    assert runs["scale1"]["why"].startswith("no scale-1.0 copy: ") and "is it a kvcal output?" in runs["scale1"]["why"]
 
 
 def test_short_reason_keeps_vllms_first_sentence():

