@@ -37,8 +37,9 @@ BAND = {"kv-only": (0.02370, 0.9375), "per-head": (0.02408, 0.9414), "fp8-weight
 # MARGIN is derived from a measurement (docs/checkpoints.md, "Round trips"): the KL's spread over torch thread counts
 # and repeated runs on these inputs (``measure_roundtrip_band.py --spread 1,2``), SPREAD, and the smallest KL
 # regression the test must catch, REGRESSION. It sits halfway between them on a log scale, sqrt(SPREAD × REGRESSION),
-# so noise and a regression each have the same factor of room on their side of it.
-SPREAD = 1.0
+# so noise and a regression each have the same factor of room on their side of it. SPREAD is the larger of the two
+# hosts' measurements: 1.0000 on the AVX-512 host without AMX, 1.065 (per head; kv-only 1.0125) on the AMX host.
+SPREAD = 1.065
 REGRESSION = 1.25
 MARGIN = (SPREAD * REGRESSION) ** 0.5
 
