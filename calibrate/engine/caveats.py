@@ -192,7 +192,6 @@ CAVEATS: tuple[Caveat, ...] = (
 )
 
 
-
 @dataclass(frozen=True)
 class Limit:
     """Cache dtypes a target's vLLM cannot serve for some models, whatever their scales: every MLA model (``mla``), or
@@ -241,6 +240,7 @@ def limit(target: str, dtype: str, *, mla: bool = False, head_size: int | None =
     """The first ``LIMITS`` row that keeps ``target``'s vLLM from serving ``dtype`` for this model, or None."""
     return next((r for r in LIMITS if r.target == target and dtype in r.dtypes and r.holds(mla=mla, head_size=head_size)),
                 None)
+
 
 def _family_caveats(model_type: str | None) -> list[Caveat]:
     """The family loader gap of ``model_type`` as a caveat on every FP8 cache (Qwen3-MoE's vllm#25047 and the like)."""
