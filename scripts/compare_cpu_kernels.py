@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 from transformers import AutoTokenizer
 
+from calibrate.model.description import describe
 from calibrate.verification import engine
 from calibrate.verification.verdict import mean_stderr
 
@@ -35,9 +36,8 @@ def main() -> None:
     if len(ids) < n * length:
         raise SystemExit(f"held.jsonl has {len(ids)} tokens; {n} x {length} needs more")
     sequences = [ids[i * length:(i + 1) * length] for i in range(n)]
-    config = json.loads((checkpoint / "config.json").read_text())
-    heads, layers = config["num_key_value_heads"], config["num_hidden_layers"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    described = describe(checkpoint)
+    sig, layers = described.signature([]), described.text["num_hidden_layers"]
     host = engine.probe(None)
     block = 32
     max_len = engine.model_len(length + 1, block)
@@ -46,8 +46,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="kvcal-kernels-") as tmp:
             runs = engine.run_schemes(host, checkpoint, ["auto", "scale1", "tensor"], sequences, dtype="bfloat16",
                                       chunk_len=512, max_model_len=max_len, block_size=block,
-                                      kv_bytes=engine.kv_cache_bytes(layers, heads, head_dim, max_len, block),
-                                      vocab_size=config["vocab_size"], workdir=Path(tmp), unquantized="bfloat16",
+                                      kv_bytes=engine.kv_cache_bytes(layers, sig.num_kv_heads, sig.head_dim, max_len, block),
+                                      vocab_size=described.text["vocab_size"], workdir=Path(tmp), unquantized="bfloat16",
                                       deny_isa=deny)
             if "npy" not in runs["auto"]:
                 raise SystemExit(f"vLLM did not run the unquantized cache: {runs['auto']['why']}")

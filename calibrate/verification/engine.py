@@ -28,7 +28,7 @@ from ..checkpoint.write import rescaled_copy
 from ..choices import CACHE_DTYPES, SCHEMES, SchemeSpec
 from ..engine.launch import EngineError, find_vllm_python, run_job
 from ..engine.platforms import PLATFORMS
-from ..model.directory import KV_SCALE_PATTERN, tensor_names
+from ..model.directory import KV_SCALE_PATTERN, tensor_names, vllm_files
 from .drift import engine_drift
 from .passes import token_kl
 from .significance import margin
@@ -103,11 +103,10 @@ def kv_cache_bytes(num_layers: int, kv_heads: int, head_dim: int, max_model_len:
 
 
 def scale1_checkpoint(checkpoint: Path, into: Path) -> Path:
-    """The checkpoint as vLLM serves it at KV scale 1.0: itself where no weight file holds a KV scale (vLLM then uses
-    1.0), else a copy of a kvcal output whose every KV scale is 1.0 (``checkpoint.write.rescaled_copy``; ValueError
-    for scales kvcal did not write)."""
-    if not any(KV_SCALE_PATTERN.search(name) for path in sorted(checkpoint.glob("*.safetensors"))
-               for name in tensor_names(path)):
+    """The checkpoint as vLLM serves it at KV scale 1.0: itself where no file vLLM loads holds a KV scale (vLLM then
+    uses 1.0), else a copy of a kvcal output whose every KV scale is 1.0 (``checkpoint.write.rescaled_copy``;
+    ValueError for scales kvcal did not write)."""
+    if not any(KV_SCALE_PATTERN.search(name) for path in vllm_files(checkpoint)[0] for name in tensor_names(path)):
         return checkpoint
     return rescaled_copy(checkpoint, into / "scale1", lambda name, t: torch.ones_like(t))
 
