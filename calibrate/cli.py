@@ -171,8 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
     p.add_argument("--check-weights", action="store_true", help="compare scales with what the weights suggest (heuristic; reads k/v weights)")
     p.add_argument("--engine", choices=["vllm"], help="also load the checkpoint in vLLM and compare the scales it holds "
-                   "with the checkpoint's (the load audit), then run it with its scales as written and x64 to see that "
-                   "they reach the kernel (the delivery check; a few minutes in all)")
+                   "with the checkpoint's (the load audit), then run it as loaded and with its k, v and q scales x64, "
+                   "each kind and layer third alone, to see that they reach the kernel (the delivery check; a few "
+                   "minutes in all)")
     p.add_argument("--vllm-python", type=_user_path, help="the python of a venv with vLLM (default: this one, else .venv-vllm)")
 
     p = sub.add_parser("apply", help="write one calibration's scales into another checkpoint of the same architecture")

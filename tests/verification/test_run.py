@@ -690,9 +690,13 @@ class FakeEngine:
         def check_delivery(checkpoint, python):
             self.calls["delivery"] = checkpoint
             status = delivery.NOT_USED if not_delivered else delivery.USED
-            return delivery.DeliveryResult(str(checkpoint), "fp8", status, "0.32.0", tokens=255, noise=0.0,
-                                           groups=[{"layers": [0, 1, 2], "shift_max": 0.0 if not_delivered else 0.5,
-                                                    "shift_mean": 0.0, "moved": not not_delivered}])
+            moved = 0.0 if not_delivered else 0.5
+            return delivery.DeliveryResult(
+                str(checkpoint), "fp8", status, "0.32.0", tokens=255, decode=16, noise={"prefill": 0.0, "decode": 0.0},
+                kinds={kind: {"status": status, "reason": ""} for kind in ("k", "v")} | {"q": {
+                    "status": delivery.ABSENT, "reason": "vLLM uses 1.0"}},
+                groups=[{"kind": kind, "layers": [0, 1, 2], "prefill_max": moved, "prefill_mean": moved,
+                         "decode_max": 0.0, "diverged": False, "moved": not not_delivered} for kind in ("k", "v")])
 
         monkeypatch.setattr(run, "audit", audit)
         monkeypatch.setattr(run, "check_delivery", check_delivery)
@@ -751,7 +755,8 @@ def test_scales_the_engine_loads_but_never_uses_fail_verify_with_exit_1(plain_ck
     captured = capsys.readouterr()
     rep = json.loads((tmp_path / "r" / "report.json").read_text())
     assert code == 1 and captured.err.strip().splitlines()[-1].startswith(
-        "kvcal: error: the delivery check failed: engine delivery (vLLM 0.32.0, --kv-cache-dtype fp8): loaded but not used")
+        "kvcal: error: the delivery check failed: engine delivery (vLLM 0.32.0, --kv-cache-dtype fp8): not used although "
+        "loaded")
     assert rep["recommendation"][0].startswith("Delivery: engine delivery") and rep["engine"]["delivery"]["ok"] is False
 
 
