@@ -48,7 +48,7 @@ def test_calibrate_prints_one_serve_line_last_for_its_target(tiny_dir, text_file
     serve = [i for i, line in enumerate(lines) if line.strip().startswith("vllm serve ")]
     assert serve == [len(lines) - 1], lines[-12:]
     assert "short verify of the written checkpoint (kvcal verify runs the full one):" in lines
-    assert len(lines) - lines.index("") <= 1 + 4 + 2 + 10 + 2  # calibrate's lines, then the table and the answer
+    assert len(lines) - lines.index("") <= 1 + 1 + 4 + 2 + 10 + 2  # calibrate's lines (the scale 1.0 line one), then the table and the answer
     assert any(line.startswith(f"serving target: {target}") for line in lines)
     assert ("(the default; --target rocm or cpu for the others)" in "\n".join(lines)) == (target == "gpu")
     if target == "cpu":
