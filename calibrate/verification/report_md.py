@@ -226,7 +226,8 @@ def kinds_markdown(rep: dict) -> list[str]:
             for kind, k in c["kinds"].items():
                 vs = k.get("vs_rest")
                 rows.append([scheme_label(name), classification, kind, f"{k['tokens']:,}", _kl_cell(k["kl"]), percent_cell(k["top1"]),
-                             "—" if vs is None or vs["ratio"] is None else f"{vs['ratio']:.3g}×" + (" **much worse**" if vs["much_worse"] else "")])
+                             "—" if vs is None or vs["ratio"] is None else f"{vs['ratio']:.3g}×" + (" **much worse**" if vs["much_worse"] else
+                                                                                                    f" ({vs['too_few']})" if vs.get("too_few") else "")])
     if not rows:
         return []
     return ["## KL by kind of token", "",
