@@ -18,12 +18,12 @@ from calibrate.data.stream import Layout, iter_sequences
 from calibrate.fp8 import FORMATS
 from calibrate.model.layers import attention_layers
 from calibrate.verification import token_kinds
-from calibrate.verification.significance import critical_value
 from calibrate.verification.config import VerifyConfig
 from calibrate.verification.passes import measure
 from calibrate.verification.report_md import verify_markdown
 from calibrate.verification.run import _evidence_reasons
 from calibrate.verification.schemes import Mode, Scheme
+from calibrate.verification.significance import critical_value
 
 E4M3 = FORMATS["e4m3fn"]
 SCALE = 0.02
