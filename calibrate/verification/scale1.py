@@ -88,8 +88,8 @@ def _sentence(a: dict) -> str:
                 f"scale 1.0 costs over {name} to lie within ±{EQUIVALENCE:.0%} of its KL (±{within:.2g} nats/token); 95% "
                 f"bounds of the cost {low:+.2g} to {high:+.2g} nats/token ({figures}; {paired}). Either serves; the "
                 "calibrated scales also guard against values beyond FP8's range in other data.")
-    other_side = "" if a["cheaper_shown"] else f"; it may also be more than {EQUIVALENCE:.0%} cheaper (95% lower bound {low:+.2g})"
+    other_side = "" if a["cheaper_shown"] else f", or be more than {EQUIVALENCE:.0%} cheaper (95% lower bound {low:+.2g})"
     return (f"Is scale 1.0 enough? Cannot tell on this sample: scale 1.0 may cost up to {high:+.2g} nats/token more than "
-            f"{name} ({f'{high / ka:+.0%} of its KL, ' if ka > 0 else ''}95% upper bound), and equivalence within {EQUIVALENCE:.0%} (±{within:.2g}) "
-            f"is not shown{other_side} ({figures}; {paired}). Serve the calibrated scales, or verify with a larger "
-            "--max-tokens to narrow the bound.")
+            f"{name} ({f'{high / ka:+.0%} of its KL; ' if ka > 0 else ''}95% upper bound){other_side}, so equivalence "
+            f"within {EQUIVALENCE:.0%} (±{within:.2g} nats/token) is not shown. {figures[0].upper()}{figures[1:]}; "
+            f"{paired}. Serve the calibrated scales, or verify with a larger --max-tokens to narrow the bound.")

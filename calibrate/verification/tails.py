@@ -5,9 +5,10 @@ when at least ``MIN_BEYOND`` tokens lie beyond it (a percentile of fewer is one 
 maximum, and the share of positions whose top-1 changes where the reference's top-1 was clear (led by more than
 ``NEAR_TIE_NATS``). Schemes are compared by a seeded bootstrap over sequences (positions of one sequence are not
 independent; sequences are): the same resampled sequences for every scheme, so each comparison is paired. A bootstrap
-over few sequences draws from too few distinct resamples and its intervals are too narrow: at a true ratio exactly on
-the limit, one sequence calls it heavier half the time, 3 sequences about 1 time in 8, 12 sequences 6%. So no interval
-is given, and nothing judged, under ``MIN_SEQUENCES`` (16: at most 5% there, tests/verification/test_tails.py).
+over few sequences draws from too few distinct resamples and its intervals are too narrow: simulated with a tail
+exactly on the limit (sequences differing 2.7× in level), it called the tail heavier 48%, 21% and 14% of the time at
+1, 2 and 3 sequences, 5.8% at 12 and 4.7% at 16. So no interval is given, and nothing judged, under ``MIN_SEQUENCES``
+(tests/verification/test_tails.py checks at most 5% at 1, 2, 3 and 16).
 
 Plain numbers in, numbers out (numpy): nothing here runs a model.
 """

@@ -55,8 +55,8 @@ def test_the_answers_with_what_to_do(tensor, outcome, says, todo):
     assert says.format(change=change) in answer["text"] and "paired over 4 sequences" in answer["text"] and todo in answer["text"]
     if outcome == UNDECIDED:  # the bound, in nats and against the calibrated KL
         high = -mean + T95_3DF * se
-        assert f"up to {high:+.2g} nats/token more than fp8, calibrated per tensor ({high / np.mean(tensor):+.0%} of its KL, 95% upper bound)" in answer["text"]
-        assert f"equivalence within 10% (±{0.1 * np.mean(tensor):.2g}) is not shown" in answer["text"]
+        assert f"up to {high:+.2g} nats/token more than fp8, calibrated per tensor ({high / np.mean(tensor):+.0%} of its KL; 95% upper bound)" in answer["text"]
+        assert f"equivalence within 10% (±{0.1 * np.mean(tensor):.2g} nats/token) is not shown" in answer["text"]
 
 
 def test_one_sequence_is_too_few_to_tell_and_the_best_calibrated_scales_are_compared():
