@@ -17,7 +17,7 @@ standard error; a rule with another test, such as the tails' bootstrap, sets its
 t test holds its 5% at any n ≥ 2 however heavy the tails (it grows conservative); a difference that is skewed while
 its mean is zero (rare sequences carrying it) is the case it is not made for, and no minimum fixes that.
 
-Plain Python (``math`` only): scipy is not a dependency.
+Plain Python (``math`` and ``statistics`` only): scipy is not a dependency.
 """
 
 import math
