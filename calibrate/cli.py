@@ -322,8 +322,8 @@ def _main(argv: list[str] | None) -> int:
                         print(checked.text(), flush=True)
                     # the scales reach the kernel: asked only of scales the engine holds
                     delivered = check_delivery(args.checkpoint, args.vllm_python) if checked.status == OK else None
-                except EngineError as e:
-                    print(f"kvcal: error: {e}", file=sys.stderr)
+                except EngineError as e:  # no finding about the checkpoint: the check itself did not happen
+                    print(f"kvcal: error: the check could not run: {e}", file=sys.stderr)
                     return 2
                 ok, report = ok and checked.ok(strict=args.strict), report | {"engine_audit": checked.to_json()}
                 if delivered is not None:
