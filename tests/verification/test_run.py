@@ -853,3 +853,20 @@ def test_a_scheme_whose_engine_run_crashed_has_no_verdict_and_verify_exits_incom
     assert rep["serve_lines"]["gpu"].get("scheme") != "scale1"
     assert engine.RUN_FAILED in captured.out and "check: The engine failed after the emulation in scale1" in captured.out
     assert why in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_a_report_folder_on_a_full_disk_is_not_written_and_the_answer_is_still_printed(plain_ckpt, data_file, small_tmpdir,
+                                                                                        capsys):
+    """--report on a 6 MiB tmpfs filled to 40 KiB short of full: nothing of the folder is left, the terminal has the
+    whole answer, and the last line says the report was not written (exit 2)."""
+    free = shutil.disk_usage(small_tmpdir).free
+    (small_tmpdir / "filler").write_bytes(b"\0" * (free - (40 << 10)))
+    code = cli.main(["verify", str(plain_ckpt), "--data", str(data_file), "--seq-len", "64", "--max-tokens", "128",
+                     "--schemes", "tensor", "--probe-layers", "0", "--generate", "0", "--report", str(small_tmpdir / "r"),
+                     "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 2 and "serve it with:" in captured.out and "Traceback" not in captured.err
+    assert captured.err.strip().splitlines()[-1] == (f"kvcal: error: the report was not written to {small_tmpdir / 'r'} "
+                                                     "(no space left on the device; nothing of it is there): free space "
+                                                     "there and run again")
+    assert sorted(p.name for p in small_tmpdir.iterdir()) == ["filler"]
