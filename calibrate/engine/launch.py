@@ -119,7 +119,7 @@ def run_job(python: Path, job: str, request: dict, *, timeout_s: float = DEFAULT
             raise EngineError(f"vLLM's {job} job crashed ({detail})", detail)
         result = json.loads(answer.read_text())
         if result.get("fault"):
-            raise EngineError(f"vLLM's {job} job could not run: {result['fault']}", result["fault"])
+            raise EngineError(f"vLLM's {job} job failed: {result['fault']}", result["fault"])
         return result
 
 

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runners import client_python
+from runners import FAULTING, OUT_OF_MEMORY, client_python, job_wrapper
 
 from calibrate.engine.launch import EngineError, find_vllm_python, run_job, vllm_version
 
@@ -46,19 +46,11 @@ def test_deadline_and_bad_requests(python):
 
 # ---- real faults in a real job: an interpreter wrapper in tmp_path stands in for vLLM's python ----------------------
 
-# Runs the job under vLLM's python and faults it from a timer while it imports vLLM: a real job, a real signal.
-_FAULTING = ("import os, runpy, signal, sys, threading, ctypes; sys.argv = sys.argv[1:]; "
-             "sys.path.insert(0, os.path.dirname(sys.argv[0])); threading.Timer(0.3, {fault}).start(); "
-             "runpy.run_path(sys.argv[0], run_name='__main__')")
 FAULTS = {"kill": "os.kill, (os.getpid(), signal.SIGKILL)", "segfault": "ctypes.string_at, (0,)"}
 
 
 def _wrapper(tmp_path, python, version_job: str) -> Path:
-    """An interpreter that is ``python`` for anything but the version job, which runs as ``version_job`` (shell)."""
-    path = tmp_path / "python"
-    path.write_text(f'#!/bin/sh\nPY="{python}"\ncase "$1" in\n  */jobs/version.py)\n{version_job}\n;;\nesac\nexec "$PY" "$@"\n')
-    path.chmod(0o755)
-    return path
+    return job_wrapper(tmp_path, python, "version", version_job)
 
 
 def _hanging(tmp_path, python) -> tuple[Path, Path]:
@@ -92,7 +84,7 @@ def _wait_for(path: Path, within_s: float = 30.0) -> int:
 
 
 def test_a_job_killed_by_sigkill_is_an_engine_error_naming_the_signal(python, tmp_path):
-    wrapper = _wrapper(tmp_path, python, f'exec "$PY" -c "{_FAULTING.format(fault=FAULTS["kill"])}" "$@"')
+    wrapper = _wrapper(tmp_path, python, f'exec "$PY" -c "{FAULTING.format(fault=FAULTS["kill"])}" "$@"')
     with pytest.raises(EngineError, match=r"^vLLM's version job crashed \(killed by SIGKILL \(out of memory, or killed "
                                           r"by another process\): ") as caught:
         run_job(wrapper, "version", {})
@@ -101,7 +93,7 @@ def test_a_job_killed_by_sigkill_is_an_engine_error_naming_the_signal(python, tm
 
 def test_a_job_that_segfaults_under_a_shell_is_exit_139(python, tmp_path):
     """A shell between kvcal and the crashed interpreter reports the segfault as exit 139 (128 + SIGSEGV)."""
-    wrapper = _wrapper(tmp_path, python, f'"$PY" -c "{_FAULTING.format(fault=FAULTS["segfault"])}" "$@"; exit $?')
+    wrapper = _wrapper(tmp_path, python, f'"$PY" -c "{FAULTING.format(fault=FAULTS["segfault"])}" "$@"; exit $?')
     with pytest.raises(EngineError, match=r"^vLLM's version job crashed \(exit 139: "):
         run_job(wrapper, "version", {})
 
@@ -109,11 +101,8 @@ def test_a_job_that_segfaults_under_a_shell_is_exit_139(python, tmp_path):
 def test_a_job_out_of_memory_is_a_fault_not_a_refusal(python, tmp_path):
     """A MemoryError in the job's work (an allocation the machine cannot give) is the machine's, not vLLM's answer:
     an EngineError, where a refusal would be a result."""
-    wrapper = _wrapper(tmp_path, python, 'exec "$PY" -c "import os, runpy, sys; sys.argv = sys.argv[1:]; '
-                                         'sys.path.insert(0, os.path.dirname(sys.argv[0])); import jobkit; '
-                                         'run = jobkit.run; jobkit.run = lambda work: run(lambda r: bytearray(1 << 62)); '
-                                         'runpy.run_path(sys.argv[0], run_name=\'__main__\')" "$@"')
-    with pytest.raises(EngineError, match=r"^vLLM's version job could not run: MemoryError") as caught:
+    wrapper = _wrapper(tmp_path, python, OUT_OF_MEMORY)
+    with pytest.raises(EngineError, match=r"^vLLM's version job failed: MemoryError") as caught:
         run_job(wrapper, "version", {})
     assert caught.value.detail.startswith("MemoryError")
 
