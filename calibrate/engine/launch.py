@@ -9,6 +9,7 @@ Each job runs in a process group of its own, and the whole group is killed when 
 caller is interrupted (Ctrl-C, or SIGTERM, which the CLI turns into an interrupt): no vLLM process outlives its job.
 """
 
+import functools
 import json
 import os
 import signal
@@ -43,10 +44,17 @@ class EngineError(RuntimeError):
         self.detail = detail
 
 
-def _has_vllm(python: Path) -> bool:
+@functools.cache
+def _probed_version(python: Path) -> str | None:
+    """The version of the vLLM that ``python`` has (package metadata; vLLM is not imported), None where it has none.
+    Asked once per interpreter and process: finding vLLM and every job that names its release share the answer."""
     probe = subprocess.run([str(python), "-c", _VERSION_PROBE], capture_output=True, text=True, timeout=60,
                            env=_clean_env())
-    return probe.returncode == 0
+    return probe.stdout.strip() if probe.returncode == 0 else None
+
+
+def _has_vllm(python: Path) -> bool:
+    return _probed_version(python) is not None
 
 
 def find_vllm_python(explicit: str | Path | None = None) -> Path:
@@ -70,11 +78,10 @@ def find_vllm_python(explicit: str | Path | None = None) -> Path:
 
 def vllm_version(python: Path) -> str:
     """The installed vLLM's version, read from package metadata (vLLM itself is not imported)."""
-    probe = subprocess.run([str(python), "-c", _VERSION_PROBE], capture_output=True, text=True, timeout=60,
-                           env=_clean_env())
-    if probe.returncode != 0:
+    version = _probed_version(python)
+    if version is None:
         raise EngineError(f"{python} has no vLLM: run {SETUP_COMMAND} or pass --vllm-python PATH")
-    return probe.stdout.strip()
+    return version
 
 
 def _clean_env() -> dict[str, str]:
