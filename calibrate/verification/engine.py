@@ -239,8 +239,9 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
             continue
         start = time.perf_counter()
         npy = workdir / f"{name}.npy"
+        copy = Path(tempfile.mkdtemp(dir=workdir)) if scales == "ones" else None  # the scale-1.0 copy, for this run
         try:
-            path = scale1_checkpoint(checkpoint, Path(tempfile.mkdtemp(dir=workdir))) if scales == "ones" else checkpoint
+            path = scale1_checkpoint(checkpoint, copy) if copy else checkpoint
             answer = run_job(host.python, "logprobs", {**base, "checkpoint": str(path), "kv_cache_dtype": kv_dtype,
                                                        "out": str(npy)}, deny_isa=deny_isa)
         except ValueError as e:  # scales kvcal did not write: no copy to make
@@ -253,8 +254,11 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
             if (why := no_room(e)) is None:
                 raise
             runs[name] = failed_run(f"writing the scale-1.0 copy of the checkpoint in {workdir} failed: {why}; free space "
-                                 "there, or set TMPDIR to a disk with room", str(e), kv_dtype, time.perf_counter() - start)
+                                    "there, or set TMPDIR to a disk with room", str(e), kv_dtype, time.perf_counter() - start)
             continue
+        finally:
+            if copy:  # the next runs need its room (a whole checkpoint where hard links cannot reach)
+                shutil.rmtree(copy, ignore_errors=True)
         seconds = time.perf_counter() - start
         if answer["error"]:
             runs[name] = {"why": short_reason(answer["error"]), "error": answer["error"], "kv_cache_dtype": kv_dtype, "seconds": seconds}

@@ -138,10 +138,12 @@ class VerifyResult:
         return self.report["schemes"]
 
     def outcome(self) -> tuple[int, str | None]:
-        """The command's exit status and its one-line error (docs/usage.md, "Exit status"): INCOMPLETE when the engine
-        failed after the emulation ran, wholly or in one scheme's run (the report keeps what ran), 2 when the report
-        could not be written (the terminal's answer is all there is), 1 when the load audit found the engine does not
+        """The command's exit status and its one-line error (docs/usage.md, "Exit status"): 2 when the report could
+        not be written (the terminal's answer is all there is), INCOMPLETE when the engine failed after the emulation
+        ran, wholly or in one scheme's run (the report keeps what ran), 1 when the load audit found the engine does not
         hold the checkpoint's scales or the delivery check found the kernel ignores them."""
+        if self.report_error:  # first: the folder the user will look for is not there
+            return 2, self.report_error
         if self.report.get("engine_error"):
             return INCOMPLETE, ("the engine failed after the emulation ran (its figures alone are reported): "
                                 f"{self.report['engine_error']}")
@@ -150,8 +152,6 @@ class VerifyResult:
             name, why = next(iter(engine["failed"].items()))
             more = f" (and {len(engine['failed']) - 1} more)" if len(engine["failed"]) > 1 else ""
             return INCOMPLETE, f"the answer is incomplete: {name}: {why}{more}"
-        if self.report_error:
-            return 2, self.report_error
         if engine and engine["audit"]["failures"]:
             return 1, f"the load audit failed: {engine['audit']['failures'][0]}"
         if engine and engine["delivery"] and not engine["delivery"]["ok"]:

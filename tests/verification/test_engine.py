@@ -246,10 +246,12 @@ def test_run_schemes_serves_each_scheme_its_dtype_and_scale1_from_a_copy(tmp_pat
     save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.05)}, checkpoint / "scales.safetensors")
     (checkpoint / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"model.layers.0.self_attn.k_scale": "scales.safetensors"}}))
-    served = {}
+    served, scales = {}, {}
 
     def run_job(python, job, args, **_):
         served[Path(args["out"]).stem] = (Path(args["checkpoint"]), args["kv_cache_dtype"])
+        if (Path(args["checkpoint"]) / "scales.safetensors").is_file():  # the k_scale the run was served
+            scales[Path(args["out"]).stem] = load_file(Path(args["checkpoint"]) / "scales.safetensors")
         np.save(args["out"], np.zeros((1, 2, 8), np.float32))
         return {"result": {}, "error": None}
 
@@ -262,8 +264,10 @@ def test_run_schemes_serves_each_scheme_its_dtype_and_scale1_from_a_copy(tmp_pat
     assert served["auto"] == (checkpoint, "bfloat16")
     assert served["tensor"] == (checkpoint, "fp8") and served["token"] == (checkpoint, "fp8_per_token_head")
     copy, dtype = served["scale1"]
-    assert dtype == "fp8" and copy != checkpoint
-    assert load_file(copy / "scales.safetensors")["model.layers.0.self_attn.k_scale"].item() == 1.0
+    assert dtype == "fp8" and copy != checkpoint and not copy.exists()  # removed once its run ended
+    assert scales["scale1"]["model.layers.0.self_attn.k_scale"].item() == 1.0
+    assert scales["tensor"]["model.layers.0.self_attn.k_scale"].item() == pytest.approx(0.05)
+    assert sorted(p.name for p in tmp_path.glob("*.npy")) == ["auto.npy"]  # each run reduced and its array removed
     assert runs["nvfp4"] == {"why": "vLLM 0.32.0 has no nvfp4"}
     assert runs["head"]["why"] == engine.NOT_RUN["head"] and runs["max"]["why"] == engine.NOT_RUN["max"]
     assert runs["scales.safetensors"] == {"why": "a scales file: not run in the engine"}
