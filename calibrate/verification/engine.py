@@ -35,7 +35,7 @@ from ..model.directory import KV_SCALE_PATTERN, tensor_names, vllm_files
 from .drift import engine_drift
 from .passes import token_kl
 from .significance import margin
-from .verdict import judge, mean_stderr
+from .verdict import RUN_FAILED, judge, mean_stderr
 
 
 def _not_run(spec: SchemeSpec) -> str | None:
@@ -67,9 +67,9 @@ PROMISES = {"auto": (2, "none"), "bfloat16": (2, "none"), "float16": (2, "none")
             "int8_per_token_head": (1, "per token and head, computed as written"),
             "int4_per_token_head": (0.5, "per token and head, computed as written")}
 NOT_AS_NAMED = "not what the name says"
-# A scheme whose engine run crashed, was killed, timed out or ran out of memory or disk: its verdict, in place of the
-# emulation's (never chosen, ``verdict.choose``), and the start of its row's reason, vLLM's or the OS's line after it.
-RUN_FAILED, RUN_FAILED_TEXT = "engine run failed", "the engine's run failed"
+# The start of the reason of a scheme whose engine run failed (its verdict: ``verdict.RUN_FAILED``), vLLM's or the
+# OS's line after it.
+RUN_FAILED_TEXT = "the engine's run failed"
 # Full-vocabulary arrays on disk at once (``run_schemes``): the reference model's, the engine's unquantized run's (every
 # run is compared with it) and the run in progress; each run is reduced to its figures when it ends.
 ARRAYS_AT_ONCE = 3

@@ -10,7 +10,7 @@ import math
 
 from ..choices import scheme_label
 from .significance import detectable
-from .verdict import compare
+from .verdict import RUN_FAILED, compare
 
 SCALE1 = "scale1"
 BETTER, EQUAL, WORSE, UNTESTED = "better", "equal within noise", "worse", "not tested"
@@ -23,7 +23,8 @@ def _calibrated(results: dict[str, dict]) -> str | None:
     by = results[SCALE1].get("measured_by") if SCALE1 in results else None
     candidates = {n: r for n, r in results.items() if n != SCALE1 and r["mode"] == "static" and r.get("kv_dtype", "fp8") == "fp8"
                   and not str(r.get("source", "")).startswith("1.0") and math.isfinite(r["kl"])
-                  and r.get("servable", True) and not r.get("target_refusal") and r.get("measured_by") == by}
+                  and r.get("servable", True) and not r.get("target_refusal") and r.get("measured_by") == by
+                  and r.get("verdict") != RUN_FAILED}
     return min(candidates, key=lambda n: candidates[n]["kl"]) if candidates else None
 
 
@@ -31,10 +32,11 @@ def scale1_answer(results: dict[str, dict]) -> dict | None:
     """The answer, for report.json: which calibrated scheme, both KLs, the paired difference (calibrated − scale 1.0,
     nats/token) with its standard error, the detectable difference (``significance.detectable``: found with 80% power
     by the two-sided 5% t test), the outcome and what to do.
-    None when verify did not measure scale 1.0 and calibrated FP8 scales side by side."""
+    None when verify did not measure scale 1.0 and calibrated FP8 scales side by side (an engine run that failed
+    measured nothing)."""
     one = results.get(SCALE1)
     name = _calibrated(results)
-    if one is None or name is None or not math.isfinite(one["kl"]):
+    if one is None or name is None or not math.isfinite(one["kl"]) or one.get("verdict") == RUN_FAILED:
         return None
     mean, se, significant = compare(results[name], one)
     ka, k1 = results[name]["kl"], one["kl"]

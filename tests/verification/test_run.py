@@ -833,8 +833,8 @@ def test_a_scheme_whose_engine_run_crashed_has_no_verdict_and_verify_exits_incom
     """scale1's run killed after the emulation: its row says so in vLLM's or the OS's words, it keeps no verdict of the
     emulation's in the engine's place and is never recommended, the other scheme is judged on the engine's figures, the
     whole report is written, and verify exits INCOMPLETE with the failure as its last line."""
-    from calibrate.verification import engine
     from calibrate.verification.run import INCOMPLETE
+    from calibrate.verification.verdict import RUN_FAILED
     from calibrate.verification.verdict_table import ENGINE_FAILED
 
     FakeEngine(monkeypatch, "CudaPlatform", crashes=("scale1",))
@@ -845,13 +845,14 @@ def test_a_scheme_whose_engine_run_crashed_has_no_verdict_and_verify_exits_incom
     assert code == INCOMPLETE and "Traceback" not in captured.err
     assert captured.err.strip().splitlines()[-1] == f"kvcal: error: the answer is incomplete: scale1: {why}"
     row = rep["schemes"]["scale1"]
-    assert row["verdict"] == engine.RUN_FAILED and row["reasons"][0] == why and "measured_by" not in row
+    assert row["verdict"] == RUN_FAILED and row["reasons"][0] == why and "measured_by" not in row
     assert row["emulated"]["verdict"] in ("pass", "warn", "fail")  # the emulation's, kept beside, not in its place
     assert rep["engine"]["failed"] == {"scale1": why} and rep["engine"]["schemes"]["scale1"]["failed"] is True
     assert rep["schemes"]["int8_per_token_head"]["measured_by"].startswith("vLLM 0.32.0 engine")
     assert rep["recommendation"][0] == f"{ENGINE_FAILED} in scale1: {why}; that scheme has no verdict"
     assert rep["serve_lines"]["gpu"].get("scheme") != "scale1"
-    assert engine.RUN_FAILED in captured.out and "check: The engine failed after the emulation in scale1" in captured.out
+    assert rep["scale1"] is None  # "is scale 1.0 enough?" is not answered on the emulation in the engine's place
+    assert RUN_FAILED in captured.out and "check: The engine failed after the emulation in scale1" in captured.out
     assert why in (tmp_path / "r" / "report.md").read_text()
 
 
