@@ -14,7 +14,7 @@ import math
 
 from ..choices import scheme_label
 from .significance import MIN_SEQUENCES, TOO_FEW, equivalent, mean_bounds
-from .verdict import compare
+from .verdict import RUN_FAILED, compare
 
 SCALE1 = "scale1"
 # The scale-1.0 scheme of each cache dtype asked about (choices.SCHEMES), keyed by its --kv-cache-dtype.
@@ -37,7 +37,8 @@ def _calibrated(results: dict[str, dict], dtype: str) -> str | None:
     candidates = {n: r for n, r in results.items() if n != at_one and r["mode"] in ("static", "cache")
                   and r.get("kv_dtype", "fp8") == dtype
                   and not str(r.get("source", "")).startswith("1.0") and math.isfinite(r["kl"])
-                  and r.get("servable", True) and not r.get("target_refusal") and r.get("measured_by") == by}
+                  and r.get("servable", True) and not r.get("target_refusal") and r.get("measured_by") == by
+                  and r.get("verdict") != RUN_FAILED}
     return min(candidates, key=lambda n: candidates[n]["kl"]) if candidates else None
 
 
@@ -47,10 +48,10 @@ def scale1_answer(results: dict[str, dict], dtype: str = "fp8") -> dict | None:
     95% bounds of what scale 1.0 costs over the calibrated scales (``cost_low``, ``cost_high``; None under
     ``MIN_SEQUENCES``), whether the equivalence test's lower side passed (``cheaper_shown``: scale 1.0 is not more than
     the margin cheaper), the outcome and what to do. None when verify did not measure that dtype's scale 1.0 and
-    calibrated scales side by side."""
+    calibrated scales side by side (an engine run that failed measured nothing)."""
     one = results.get(AT_ONE[dtype])
     name = _calibrated(results, dtype)
-    if one is None or name is None or not math.isfinite(one["kl"]):
+    if one is None or name is None or not math.isfinite(one["kl"]) or one.get("verdict") == RUN_FAILED:
         return None
     mean, se, significant = compare(results[name], one)
     ka, k1 = results[name]["kl"], one["kl"]

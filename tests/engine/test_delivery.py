@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
-from runners import client_python, hardware_skip
+from runners import OUT_OF_MEMORY, client_python, hardware_skip, job_wrapper
 from safetensors.torch import load_file
 
 from calibrate.checkpoint.write import scales_file
 from calibrate.cli import main
 from calibrate.engine import delivery as D
-from calibrate.engine.launch import run_job
+from calibrate.engine.launch import EngineError, run_job
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +85,11 @@ def test_the_scaled_copy_changes_one_groups_scales_and_links_the_rest(smol_calib
             assert (copy / path.name).stat().st_ino == path.stat().st_ino  # hard-linked, never copied
     with pytest.raises(ValueError, match="groups must be 1 to 30"):
         D._groups(out, 31)
+
+
+def test_a_delivery_job_out_of_memory_is_a_check_that_could_not_run(smol_calibrated, python, tmp_path, capsys):
+    """A MemoryError in the delivery job is no finding about the checkpoint (it used to read "failed"): an
+    EngineError, which ``kvcal inspect --engine vllm`` says is a check that could not run (exit 2)."""
+    wrapper = job_wrapper(tmp_path, python, "delivery", OUT_OF_MEMORY)
+    with pytest.raises(EngineError, match=r"^vLLM's delivery job failed: MemoryError"):
+        D.check_delivery(smol_calibrated.out, wrapper)
