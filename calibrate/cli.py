@@ -189,7 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Defaults come from VerifyConfig (not repeated here), filled in only when help is shown.
     p = sub.add_parser("verify", help="measure what an FP8 KV cache costs a checkpoint, per scheme, and how to serve it",
-                       argument_default=argparse.SUPPRESS, formatter_class=_VerifyHelp)
+                       argument_default=argparse.SUPPRESS, formatter_class=_VerifyHelp,
+                       epilog="exit status: 0 done; 1 the engine's load audit or delivery check failed; 2 refused, or "
+                              "the --report folder could not be written; 3 an engine run failed after the emulation "
+                              "(the answer is incomplete); 130 interrupted (docs/usage.md)")
     p.add_argument("checkpoint", type=_user_path, help="model directory: a kvcal output, or any checkpoint (scales are read from it when present)")
     p.add_argument("--data", type=_user_path, action="append", required=True, help="data source (repeatable), as for calibrate")
     p.add_argument("--schemes", help=f"comma-separated: {', '.join(map(scheme_typed, VERIFY_SCHEMES))} (or as the tables "
@@ -340,8 +343,8 @@ def _main(argv: list[str] | None) -> int:
                         print(checked.text(), flush=True)
                     # the scales reach the kernel: asked only of scales the engine holds
                     delivered = check_delivery(args.checkpoint, args.vllm_python) if checked.status == OK else None
-                except EngineError as e:
-                    print(f"kvcal: error: {e}", file=sys.stderr)
+                except EngineError as e:  # no finding about the checkpoint: the check itself did not happen
+                    print(f"kvcal: error: the check could not run: {e}", file=sys.stderr)
                     return 2
                 ok, report = ok and checked.ok(strict=args.strict), report | {"engine_audit": checked.to_json()}
                 if delivered is not None:

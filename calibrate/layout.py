@@ -69,6 +69,11 @@ def records_path(out: str | Path) -> Path:
     return Path(out) / KVCAL_DIR / RECORDS_FILE
 
 
+# Every file a verify report folder holds (verification/report.py writes them; the plots only where their data exist).
+VERIFY_REPORT_FILES = ("report.json", "report.md", "layer_error.png", "scales.png", "kl_by_depth.png",
+                       "position_profile.png")
+
+
 def verify_dir(out: str | Path) -> Path:
     return Path(out) / KVCAL_DIR / VERIFY_DIR
 

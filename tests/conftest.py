@@ -3,6 +3,7 @@ Builders live in builders.py, runners in runners.py, float64 references in refer
 
 import json
 import os
+import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -135,3 +136,15 @@ def pytest_runtest_makereport(item, call):
 def tiny_dir(tmp_path, smol_tokenizer):
     """A tiny random Llama checkpoint with the SmolLM2 tokenizer, in tmp_path/tiny."""
     return save_tiny_checkpoint(tmp_path / "tiny", "llama", smol_tokenizer)
+
+
+@pytest.fixture
+def small_tmpdir(tmp_path):
+    """A 6 MiB file system (tmpfs), as a small /tmp is, unmounted afterwards; skips where this user cannot mount one
+    (mounting needs root)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(where)], capture_output=True).returncode:
+        pytest.skip("mounting a 6 MiB tmpfs needs root")
+    yield where
+    subprocess.run(["umount", str(where)], check=True)

@@ -205,3 +205,25 @@ SIGINT_DEFAULT = dict(preexec_fn=_sigint_default)
 non-interactive shell (``scripts/test &``, nohup, some CI runners) this process has SIGINT ignored, the child would
 inherit that, and Python installs its KeyboardInterrupt handler only where SIGINT is not ignored. (``restore_signals``
 restores SIGPIPE, SIGXFZ and SIGXFSZ only, not SIGINT.) tests/test_launch_proof.py runs the interrupt tests so."""
+
+
+# ---- an interpreter wrapper that faults one engine job: real faults in a real job, no test-only code in calibrate --
+
+# Runs the job under vLLM's python and faults it from a timer while it imports vLLM (FAULTING.format(fault=...)).
+FAULTING = ("import os, runpy, signal, sys, threading, ctypes; sys.argv = sys.argv[1:]; "
+            "sys.path.insert(0, os.path.dirname(sys.argv[0])); threading.Timer(0.3, {fault}).start(); "
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+# Runs the job with work that asks for more memory than any machine has: a real MemoryError inside the job's work.
+OUT_OF_MEMORY = ('exec "$PY" -c "import os, runpy, sys; sys.argv = sys.argv[1:]; '
+                 'sys.path.insert(0, os.path.dirname(sys.argv[0])); import jobkit; '
+                 'run = jobkit.run; jobkit.run = lambda work: run(lambda r: bytearray(1 << 62)); '
+                 'runpy.run_path(sys.argv[0], run_name=\'__main__\')" "$@"')
+
+
+def job_wrapper(tmp_path: Path, python: Path, job: str, shell: str) -> Path:
+    """An interpreter that is ``python`` for everything but engine job ``job``, which runs as the ``shell`` lines
+    (``$PY`` is ``python``): what ``--vllm-python`` or ``run_job`` is given to fault that job."""
+    path = tmp_path / "python"
+    path.write_text(f'#!/bin/sh\nPY="{python}"\ncase "$1" in\n  */jobs/{job}.py)\n{shell}\n;;\nesac\nexec "$PY" "$@"\n')
+    path.chmod(0o755)
+    return path

@@ -2,13 +2,17 @@
 
 vLLM pins its own torch and transformers, so it usually lives in a venv of its own (scripts/setup-vllm makes one
 beside the repository). kvcal never imports vLLM; it runs ``calibrate/engine/jobs/JOB.py IN.json OUT.json`` with
-vLLM's interpreter. A job reports vLLM's refusals as results (``"error"``); only a crash, a timeout or a missing
-vLLM is an ``EngineError``, whose message is one line that says what to do.
+vLLM's interpreter. A job reports vLLM's refusals as results (``"error"``); a crash, a kill, a timeout, the job's own fault (out of memory, a full
+disk: ``"fault"``) or a missing vLLM is an ``EngineError``, whose message is one line that says what to do.
+
+Each job runs in a process group of its own, and the whole group is killed when the job times out, crashes, or the
+caller is interrupted (Ctrl-C, or SIGTERM, which the CLI turns into an interrupt): no vLLM process outlives its job.
 """
 
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -32,7 +36,12 @@ _VERSION_PROBE = (
 
 
 class EngineError(RuntimeError):
-    """vLLM could not be found or run: the message is one line naming the fix."""
+    """vLLM could not be found or run: the message is one line naming the fix; ``detail`` is vLLM's or the OS's own
+    line for a job that ran and failed (None: no job ran), for callers that word the failure themselves."""
+
+    def __init__(self, message: str, detail: str | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
 
 
 @functools.cache
@@ -99,16 +108,44 @@ def run_job(python: Path, job: str, request: dict, *, timeout_s: float = DEFAULT
     with tempfile.TemporaryDirectory(prefix="kvcal-engine-", dir=workdir) as tmp:
         tmp_path = Path(tmp)
         (tmp_path / "in.json").write_text(json.dumps({**request, "deny_isa": list(deny_isa)}))
+        proc = subprocess.Popen([str(python), str(script), "in.json", "out.json"], cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=_clean_env() | OFFLINE, start_new_session=True)
         try:
-            proc = subprocess.run([str(python), str(script), "in.json", "out.json"], cwd=tmp_path,
-                                  capture_output=True, text=True, timeout=timeout_s, env=_clean_env() | OFFLINE)
+            _, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            _end_group(proc)
             raise EngineError(f"vLLM's {job} job did not finish within {timeout_s:.0f} s: give it more time or "
-                              "a smaller sample") from None
+                              "a smaller sample", f"no answer within {timeout_s:.0f} s") from None
+        except BaseException:  # Ctrl-C, or SIGTERM turned into KeyboardInterrupt: the job's processes go too
+            _end_group(proc)
+            raise
+        _end_group(proc)  # anything the job started and left behind
         answer = tmp_path / "out.json"
         if proc.returncode != 0 or not answer.is_file():
-            raise EngineError(f"vLLM's {job} job crashed (exit {proc.returncode}): {_last_line(proc.stderr)}")
-        return json.loads(answer.read_text())
+            detail = f"{exit_text(proc.returncode)}: {_last_line(stderr)}"
+            raise EngineError(f"vLLM's {job} job crashed ({detail})", detail)
+        result = json.loads(answer.read_text())
+        if result.get("fault"):
+            raise EngineError(f"vLLM's {job} job failed: {result['fault']}", result["fault"])
+        return result
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """Kill the job's process group (vLLM's own children included) and reap the job."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is gone already
+        pass
+    proc.wait()
+
+
+def exit_text(returncode: int) -> str:
+    """A job's exit status as the OS gave it: ``exit N``, or the signal that killed it (SIGKILL is most often the
+    kernel's out-of-memory killer)."""
+    if returncode >= 0:
+        return f"exit {returncode}"
+    name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else f"signal {-returncode}"
+    return f"killed by {name}" + (" (out of memory, or killed by another process)" if -returncode == signal.SIGKILL else "")
 
 
 def _last_line(text: str) -> str:

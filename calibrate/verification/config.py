@@ -23,6 +23,7 @@ from ..choices import (
 from ..data.config import DataConfig, as_sources, check_int
 from ..engine.caveats import READ_IN, version_note
 from ..engine.platforms import Emulation, Platform
+from ..layout import VERIFY_REPORT_FILES
 from ..settings import flat_settings, route_options
 from ..thresholds import Thresholds
 from .capacity import parse_memory
@@ -277,6 +278,9 @@ def check_report_dir(directory: Path) -> None:
         raise ValueError(f"--report {directory}: {existing} is a file, not a directory; name a directory for the report")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--report {directory}: {existing} is not writable; name a directory you can write")
+    if existing == directory and (other := sorted(p.name for p in directory.iterdir() if p.name not in VERIFY_REPORT_FILES)):
+        raise ValueError(f"--report {directory} holds {other[0]}{f' and {len(other) - 1} more' if len(other) > 1 else ''}, "
+                         "which is no verify report's: the report replaces the whole folder, so name a new or empty one")
 
 
 def _integers(flag: str, value: str | list | None) -> list[int]:

@@ -15,6 +15,8 @@ clear: each gap beyond its own margin plus the noise.
 """
 
 import math
+import os
+import shutil
 import tempfile
 import time
 from collections.abc import Sequence
@@ -25,14 +27,15 @@ import numpy as np
 import torch
 
 from ..checkpoint.write import rescaled_copy
-from ..choices import CACHE_DTYPES, SCHEMES, SchemeSpec
+from ..choices import CACHE_DTYPES, SCHEMES, SchemeSpec, size_text
 from ..engine.launch import EngineError, find_vllm_python, run_job
 from ..engine.platforms import PLATFORMS
+from ..files import no_room
 from ..model.directory import KV_SCALE_PATTERN, tensor_names, vllm_files
 from .drift import engine_drift
 from .passes import token_kl
 from .significance import margin
-from .verdict import judge, mean_stderr
+from .verdict import RUN_FAILED, judge, mean_stderr
 
 
 def _not_run(spec: SchemeSpec) -> str | None:
@@ -64,6 +67,13 @@ PROMISES = {"auto": (2, "none"), "bfloat16": (2, "none"), "float16": (2, "none")
             "int8_per_token_head": (1, "per token and head, computed as written"),
             "int4_per_token_head": (0.5, "per token and head, computed as written")}
 NOT_AS_NAMED = "not what the name says"
+# The start of the reason of a scheme whose engine run failed (its verdict: ``verdict.RUN_FAILED``), vLLM's or the
+# OS's line after it.
+RUN_FAILED_TEXT = "the engine's run failed"
+# Full-vocabulary arrays on disk at once (``run_schemes``): the reference model's, the engine's unquantized run's (every
+# run is compared with it) and the run in progress; each run is reduced to its figures when it ends.
+ARRAYS_AT_ONCE = 3
+ROOM_MARGIN = 64 << 20  # a job's own files (its request, the array's header) and the file system's slack
 
 
 @dataclass
@@ -100,6 +110,31 @@ def kv_cache_bytes(num_layers: int, kv_heads: int, head_dim: int, max_model_len:
     layer at 4 bytes an element (above any dtype's, its scales included), doubled, at least 64 MiB."""
     tokens = max_model_len + 2 * block_size
     return max(64 << 20, 2 * 2 * num_layers * kv_heads * head_dim * 4 * tokens)
+
+
+def room_needed(sequences: int, positions: int, vocab: int, checkpoint: Path, names: Sequence[str],
+                where: Path) -> tuple[int, str]:
+    """Bytes ``run_schemes`` writes under ``where`` at most, and what they are, in words: ARRAYS_AT_ONCE float32
+    [sequences, positions, vocab] arrays, and for a scale-1.0 run a copy of the checkpoint (free where hard links
+    work, on ``where``'s file system; the whole checkpoint elsewhere)."""
+    array = sequences * positions * vocab * 4
+    need, parts = ARRAYS_AT_ONCE * array + ROOM_MARGIN, f"{ARRAYS_AT_ONCE} log-probability arrays of {size_text(array)}"
+    if "scale1" in names and os.stat(checkpoint).st_dev != os.stat(where).st_dev:
+        copy = sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file())
+        need, parts = need + copy, parts + f" and a scale-1.0 copy of the checkpoint ({size_text(copy)})"
+    return need, parts
+
+
+def check_room(sequences: int, positions: int, vocab: int, checkpoint: Path, names: Sequence[str],
+               where: Path) -> None:
+    """Refuse, in one line, a ``where`` (the temporary directory, TMPDIR) without room for the engine's files
+    (``room_needed``): before the reference model loads, not when the first run fills the disk."""
+    need, parts = room_needed(sequences, positions, vocab, checkpoint, names, where)
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise ValueError(f"--engine vllm writes up to {size_text(need)} in {where} ({parts}), and it has "
+                         f"{size_text(free)} free: set TMPDIR to a directory on a disk with room, or verify fewer or "
+                         "shorter sequences (--max-tokens, --seq-len)")
 
 
 def scale1_checkpoint(checkpoint: Path, into: Path) -> Path:
@@ -172,20 +207,25 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
                 chunk_len: int, max_model_len: int, block_size: int, kv_bytes: int, vocab_size: int, workdir: Path,
                 unquantized: str = "auto", offered: Sequence[str] = CACHE_DTYPES, prompts: Sequence[list[int]] = (),
                 steps: int = 0, attention_backend: str | None = None, tokenizer: bool = True,
-                deny_isa: tuple[str, ...] = ()) -> dict[str, dict]:
-    """One engine run per name (``auto``, ``auto2`` and schemes), each the job's answer plus ``npy`` (its log-probabilities)
-    or ``why`` (a few words: why it did not run). ``unquantized``: the cache dtype ``auto`` runs with
-    (``serving.unquantized_dtype``: a checkpoint declaring a kv_cache_scheme makes vLLM's auto fp8). ``offered``: the
-    cache dtypes the installed vLLM has (a scheme whose dtype is not among them is not run; the seam for the installed
-    vLLM's own list). ``prompts`` and ``steps``: each run also decodes ``steps`` greedy tokens after every prompt (its
-    answer's ``greedy``), for the engine's decode drift; ``max_model_len`` must hold the longest prompt plus ``steps``.
-    ``attention_backend``: vLLM's ``--attention-backend`` (None: vLLM chooses); ``tokenizer`` False for a checkpoint
-    without one (token ids in, token ids out)."""
+                deny_isa: tuple[str, ...] = (), reference: np.ndarray | None = None,
+                targets: np.ndarray | None = None) -> dict[str, dict]:
+    """One engine run per name (``auto`` first, then ``auto2`` and schemes), each the job's answer plus its figures
+    (``figures``: the run's array is reduced to them when it ends and removed, all but ``auto``'s, which stays as
+    ``npy`` for the others), or ``why`` (a few words: why it did not run; with ``failed`` where the run crashed, was
+    killed, timed out or ran out of memory or disk). ``reference``: the reference model's log-probabilities, and
+    ``targets``: the sample's next tokens [sequences, positions], for the figures. ``unquantized``: the cache dtype
+    ``auto`` runs with (``serving.unquantized_dtype``: a checkpoint declaring a kv_cache_scheme makes vLLM's auto
+    fp8). ``offered``: the cache dtypes the installed vLLM has (a scheme whose dtype is not among them is not run; the
+    seam for the installed vLLM's own list). ``prompts`` and ``steps``: each run also decodes ``steps`` greedy tokens
+    after every prompt (its answer's ``greedy``), for the engine's decode drift; ``max_model_len`` must hold the
+    longest prompt plus ``steps``. ``attention_backend``: vLLM's ``--attention-backend`` (None: vLLM chooses);
+    ``tokenizer`` False for a checkpoint without one (token ids in, token ids out)."""
     checkpoint = checkpoint.resolve()  # the job runs elsewhere: a relative path would read as a Hub id there
     runs: dict[str, dict] = {}
     base = {"dtype": dtype, "max_model_len": max_model_len, "block_size": block_size, "chunk_len": chunk_len,
             "kv_cache_bytes": kv_bytes, "sequences": sequences, "vocab_size": vocab_size, "prompts": list(prompts),
             "steps": steps, "attention_backend": attention_backend, "tokenizer": tokenizer}
+    auto = None  # the unquantized run's array, once it ran
     for name in names:
         if name in NOT_RUN or name not in (*RUNS, "auto", "auto2"):
             runs[name] = {"why": NOT_RUN.get(name, "a scales file: not run in the engine")}
@@ -194,26 +234,64 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
         if kv_dtype not in (*offered, unquantized):
             runs[name] = {"why": f"vLLM {host.version} has no {kv_dtype}"}
             continue
-        path = checkpoint
-        if scales == "ones":
-            try:
-                path = scale1_checkpoint(checkpoint, Path(tempfile.mkdtemp(dir=workdir)))
-            except ValueError as e:
-                runs[name] = {"why": f"no scale-1.0 copy: {e}"}
-                continue
-        npy = workdir / f"{name}.npy"
+        if "auto" in runs and auto is None:  # nothing to compare with: the unquantized run failed or was refused
+            runs[name] = {"why": "not run: the engine's unquantized run, which every run is compared with, did not run"}
+            continue
         start = time.perf_counter()
+        npy = workdir / f"{name}.npy"
+        copy = Path(tempfile.mkdtemp(dir=workdir)) if scales == "ones" else None  # the scale-1.0 copy, for this run
         try:
+            path = scale1_checkpoint(checkpoint, copy) if copy else checkpoint
             answer = run_job(host.python, "logprobs", {**base, "checkpoint": str(path), "kv_cache_dtype": kv_dtype,
                                                        "out": str(npy)}, deny_isa=deny_isa)
+        except ValueError as e:  # scales kvcal did not write: no copy to make
+            runs[name] = {"why": f"no scale-1.0 copy: {e}"}
+            continue
         except EngineError as e:
-            answer = {"result": None, "error": str(e)}
+            runs[name] = failed_run(e.detail or str(e), str(e), kv_dtype, time.perf_counter() - start)
+            continue
+        except OSError as e:  # the scale-1.0 copy met a full disk: the directory it was written in is the one to free
+            if (why := no_room(e)) is None:
+                raise
+            runs[name] = failed_run(f"writing the scale-1.0 copy of the checkpoint in {workdir} failed: {why}; free space "
+                                    "there, or set TMPDIR to a disk with room", str(e), kv_dtype, time.perf_counter() - start)
+            continue
+        finally:
+            if copy:  # the next runs need its room (a whole checkpoint where hard links cannot reach)
+                shutil.rmtree(copy, ignore_errors=True)
         seconds = time.perf_counter() - start
         if answer["error"]:
             runs[name] = {"why": short_reason(answer["error"]), "error": answer["error"], "kv_cache_dtype": kv_dtype, "seconds": seconds}
+            continue
+        logprobs = np.load(npy, mmap_mode="r")
+        runs[name] = {**answer["result"], **figures(logprobs, auto, reference, targets), "seconds": seconds}
+        if name == "auto":
+            auto, runs[name]["npy"] = logprobs, npy
         else:
-            runs[name] = {**answer["result"], "npy": npy, "seconds": seconds}
+            del logprobs
+            npy.unlink()
     return runs
+
+
+def failed_run(detail: str, error: str, kv_dtype: str, seconds: float) -> dict:
+    """A run that crashed, was killed, timed out or ran out of room: ``why`` carries vLLM's or the OS's one line."""
+    return {"why": f"{RUN_FAILED_TEXT}: {detail}", "failed": True, "error": error, "kv_cache_dtype": kv_dtype,
+            "seconds": seconds}
+
+
+def figures(logprobs: np.ndarray, auto: np.ndarray | None, reference: np.ndarray | None,
+            targets: np.ndarray | None) -> dict:
+    """A run reduced to what ``compare`` needs, so its [sequences, positions, vocab] array can go: KL and top-1 per
+    sequence against the engine's unquantized run (``auto``; None: this is that run), against the reference model
+    (None: no reference), and the mean NLL of ``targets`` (None: none)."""
+    out: dict = {"kl_vs_auto": None, "top1_vs_auto": None, "kl_vs_reference": None, "top1_vs_reference": None, "nll": None}
+    if auto is not None:
+        out["kl_vs_auto"], out["top1_vs_auto"] = compare_logprobs(auto, logprobs)
+    if reference is not None:
+        out["kl_vs_reference"], out["top1_vs_reference"] = compare_logprobs(reference, logprobs)
+    if targets is not None:
+        out["nll"] = mean_nll(logprobs, targets)
+    return out
 
 
 def short_reason(error: str) -> str:
@@ -227,25 +305,25 @@ def tolerance(floor_kl: float, noise_kl: float, diff_se: float | None, sequences
     return floor_kl + noise_kl + margin(diff_se, sequences)
 
 
-def compare(results: dict[str, dict], runs: dict[str, dict], ref_npy: np.ndarray | None,
-            scheme_scales: dict[str, dict], host: EngineHost, settings: dict, targets: np.ndarray | None = None) -> dict:
-    """The engine's figures per scheme beside the emulation's, with the floor, the noise, the tolerance and the flags
-    (the flags only on a platform whose like-for-like emulation was measured, ``platforms.Platform.measured``).
-    ``targets``: the sample's next tokens [sequences, positions], for the engine's perplexity change."""
+def compare(results: dict[str, dict], runs: dict[str, dict], scheme_scales: dict[str, dict], host: EngineHost,
+            settings: dict) -> dict:
+    """The engine's figures per scheme (``run_schemes``' runs, each reduced by ``figures``) beside the emulation's,
+    with the floor, the noise, the tolerance and the flags (the flags only on a platform whose like-for-like emulation
+    was measured, ``platforms.Platform.measured``). ``failed``: each run that crashed, was killed, timed out or ran out
+    of room, with vLLM's or the OS's line (the second ``auto`` run's too: the noise is then unmeasured)."""
     auto = runs["auto"]
-    if "npy" not in auto:
+    if "kl_vs_reference" not in auto:
         raise ValueError(f"vLLM {host.version} could not run the unquantized cache, so nothing was measured in the engine: "
                          f"{auto.get('error', auto['why'])}")
-    first = np.load(auto["npy"], mmap_mode="r")
     twin = PLATFORMS[host.platform].measured
-    auto_nll = mean_nll(first, targets) if targets is not None else None
+    auto_nll = auto["nll"]
     noise_kl, noise_drift = 0.0, None
-    if "npy" in runs.get("auto2", {}):
-        noise_kl = mean_stderr(compare_logprobs(first, np.load(runs["auto2"]["npy"], mmap_mode="r"))[0])[0]
+    if runs.get("auto2", {}).get("kl_vs_auto") is not None:
+        noise_kl = mean_stderr(runs["auto2"]["kl_vs_auto"])[0]
         noise_drift = _drift(auto, runs["auto2"])
     floor = None
-    if ref_npy is not None:
-        kls, top1 = compare_logprobs(ref_npy, first)
+    if auto["kl_vs_reference"] is not None:
+        kls, top1 = auto["kl_vs_reference"], auto["top1_vs_reference"]
         floor = {"kl": mean_stderr(kls)[0], "kl_stderr": mean_stderr(kls)[1], "top1": sum(top1) / len(top1)}
     schemes = {}
     for name, r in results.items():
@@ -253,14 +331,13 @@ def compare(results: dict[str, dict], runs: dict[str, dict], ref_npy: np.ndarray
             continue
         run = runs.get(name, {"why": "not run"})
         row = {"kv_cache_dtype": run.get("kv_cache_dtype") or RUNS.get(name, (None,))[0], "emulated_kl": r["kl"]}
-        if "npy" not in run:
-            schemes[name] = {**row, "why": run["why"], "error": run.get("error")}
+        if run.get("kl_vs_auto") is None:
+            schemes[name] = {**row, "why": run["why"], "error": run.get("error"), "failed": run.get("failed", False)}
             continue
-        logprobs = np.load(run["npy"], mmap_mode="r")
-        kls, top1 = compare_logprobs(first, logprobs)
+        kls, top1 = run["kl_vs_auto"], run["top1_vs_auto"]
         kl, se = mean_stderr(kls)
-        vs_ref = mean_stderr(compare_logprobs(ref_npy, logprobs)[0])[0] if ref_npy is not None else None
-        ppl = math.exp(mean_nll(logprobs, targets) - auto_nll) - 1 if auto_nll is not None else None
+        vs_ref = mean_stderr(run["kl_vs_reference"])[0] if run["kl_vs_reference"] is not None else None
+        ppl = math.exp(run["nll"] - auto_nll) - 1 if auto_nll is not None else None
         diff_se = mean_stderr([a - b for a, b in zip(kls, r["kl_per_sequence"])])[1]
         tol = tolerance(floor["kl"] if floor else 0.0, noise_kl, diff_se, len(kls))
         stored = check_stored(run["kv_cache_dtype"], run["stored"], scheme_scales.get(name))
@@ -278,6 +355,7 @@ def compare(results: dict[str, dict], runs: dict[str, dict], ref_npy: np.ndarray
             "attention_backend": stored_auto["attention_backend"], "settings": settings, "noise_kl": noise_kl,
             "floor": floor, "schemes": schemes, "ranking_flips": ranking, "noise_drift": noise_drift,
             "rss_peak_delta_mib": auto["rss_peak_delta_mib"],
+            "failed": {name: run["why"] for name, run in runs.items() if run.get("failed")},
             "seconds": sum(r.get("seconds", 0.0) for r in runs.values())}
 
 
@@ -321,6 +399,10 @@ def judge_on_engine(results: dict[str, dict], engine: dict, limits) -> None:
     label = f"vLLM {engine['vllm_version']} engine ({engine['attention_backend']})"
     for name, row in engine["schemes"].items():
         r = results[name]
+        if row.get("failed"):  # no verdict rests on the emulation in the engine's place: the row says the run failed
+            r["emulated"] = {"verdict": r["verdict"]}
+            r["verdict"], r["reasons"] = RUN_FAILED, [row["why"], *r["reasons"]]
+            continue
         if "kl" not in row:
             r["reasons"].append(f"not measured in the engine: {row['why']}")
             continue

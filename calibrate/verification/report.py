@@ -1,13 +1,17 @@
 """verify's report as it leaves kvcal: the text the terminal shows, and the folder ``--report`` writes (report.json,
 the plots, report.md)."""
 
+import errno
 import json
+import os
+import shutil
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
 from .. import serving
 from ..choices import scheme_label
+from ..layout import sibling, sweep
 from .capacity import plan_text
 from .plots import plot_kl_by_depth, plot_layer_error, plot_position_profile, plot_scale_heatmap
 from .report_md import verify_markdown
@@ -107,10 +111,40 @@ def risk_lines(rep: dict, risks: Sequence[str] = ()) -> list[str]:
 
 
 def write_verify_report(directory: Path, rep: dict) -> None:
-    """report.json (every number), the PNG plots and report.md into ``directory`` (created with its parents if needed)."""
+    """report.json (every number), the PNG plots and report.md into ``directory`` (created with its parents if
+    needed), whole or not at all, as an output is written (``layout``): into a hidden folder beside it, renamed into
+    its place in one step where it is missing or empty; a previous report is swapped out by two renames (between them
+    ``directory`` is missing, never half-written; ``layout.sweep`` puts back one a killed run left aside). A full
+    disk midway leaves ``directory`` as it was. ``config.check_report_dir`` refuses a folder holding anything but a
+    report, which the swap would remove."""
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"--report {directory} is a file; pass a directory for report.json, report.md and the plots")
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    sweep(directory)
+    staging = sibling(directory, "tmp")
+    staging.mkdir()
+    try:
+        _write_files(staging, rep)
+        try:
+            os.rename(staging, directory)  # replaces a missing or empty directory in one step
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        old = sibling(directory, "old")
+        os.rename(directory, old)
+        try:
+            os.rename(staging, directory)
+        except BaseException:
+            os.rename(old, directory)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already where the rename happened
+
+
+def _write_files(directory: Path, rep: dict) -> None:
+    """Every file of the report into ``directory`` (``layout.VERIFY_REPORT_FILES``)."""
     (directory / "report.json").write_text(json.dumps(rep, indent=1) + "\n")
     layers = [layer["layer_idx"] for layer in rep["layers"]]
     plots = {"layer_error": "layer_error.png"}

@@ -18,6 +18,7 @@ recommendation, is ``verdict.py``'s; the memory arithmetic ``capacity.py``'s.
 
 import math
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Sequence
@@ -36,7 +37,7 @@ from ..engine.delivery import DeliveryResult, check_delivery
 from ..engine.dtypes import EngineDtypes, engine_dtypes
 from ..engine.launch import EngineError
 from ..engine.platforms import platform
-from ..files import read_json_object
+from ..files import no_room, read_json_object
 from ..fp8 import get_format
 from ..hub import snapshot_origin
 from ..layout import is_kvcal_output, provenance_path, records_path, stats_path
@@ -119,6 +120,10 @@ def skip_cost(kv_layers: list[LayerKV], dtype: str, skip: list[int], context: in
 # ---- the command --------------------------------------------------------------------------------------------------
 
 
+# verify's exit status when the answer is incomplete: an engine run failed after the emulation ran (docs/usage.md).
+INCOMPLETE = 3
+
+
 @dataclass
 class VerifyResult:
     """Every number of a verify run (``report``, as written to report.json) and where the report went."""
@@ -126,17 +131,27 @@ class VerifyResult:
     report: dict
     report_dir: Path | None
     checkpoint: str | None = None  # as the user typed it: the terminal's serve line names it, the report does not
+    report_error: str | None = None  # why --report's folder was not written (a full disk): the terminal has the answer
 
     @property
     def schemes(self) -> dict[str, dict]:
         return self.report["schemes"]
 
     def outcome(self) -> tuple[int, str | None]:
-        """The command's exit status and its one-line error: 2 when the engine failed after the emulation ran (the
-        report keeps what ran), 1 when the load audit found the engine does not hold the checkpoint's scales."""
+        """The command's exit status and its one-line error (docs/usage.md, "Exit status"): 2 when the report could
+        not be written (the terminal's answer is all there is), INCOMPLETE when the engine failed after the emulation
+        ran, wholly or in one scheme's run (the report keeps what ran), 1 when the load audit found the engine does not
+        hold the checkpoint's scales or the delivery check found the kernel ignores them."""
+        if self.report_error:  # first: the folder the user will look for is not there
+            return 2, self.report_error
         if self.report.get("engine_error"):
-            return 2, f"the engine failed after the emulation ran (its figures alone are reported): {self.report['engine_error']}"
+            return INCOMPLETE, ("the engine failed after the emulation ran (its figures alone are reported): "
+                                f"{self.report['engine_error']}")
         engine = self.report.get("engine")
+        if engine and engine.get("failed"):
+            name, why = next(iter(engine["failed"].items()))
+            more = f" (and {len(engine['failed']) - 1} more)" if len(engine["failed"]) > 1 else ""
+            return INCOMPLETE, f"the answer is incomplete: {name}: {why}{more}"
         if engine and engine["audit"]["failures"]:
             return 1, f"the load audit failed: {engine['audit']['failures'][0]}"
         if engine and engine["delivery"] and not engine["delivery"]["ok"]:
@@ -231,7 +246,7 @@ class Judged:
 @dataclass
 class Advice:
     """What the target is told: the recommendation's lines and its serve line, every target's serve line, the layers
-    to keep unquantized, what the cache costs and frees, whether scale 1.0 is enough, the vLLM release said."""
+    to keep unquantized, what the cache costs and frees, whether scale 1.0 is enough (FP8, nvfp4), the vLLM release said."""
 
     recommendation: list[str]
     serve: str
@@ -239,6 +254,7 @@ class Advice:
     skip_probe: dict | None
     pays: dict | None
     scale1: dict | None
+    scale1_nvfp4: dict | None
     vllm_version: str | None
 
 
@@ -389,6 +405,9 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     clock.mark("sample")
     # 4. The reference model (float32 on CPU by default, K and V unquantized) and its attention layers.
     ref = _reference(config, subject, device, sample.tokenizer)
+    if started is not None:  # the engine's arrays fit the temporary directory, known before the emulation's passes
+        engine.check_room(len(sample.sequences), config.data.seq_len - 1, ref.model.config.get_text_config().vocab_size,
+                          subject.absolute, config.schemes, Path(tempfile.gettempdir()))
     clock.mark("load")
     # 5. Emulate every scheme and the floor as vLLM's cache write does it; the optional probes.
     emulated = _emulate(config, subject, ref, sample, clock)
@@ -403,12 +422,19 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         advice.recommendation[:0] = _engine_lines(started, engine_result, engine_error)
     # 9. The report; a kvcal output's model card gets its table.
     rep = _report(config, subject, ref, sample, emulated, judged, advice, engine_result, engine_error, clock)
-    out = None
+    out, failed = None, None
     if config.report_dir is not None:
-        out = Path(config.report_dir)
-        report.write_verify_report(out, rep)
-        _refresh_card(subject, rep)
-    return VerifyResult(rep, out, config.checkpoint)
+        try:  # both files or neither; a full disk here loses the folder, never the answer the terminal shows
+            report.write_verify_report(Path(config.report_dir), rep)
+            out = Path(config.report_dir)
+        except OSError as e:
+            if (why := no_room(e)) is None:
+                raise
+            failed = (f"the report was not written to {config.report_dir} ({why}; nothing of it is there): free space "
+                      "there and run again")
+        else:
+            _refresh_card(subject, rep)
+    return VerifyResult(rep, out, config.checkpoint, failed)
 
 
 def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: Sample, emulated: Emulation,
@@ -437,16 +463,18 @@ def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: S
         skip_probe["bytes_per_token"] = skip_cost(kv_layers, results[skip_probe["scheme"]]["kv_dtype"], skip_probe["skip"], pays["context"])
     plain = serving.unquantized_dtype(model_config)  # auto, unless a kv_cache_scheme would make auto fp8
     scale1 = scale1_answer(results)
+    nvfp4_scale1 = scale1_answer(results, "nvfp4")
     vllm_version = config.vllm_version or installed_vllm_version()  # the release the caveats are said for
     served = served_model(subject)  # the report's serve lines name no local path
     recommendation, serve = recommend(results, emulated.held, layers, checkpoint_name(config.checkpoint), skip_probe, pays,
-                                      target=config.target, unquantized=plain, scale1=scale1["text"] if scale1 else None,
+                                      target=config.target, unquantized=plain,
+                                      scale1=" ".join(a["text"] for a in (scale1, nvfp4_scale1) if a) or None,
                                       vllm_version=vllm_version, served=served,
                                       engine_target=engine_result["target"] if engine_result else None,
                                       mla=bool(sig.latent_dim), model_type=model_config.get("model_type"),
                                       scale_one=bool(scale1) and scale1["outcome"] in (EQUAL, WORSE))
     return Advice(recommendation, serve, serve_lines(results, emulated.held, layers, served, skip_probe, unquantized=plain,
-                                                     **shape), skip_probe, pays, scale1, vllm_version)
+                                                     **shape), skip_probe, pays, scale1, nvfp4_scale1, vllm_version)
 
 
 def _engine_lines(started: "EngineStart", engine_result: dict | None, engine_error: str | None) -> list[str]:
@@ -455,7 +483,10 @@ def _engine_lines(started: "EngineStart", engine_result: dict | None, engine_err
     return [*(f"{AUDIT_FAILED}{line}" for line in started.audit.failures),
             *([f"{NOT_DELIVERED}{started.delivery.text()}"] if started.delivery and not started.delivery.ok() else []),
             *([f"{ENGINE_FAILED}, which alone is judged here: {engine_error}"] if engine_error else
-              [f"Ranked and judged on the engine's figures (vLLM {engine_result['vllm_version']}, "
+              [*(f"{ENGINE_FAILED} in {name}: {why}; "
+                 + ("the engine's run-to-run noise is unmeasured" if name == "auto2" else "that scheme has no verdict")
+                 for name, why in engine_result["failed"].items()),
+               f"Ranked and judged on the engine's figures (vLLM {engine_result['vllm_version']}, "
                f"{engine_result['attention_backend']}, target {engine_result['target']}) where it ran a "
                "scheme, the emulation's beside them; docs/engine.md."])]
 
@@ -496,6 +527,7 @@ def _report(config: VerifyConfig, subject: Subject, ref: Reference, sample: Samp
         "needle": emulated.needle,
         "recommendation": advice.recommendation,
         "scale1": advice.scale1,
+        "scale1_nvfp4": advice.scale1_nvfp4,
         "target": config.target,
         "serve_command": advice.serve,  # the line for ``target``, printed last
         "serve_lines": advice.serve_lines,  # every target's line, with the vLLM build it was checked against
@@ -606,8 +638,8 @@ def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
         held = audit(checkpoint, host.python)
         delivered = check_delivery(checkpoint, host.python) if held.status == OK else None
     except EngineError as e:
-        raise ValueError(f"vLLM {host.version} could not start on {checkpoint.name}, so nothing can be measured in the "
-                         f"engine: {e}") from None
+        raise ValueError(f"the check could not run: vLLM {host.version} on {checkpoint.name} ({e}), so nothing can be "
+                         "measured in the engine") from None
     if held.status == FAILED and not held.layers:  # vLLM refused the load itself
         raise ValueError(f"{held.failures[0]}: nothing can be measured in the engine; fix the checkpoint (kvcal inspect "
                          f"{config.checkpoint}), or verify without --engine")
@@ -619,8 +651,6 @@ def _run_engine(config: VerifyConfig, subject: Subject, started: EngineStart, re
     """The same sequences in the engine, once per scheme it can serve, judged there (``engine.judge_on_engine``); with
     decode drift's prompts, the engine's own greedy decode after each too. (result, None), or (None, the failure in
     one line) when the engine failed after the emulation ran, which then stands alone."""
-    import tempfile
-
     host, sig, sequences, prompts = started.host, ref.sig, sample.sequences, sample.prompts
     block = config.block_size or platform(host.platform).block_size
     longest = max(config.data.seq_len + 1, max((len(p) + config.generate for p in prompts), default=0))
@@ -640,12 +670,15 @@ def _run_engine(config: VerifyConfig, subject: Subject, started: EngineStart, re
                                       vocab_size=logprobs.shape[-1], workdir=Path(tmp),
                                       unquantized=serving.unquantized_dtype(subject.described.config),
                                       offered=started.dtypes.names, prompts=[p.tolist() for p in prompts],
-                                      steps=config.generate)
-            result = engine.compare(judged.results, runs, logprobs, {s.name: s.scales for s in schemes if s.scales}, host,
-                                    settings, targets)
+                                      steps=config.generate, reference=logprobs, targets=targets)
             del logprobs
+        result = engine.compare(judged.results, runs, {s.name: s.scales for s in schemes if s.scales}, host, settings)
     except (ValueError, EngineError) as e:
         return None, str(e)
+    except OSError as e:  # the reference's array met a full disk after check_room: the temporary directory filled
+        if (why := no_room(e)) is None:
+            raise
+        return None, f"writing the reference log-probabilities in {tempfile.gettempdir()} failed: {why}; free space there"
     engine.judge_on_engine(judged.results, result, judged.limits)
     held = started.audit
     result["audit"] = {"status": held.status, "failures": held.failures, "reason": held.reason,

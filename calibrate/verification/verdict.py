@@ -49,6 +49,9 @@ def check_measured(name: str, result: dict) -> None:
 # The measurements a verdict rests on: each must be a finite number, or there is no verdict.
 JUDGED = ("kl", "top1", "nll")
 NOT_FINITE = "not finite"  # the verdict of a scheme whose measurements are NaN or Inf: never chosen nor recommended
+# The verdict of a scheme whose engine run crashed, was killed, timed out or ran out of memory or disk
+# (``engine.judge_on_engine``): the emulation's stays beside it, never in its place; never chosen nor recommended.
+RUN_FAILED = "engine run failed"
 
 
 def non_finite(result: dict, layer_ids: list[int] | None = None) -> str | None:

@@ -13,13 +13,13 @@ import subprocess
 
 import pytest
 import torch
-from runners import QUIET, REPO, client_python, hardware_skip
+from runners import OUT_OF_MEMORY, QUIET, REPO, client_python, hardware_skip, job_wrapper
 from safetensors.torch import load_file, save_file
 
 from calibrate.checkpoint.write import scales_file
 from calibrate.cli import main
 from calibrate.engine import delivery as D
-from calibrate.engine.launch import run_job
+from calibrate.engine.launch import EngineError, run_job
 from calibrate.verification import run as verify_run
 from calibrate.verification.config import VerifyConfig
 
@@ -206,3 +206,10 @@ def test_shift_compares_decode_only_before_the_tokens_part():
     run = {"prefill": [-1.5, -2.0], "tokens": [5, 9, 7], "decode": [-0.75, -3.0, -0.125]}
     assert D._shift(base, run) == {"prefill_max": 0.5, "prefill_mean": 0.25, "decode_max": 0.25, "diverged": True}
     assert D._shift(base, base) == {"prefill_max": 0.0, "prefill_mean": 0.0, "decode_max": 0.0, "diverged": False}
+
+def test_a_delivery_job_out_of_memory_is_a_check_that_could_not_run(smol_calibrated, python, tmp_path, capsys):
+    """A MemoryError in the delivery job is no finding about the checkpoint (it used to read "failed"): an
+    EngineError, which ``kvcal inspect --engine vllm`` says is a check that could not run (exit 2)."""
+    wrapper = job_wrapper(tmp_path, python, "delivery", OUT_OF_MEMORY)
+    with pytest.raises(EngineError, match=r"^vLLM's delivery job failed: MemoryError"):
+        D.check_delivery(smol_calibrated.out, wrapper)

@@ -159,8 +159,9 @@ def test_a_source_model_without_scales_runs_at_scale_one_as_it_is(smol_dir, held
     runs = engine.run_schemes(host, Path(smol_dir), ["auto", "scale1"], [ids], dtype="bfloat16", chunk_len=64,
                               max_model_len=128, block_size=32, kv_bytes=64 << 20, vocab_size=49152, workdir=tmp_path)
     assert runs["scale1"]["stored"]["layers"][0]["cache_dtype"] == "uint8"  # fp8, stored as bytes
-    kls, _ = engine.compare_logprobs(np.load(runs["auto"]["npy"]), np.load(runs["scale1"]["npy"]))
+    kls = runs["scale1"]["kl_vs_auto"]  # reduced when the run ended: its array is gone, auto's kept
     assert 0 < kls[0] < 0.5, kls
+    assert sorted(p.name for p in tmp_path.glob("*.npy")) == ["auto.npy"]
 
 
 @pytest.mark.slow
@@ -177,7 +178,7 @@ def test_refusals_without_avx512_are_vllms_own_and_the_rest_runs(calibrated, pyt
 def test_nothing_measured_is_one_line(tmp_path):
     host = engine.EngineHost(tmp_path / "python", "0.32.0", "CpuPlatform")
     with pytest.raises(ValueError, match="could not run the unquantized cache, so nothing was measured"):
-        engine.compare({}, {"auto": {"why": "refused", "error": "ValueError: no"}}, None, {}, host, {})
+        engine.compare({}, {"auto": {"why": "refused", "error": "ValueError: no"}}, {}, host, {})
 
 
 def _row(kl: float, per_seq: list[float]) -> dict:
@@ -245,10 +246,13 @@ def test_run_schemes_serves_each_scheme_its_dtype_and_scale1_from_a_copy(tmp_pat
     save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.05)}, checkpoint / "scales.safetensors")
     (checkpoint / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"model.layers.0.self_attn.k_scale": "scales.safetensors"}}))
-    served = {}
+    served, scales = {}, {}
 
     def run_job(python, job, args, **_):
         served[Path(args["out"]).stem] = (Path(args["checkpoint"]), args["kv_cache_dtype"])
+        if (Path(args["checkpoint"]) / "scales.safetensors").is_file():  # the k_scale the run was served
+            scales[Path(args["out"]).stem] = load_file(Path(args["checkpoint"]) / "scales.safetensors")
+        np.save(args["out"], np.zeros((1, 2, 8), np.float32))
         return {"result": {}, "error": None}
 
     monkeypatch.setattr(engine, "run_job", run_job)
@@ -260,8 +264,10 @@ def test_run_schemes_serves_each_scheme_its_dtype_and_scale1_from_a_copy(tmp_pat
     assert served["auto"] == (checkpoint, "bfloat16")
     assert served["tensor"] == (checkpoint, "fp8") and served["token"] == (checkpoint, "fp8_per_token_head")
     copy, dtype = served["scale1"]
-    assert dtype == "fp8" and copy != checkpoint
-    assert load_file(copy / "scales.safetensors")["model.layers.0.self_attn.k_scale"].item() == 1.0
+    assert dtype == "fp8" and copy != checkpoint and not copy.exists()  # removed once its run ended
+    assert scales["scale1"]["model.layers.0.self_attn.k_scale"].item() == 1.0
+    assert scales["tensor"]["model.layers.0.self_attn.k_scale"].item() == pytest.approx(0.05)
+    assert sorted(p.name for p in tmp_path.glob("*.npy")) == ["auto.npy"]  # each run reduced and its array removed
     assert runs["nvfp4"] == {"why": "vLLM 0.32.0 has no nvfp4"}
     assert runs["head"]["why"] == engine.NOT_RUN["head"] and runs["max"]["why"] == engine.NOT_RUN["max"]
     assert runs["scales.safetensors"] == {"why": "a scales file: not run in the engine"}
@@ -297,3 +303,58 @@ def test_engine_flags_need_the_engine(tmp_path, tiny_dir):
         VerifyConfig.from_options(tiny_dir, [str(data)], engine="vllm", max_model_len=64, seq_len=128).validate()
     with pytest.raises(ValueError, match="unknown engine 'sglang'"):
         VerifyConfig.from_options(tiny_dir, [str(data)], engine="sglang").validate()
+
+
+# ---- a small temporary directory: the room the engine's arrays need, and a run that fills it ------------------------
+
+
+def test_check_room_refuses_a_small_tmpdir_with_the_figure_and_what_to_do(small_tmpdir, tmp_path):
+    from calibrate.choices import size_text
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(b"\0" * (3 << 20))
+    need = 3 * (4 * 1023 * 49152 * 4) + (64 << 20)  # reference, auto and one run, float32, and the margin
+    with pytest.raises(ValueError) as caught:
+        engine.check_room(4, 1023, 49152, checkpoint, ["tensor"], small_tmpdir)
+    message = str(caught.value)
+    assert "\n" not in message and f"writes up to {size_text(need)} in {small_tmpdir}" in message
+    assert "it has 6.0 MiB free: set TMPDIR to a directory on a disk with room" in message
+    with pytest.raises(ValueError, match=r"and a scale-1.0 copy of the checkpoint \(3.0 MiB\)"):  # another file system
+        engine.check_room(4, 1023, 49152, checkpoint, ["scale1"], small_tmpdir)
+    engine.check_room(1, 3, 8, checkpoint, ["scale1"], tmp_path)  # a few bytes where there is room: no refusal
+
+
+def test_a_scale1_copy_on_a_full_tmpdir_fails_that_run_naming_the_tmpdir(small_tmpdir, tmp_path, monkeypatch):
+    """The scale-1.0 copy (a kvcal output's files, copied where hard links cannot reach) meets the full disk: the run
+    failed, in words naming the temporary directory it was written in, not the checkpoint the file came from."""
+    from safetensors.torch import save_file
+
+    checkpoint = tmp_path / "out"
+    checkpoint.mkdir()
+    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.05)}, checkpoint / "scales.safetensors")
+    (checkpoint / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.layers.0.self_attn.k_scale": "scales.safetensors"}}))
+    (checkpoint / "tokenizer.json").write_bytes(b"\0" * (8 << 20))
+    monkeypatch.setattr(engine, "run_job", lambda *a, **k: pytest.fail("the engine ran without its copy"))
+    host = engine.EngineHost(Path("python"), "0.32.0", "CpuPlatform")
+    runs = engine.run_schemes(host, checkpoint, ["scale1"], [[1, 2, 3]], dtype="bfloat16", chunk_len=64, max_model_len=64,
+                              block_size=32, kv_bytes=64 << 20, vocab_size=8, workdir=small_tmpdir, offered=["auto", "fp8"])
+    assert runs["scale1"]["failed"] is True
+    assert runs["scale1"]["why"] == (f"{engine.RUN_FAILED_TEXT}: writing the scale-1.0 copy of the checkpoint in "
+                                     f"{small_tmpdir} failed: no space left on the device; free space there, or set "
+                                     "TMPDIR to a disk with room")
+
+
+@pytest.mark.slow
+def test_a_run_whose_array_fills_a_6_mib_tmpdir_fails_in_the_oss_words(smol_dir, python, small_tmpdir):
+    """vLLM's job reserves its [1, 95, 49152] float32 array (18 MiB) in a 6 MiB directory: the run failed with the
+    OS's line naming the file (not a SIGBUS from a memory-mapped page), and nothing is compared with it."""
+    host = engine.probe(str(python))
+    runs = engine.run_schemes(host, Path(smol_dir), ["auto", "scale1"], [list(range(100, 196))], dtype="bfloat16",
+                              chunk_len=64, max_model_len=128, block_size=32, kv_bytes=64 << 20, vocab_size=49152,
+                              workdir=small_tmpdir, offered=["auto", "fp8"])
+    assert runs["auto"]["failed"] is True
+    assert runs["auto"]["why"] == (f"{engine.RUN_FAILED_TEXT}: OSError: [Errno 28] No space left on device: "
+                                   f"'{small_tmpdir / 'auto.npy'}'")
+    assert runs["scale1"]["why"].startswith("not run: the engine's unquantized run")

@@ -1,8 +1,10 @@
 """Tests for calibrate/verification/report.py: verify's terminal text, and the report folder
 (report.json, the plots, report.md), on the hand-built report of builders.py."""
 
+import errno
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -104,6 +106,37 @@ def test_write_verify_report_refuses_a_file(tmp_path):
     with pytest.raises(ValueError, match="is a file; pass a directory"):
         write_verify_report(target, report_dict())
     assert target.read_text() == "mine"
+
+
+def _fill(directory, leave: int) -> None:
+    """Fill ``directory``'s file system to all but ``leave`` bytes."""
+    free = shutil.disk_usage(directory).free
+    with open(directory / "filler", "wb") as f:
+        f.write(b"\0" * max(0, free - leave))
+
+
+def test_a_report_that_meets_a_full_disk_leaves_the_folder_as_it_was(small_tmpdir):
+    """A 6 MiB tmpfs filled to 40 KiB short of full: report.json fits, the plots do not. A previous report stays
+    byte for byte, a new folder never appears, and no hidden folder is left beside either."""
+    old = small_tmpdir / "old"
+    write_verify_report(old, report_dict(static=False, profile=False))
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    _fill(small_tmpdir, 40 << 10)
+    for directory in (old, small_tmpdir / "new"):
+        with pytest.raises(OSError) as caught:
+            write_verify_report(directory, report_dict())
+        assert caught.value.errno == errno.ENOSPC
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+    assert sorted(p.name for p in small_tmpdir.iterdir()) == ["filler", "old"]
+
+
+def test_a_previous_report_is_replaced_whole(tmp_path):
+    directory = tmp_path / "r"
+    write_verify_report(directory, report_dict())
+    rep = report_dict(static=False, profile=False)
+    write_verify_report(directory, rep)
+    assert sorted(p.name for p in directory.iterdir()) == ["layer_error.png", "report.json", "report.md"]  # no old plot
+    assert json.loads((directory / "report.json").read_text()) == rep and sorted(p.name for p in tmp_path.iterdir()) == ["r"]
 
 
 def test_a_sample_that_may_hold_the_calibration_data_is_the_risk_named_first_after_the_engines():

@@ -646,7 +646,7 @@ class FakeEngine:
     engine's figures differ from the emulation's and a test can tell which ones the recommendation carries."""
 
     def __init__(self, monkeypatch, platform: str, *, auto_fails: bool = False, load_refused: bool = False,
-                 not_delivered: bool = False):
+                 not_delivered: bool = False, crashes: tuple[str, ...] = ()):
         import numpy as np
 
         from calibrate.engine import audit as audit_module
@@ -666,25 +666,31 @@ class FakeEngine:
                                                 failures=["vLLM 0.32.0 refuses to load the checkpoint: no such file"])
             return audit_module.AuditResult(str(checkpoint), "fp8", audit_module.OK, layers=[{}])
 
-        def run_schemes(host, checkpoint, names, sequences, *, workdir, **_):
+        def run_schemes(host, checkpoint, names, sequences, *, workdir, reference, targets, **_):
             self.calls["checkpoint"] = checkpoint
-            ref = torch.from_numpy(np.load(workdir / "reference.npy"))
+            ref = torch.from_numpy(np.array(reference))
             layers = json.loads((checkpoint / "config.json").read_text())["num_hidden_layers"]
-            runs = {}
+            runs, auto = {}, None
             for i, name in enumerate(names):
                 if name == "auto" and auto_fails:
                     runs[name] = {"why": "out of memory", "error": "RuntimeError: out of memory"}
                     continue
+                if name in crashes:  # as run_schemes words a job killed by the kernel
+                    runs[name] = engine.failed_run("killed by SIGKILL (out of memory, or killed by another process): no "
+                                                   "message", "vLLM's logprobs job crashed", "fp8", 0.1)
+                    continue
                 size = 0.0 if name.startswith("auto") else 0.02 * i
                 noise = torch.randn(ref.shape, generator=torch.Generator().manual_seed(i))
-                np.save(workdir / f"{name}.npy", torch.log_softmax(ref + size * noise, -1).numpy())
+                logprobs = torch.log_softmax(ref + size * noise, -1).numpy()
+                auto = logprobs if name == "auto" else auto
                 dtype = {"scale1": "fp8", "int8_per_token_head": "int8_per_token_head"}.get(name, "auto")
                 cache = {"fp8": "uint8", "int8_per_token_head": "int8"}.get(dtype, "bfloat16")
                 stored = {"attention_backend": "FLASH_ATTN", "backend_kv_cache_dtypes": [],
                           "layers": [{"cache_dtype": cache, "cache_shape": [1], "k_scale": [1.0], "v_scale": [1.0],
                                       "k_scale_float": 1.0, "v_scale_float": 1.0}] * layers}
-                runs[name] = {"npy": workdir / f"{name}.npy", "stored": stored, "isa": "NVIDIA H100", "seconds": 0.1,
-                              "rss_peak_delta_mib": 0.0, "kv_cache_dtype": dtype}
+                runs[name] = {**engine.figures(logprobs, None if name == "auto" else auto, reference, targets),
+                              "stored": stored, "isa": "NVIDIA H100", "seconds": 0.1, "rss_peak_delta_mib": 0.0,
+                              "kv_cache_dtype": dtype}
             return runs
 
         def check_delivery(checkpoint, python):
@@ -812,13 +818,61 @@ def test_an_mla_output_on_an_amx_host_s_vllm_cpu_is_refused_before_the_emulation
         _engine_verify(out, data_file, tmp_path, monkeypatch)
 
 
-def test_an_engine_failing_after_the_emulation_keeps_the_report_and_exits_2(plain_ckpt, data_file, tmp_path, monkeypatch, capsys):
+def test_an_engine_failing_after_the_emulation_keeps_the_report_and_exits_incomplete(plain_ckpt, data_file, tmp_path,
+                                                                                     monkeypatch, capsys):
+    from calibrate.verification.run import INCOMPLETE
+
     FakeEngine(monkeypatch, "CpuPlatform", auto_fails=True)
     code = _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch)
     captured = capsys.readouterr()
     rep = json.loads((tmp_path / "r" / "report.json").read_text())
-    assert code == 2 and "Traceback" not in captured.err
+    assert code == INCOMPLETE == 3 and "Traceback" not in captured.err
     assert captured.err.strip().splitlines()[-1].startswith("kvcal: error: the engine failed after the emulation ran")
     assert "could not run the unquantized cache" in rep["engine_error"] and rep["engine"] is None
     assert rep["schemes"]["scale1"]["kl"] > 0 and "measured_by" not in rep["schemes"]["scale1"]  # the emulation's, kept
     assert rep["target"] == "cpu"  # the engine's platform still set the target before the emulation ran
+
+
+def test_a_scheme_whose_engine_run_crashed_has_no_verdict_and_verify_exits_incomplete(plain_ckpt, data_file, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """scale1's run killed after the emulation: its row says so in vLLM's or the OS's words, it keeps no verdict of the
+    emulation's in the engine's place and is never recommended, the other scheme is judged on the engine's figures, the
+    whole report is written, and verify exits INCOMPLETE with the failure as its last line."""
+    from calibrate.verification.run import INCOMPLETE
+    from calibrate.verification.verdict import RUN_FAILED
+    from calibrate.verification.verdict_table import ENGINE_FAILED
+
+    FakeEngine(monkeypatch, "CudaPlatform", crashes=("scale1",))
+    code = _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch)
+    captured = capsys.readouterr()
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    why = "the engine's run failed: killed by SIGKILL (out of memory, or killed by another process): no message"
+    assert code == INCOMPLETE and "Traceback" not in captured.err
+    assert captured.err.strip().splitlines()[-1] == f"kvcal: error: the answer is incomplete: scale1: {why}"
+    row = rep["schemes"]["scale1"]
+    assert row["verdict"] == RUN_FAILED and row["reasons"][0] == why and "measured_by" not in row
+    assert row["emulated"]["verdict"] in ("pass", "warn", "fail")  # the emulation's, kept beside, not in its place
+    assert rep["engine"]["failed"] == {"scale1": why} and rep["engine"]["schemes"]["scale1"]["failed"] is True
+    assert rep["schemes"]["int8_per_token_head"]["measured_by"].startswith("vLLM 0.32.0 engine")
+    assert rep["recommendation"][0] == f"{ENGINE_FAILED} in scale1: {why}; that scheme has no verdict"
+    assert rep["serve_lines"]["gpu"].get("scheme") != "scale1"
+    assert rep["scale1"] is None  # "is scale 1.0 enough?" is not answered on the emulation in the engine's place
+    assert RUN_FAILED in captured.out and "check: The engine failed after the emulation in scale1" in captured.out
+    assert why in (tmp_path / "r" / "report.md").read_text()
+
+
+def test_a_report_folder_on_a_full_disk_is_not_written_and_the_answer_is_still_printed(plain_ckpt, data_file, small_tmpdir,
+                                                                                        capsys):
+    """--report on a 6 MiB tmpfs filled to 40 KiB short of full: nothing of the folder is left, the terminal has the
+    whole answer, and the last line says the report was not written (exit 2)."""
+    free = shutil.disk_usage(small_tmpdir).free
+    (small_tmpdir / "filler").write_bytes(b"\0" * (free - (40 << 10)))
+    code = cli.main(["verify", str(plain_ckpt), "--data", str(data_file), "--seq-len", "64", "--max-tokens", "128",
+                     "--schemes", "tensor", "--probe-layers", "0", "--generate", "0", "--report", str(small_tmpdir / "r"),
+                     "--quiet"])
+    captured = capsys.readouterr()
+    assert code == 2 and "serve it with:" in captured.out and "Traceback" not in captured.err
+    assert captured.err.strip().splitlines()[-1] == (f"kvcal: error: the report was not written to {small_tmpdir / 'r'} "
+                                                     "(no space left on the device; nothing of it is there): free space "
+                                                     "there and run again")
+    assert sorted(p.name for p in small_tmpdir.iterdir()) == ["filler"]

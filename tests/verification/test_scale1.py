@@ -109,3 +109,23 @@ def test_at_sixteen_sequences_it_answers():
     at least 4 times in 5."""
     assert _claims(16, 0.3, seed=20, noise=0.1)[BETTER] >= 0.8
     assert _claims(16, 0.0, seed=21, noise=0.03)[EQUAL] >= 0.8
+
+
+def test_nvfp4_is_asked_apart_from_fp8():
+    """vLLM serves nvfp4 at outer scale 1.0 without checkpoint scales as it does FP8: the nvfp4 answer sets the
+    checkpoint's nvfp4 row against nvfp4 at 1.0 only, never an FP8 row or another cache dtype, and says which dtype."""
+    def cache(kl, dtype="nvfp4", source="checkpoint"):
+        return {**static(kl, source=source), "mode": "cache", "kv_dtype": dtype}
+
+    nvfp4 = [0.030, 0.034, 0.029, 0.032]
+    at_one = [0.060, 0.070, 0.058, 0.066]
+    rows = {"tensor": static([0.001] * 4), "scale1": static(SCALE1, source="1.0"), "nvfp4": cache(nvfp4),
+            "nvfp4_4over6": cache([0.0001] * 4, dtype="nvfp4_4over6"), "nvfp4_scale1": cache(at_one, source="1.0"),
+            "int8_per_token_head": {**cache([0.0001] * 4, dtype="int8_per_token_head"), "source": "computed"}}
+    answer = scale1_answer(rows, "nvfp4")
+    mean, se = paired(nvfp4, at_one)
+    assert answer["calibrated"] == "nvfp4" and answer["kv_cache_dtype"] == "nvfp4" and answer["outcome"] == BETTER
+    assert answer["difference"] == pytest.approx(mean) and answer["stderr"] == pytest.approx(se)
+    assert answer["text"].startswith("Is scale 1.0 enough for nvfp4? No: nvfp4 lowers the KL by")
+    assert scale1_answer(rows)["calibrated"] == "tensor"  # FP8's answer is untouched by the nvfp4 rows
+    assert scale1_answer({"nvfp4": cache(nvfp4), "scale1": static(SCALE1, source="1.0")}, "nvfp4") is None

@@ -17,6 +17,7 @@ Python list of the vocabulary is ever built; the extra memory is one chunk's row
 vLLM's own log-softmax and this one).
 """
 
+import os
 import time
 
 from jobkit import run
@@ -123,6 +124,7 @@ def work(request: dict) -> dict:
     runner._get_prompt_logprobs_dict = prompt_step_hook
     vocab = request["vocab_size"]
     out = np.lib.format.open_memmap(request["out"], mode="w+", dtype=np.float32, shape=(len(sequences), n - 1, vocab))
+    _reserve(request["out"])
     rss_before = state["rss_peak"] = _rss_mib()
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, detokenize=False)
     for i, seq in enumerate(sequences):
@@ -137,6 +139,16 @@ def work(request: dict) -> dict:
             "kv_cache_dtype": request["kv_cache_dtype"], "shape": list(out.shape),
             "stored": _stored(runner), "load_s": loaded - start, "run_s": done - loaded,
             "rss_before_mib": rss_before, "rss_peak_delta_mib": state["rss_peak"] - rss_before, "greedy": greedy}
+
+
+def _reserve(path: str) -> None:
+    """Claim the array's disk blocks now: a memory map's page written on a full disk kills the job with SIGBUS, a
+    reservation that does not fit is an OSError naming the file (the job's fault, ``jobkit``)."""
+    with open(path, "r+b") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, path) from None
 
 
 def _greedy(llm, prompts: list[list[int]], steps: int) -> list[dict]:
