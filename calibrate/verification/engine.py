@@ -10,8 +10,9 @@ dtype).
 
 The tolerance, per scheme: the emulation and the engine agree when |engine KL − emulated KL| ≤ engine floor +
 run-to-run noise + ``significance.margin`` of the per-sequence difference (its paired standard error × Student's t at
-n − 1 degrees of freedom, two-sided 5%: ``tolerance``). Two schemes are ranked differently only when both orders are
-clear: each gap beyond its own margin plus the noise.
+n − 1 degrees of freedom, two-sided 5%: ``tolerance``), judged only from ``AGREEMENT_SEQUENCES`` sequences on (fewer:
+"too few sequences to tell"). Two schemes are ranked differently only when both orders are clear: each gap beyond its
+own margin plus the noise.
 """
 
 import math
@@ -64,6 +65,11 @@ PROMISES = {"auto": (2, "none"), "bfloat16": (2, "none"), "float16": (2, "none")
             "int8_per_token_head": (1, "per token and head, computed as written"),
             "int4_per_token_head": (0.5, "per token and head, computed as written")}
 NOT_AS_NAMED = "not what the name says"
+# The fewest sequences the agreement test is judged at: its margin is t₀.₉₇₅ paired standard errors at n − 1 degrees
+# of freedom, 12.7 at 2 sequences (the test could pass almost any gap) and 2.36 at 8, within a fifth of the
+# large-sample 1.96. Below it the engine and the emulation are "too few sequences to tell" apart, never "agree".
+AGREEMENT_SEQUENCES = 8
+TOO_FEW = "too few sequences to tell"
 
 
 @dataclass
@@ -263,11 +269,14 @@ def compare(results: dict[str, dict], runs: dict[str, dict], ref_npy: np.ndarray
         ppl = math.exp(mean_nll(logprobs, targets) - auto_nll) - 1 if auto_nll is not None else None
         diff_se = mean_stderr([a - b for a, b in zip(kls, r["kl_per_sequence"])])[1]
         tol = tolerance(floor["kl"] if floor else 0.0, noise_kl, diff_se, len(kls))
+        judged = twin and len(kls) >= AGREEMENT_SEQUENCES
         stored = check_stored(run["kv_cache_dtype"], run["stored"], scheme_scales.get(name))
         schemes[name] = {**row, "kl": kl, "kl_stderr": se, "kl_per_sequence": kls, "top1": sum(top1) / len(top1),
                          "kl_vs_reference": vs_ref, "ppl_change": ppl,
-                         "ratio": kl / r["kl"] if r["kl"] > 0 else None, "tolerance_kl": tol if twin else None,
-                         "within_tolerance": abs(kl - r["kl"]) <= tol if twin else None, "diff_stderr": diff_se, "stored": stored,
+                         "ratio": kl / r["kl"] if r["kl"] > 0 else None, "tolerance_kl": tol if judged else None,
+                         "within_tolerance": abs(kl - r["kl"]) <= tol if judged else None,
+                         "agreement": _agreement(twin, len(kls), judged and abs(kl - r["kl"]) <= tol),
+                         "diff_stderr": diff_se, "stored": stored,
                          "as_named": stored["agrees"],
                          "stored_text": "as named" if stored["agrees"] else NOT_AS_NAMED, "seconds": run["seconds"],
                          "rss_peak_delta_mib": run["rss_peak_delta_mib"], "drift": _drift(auto, run)}
@@ -279,6 +288,16 @@ def compare(results: dict[str, dict], runs: dict[str, dict], ref_npy: np.ndarray
             "floor": floor, "schemes": schemes, "ranking_flips": ranking, "noise_drift": noise_drift,
             "rss_peak_delta_mib": auto["rss_peak_delta_mib"],
             "seconds": sum(r.get("seconds", 0.0) for r in runs.values())}
+
+
+def _agreement(twin: bool, sequences: int, within: bool) -> str:
+    """Whether the engine and the emulation agree on a scheme, in words: not judged off a measured like-for-like pair,
+    too few sequences to tell (under ``AGREEMENT_SEQUENCES``), or the tolerance's answer."""
+    if not twin:
+        return "not judged (no like-for-like emulation measured)"
+    if sequences < AGREEMENT_SEQUENCES:
+        return f"{TOO_FEW} ({sequences} < {AGREEMENT_SEQUENCES})"
+    return "agree" if within else "disagree"
 
 
 def _drift(auto: dict, run: dict) -> dict | None:
@@ -313,8 +332,10 @@ ENGINE_FIGURES = ("kl", "kl_stderr", "kl_per_sequence", "top1", "ppl_change")
 
 def judge_on_engine(results: dict[str, dict], engine: dict, limits) -> None:
     """The engine's figures decide where it measured a scheme: its KL, top-1 and perplexity change replace the
-    emulation's in ``results`` (kept under ``emulated``, with the emulated verdict), so that the ranking, the
-    recommendation, "is scale 1.0 enough?", report.json and the card all rest on them; judged on them, and flagged
+    emulation's in ``results`` (kept under ``emulated``, with the emulated verdict and reasons), so that the ranking, the
+    recommendation, "is scale 1.0 enough?", report.json and the card all rest on them; judged on them against
+    ``limits``, which the caller resolves from the engine's own floor (its unquantized cache against the reference on
+    the same sequences, ``engine["floor"]``), never the emulation's; and flagged
     where the engine and the emulation disagree beyond the tolerance, rank otherwise, or the dtype is not what its
     name says. ``measured_by`` names the engine on each such scheme."""
     flipped = {n for pair in engine["ranking_flips"] for n in pair}
@@ -324,7 +345,7 @@ def judge_on_engine(results: dict[str, dict], engine: dict, limits) -> None:
         if "kl" not in row:
             r["reasons"].append(f"not measured in the engine: {row['why']}")
             continue
-        r["emulated"] = {**{key: r[key] for key in ENGINE_FIGURES if key in r}, "verdict": r["verdict"]}
+        r["emulated"] = {**{key: r[key] for key in ENGINE_FIGURES if key in r}, "verdict": r["verdict"], "reasons": r["reasons"]}
         r.update({key: row[key] for key in ENGINE_FIGURES if row.get(key) is not None}, measured_by=label)
         verdict, reasons = judge({**r, "tails": None, "needle_lost": None}, limits)
         r["verdict"] = verdict

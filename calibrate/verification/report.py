@@ -11,7 +11,7 @@ from ..choices import scheme_label
 from .capacity import plan_text
 from .plots import plot_kl_by_depth, plot_layer_error, plot_position_profile, plot_scale_heatmap
 from .report_md import verify_markdown
-from .verdict import short_evidence
+from .verdict import floor_of, short_evidence
 from .verdict_table import (
     ENGINE_FAILURES,
     SHORT_COLUMNS,
@@ -23,6 +23,7 @@ from .verdict_table import (
     held_out_text,
     measured_schemes,
     other_target_lines,
+    other_targets,
     target_text,
     thresholds_text,
     verify_rows,
@@ -74,9 +75,9 @@ def answer_lines(rep: dict, report_md: Path | None = None, *, risks: Sequence[st
     one risk worth checking, where the full report is, and the serve command (last)."""
     target = rep.get("target", serving.DEFAULT_TARGET)
     line = rep.get("serve_lines", {}).get(target)  # None: a report written before kvcal chose per target
-    floor = rep["floor"]["kl"] if rep["floor"] and rep["floor"]["kl"] > 0 else None
     answer = ([] if line is None or "scheme" not in line else
-              [f"recommended: {scheme_label(line['scheme'])}: {short_evidence(rep['schemes'][line['scheme']], floor)}"]
+              [f"recommended: {scheme_label(line['scheme'])}: "
+               f"{short_evidence(r := rep['schemes'][line['scheme']], floor_of(r, rep['floor'], rep.get('engine')))}"]
               if line["scheme"] in rep["schemes"] else
               ["recommended: keep the KV cache unquantized (no quantized scheme qualifies on this target)"])
     found = risk_lines(rep, risks)
@@ -100,7 +101,7 @@ def risk_lines(rep: dict, risks: Sequence[str] = ()) -> list[str]:
     failed = [line for line in lines if line.startswith(ENGINE_FAILURES)]
     caveats = [line for line in lines if line.startswith(serving.caveat_prefix(target))]
     unrun = [line for line in lines if line.startswith(serving.UNRUN_PREFIX)]
-    elsewhere = [line.split(" (")[0].strip() for line in other_target_lines(rep)[1:]]
+    elsewhere = [t + (f" ({s['evidence'].split(' (')[0]})" if s.get("evidence") else "") for t, s in other_targets(rep).items()]
     other = [f"serving on {' or '.join(elsewhere)}? its serve line differs; --verbose gives it"] if elsewhere else []
     seen = [line for line in held_out_text(rep) if line.startswith("the sample may hold")]  # data the scales have seen
     return [*failed, *seen, *risks, *other, *caveats, *unrun]

@@ -35,6 +35,7 @@ from ..engine.caveats import AMX_MLA_AUTO_ONLY, installed_vllm_version
 from ..engine.delivery import DeliveryResult, check_delivery
 from ..engine.dtypes import EngineDtypes, engine_dtypes
 from ..engine.launch import EngineError
+from ..engine.platforms import Emulation as Writer
 from ..engine.platforms import platform
 from ..files import read_json_object
 from ..fp8 import get_format
@@ -57,7 +58,16 @@ from .passes import ApplyScheme, ReferenceProbe, measure, probe_skip_layers, sch
 from .scale1 import EQUAL, WORSE, scale1_answer
 from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
 from .tails import tails
-from .verdict import check_measured, check_reference, choose, judge, recommend, serve_lines, target_refusals
+from .verdict import (
+    check_measured,
+    check_reference,
+    choose,
+    emulated_figures,
+    judge,
+    recommend,
+    serve_lines,
+    target_refusals,
+)
 from .verdict_table import AUDIT_FAILED, ENGINE_FAILED, NOT_DELIVERED
 
 # ---- the probes ---------------------------------------------------------------------------------------------------
@@ -425,8 +435,10 @@ def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: S
     choice = choose(results)
     skip_probe = None
     if choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
+        # One baseline: the emulation's all-quantized pass against its passes with a layer left unquantized, even where
+        # the engine's figures chose the scheme (an engine/emulation gap is no layer's gain).
         skip_probe = probe_skip_layers(ref.model, layers, next(s for s in emulated.schemes if s.name == choice),
-                                       results[choice], sample.sequences, config)
+                                       emulated_figures(results)[choice], sample.sequences, config)
     for r in results.values():
         r["bytes_per_token"] = len(layers) * DTYPES[r["kv_dtype"]].bytes_per_token(sig.num_kv_heads, sig.head_dim, _value_dim(sig))
         r["bytes_vs_bf16"] = (DTYPES[r["kv_dtype"]].bytes_per_token(1, sig.head_dim, _value_dim(sig))
@@ -445,8 +457,11 @@ def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: S
                                       engine_target=engine_result["target"] if engine_result else None,
                                       mla=bool(sig.latent_dim), model_type=model_config.get("model_type"),
                                       scale_one=bool(scale1) and scale1["outcome"] in (EQUAL, WORSE))
-    return Advice(recommendation, serve, serve_lines(results, emulated.held, layers, served, skip_probe, unquantized=plain,
-                                                     **shape), skip_probe, pays, scale1, vllm_version)
+    # The engine's figures choose its own target's line; every other target's is the emulation's, said so.
+    emulation = f"kvcal's emulation, {Writer(config.backend, config.dtype, bool(config.kv_only)).flags()}"
+    lines = serve_lines(results, emulated.held, layers, served, skip_probe, unquantized=plain, **shape,
+                        engine_target=engine_result["target"] if engine_result else None, emulation=emulation)
+    return Advice(recommendation, serve, lines, skip_probe, pays, scale1, vllm_version)
 
 
 def _engine_lines(started: "EngineStart", engine_result: dict | None, engine_error: str | None) -> list[str]:
@@ -485,9 +500,7 @@ def _report(config: VerifyConfig, subject: Subject, ref: Reference, sample: Samp
         "layers": [vars(layer) for layer in ref.layers],
         "checkpoint_scales": emulated.held,
         "floor": floor_result,
-        "thresholds": {**{name: getattr(limits, name) for name in Thresholds.LIMITS}, "origin": config.thresholds.origin(),
-                       "floor_pass": limits.floor_pass, "floor_fail": limits.floor_fail,
-                       "relative_to_floor": floor_result is not None and floor_result["kl"] > 0},
+        "thresholds": thresholds_json(config.thresholds, limits, floor_result),
         "schemes": judged.results,
         "skip_layers": skip_probe,
         "does_it_pay": advice.pays,
@@ -517,6 +530,14 @@ def _report(config: VerifyConfig, subject: Subject, ref: Reference, sample: Samp
             "total_s": time.perf_counter() - clock.start,
         },
     }
+
+
+def thresholds_json(asked: Thresholds, limits: Thresholds, floor: dict | None) -> dict:
+    """The limits a set of verdicts used (``limits``, resolved from ``floor``), where each came from, as report.json
+    holds them: the emulation's under "thresholds", the engine's under "engine"."""
+    return {**{name: getattr(limits, name) for name in Thresholds.LIMITS}, "origin": asked.origin(),
+            "floor_pass": limits.floor_pass, "floor_fail": limits.floor_fail,
+            "relative_to_floor": floor is not None and floor["kl"] > 0}
 
 
 def _position_profile(stats: Stats | None) -> dict | None:
@@ -646,7 +667,11 @@ def _run_engine(config: VerifyConfig, subject: Subject, started: EngineStart, re
             del logprobs
     except (ValueError, EngineError) as e:
         return None, str(e)
-    engine.judge_on_engine(judged.results, result, judged.limits)
+    # The engine's figures are judged against the engine's own floor (its unquantized cache against the reference on
+    # the same sequences), as the emulation's are against the emulation's: never one method's KL over the other's floor.
+    limits = config.thresholds.resolve(result["floor"], len(sequences) * (config.data.seq_len - 1))
+    result["thresholds"] = thresholds_json(config.thresholds, limits, result["floor"])
+    engine.judge_on_engine(judged.results, result, limits)
     held = started.audit
     result["audit"] = {"status": held.status, "failures": held.failures, "reason": held.reason,
                        "kv_cache_dtype": held.kv_cache_dtype}
