@@ -108,11 +108,16 @@ def kv_cache_bytes(num_layers: int, kv_heads: int, head_dim: int, max_model_len:
     return max(64 << 20, 2 * 2 * num_layers * kv_heads * head_dim * 4 * tokens)
 
 
+def has_kv_scales(checkpoint: Path) -> bool:
+    """Whether a file vLLM loads from ``checkpoint`` holds a KV scale (else vLLM serves its fp8 cache at 1.0)."""
+    return any(KV_SCALE_PATTERN.search(name) for path in vllm_files(checkpoint)[0] for name in tensor_names(path))
+
+
 def scale1_checkpoint(checkpoint: Path, into: Path) -> Path:
     """The checkpoint as vLLM serves it at KV scale 1.0: itself where no file vLLM loads holds a KV scale (vLLM then
     uses 1.0), else a copy of a kvcal output whose every KV scale is 1.0 (``checkpoint.write.rescaled_copy``;
     ValueError for scales kvcal did not write)."""
-    if not any(KV_SCALE_PATTERN.search(name) for path in vllm_files(checkpoint)[0] for name in tensor_names(path)):
+    if not has_kv_scales(checkpoint):
         return checkpoint
     return rescaled_copy(checkpoint, into / "scale1", lambda name, t: torch.ones_like(t))
 
@@ -178,7 +183,7 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
                 chunk_len: int, max_model_len: int, block_size: int, kv_bytes: int, vocab_size: int, workdir: Path,
                 unquantized: str = "auto", offered: Sequence[str] = CACHE_DTYPES, prompts: Sequence[list[int]] = (),
                 steps: int = 0, attention_backend: str | None = None, tokenizer: bool = True,
-                deny_isa: tuple[str, ...] = ()) -> dict[str, dict]:
+                deny_isa: tuple[str, ...] = (), skip_layers: Sequence[str] = ()) -> dict[str, dict]:
     """One engine run per name (``auto``, ``auto2`` and schemes), each the job's answer plus ``npy`` (its log-probabilities)
     or ``why`` (a few words: why it did not run). ``unquantized``: the cache dtype ``auto`` runs with
     (``serving.unquantized_dtype``: a checkpoint declaring a kv_cache_scheme makes vLLM's auto fp8). ``offered``: the
@@ -186,7 +191,8 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
     vLLM's own list). ``prompts`` and ``steps``: each run also decodes ``steps`` greedy tokens after every prompt (its
     answer's ``greedy``), for the engine's decode drift; ``max_model_len`` must hold the longest prompt plus ``steps``.
     ``attention_backend``: vLLM's ``--attention-backend`` (None: vLLM chooses); ``tokenizer`` False for a checkpoint
-    without one (token ids in, token ids out)."""
+    without one (token ids in, token ids out); ``skip_layers``: ``--kv-cache-dtype-skip-layers`` entries every quantized
+    run keeps unquantized (a serve line run as printed; ``auto`` has nothing to skip)."""
     checkpoint = checkpoint.resolve()  # the job runs elsewhere: a relative path would read as a Hub id there
     runs: dict[str, dict] = {}
     base = {"dtype": dtype, "max_model_len": max_model_len, "block_size": block_size, "chunk_len": chunk_len,
@@ -211,7 +217,8 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
         start = time.perf_counter()
         try:
             answer = run_job(host.python, "logprobs", {**base, "checkpoint": str(path), "kv_cache_dtype": kv_dtype,
-                                                       "out": str(npy)}, deny_isa=deny_isa)
+                                                       "out": str(npy), "skip_layers": list(skip_layers) if scales != "none" else []},
+                             deny_isa=deny_isa)
         except EngineError as e:
             answer = {"result": None, "error": str(e)}
         seconds = time.perf_counter() - start
@@ -358,3 +365,25 @@ def judge_on_engine(results: dict[str, dict], engine: dict, limits) -> None:
                                 f"outside the measured tolerance ±{row['tolerance_kl']:.2g}")
         if name in flipped:
             r["reasons"].append("the engine ranks this scheme differently from the emulation")
+
+
+def as_printed(choice: str | None, skip: Sequence[str], engine: dict, checkpoint: Path) -> tuple[bool, str | None]:
+    """Whether the engine's run of scheme ``choice`` (``engine["schemes"]``) already is the serve line as printed, with
+    ``skip`` its skip-layer entries: (True, None) when it is, (False, None) when a run with the skip layers is needed,
+    (False, why) when no engine run can stand for the line (never run; 1.0 served from a copy)."""
+    row = engine["schemes"].get(choice, {})
+    if "kl" not in row:
+        return False, f"not run in the engine: {row.get('why', 'no engine run')}"
+    if RUNS[choice][1] == "ones" and has_kv_scales(checkpoint):
+        return False, ("the engine ran scale 1.0 from a copy without KV scales; the line serves the checkpoint, whose "
+                       "scales vLLM would use instead")
+    return not skip, None
+
+
+def worse_than_promised(run: dict, promised: dict, noise_kl: float) -> dict:
+    """The serve line's run against the scheme's own engine run (every layer quantized), paired by sequence: worse when
+    its KL is higher by more than the paired test's margin plus the engine's run-to-run noise."""
+    diff = [a - b for a, b in zip(run["kl_per_sequence"], promised["kl_per_sequence"])]
+    mean, se = mean_stderr(diff)
+    limit = margin(se, len(diff)) + noise_kl
+    return {"kl_change": mean, "limit": limit, "worse": mean > limit}

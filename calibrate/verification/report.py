@@ -24,6 +24,7 @@ from .verdict_table import (
     measured_schemes,
     other_target_lines,
     other_targets,
+    serve_run_lines,
     target_text,
     thresholds_text,
     verify_rows,
@@ -85,7 +86,8 @@ def answer_lines(rep: dict, report_md: Path | None = None, *, risks: Sequence[st
                                               RISK_WIDTH, subsequent_indent="  ", max_lines=3, placeholder=" …")
     where = (f"full report: {report_md}" + ("" if verbose else " (--verbose prints its details here)") if report_md
              else "" if verbose else "details: --verbose (--report DIR writes them to report.md)")
-    return [target_text(rep), *answer, *risk, *([where] if where else []), "serve it with:", f"  {rep['serve_command']}"]
+    return [target_text(rep), *answer, *serve_run_lines(rep), *risk, *([where] if where else []), "serve it with:",
+            f"  {rep['serve_command']}"]
 
 
 RISK_WIDTH = 118  # the answer's risk line is wrapped to this width, at most three lines

@@ -411,6 +411,9 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     advice = _recommend(config, subject, ref, sample, emulated, judged, engine_result)
     if started is not None:
         advice.recommendation[:0] = _engine_lines(started, engine_result, engine_error)
+    # 8b. The serve line it will print, run as printed in the engine: the answer shows that run's figures.
+    if engine_result is not None:
+        engine_result["serve_run"] = _run_serve_line(config, subject, started, ref, sample, judged, advice, engine_result)
     # 9. The report; a kvcal output's model card gets its table.
     rep = _report(config, subject, ref, sample, emulated, judged, advice, engine_result, engine_error, clock)
     out = None
@@ -642,26 +645,16 @@ def _run_engine(config: VerifyConfig, subject: Subject, started: EngineStart, re
     one line) when the engine failed after the emulation ran, which then stands alone."""
     import tempfile
 
-    host, sig, sequences, prompts = started.host, ref.sig, sample.sequences, sample.prompts
-    block = config.block_size or platform(host.platform).block_size
-    longest = max(config.data.seq_len + 1, max((len(p) + config.generate for p in prompts), default=0))
-    max_len = config.max_model_len or engine.model_len(longest, block)
-    settings = {"max_model_len": max_len, "block_size": block, "dtype": config.dtype, "chunk_len": config.data.chunk_len,
-                "prefix_caching": False, "enforce_eager": True}
+    host, sequences = started.host, sample.sequences
+    request, settings = _engine_request(config, subject, started, ref, sample)
     schemes = emulated.schemes
     names = ["auto", "auto2", *(s.name for s in schemes if s.mode != Mode.REFERENCE)]
     targets = torch.stack([s[1:] for s in sequences]).numpy()  # the next tokens, for the engine's perplexity
     try:
         with tempfile.TemporaryDirectory(prefix="kvcal-engine-") as tmp:
             logprobs = engine.reference_logprobs(ref.model, sequences, Path(tmp) / "reference.npy")
-            runs = engine.run_schemes(host, subject.absolute, names, [s.tolist() for s in sequences],
-                                      dtype=config.dtype or "auto", chunk_len=config.data.chunk_len, max_model_len=max_len,
-                                      block_size=block, kv_bytes=engine.kv_cache_bytes(len(ref.layers), sig.num_kv_heads,
-                                                                                       sig.head_dim, max_len, block),
-                                      vocab_size=logprobs.shape[-1], workdir=Path(tmp),
-                                      unquantized=serving.unquantized_dtype(subject.described.config),
-                                      offered=started.dtypes.names, prompts=[p.tolist() for p in prompts],
-                                      steps=config.generate)
+            runs = engine.run_schemes(host, subject.absolute, names, [s.tolist() for s in sequences], **request,
+                                      vocab_size=logprobs.shape[-1], workdir=Path(tmp))
             result = engine.compare(judged.results, runs, logprobs, {s.name: s.scales for s in schemes if s.scales}, host,
                                     settings, targets)
             del logprobs
@@ -678,6 +671,65 @@ def _run_engine(config: VerifyConfig, subject: Subject, started: EngineStart, re
     result["set"], result["not_emulated"] = started.settings, started.dtypes.not_emulated()
     result["delivery"] = started.delivery.to_json() | {"text": started.delivery.text()} if started.delivery else None
     return result, None
+
+
+def _engine_request(config: VerifyConfig, subject: Subject, started: EngineStart, ref: Reference,
+                    sample: Sample) -> tuple[dict, dict]:
+    """What every engine run of this verify is given (``engine.run_schemes``' settings but the names, the sequences, the
+    vocabulary and the folder), and the settings report.json shows."""
+    sig, prompts = ref.sig, sample.prompts
+    block = config.block_size or platform(started.host.platform).block_size
+    longest = max(config.data.seq_len + 1, max((len(p) + config.generate for p in prompts), default=0))
+    max_len = config.max_model_len or engine.model_len(longest, block)
+    settings = {"max_model_len": max_len, "block_size": block, "dtype": config.dtype, "chunk_len": config.data.chunk_len,
+                "prefix_caching": False, "enforce_eager": True}
+    request = {"dtype": config.dtype or "auto", "chunk_len": config.data.chunk_len, "max_model_len": max_len,
+               "block_size": block, "kv_bytes": engine.kv_cache_bytes(len(ref.layers), sig.num_kv_heads, sig.head_dim, max_len, block),
+               "unquantized": serving.unquantized_dtype(subject.described.config), "offered": started.dtypes.names,
+               "prompts": [p.tolist() for p in prompts], "steps": config.generate}
+    return request, settings
+
+
+def _run_serve_line(config: VerifyConfig, subject: Subject, started: EngineStart, ref: Reference, sample: Sample,
+                    judged: Judged, advice: Advice, engine_result: dict) -> dict:
+    """The serve line the answer prints, run as printed in the engine (its cache dtype, its skip layers, this
+    checkpoint's scales) on the held-out sequences: the scheme's own run where that already is the line, else one run
+    with the skip layers beside a fresh unquantized one; against the scheme's all-quantized run, flagged when worse
+    beyond the noise. The next candidate is not tried: the answer says so."""
+    import tempfile
+
+    choice = advice.serve_lines[config.target]["scheme"]
+    dtype, skip = serving.serve_args(advice.serve)
+    out = {"line": advice.serve, "scheme": choice, "kv_cache_dtype": dtype, "skip_layers": skip,
+           "vllm_version": engine_result["vllm_version"], "attention_backend": engine_result["attention_backend"]}
+    if choice is None:
+        return {**out, "ran": False, "why": "the line keeps the cache unquantized: the engine's floor is that run"}
+    same, why = engine.as_printed(choice, skip, engine_result, subject.absolute)
+    promised = engine_result["schemes"][choice]
+    if why is not None:
+        return {**out, "ran": False, "why": why}
+    if same:
+        return {**out, "ran": True, "same_run": True, "floor": engine_result["floor"],
+                **{k: promised[k] for k in ("kl", "kl_stderr", "top1", "drift")}}
+    request, settings = _engine_request(config, subject, started, ref, sample)
+    sequences = sample.sequences
+    targets = torch.stack([s[1:] for s in sequences]).numpy()
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvcal-serve-") as tmp:
+            logprobs = engine.reference_logprobs(ref.model, sequences, Path(tmp) / "reference.npy")
+            runs = engine.run_schemes(started.host, subject.absolute, ["auto", choice], [s.tolist() for s in sequences],
+                                      **request, vocab_size=logprobs.shape[-1], workdir=Path(tmp), skip_layers=skip)
+            result = engine.compare({choice: emulated_figures(judged.results)[choice]}, runs, logprobs, {}, started.host,
+                                    settings, targets)
+            del logprobs
+    except (ValueError, EngineError) as e:
+        return {**out, "ran": False, "why": f"the engine failed: {e}"}
+    row = result["schemes"][choice]
+    if "kl" not in row:
+        return {**out, "ran": False, "why": f"the engine failed: {row['why']}"}
+    return {**out, "ran": True, "same_run": False, "floor": result["floor"], "as_named": row["as_named"],
+            **{k: row[k] for k in ("kl", "kl_stderr", "kl_per_sequence", "top1", "drift")},
+            "against_promised": engine.worse_than_promised(row, promised, engine_result["noise_kl"])}
 
 
 def _refresh_card(subject: Subject, rep: dict) -> None:

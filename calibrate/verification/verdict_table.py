@@ -244,5 +244,29 @@ def engine_brief(engine: dict, *, whole: bool = False) -> list[str]:
               if engine.get("not_emulated") else [])]
 
 
+def serve_run_lines(rep: dict) -> list[str]:
+    """The serve line run as printed in the engine (``run._run_serve_line``), for the answer: that run's KL over the
+    engine's floor, top-1 and drift, labelled with the engine, its version and backend; or why it did not run, and
+    whether it came out worse than the scheme with every layer quantized (nothing without an engine run)."""
+    run = (rep.get("engine") or {}).get("serve_run")
+    if not run:
+        return []
+    who = f"vLLM {run['vllm_version']} engine ({run['attention_backend']})"
+    if not run["ran"]:
+        return [f"serve line not run as printed in {who}: {run['why']}"]
+    floor = run["floor"]["kl"] if run["floor"] and run["floor"]["kl"] > 0 else None
+    kl = f"KL {run['kl'] / floor:.3g}× the engine's floor" if floor else f"KL {run['kl']:.3g} nats/token"
+    drift = f", drift {run['drift']['agreement']:.0%} agree" if run.get("drift") else ""
+    how = "the scheme's own run" if run["same_run"] else f"{serving.SKIP_FLAG} {' '.join(run['skip_layers'])}"
+    text = f"serve line run as printed in {who} ({how}): {kl}, top-1 {run['top1']:.1%}{drift}"
+    against = run.get("against_promised")
+    if against and against["worse"]:
+        text += (f"; worse than every layer quantized by {against['kl_change']:.3g} nats/token, beyond the noise "
+                 f"({against['limit']:.2g}); kvcal does not try the next candidate: serve without {serving.SKIP_FLAG}")
+    if run.get("as_named") is False:
+        text += "; what the engine stored is not what the dtype's name says"
+    return [text]
+
+
 def _ratio_text(ratio: float | None) -> str:
     return "n/a" if ratio is None else f"{ratio:.3g}×"

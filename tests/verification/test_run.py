@@ -670,8 +670,9 @@ class FakeEngine:
                                                 failures=["vLLM 0.32.0 refuses to load the checkpoint: no such file"])
             return audit_module.AuditResult(str(checkpoint), "fp8", audit_module.OK, layers=[{}])
 
-        def run_schemes(host, checkpoint, names, sequences, *, workdir, **_):
+        def run_schemes(host, checkpoint, names, sequences, *, workdir, skip_layers=(), **_):
             self.calls["checkpoint"] = checkpoint
+            self.calls.setdefault("runs", []).append((list(names), list(skip_layers)))
             ref = torch.from_numpy(np.load(workdir / "reference.npy"))
             self.kept["reference"] = ref.clone()
             layers = json.loads((checkpoint / "config.json").read_text())["num_hidden_layers"]
@@ -795,7 +796,7 @@ def test_the_engines_figures_are_judged_against_the_engines_own_floor(plain_ckpt
     assert "Where the engine measured a scheme it is judged by the engine's own limits (from the engine's floor" in out
 
 
-def test_an_engine_emulation_gap_is_no_layers_gain(tmp_path, tokenizer, data_file, monkeypatch):
+def test_an_engine_emulation_gap_is_no_layers_gain(tmp_path, tokenizer, data_file, monkeypatch, capsys):
     """The skip-layer probe measures both sides in the emulation: an engine whose KL is 1.3× the emulation's, on a
     12-layer model, adds no layer to those the emulation alone keeps (the same verify without --engine says which).
     Subtracting the emulation's one-layer-unquantized KL from the engine's would read the gap as every probed
@@ -803,7 +804,7 @@ def test_an_engine_emulation_gap_is_no_layers_gain(tmp_path, tokenizer, data_fil
     from calibrate.verification import engine
 
     model = save_tiny_checkpoint(tmp_path / "twelve", "llama", tokenizer, num_hidden_layers=12)
-    FakeEngine(monkeypatch, "CudaPlatform")
+    fake = FakeEngine(monkeypatch, "CudaPlatform")
     compare = engine.compare
 
     def planted(results, runs, *args, **kwargs):
@@ -820,6 +821,7 @@ def test_an_engine_emulation_gap_is_no_layers_gain(tmp_path, tokenizer, data_fil
                           limits=limits, tokens=384, probe=3, engine=False) == 0
     alone = json.loads((tmp_path / "alone" / "r" / "report.json").read_text())["skip_layers"]
     assert _engine_verify(model, data_file, tmp_path, monkeypatch, "--schemes", "scale1", limits=limits, tokens=384, probe=3) == 0
+    out = capsys.readouterr().out
     rep = json.loads((tmp_path / "r" / "report.json").read_text())
     r, probe = rep["schemes"]["scale1"], rep["skip_layers"]
     assert r["kl"] == pytest.approx(1.3 * r["emulated"]["kl"])  # the gap is planted
@@ -827,6 +829,13 @@ def test_an_engine_emulation_gap_is_no_layers_gain(tmp_path, tokenizer, data_fil
     assert probe["measured"] == alone["measured"] and probe["skip"] == alone["skip"]
     assert len(probe["skip"]) < len(probe["measured"])  # some probed layer is not kept
     assert probe["baseline"].startswith("kvcal's emulation")
+    # The serve line printed is run as printed: the engine gets its skip layers, and the answer gives that run.
+    run = rep["engine"]["serve_run"]
+    assert probe["skip"] and run["skip_layers"] == [str(layer) for layer in probe["skip"]] and run["line"] == rep["serve_command"]
+    assert run["ran"] and not run["same_run"] and fake.calls["runs"][-1] == (["auto", "scale1"], run["skip_layers"])
+    assert fake.calls["runs"][0][1] == []  # the schemes' own runs quantize every layer
+    assert (f"serve line run as printed in vLLM 0.32.0 engine (FLASH_ATTN) (--kv-cache-dtype-skip-layers "
+            f"{' '.join(run['skip_layers'])}): KL {run['kl'] / run['floor']['kl']:.3g}× the engine's floor, top-1 {run['top1']:.1%}") in out
     # The plant is large enough to matter: the engine's KL less each one-layer emulated KL clears twice an average
     # layer's share of the engine's KL for every probed layer, so the mixed baseline would have kept them all.
     engine_kl = r["kl"]
