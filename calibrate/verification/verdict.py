@@ -135,13 +135,14 @@ def serve_lines(results: dict[str, dict], held: dict, layers: list[AttentionLaye
                 head_size: int | None = None, engine_target: str | None = None, emulation: str | None = None) -> dict[str, dict]:
     """The serve line for every target, each chosen among the schemes that target's vLLM serves as measured for this
     model (``target_refusals``): target → {"scheme": name or None (bf16), "label": its ``choices.scheme_label``,
-    "kv_dtype", "line", "build": the vLLM build its facts were read in, "evidence": whose figures chose it}.
+    "kv_dtype", "line", "build": the vLLM build its facts were read in, and under an engine "evidence": whose figures
+    chose it}.
 
     An engine's figures (``engine_target``: the target whose engine judged ``results``, ``engine.judge_on_engine``)
     choose its own target's line only: every other target's is chosen on the emulation's figures and verdicts
     (``emulated_figures``), its evidence "emulated for <target>" with the emulation's settings (``emulation``), so a
-    kernel of one platform never changes another's line. Without an engine, evidence is None: every line is the
-    emulation's."""
+    kernel of one platform never changes another's line. Without an engine there is no evidence key: every line is
+    the emulation's."""
     out = {}
     for target in TARGETS:
         own = engine_target is None or target == engine_target
@@ -150,11 +151,12 @@ def serve_lines(results: dict[str, dict], held: dict, layers: list[AttentionLaye
         judged = {n: {**r, "target_refusal": refused[n].short if n in refused else None} for n, r in figures.items()}
         _, line = recommend(judged, held, layers, checkpoint, skip_probe, target=target, unquantized=unquantized)
         scheme = choose(judged)
-        evidence = (None if engine_target is None else "the engine's figures where it ran a scheme" if own
-                    else f"{EMULATED_FOR}{target}" + (f" ({emulation})" if emulation else ""))
         out[target] = {"scheme": scheme, "label": scheme_label(scheme) if scheme else None,
                        "kv_dtype": judged[scheme]["kv_dtype"] if scheme else unquantized, "line": line,
-                       "build": serving.build_name(target), "evidence": evidence}
+                       "build": serving.build_name(target)}
+        if engine_target is not None:
+            out[target]["evidence"] = ("the engine's figures where it ran a scheme" if own
+                                       else f"{EMULATED_FOR}{target}" + (f" ({emulation})" if emulation else ""))
     return out
 
 
