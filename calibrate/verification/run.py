@@ -727,7 +727,9 @@ def _run_serve_line(config: VerifyConfig, subject: Subject, started: EngineStart
     row = result["schemes"][choice]
     if "kl" not in row:
         return {**out, "ran": False, "why": f"the engine failed: {row['why']}"}
-    return {**out, "ran": True, "same_run": False, "floor": result["floor"], "as_named": row["as_named"],
+    # No "as named" here: the skipped layers' unquantized cache is what the line asks for (the scheme's own run checked
+    # the dtype's name on every layer).
+    return {**out, "ran": True, "same_run": False, "floor": result["floor"],
             **{k: row[k] for k in ("kl", "kl_stderr", "kl_per_sequence", "top1", "drift")},
             "against_promised": engine.worse_than_promised(row, promised, engine_result["noise_kl"])}
 

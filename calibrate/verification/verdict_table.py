@@ -263,8 +263,6 @@ def serve_run_lines(rep: dict) -> list[str]:
     if against and against["worse"]:
         text += (f"; worse than every layer quantized by {against['kl_change']:.3g} nats/token, beyond the noise "
                  f"({against['limit']:.2g}); kvcal does not try the next candidate: serve without {serving.SKIP_FLAG}")
-    if run.get("as_named") is False:
-        text += "; what the engine stored is not what the dtype's name says"
     return [text]
 
 

@@ -165,6 +165,21 @@ def test_a_source_model_without_scales_runs_at_scale_one_as_it_is(smol_dir, held
 
 
 @pytest.mark.slow
+@needs_avx512
+def test_a_serve_lines_skip_layers_reach_the_engine(calibrated, held_out, python, smol_tokenizer, tmp_path):
+    """The serve line's --kv-cache-dtype-skip-layers, run as printed: the layers it names keep an unquantized cache
+    in vLLM's own read-back, every other layer is fp8, and the unquantized run skips nothing."""
+    ids = smol_tokenizer(json.loads(held_out.read_text())["text"])["input_ids"][:96]
+    host = engine.probe(str(python))
+    runs = engine.run_schemes(host, Path(calibrated.out), ["auto", "tensor"], [ids], dtype="bfloat16", chunk_len=64,
+                              max_model_len=128, block_size=32, kv_bytes=64 << 20, vocab_size=49152, workdir=tmp_path,
+                              unquantized="bfloat16", skip_layers=["0", "3"])
+    layers = [layer["cache_dtype"] for layer in runs["tensor"]["stored"]["layers"]]
+    assert layers[0] == layers[3] == "bfloat16" and set(layers[1:3] + layers[4:]) == {"uint8"}, layers
+    assert {layer["cache_dtype"] for layer in runs["auto"]["stored"]["layers"]} == {"bfloat16"}
+
+
+@pytest.mark.slow
 def test_refusals_without_avx512_are_vllms_own_and_the_rest_runs(calibrated, python, tmp_path):
     host = engine.probe(str(python))
     runs = engine.run_schemes(host, Path(calibrated.out), ["auto", "tensor", "head"], [list(range(100, 164))], dtype="bfloat16",
