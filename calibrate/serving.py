@@ -11,6 +11,7 @@ recipe's notes say that the target's vLLM would not apply as written.
 Torch-free: the CLI, recipes, verify and inspect all import it.
 """
 
+import itertools
 import re
 import shlex
 from collections.abc import Mapping, Sequence
@@ -225,6 +226,17 @@ def serve_command(checkpoint: str, dtype: str, *, target: str = DEFAULT_TARGET, 
     if skip and dtype not in ("auto", *UNQUANTIZED):  # with an unquantized cache every layer is unquantized already
         line += f" {SKIP_FLAG} " + " ".join(skip)
     return line
+
+
+def serve_args(line: str) -> tuple[str, list[str]]:
+    """A ``serve_command`` line's ``--kv-cache-dtype`` and skip-layer entries, read back from the line itself (the
+    engine runs the line as printed)."""
+    words = shlex.split(line)
+    dtype = words[words.index("--kv-cache-dtype") + 1]
+    if SKIP_FLAG not in words:
+        return dtype, []
+    rest = words[words.index(SKIP_FLAG) + 1:]
+    return dtype, list(itertools.takewhile(lambda w: not w.startswith("--"), rest))
 
 
 def with_skip_layers(line: str, skip: Sequence[str | int]) -> str:

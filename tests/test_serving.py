@@ -84,6 +84,16 @@ def test_skip_entries_refuse_what_vllm_would_match_against_no_layer(entry):
         serving.skip_entries([entry])
 
 
+@pytest.mark.parametrize("skip", [[], [0, 3], ["sliding_window", 5]])
+def test_serve_args_read_back_the_dtype_and_skip_layers_a_line_was_built_with(skip):
+    """The engine runs a serve line as printed: what it is given is read off the line, equal to what built it."""
+    line = serving.serve_command("org/my model", "fp8", target="gpu", skip_layers=skip)
+    assert serving.serve_args(line) == ("fp8", [str(x) for x in skip])
+    per_head = serving.serve_command("m", "fp8", target="gpu", per_head=True, skip_layers=skip)
+    assert serving.serve_args(per_head) == ("fp8", [str(x) for x in skip])
+    assert serving.serve_args(serving.with_skip_layers(line, [7])) == ("fp8", [*map(str, skip), "7"])
+
+
 def test_with_skip_layers_adds_to_a_line_once():
     line = serving.serve_command("m", "fp8", skip_layers=[19])
     merged = shlex.split(serving.with_skip_layers(line, ["sliding_window", 19]))

@@ -10,8 +10,9 @@ dtype).
 
 The tolerance, per scheme: the emulation and the engine agree when |engine KL − emulated KL| ≤ engine floor +
 run-to-run noise + ``significance.margin`` of the per-sequence difference (its paired standard error × Student's t at
-n − 1 degrees of freedom, two-sided 5%: ``tolerance``). Two schemes are ranked differently only when both orders are
-clear: each gap beyond its own margin plus the noise.
+n − 1 degrees of freedom, two-sided 5%: ``tolerance``), judged only from ``AGREEMENT_SEQUENCES`` sequences on (fewer:
+"too few sequences to tell"). Two schemes are ranked differently only when both orders are clear: each gap beyond its
+own margin plus the noise.
 """
 
 import math
@@ -74,6 +75,11 @@ RUN_FAILED_TEXT = "the engine's run failed"
 # run is compared with it) and the run in progress; each run is reduced to its figures when it ends.
 ARRAYS_AT_ONCE = 3
 ROOM_MARGIN = 64 << 20  # a job's own files (its request, the array's header) and the file system's slack
+# The fewest sequences the agreement test is judged at: its margin is t₀.₉₇₅ paired standard errors at n − 1 degrees
+# of freedom, 12.7 at 2 sequences (the test could pass almost any gap) and 2.36 at 8, within a fifth of the
+# large-sample 1.96. Below it the engine and the emulation are "too few sequences to tell" apart, never "agree".
+AGREEMENT_SEQUENCES = 8
+TOO_FEW = "too few sequences to tell"
 
 
 @dataclass
@@ -137,11 +143,16 @@ def check_room(sequences: int, positions: int, vocab: int, checkpoint: Path, nam
                          "shorter sequences (--max-tokens, --seq-len)")
 
 
+def has_kv_scales(checkpoint: Path) -> bool:
+    """Whether a file vLLM loads from ``checkpoint`` holds a KV scale (else vLLM serves its fp8 cache at 1.0)."""
+    return any(KV_SCALE_PATTERN.search(name) for path in vllm_files(checkpoint)[0] for name in tensor_names(path))
+
+
 def scale1_checkpoint(checkpoint: Path, into: Path) -> Path:
     """The checkpoint as vLLM serves it at KV scale 1.0: itself where no file vLLM loads holds a KV scale (vLLM then
     uses 1.0), else a copy of a kvcal output whose every KV scale is 1.0 (``checkpoint.write.rescaled_copy``;
     ValueError for scales kvcal did not write)."""
-    if not any(KV_SCALE_PATTERN.search(name) for path in vllm_files(checkpoint)[0] for name in tensor_names(path)):
+    if not has_kv_scales(checkpoint):
         return checkpoint
     return rescaled_copy(checkpoint, into / "scale1", lambda name, t: torch.ones_like(t))
 
@@ -208,7 +219,7 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
                 unquantized: str = "auto", offered: Sequence[str] = CACHE_DTYPES, prompts: Sequence[list[int]] = (),
                 steps: int = 0, attention_backend: str | None = None, tokenizer: bool = True,
                 deny_isa: tuple[str, ...] = (), reference: np.ndarray | None = None,
-                targets: np.ndarray | None = None) -> dict[str, dict]:
+                targets: np.ndarray | None = None, skip_layers: Sequence[str] = ()) -> dict[str, dict]:
     """One engine run per name (``auto`` first, then ``auto2`` and schemes), each the job's answer plus its figures
     (``figures``: the run's array is reduced to them when it ends and removed, all but ``auto``'s, which stays as
     ``npy`` for the others), or ``why`` (a few words: why it did not run; with ``failed`` where the run crashed, was
@@ -219,7 +230,9 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
     seam for the installed vLLM's own list). ``prompts`` and ``steps``: each run also decodes ``steps`` greedy tokens
     after every prompt (its answer's ``greedy``), for the engine's decode drift; ``max_model_len`` must hold the
     longest prompt plus ``steps``. ``attention_backend``: vLLM's ``--attention-backend`` (None: vLLM chooses);
-    ``tokenizer`` False for a checkpoint without one (token ids in, token ids out)."""
+    ``tokenizer`` False for a checkpoint without one (token ids in, token ids out); ``skip_layers``:
+    ``--kv-cache-dtype-skip-layers`` entries every quantized run keeps unquantized (a serve line run as printed; ``auto``
+    has nothing to skip)."""
     checkpoint = checkpoint.resolve()  # the job runs elsewhere: a relative path would read as a Hub id there
     runs: dict[str, dict] = {}
     base = {"dtype": dtype, "max_model_len": max_model_len, "block_size": block_size, "chunk_len": chunk_len,
@@ -243,7 +256,8 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
         try:
             path = scale1_checkpoint(checkpoint, copy) if copy else checkpoint
             answer = run_job(host.python, "logprobs", {**base, "checkpoint": str(path), "kv_cache_dtype": kv_dtype,
-                                                       "out": str(npy)}, deny_isa=deny_isa)
+                                                       "out": str(npy), "skip_layers": list(skip_layers) if scales != "none" else []},
+                             deny_isa=deny_isa)
         except ValueError as e:  # scales kvcal did not write: no copy to make
             runs[name] = {"why": f"no scale-1.0 copy: {e}"}
             continue
@@ -340,11 +354,14 @@ def compare(results: dict[str, dict], runs: dict[str, dict], scheme_scales: dict
         ppl = math.exp(run["nll"] - auto_nll) - 1 if auto_nll is not None else None
         diff_se = mean_stderr([a - b for a, b in zip(kls, r["kl_per_sequence"])])[1]
         tol = tolerance(floor["kl"] if floor else 0.0, noise_kl, diff_se, len(kls))
+        judged = twin and len(kls) >= AGREEMENT_SEQUENCES
         stored = check_stored(run["kv_cache_dtype"], run["stored"], scheme_scales.get(name))
         schemes[name] = {**row, "kl": kl, "kl_stderr": se, "kl_per_sequence": kls, "top1": sum(top1) / len(top1),
                          "kl_vs_reference": vs_ref, "ppl_change": ppl,
-                         "ratio": kl / r["kl"] if r["kl"] > 0 else None, "tolerance_kl": tol if twin else None,
-                         "within_tolerance": abs(kl - r["kl"]) <= tol if twin else None, "diff_stderr": diff_se, "stored": stored,
+                         "ratio": kl / r["kl"] if r["kl"] > 0 else None, "tolerance_kl": tol if judged else None,
+                         "within_tolerance": abs(kl - r["kl"]) <= tol if judged else None,
+                         "agreement": _agreement(twin, len(kls), judged and abs(kl - r["kl"]) <= tol),
+                         "diff_stderr": diff_se, "stored": stored,
                          "as_named": stored["agrees"],
                          "stored_text": "as named" if stored["agrees"] else NOT_AS_NAMED, "seconds": run["seconds"],
                          "rss_peak_delta_mib": run["rss_peak_delta_mib"], "drift": _drift(auto, run)}
@@ -357,6 +374,16 @@ def compare(results: dict[str, dict], runs: dict[str, dict], scheme_scales: dict
             "rss_peak_delta_mib": auto["rss_peak_delta_mib"],
             "failed": {name: run["why"] for name, run in runs.items() if run.get("failed")},
             "seconds": sum(r.get("seconds", 0.0) for r in runs.values())}
+
+
+def _agreement(twin: bool, sequences: int, within: bool) -> str:
+    """Whether the engine and the emulation agree on a scheme, in words: not judged off a measured like-for-like pair,
+    too few sequences to tell (under ``AGREEMENT_SEQUENCES``), or the tolerance's answer."""
+    if not twin:
+        return "not judged (no like-for-like emulation measured)"
+    if sequences < AGREEMENT_SEQUENCES:
+        return f"{TOO_FEW} ({sequences} < {AGREEMENT_SEQUENCES})"
+    return "agree" if within else "disagree"
 
 
 def _drift(auto: dict, run: dict) -> dict | None:
@@ -391,8 +418,10 @@ ENGINE_FIGURES = ("kl", "kl_stderr", "kl_per_sequence", "top1", "ppl_change")
 
 def judge_on_engine(results: dict[str, dict], engine: dict, limits) -> None:
     """The engine's figures decide where it measured a scheme: its KL, top-1 and perplexity change replace the
-    emulation's in ``results`` (kept under ``emulated``, with the emulated verdict), so that the ranking, the
-    recommendation, "is scale 1.0 enough?", report.json and the card all rest on them; judged on them, and flagged
+    emulation's in ``results`` (kept under ``emulated``, with the emulated verdict and reasons), so that the ranking, the
+    recommendation, "is scale 1.0 enough?", report.json and the card all rest on them; judged on them against
+    ``limits``, which the caller resolves from the engine's own floor (its unquantized cache against the reference on
+    the same sequences, ``engine["floor"]``), never the emulation's; and flagged
     where the engine and the emulation disagree beyond the tolerance, rank otherwise, or the dtype is not what its
     name says. ``measured_by`` names the engine on each such scheme."""
     flipped = {n for pair in engine["ranking_flips"] for n in pair}
@@ -406,7 +435,7 @@ def judge_on_engine(results: dict[str, dict], engine: dict, limits) -> None:
         if "kl" not in row:
             r["reasons"].append(f"not measured in the engine: {row['why']}")
             continue
-        r["emulated"] = {**{key: r[key] for key in ENGINE_FIGURES if key in r}, "verdict": r["verdict"]}
+        r["emulated"] = {**{key: r[key] for key in ENGINE_FIGURES if key in r}, "verdict": r["verdict"], "reasons": r["reasons"]}
         r.update({key: row[key] for key in ENGINE_FIGURES if row.get(key) is not None}, measured_by=label)
         verdict, reasons = judge({**r, "tails": None, "needle_lost": None}, limits)
         r["verdict"] = verdict
@@ -419,3 +448,25 @@ def judge_on_engine(results: dict[str, dict], engine: dict, limits) -> None:
                                 f"outside the measured tolerance ±{row['tolerance_kl']:.2g}")
         if name in flipped:
             r["reasons"].append("the engine ranks this scheme differently from the emulation")
+
+
+def as_printed(choice: str | None, skip: Sequence[str], engine: dict, checkpoint: Path) -> tuple[bool, str | None]:
+    """Whether the engine's run of scheme ``choice`` (``engine["schemes"]``) already is the serve line as printed, with
+    ``skip`` its skip-layer entries: (True, None) when it is, (False, None) when a run with the skip layers is needed,
+    (False, why) when no engine run can stand for the line (never run; 1.0 served from a copy)."""
+    row = engine["schemes"].get(choice, {})
+    if "kl" not in row:
+        return False, f"not run in the engine: {row.get('why', 'no engine run')}"
+    if RUNS[choice][1] == "ones" and has_kv_scales(checkpoint):
+        return False, ("the engine ran scale 1.0 from a copy without KV scales; the line serves the checkpoint, whose "
+                       "scales vLLM would use instead")
+    return not skip, None
+
+
+def worse_than_promised(run: dict, promised: dict, noise_kl: float) -> dict:
+    """The serve line's run against the scheme's own engine run (every layer quantized), paired by sequence: worse when
+    its KL is higher by more than the paired test's margin plus the engine's run-to-run noise."""
+    diff = [a - b for a, b in zip(run["kl_per_sequence"], promised["kl_per_sequence"])]
+    mean, se = mean_stderr(diff)
+    limit = margin(se, len(diff)) + noise_kl
+    return {"kl_change": mean, "limit": limit, "worse": mean > limit}

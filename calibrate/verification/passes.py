@@ -14,7 +14,7 @@ from ..model.layers import is_latent
 from . import fa3
 from .config import NEAR_TIE_NATS, VerifyConfig
 from .schemes import Scheme, absorbed_attention
-from .verdict import SCHEME_NOTES, mean_stderr, skip_choice
+from .verdict import SCHEME_NOTES, SKIP_BASELINE, mean_stderr, skip_choice
 
 
 class ApplyScheme:
@@ -245,6 +245,8 @@ def probe_skip_layers(model, layers, scheme: Scheme, result: dict, sequences: li
     the reference's inputs). The ``probe_layers`` layers measured are the ones the estimate ranks highest, plus
     the median-ranked one as a control: one pass each with every other layer quantized, paired with the
     scheme's own pass over the same sequences. ``verdict.skip_choice`` then picks the layers worth keeping.
+    ``result`` must be the emulation's (``verdict.emulated_figures``): both sides of each gain are then one method's
+    (``baseline``), never an engine's KL less an emulated one.
     """
     start = time.perf_counter()
     estimate = result["layer_rel_error"]
@@ -261,5 +263,5 @@ def probe_skip_layers(model, layers, scheme: Scheme, result: dict, sequences: li
         measured.append({"layer": layers[row].layer_idx, "row": row, "estimate": estimate[row],
                          "kl_without": sum(tallies[variant.name].seq_kl) / len(sequences), "gain": mean, "gain_stderr": se,
                          "sequences": len(gain)})
-    return {"scheme": scheme.name, "kl": result["kl"], "estimate": estimate, "layers": [layer.layer_idx for layer in layers],
+    return {"scheme": scheme.name, "baseline": SKIP_BASELINE, "kl": result["kl"], "estimate": estimate, "layers": [layer.layer_idx for layer in layers],
             "measured": measured, "seconds": time.perf_counter() - start, **skip_choice(result["kl"], measured, len(layers))}

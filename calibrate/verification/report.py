@@ -15,7 +15,7 @@ from ..layout import sibling, sweep
 from .capacity import plan_text
 from .plots import plot_kl_by_depth, plot_layer_error, plot_position_profile, plot_scale_heatmap
 from .report_md import verify_markdown
-from .verdict import short_evidence
+from .verdict import floor_of, short_evidence
 from .verdict_table import (
     ENGINE_FAILURES,
     SHORT_COLUMNS,
@@ -27,6 +27,8 @@ from .verdict_table import (
     held_out_text,
     measured_schemes,
     other_target_lines,
+    other_targets,
+    serve_run_lines,
     target_text,
     thresholds_text,
     verify_rows,
@@ -78,9 +80,9 @@ def answer_lines(rep: dict, report_md: Path | None = None, *, risks: Sequence[st
     one risk worth checking, where the full report is, and the serve command (last)."""
     target = rep.get("target", serving.DEFAULT_TARGET)
     line = rep.get("serve_lines", {}).get(target)  # None: a report written before kvcal chose per target
-    floor = rep["floor"]["kl"] if rep["floor"] and rep["floor"]["kl"] > 0 else None
     answer = ([] if line is None or "scheme" not in line else
-              [f"recommended: {scheme_label(line['scheme'])}: {short_evidence(rep['schemes'][line['scheme']], floor)}"]
+              [f"recommended: {scheme_label(line['scheme'])}: "
+               f"{short_evidence(r := rep['schemes'][line['scheme']], floor_of(r, rep['floor'], rep.get('engine')))}"]
               if line["scheme"] in rep["schemes"] else
               ["recommended: keep the KV cache unquantized (no quantized scheme qualifies on this target)"])
     found = risk_lines(rep, risks)
@@ -88,7 +90,8 @@ def answer_lines(rep: dict, report_md: Path | None = None, *, risks: Sequence[st
                                               RISK_WIDTH, subsequent_indent="  ", max_lines=3, placeholder=" …")
     where = (f"full report: {report_md}" + ("" if verbose else " (--verbose prints its details here)") if report_md
              else "" if verbose else "details: --verbose (--report DIR writes them to report.md)")
-    return [target_text(rep), *answer, *risk, *([where] if where else []), "serve it with:", f"  {rep['serve_command']}"]
+    return [target_text(rep), *answer, *serve_run_lines(rep), *risk, *([where] if where else []), "serve it with:",
+            f"  {rep['serve_command']}"]
 
 
 RISK_WIDTH = 118  # the answer's risk line is wrapped to this width, at most three lines
@@ -104,7 +107,7 @@ def risk_lines(rep: dict, risks: Sequence[str] = ()) -> list[str]:
     failed = [line for line in lines if line.startswith(ENGINE_FAILURES)]
     caveats = [line for line in lines if line.startswith(serving.caveat_prefix(target))]
     unrun = [line for line in lines if line.startswith(serving.UNRUN_PREFIX)]
-    elsewhere = [line.split(" (")[0].strip() for line in other_target_lines(rep)[1:]]
+    elsewhere = [t + (f" ({s['evidence'].split(' (')[0]})" if s.get("evidence") else "") for t, s in other_targets(rep).items()]
     other = [f"serving on {' or '.join(elsewhere)}? its serve line differs; --verbose gives it"] if elsewhere else []
     seen = [line for line in held_out_text(rep) if line.startswith("the sample may hold")]  # data the scales have seen
     return [*failed, *seen, *risks, *other, *caveats, *unrun]

@@ -7,6 +7,7 @@ from .. import serving
 from ..choices import scheme_label
 from .capacity import plan_text
 from .tails import PERCENTILES
+from .verdict import SKIP_BASELINE
 from .verdict_table import (
     VERIFY_HEADER,
     depth_lines,
@@ -36,7 +37,7 @@ def target_serve_markdown(lines: dict[str, dict], heading: bool = True) -> list[
            "Each target's line comes from the schemes its vLLM serves as measured (docs/kv-dtypes.md, \"Serving targets\").", ""]
     for target, s in lines.items():
         out += [f"{serving.target_label(target)}: {s['label'] or 'no quantized scheme qualifies'}, checked against "
-                f"{s['build']}", "", "```", s["line"], "```", ""]
+                f"{s['build']}" + (f"; {s['evidence']}" if s.get("evidence") else ""), "", "```", s["line"], "```", ""]
     return out
 
 
@@ -249,7 +250,8 @@ def _skip_markdown(probe: dict | None) -> list[str]:
              "yes" if layer in probe["skip"] else ""]
             for row, layer in enumerate(probe["layers"])]
     return ["## Layers to keep in bf16", "",
-            f"Scheme {scheme_label(probe['scheme'])} (KL {probe['kl']:.4g} nats/token with every layer quantized). Estimate: the layer's own "
+            f"Scheme {scheme_label(probe['scheme'])} (KL {probe['kl']:.4g} nats/token with every layer quantized). Both sides "
+            f"measured by {probe.get('baseline', SKIP_BASELINE)}. Estimate: the layer's own "
             "attention-output error; measured: KL with that one layer left unquantized, and the gain paired by sequence. "
             f"Kept: a significant gain above {probe['share_limit']:.3g} (twice an average layer's share).", "",
             markdown_table(["layer", "estimate", "KL without it", "gain", "keep"], rows), ""]

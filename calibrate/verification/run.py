@@ -36,6 +36,7 @@ from ..engine.caveats import AMX_MLA_AUTO_ONLY, installed_vllm_version
 from ..engine.delivery import DeliveryResult, check_delivery
 from ..engine.dtypes import EngineDtypes, engine_dtypes
 from ..engine.launch import EngineError
+from ..engine.platforms import Emulation as Writer
 from ..engine.platforms import platform
 from ..files import no_room, read_json_object
 from ..fp8 import get_format
@@ -58,7 +59,16 @@ from .passes import ApplyScheme, ReferenceProbe, measure, probe_skip_layers, sch
 from .scale1 import EQUAL, WORSE, scale1_answer
 from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
 from .tails import tails
-from .verdict import check_measured, check_reference, choose, judge, recommend, serve_lines, target_refusals
+from .verdict import (
+    check_measured,
+    check_reference,
+    choose,
+    emulated_figures,
+    judge,
+    recommend,
+    serve_lines,
+    target_refusals,
+)
 from .verdict_table import AUDIT_FAILED, ENGINE_FAILED, NOT_DELIVERED
 
 # ---- the probes ---------------------------------------------------------------------------------------------------
@@ -420,6 +430,9 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     advice = _recommend(config, subject, ref, sample, emulated, judged, engine_result)
     if started is not None:
         advice.recommendation[:0] = _engine_lines(started, engine_result, engine_error)
+    # 8b. The serve line it will print, run as printed in the engine: the answer shows that run's figures.
+    if engine_result is not None:
+        engine_result["serve_run"] = _run_serve_line(config, subject, started, ref, sample, judged, advice, engine_result)
     # 9. The report; a kvcal output's model card gets its table.
     rep = _report(config, subject, ref, sample, emulated, judged, advice, engine_result, engine_error, clock)
     out, failed = None, None
@@ -451,8 +464,10 @@ def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: S
     choice = choose(results)
     skip_probe = None
     if choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
+        # One baseline: the emulation's all-quantized pass against its passes with a layer left unquantized, even where
+        # the engine's figures chose the scheme (an engine/emulation gap is no layer's gain).
         skip_probe = probe_skip_layers(ref.model, layers, next(s for s in emulated.schemes if s.name == choice),
-                                       results[choice], sample.sequences, config)
+                                       emulated_figures(results)[choice], sample.sequences, config)
     for r in results.values():
         r["bytes_per_token"] = len(layers) * DTYPES[r["kv_dtype"]].bytes_per_token(sig.num_kv_heads, sig.head_dim, _value_dim(sig))
         r["bytes_vs_bf16"] = (DTYPES[r["kv_dtype"]].bytes_per_token(1, sig.head_dim, _value_dim(sig))
@@ -473,8 +488,11 @@ def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: S
                                       engine_target=engine_result["target"] if engine_result else None,
                                       mla=bool(sig.latent_dim), model_type=model_config.get("model_type"),
                                       scale_one=bool(scale1) and scale1["outcome"] in (EQUAL, WORSE))
-    return Advice(recommendation, serve, serve_lines(results, emulated.held, layers, served, skip_probe, unquantized=plain,
-                                                     **shape), skip_probe, pays, scale1, nvfp4_scale1, vllm_version)
+    # The engine's figures choose its own target's line; every other target's is the emulation's, said so.
+    emulation = f"kvcal's emulation, {Writer(config.backend, config.dtype, bool(config.kv_only)).flags()}"
+    lines = serve_lines(results, emulated.held, layers, served, skip_probe, unquantized=plain, **shape,
+                        engine_target=engine_result["target"] if engine_result else None, emulation=emulation)
+    return Advice(recommendation, serve, lines, skip_probe, pays, scale1, nvfp4_scale1, vllm_version)
 
 
 def _engine_lines(started: "EngineStart", engine_result: dict | None, engine_error: str | None) -> list[str]:
@@ -516,9 +534,7 @@ def _report(config: VerifyConfig, subject: Subject, ref: Reference, sample: Samp
         "layers": [vars(layer) for layer in ref.layers],
         "checkpoint_scales": emulated.held,
         "floor": floor_result,
-        "thresholds": {**{name: getattr(limits, name) for name in Thresholds.LIMITS}, "origin": config.thresholds.origin(),
-                       "floor_pass": limits.floor_pass, "floor_fail": limits.floor_fail,
-                       "relative_to_floor": floor_result is not None and floor_result["kl"] > 0},
+        "thresholds": thresholds_json(config.thresholds, limits, floor_result),
         "schemes": judged.results,
         "skip_layers": skip_probe,
         "does_it_pay": advice.pays,
@@ -549,6 +565,14 @@ def _report(config: VerifyConfig, subject: Subject, ref: Reference, sample: Samp
             "total_s": time.perf_counter() - clock.start,
         },
     }
+
+
+def thresholds_json(asked: Thresholds, limits: Thresholds, floor: dict | None) -> dict:
+    """The limits a set of verdicts used (``limits``, resolved from ``floor``), where each came from, as report.json
+    holds them: the emulation's under "thresholds", the engine's under "engine"."""
+    return {**{name: getattr(limits, name) for name in Thresholds.LIMITS}, "origin": asked.origin(),
+            "floor_pass": limits.floor_pass, "floor_fail": limits.floor_fail,
+            "relative_to_floor": floor is not None and floor["kl"] > 0}
 
 
 def _position_profile(stats: Stats | None) -> dict | None:
@@ -651,26 +675,16 @@ def _run_engine(config: VerifyConfig, subject: Subject, started: EngineStart, re
     """The same sequences in the engine, once per scheme it can serve, judged there (``engine.judge_on_engine``); with
     decode drift's prompts, the engine's own greedy decode after each too. (result, None), or (None, the failure in
     one line) when the engine failed after the emulation ran, which then stands alone."""
-    host, sig, sequences, prompts = started.host, ref.sig, sample.sequences, sample.prompts
-    block = config.block_size or platform(host.platform).block_size
-    longest = max(config.data.seq_len + 1, max((len(p) + config.generate for p in prompts), default=0))
-    max_len = config.max_model_len or engine.model_len(longest, block)
-    settings = {"max_model_len": max_len, "block_size": block, "dtype": config.dtype, "chunk_len": config.data.chunk_len,
-                "prefix_caching": False, "enforce_eager": True}
+    host, sequences = started.host, sample.sequences
+    request, settings = _engine_request(config, subject, started, ref, sample)
     schemes = emulated.schemes
     names = ["auto", "auto2", *(s.name for s in schemes if s.mode != Mode.REFERENCE)]
     targets = torch.stack([s[1:] for s in sequences]).numpy()  # the next tokens, for the engine's perplexity
     try:
         with tempfile.TemporaryDirectory(prefix="kvcal-engine-") as tmp:
             logprobs = engine.reference_logprobs(ref.model, sequences, Path(tmp) / "reference.npy")
-            runs = engine.run_schemes(host, subject.absolute, names, [s.tolist() for s in sequences],
-                                      dtype=config.dtype or "auto", chunk_len=config.data.chunk_len, max_model_len=max_len,
-                                      block_size=block, kv_bytes=engine.kv_cache_bytes(len(ref.layers), sig.num_kv_heads,
-                                                                                       sig.head_dim, max_len, block),
-                                      vocab_size=logprobs.shape[-1], workdir=Path(tmp),
-                                      unquantized=serving.unquantized_dtype(subject.described.config),
-                                      offered=started.dtypes.names, prompts=[p.tolist() for p in prompts],
-                                      steps=config.generate, reference=logprobs, targets=targets)
+            runs = engine.run_schemes(host, subject.absolute, names, [s.tolist() for s in sequences], **request,
+                                      vocab_size=logprobs.shape[-1], workdir=Path(tmp), reference=logprobs, targets=targets)
             del logprobs
         result = engine.compare(judged.results, runs, {s.name: s.scales for s in schemes if s.scales}, host, settings)
     except (ValueError, EngineError) as e:
@@ -679,13 +693,82 @@ def _run_engine(config: VerifyConfig, subject: Subject, started: EngineStart, re
         if (why := no_room(e)) is None:
             raise
         return None, f"writing the reference log-probabilities in {tempfile.gettempdir()} failed: {why}; free space there"
-    engine.judge_on_engine(judged.results, result, judged.limits)
+    # The engine's figures are judged against the engine's own floor (its unquantized cache against the reference on
+    # the same sequences), as the emulation's are against the emulation's: never one method's KL over the other's floor.
+    limits = config.thresholds.resolve(result["floor"], len(sequences) * (config.data.seq_len - 1))
+    result["thresholds"] = thresholds_json(config.thresholds, limits, result["floor"])
+    engine.judge_on_engine(judged.results, result, limits)
     held = started.audit
     result["audit"] = {"status": held.status, "failures": held.failures, "reason": held.reason,
                        "kv_cache_dtype": held.kv_cache_dtype}
     result["set"], result["not_emulated"] = started.settings, started.dtypes.not_emulated()
     result["delivery"] = started.delivery.to_json() | {"text": started.delivery.text()} if started.delivery else None
     return result, None
+
+
+def _engine_request(config: VerifyConfig, subject: Subject, started: EngineStart, ref: Reference,
+                    sample: Sample) -> tuple[dict, dict]:
+    """What every engine run of this verify is given (``engine.run_schemes``' settings but the names, the sequences, the
+    vocabulary and the folder), and the settings report.json shows."""
+    sig, prompts = ref.sig, sample.prompts
+    block = config.block_size or platform(started.host.platform).block_size
+    longest = max(config.data.seq_len + 1, max((len(p) + config.generate for p in prompts), default=0))
+    max_len = config.max_model_len or engine.model_len(longest, block)
+    settings = {"max_model_len": max_len, "block_size": block, "dtype": config.dtype, "chunk_len": config.data.chunk_len,
+                "prefix_caching": False, "enforce_eager": True}
+    request = {"dtype": config.dtype or "auto", "chunk_len": config.data.chunk_len, "max_model_len": max_len,
+               "block_size": block, "kv_bytes": engine.kv_cache_bytes(len(ref.layers), sig.num_kv_heads, sig.head_dim, max_len, block),
+               "unquantized": serving.unquantized_dtype(subject.described.config), "offered": started.dtypes.names,
+               "prompts": [p.tolist() for p in prompts], "steps": config.generate}
+    return request, settings
+
+
+def _run_serve_line(config: VerifyConfig, subject: Subject, started: EngineStart, ref: Reference, sample: Sample,
+                    judged: Judged, advice: Advice, engine_result: dict) -> dict:
+    """The serve line the answer prints, run as printed in the engine (its cache dtype, its skip layers, this
+    checkpoint's scales) on the held-out sequences: the scheme's own run where that already is the line, else one run
+    with the skip layers beside a fresh unquantized one; against the scheme's all-quantized run, flagged when worse
+    beyond the noise. The next candidate is not tried: the answer says so."""
+    import tempfile
+
+    choice = advice.serve_lines[config.target]["scheme"]
+    dtype, skip = serving.serve_args(advice.serve)
+    out = {"line": advice.serve, "scheme": choice, "kv_cache_dtype": dtype, "skip_layers": skip,
+           "vllm_version": engine_result["vllm_version"], "attention_backend": engine_result["attention_backend"]}
+    if choice is None:
+        return {**out, "ran": False, "why": "the line keeps the cache unquantized: the engine's floor is that run"}
+    same, why = engine.as_printed(choice, skip, engine_result, subject.absolute)
+    promised = engine_result["schemes"][choice]
+    if why is not None:
+        return {**out, "ran": False, "why": why}
+    if same:
+        return {**out, "ran": True, "same_run": True, "floor": engine_result["floor"],
+                **{k: promised[k] for k in ("kl", "kl_stderr", "top1", "drift")}}
+    request, settings = _engine_request(config, subject, started, ref, sample)
+    sequences = sample.sequences
+    targets = torch.stack([s[1:] for s in sequences]).numpy()
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvcal-serve-") as tmp:
+            logprobs = engine.reference_logprobs(ref.model, sequences, Path(tmp) / "reference.npy")
+            runs = engine.run_schemes(started.host, subject.absolute, ["auto", choice], [s.tolist() for s in sequences],
+                                      **request, vocab_size=logprobs.shape[-1], workdir=Path(tmp), skip_layers=skip,
+                                      reference=logprobs, targets=targets)
+            del logprobs
+        result = engine.compare({choice: emulated_figures(judged.results)[choice]}, runs, {}, started.host, settings)
+    except (ValueError, EngineError) as e:
+        return {**out, "ran": False, "why": f"the engine failed: {e}"}
+    except OSError as e:  # the temporary directory filled after check_room
+        if (why := no_room(e)) is None:
+            raise
+        return {**out, "ran": False, "why": f"the engine failed: writing in {tempfile.gettempdir()} failed: {why}"}
+    row = result["schemes"][choice]
+    if "kl" not in row:
+        return {**out, "ran": False, "why": f"the engine failed: {row['why']}"}
+    # No "as named" here: the skipped layers' unquantized cache is what the line asks for (the scheme's own run checked
+    # the dtype's name on every layer).
+    return {**out, "ran": True, "same_run": False, "floor": result["floor"],
+            **{k: row[k] for k in ("kl", "kl_stderr", "kl_per_sequence", "top1", "drift")},
+            "against_promised": engine.worse_than_promised(row, promised, engine_result["noise_kl"])}
 
 
 def _refresh_card(subject: Subject, rep: dict) -> None:

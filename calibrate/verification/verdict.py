@@ -135,19 +135,47 @@ def target_refusals(results: dict[str, dict], target: str, *, mla: bool = False,
 
 def serve_lines(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
                 skip_probe: dict | None = None, *, unquantized: str = "auto", mla: bool = False,
-                head_size: int | None = None) -> dict[str, dict]:
+                head_size: int | None = None, engine_target: str | None = None, emulation: str | None = None) -> dict[str, dict]:
     """The serve line for every target, each chosen among the schemes that target's vLLM serves as measured for this
     model (``target_refusals``): target → {"scheme": name or None (bf16), "label": its ``choices.scheme_label``,
-    "kv_dtype", "line", "build": the vLLM build its facts were read in}."""
+    "kv_dtype", "line", "build": the vLLM build its facts were read in, and under an engine "evidence": whose figures
+    chose it}.
+
+    An engine's figures (``engine_target``: the target whose engine judged ``results``, ``engine.judge_on_engine``)
+    choose its own target's line only: every other target's is chosen on the emulation's figures and verdicts
+    (``emulated_figures``), its evidence "emulated for <target>" with the emulation's settings (``emulation``), so a
+    kernel of one platform never changes another's line. Without an engine there is no evidence key: every line is
+    the emulation's."""
     out = {}
     for target in TARGETS:
-        refused = target_refusals(results, target, mla=mla, head_size=head_size)
-        judged = {n: {**r, "target_refusal": refused[n].short if n in refused else None} for n, r in results.items()}
+        own = engine_target is None or target == engine_target
+        figures = results if own else emulated_figures(results)
+        refused = target_refusals(figures, target, mla=mla, head_size=head_size)
+        judged = {n: {**r, "target_refusal": refused[n].short if n in refused else None} for n, r in figures.items()}
         _, line = recommend(judged, held, layers, checkpoint, skip_probe, target=target, unquantized=unquantized)
         scheme = choose(judged)
         out[target] = {"scheme": scheme, "label": scheme_label(scheme) if scheme else None,
                        "kv_dtype": judged[scheme]["kv_dtype"] if scheme else unquantized, "line": line,
                        "build": serving.build_name(target)}
+        if engine_target is not None:
+            out[target]["evidence"] = ("the engine's figures where it ran a scheme" if own
+                                       else f"{EMULATED_FOR}{target}" + (f" ({emulation})" if emulation else ""))
+    return out
+
+
+EMULATED_FOR = "emulated for "  # the evidence of a target's line the engine did not run, before the target's name
+
+
+def emulated_figures(results: dict[str, dict]) -> dict[str, dict]:
+    """``results`` as the emulation measured and judged them: where an engine's figures replaced a scheme's
+    (``engine.judge_on_engine`` keeps the emulation's under ``emulated``), the emulation's figures, verdict and
+    reasons back."""
+    out = {}
+    for name, r in results.items():
+        if "emulated" not in r:
+            out[name] = r
+            continue
+        out[name] = {**{k: v for k, v in r.items() if k not in ("emulated", "measured_by")}, **r["emulated"]}
     return out
 
 
@@ -182,6 +210,10 @@ def rank_correlation(x: list[float], y: list[float]) -> float | None:
     return None if denominator == 0 else (rx @ ry / denominator).item()
 
 
+# What both sides of the skip-layer probe's gains are measured by: one method, whatever judged the scheme.
+SKIP_BASELINE = "kvcal's emulation, all layers quantized against one layer left unquantized"
+
+
 def skip_choice(kl: float, measured: list[dict], num_layers: int) -> dict:
     """Which measured layers to keep unquantized, and how far the cheap estimate agreed with the measurement.
 
@@ -201,8 +233,9 @@ def skip_lines(probe: dict) -> list[str]:
     """The skip-layer finding, for a person."""
     best = max(probe["measured"], key=lambda m: m["gain"])
     rho = probe["rank_correlation"]
-    lines = [f"Layers kept in bf16 ({scheme_label(probe['scheme'])}, measured end to end for {len(probe['measured'])} of {len(probe['layers'])} layers, "
-             f"ranked by each layer's own error): the largest gain is layer {best['layer']}, KL {probe['kl']:.4g} → {best['kl_without']:.4g}; "
+    lines = [f"Layers kept in bf16 ({scheme_label(probe['scheme'])}, measured end to end for {len(probe['measured'])} of "
+             f"{len(probe['layers'])} layers, ranked by each layer's own error; {probe.get('baseline', SKIP_BASELINE)}): "
+             f"the largest gain is layer {best['layer']}, KL {probe['kl']:.4g} → {best['kl_without']:.4g}; "
              f"estimate and measurement {'agree' if probe['top_agrees'] else 'disagree'} on the top layer"
              + (f" (rank correlation {rho:.2f})." if rho is not None else ".")]
     if probe["skip"]:
@@ -246,10 +279,22 @@ def evidence_text(r: dict) -> str:
             f"verdict {e['verdict']})")
 
 
-def short_evidence(r: dict, floor_kl: float | None) -> str:
-    """``evidence_text`` in a few words for the terminal's answer: KL as a multiple of the floor's (``floor_kl``; the
-    KL itself without a floor), top-1, drift, verdict, and who measured it."""
-    kl = f"KL {r['kl'] / floor_kl:.3g}× the floor" if floor_kl else f"KL {r['kl']:.3g} nats/token"
+def floor_of(r: dict, floor: dict | None, engine: dict | None) -> tuple[float | None, str]:
+    """The floor KL a scheme's KL is set against, and whose it is: the engine's (its unquantized cache against the
+    reference on the same sequences, ``engine["floor"]``) where the engine measured the scheme (``measured_by``),
+    else the emulation's (``floor``). The KL is None where that floor measured none."""
+    if "measured_by" in r:
+        own, whose = (engine or {}).get("floor"), "the engine's floor"
+    else:
+        own, whose = floor, "the emulation's floor" if engine else "the floor"
+    return (own["kl"] if own and own["kl"] > 0 else None), whose
+
+
+def short_evidence(r: dict, floor: tuple[float | None, str]) -> str:
+    """``evidence_text`` in a few words for the terminal's answer: KL as a multiple of the floor's (``floor``:
+    ``floor_of``'s KL and whose; the KL itself without one), top-1, drift, verdict, and who measured it."""
+    floor_kl, whose = floor
+    kl = f"KL {r['kl'] / floor_kl:.3g}× {whose}" if floor_kl else f"KL {r['kl']:.3g} nats/token"
     drift = r.get("drift")
     drift_text = "" if drift is None else f", drift {drift['agreement']:.0%} agree"
     who = ("emulated by kvcal" if "measured_by" not in r else

@@ -7,6 +7,7 @@ from ..choices import scheme_label
 from .config import percent
 from .depth import trend_text
 from .tails import COMPARED, PERCENTILES, tail_rule, tokens_needed
+from .verdict import floor_of
 
 # The verdict table's columns, one per cell of ``verify_rows``; the terminal's short table shows SHORT_COLUMNS of them
 # (report.md, the card and --verbose all).
@@ -16,13 +17,15 @@ SHORT_COLUMNS = ("scheme", "KL / floor", "top-1 agree", "drift: 1st diff (min) �
 
 
 def verify_rows(rep: dict) -> list[list[str]]:
-    """One row per scheme: its label (``choices.scheme_label``: vLLM's name), KL ± s.e., KL over the floor's, KV bytes per token (× bf16), perplexity change,
+    """One row per scheme: its label (``choices.scheme_label``: vLLM's name), KL ± s.e., KL over its own method's floor
+    (``verdict.floor_of``: the engine's where the engine measured it, labelled so), KV bytes per token (× bf16), perplexity change,
     top-1, worst-layer saturation of K/V/Q, verdict (or why the serving target's vLLM does not serve it as measured)."""
     rows = []
-    floor = rep["floor"]["kl"] if rep["floor"] and rep["floor"]["kl"] > 0 else None
     for name, r in rep["schemes"].items():
         sat = " / ".join(percent_cell(_worst(r, k, "saturated"), 3) for k in ("k", "v", "q"))
-        times = "—" if floor is None or r["mode"] == "reference" else f"{r['kl'] / floor:.3g}×" + (" (engine)" if r.get("measured_by") else "")
+        floor, _ = floor_of(r, rep["floor"], rep.get("engine"))
+        whose = "" if not rep.get("engine") else " (engine floor)" if r.get("measured_by") else " (emulated floor)"
+        times = "—" if floor is None or r["mode"] == "reference" else f"{r['kl'] / floor:.3g}×{whose}"
         size = f"{r['bytes_per_token']:,.0f} ({r['bytes_vs_bf16']:.2f}×)"
         rows.append([scheme_label(name), _kl(r), times, size, f"{100 * r['ppl_change']:+.3f}%", percent_cell(r["top1"]), drift_cell(r.get("drift")), sat,
                      r.get("target_refusal") or r["verdict"], "; ".join(r["reasons"])])
@@ -91,8 +94,24 @@ def depth_lines(rep: dict) -> list[str]:
 
 
 def thresholds_text(rep: dict) -> str:
-    """The limits the verdicts used, where they came from, and how tails count (``tails.tail_rule``)."""
-    return _limits_text(rep) + _tail_clause(rep)
+    """The limits the verdicts used, where they came from, and how tails count (``tails.tail_rule``); under
+    ``--engine``, the limits the engine's figures were judged by, from the engine's own floor."""
+    return _limits_text(rep) + _tail_clause(rep) + _engine_limits(rep)
+
+
+def _engine_limits(rep: dict) -> str:
+    """The engine's verdicts' limits (``run._run_engine``: resolved from the engine's floor, its unquantized cache
+    against the reference on the same sequences), empty without an engine run."""
+    engine = rep.get("engine")
+    if not engine or not engine.get("thresholds"):
+        return ""
+    th, floor = engine["thresholds"], engine["floor"]
+    source = ("fixed: the engine's floor measured no KL" if not th["relative_to_floor"] else
+              f"from the engine's floor (its unquantized cache against the reference), KL {floor['kl']:.3g} nats/token, "
+              f"top-1 {100 * floor['top1']:.2f}%")
+    return (f". Where the engine measured a scheme it is judged by the engine's own limits ({source}): pass when KL ≤ "
+            f"{th['max_kl']:.3g} and top-1 ≥ {percent(th['min_top1'])}; fail when KL > {th['fail_kl']:.3g} or top-1 < "
+            f"{percent(th['fail_top1'])}")
 
 
 def _tail_clause(rep: dict) -> str:
@@ -150,15 +169,22 @@ def target_text(rep: dict) -> str:
     return text
 
 
+def other_targets(rep: dict) -> dict[str, dict]:
+    """Every other target whose serve line differs from the chosen target's: target → its ``serve_lines`` entry."""
+    target = rep.get("target", serving.DEFAULT_TARGET)
+    return {t: s for t, s in rep.get("serve_lines", {}).items() if t != target and s["line"] != rep["serve_command"]}
+
+
 def other_target_lines(rep: dict) -> list[str]:
     """The serve line of every other target whose line differs from the chosen target's, so that a reader serving
-    elsewhere (the demo's reader on a laptop CPU, say) is not handed a line that target's vLLM serves wrongly."""
-    target = rep.get("target", serving.DEFAULT_TARGET)
-    others = {t: s for t, s in rep.get("serve_lines", {}).items() if t != target and s["line"] != rep["serve_command"]}
+    elsewhere (the demo's reader on a laptop CPU, say) is not handed a line that target's vLLM serves wrongly; each
+    says whose figures chose it where an engine ran ("emulated for gpu", ``verdict.serve_lines``)."""
+    others = other_targets(rep)
     if not others:
         return []
     return ["on other serving targets (--target; docs/kv-dtypes.md, \"Serving targets\"):",
-            *(f"  {t} ({serving.TARGET_BUILDS[t][0]}, {s['build']}): {s['line']}" for t, s in others.items())]
+            *(f"  {t} ({serving.TARGET_BUILDS[t][0]}, {s['build']}" + (f"; {s['evidence']}" if s.get("evidence") else "")
+              + f"): {s['line']}" for t, s in others.items())]
 
 
 def engine_lines(engine: dict | None) -> list[str]:
@@ -171,11 +197,12 @@ def engine_lines(engine: dict | None) -> list[str]:
     twin = engine.get("like_for_like", True)
     lines = [*engine_brief(engine, whole=True),
              f"Engine: vLLM {engine['vllm_version']} ({engine['platform']}, {engine['isa']}, attention backend "
-             f"{engine['attention_backend']}, target {engine['target']}); its floor (auto cache vs the reference) KL {floor_text}; "
+             f"{engine['attention_backend']}, target {engine['target']}); the engine's floor (auto cache vs the reference) KL {floor_text}; "
              f"run-to-run KL {engine['noise_kl']:.3g}; settings {engine['settings']}",
              *([] if twin else [f"No measured like-for-like emulation of {engine['platform']}: the emulated column is for "
                                 "orientation, and no agreement is judged (docs/engine.md)."]), "",
-             "| scheme | cache dtype | emulated KL | engine KL | KL vs reference | ratio | tolerance | top-1 (engine) | drift (engine) | stored as named |",
+             "| scheme | cache dtype | emulated KL | engine KL | KL vs reference | engine / emulated KL | tolerance | top-1 (engine) "
+             "| drift (engine) | stored as named |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, row in engine["schemes"].items():
         label = scheme_label(name)
@@ -184,7 +211,8 @@ def engine_lines(engine: dict | None) -> list[str]:
             continue
         vs_ref = "-" if row.get("kl_vs_reference") is None else f"{row['kl_vs_reference']:.4g}"
         flag = "" if row["within_tolerance"] is not False else " ⚠"
-        tolerance = "-" if row["tolerance_kl"] is None else f"±{row['tolerance_kl']:.2g}"
+        tolerance = (f"±{row['tolerance_kl']:.2g}" if row["tolerance_kl"] is not None
+                     else row.get("agreement", "-") if twin else "-")  # judged on a pair, but too few sequences to tell
         lines.append(f"| {label} | {row['kv_cache_dtype']} | {row['emulated_kl']:.4g} | {row['kl']:.4g} ± {row['kl_stderr'] or 0:.2g} | "
                      f"{vs_ref} | {_ratio_text(row['ratio'])}{flag} | {tolerance} | "
                      f"{row['top1']:.2%} | {drift_cell(row.get('drift'))} | {row['stored_text']} |")
@@ -216,6 +244,28 @@ def engine_brief(engine: dict, *, whole: bool = False) -> list[str]:
             *(delivery if whole else delivery[:1]),
             *([f"offered by vLLM {engine['vllm_version']}, not emulated: {', '.join(engine['not_emulated'])}"]
               if engine.get("not_emulated") else [])]
+
+
+def serve_run_lines(rep: dict) -> list[str]:
+    """The serve line run as printed in the engine (``run._run_serve_line``), for the answer: that run's KL over the
+    engine's floor, top-1 and drift, labelled with the engine, its version and backend; or why it did not run, and
+    whether it came out worse than the scheme with every layer quantized (nothing without an engine run)."""
+    run = (rep.get("engine") or {}).get("serve_run")
+    if not run:
+        return []
+    who = f"vLLM {run['vllm_version']} engine ({run['attention_backend']})"
+    if not run["ran"]:
+        return [f"serve line not run as printed in {who}: {run['why']}"]
+    floor = run["floor"]["kl"] if run["floor"] and run["floor"]["kl"] > 0 else None
+    kl = f"KL {run['kl'] / floor:.3g}× the engine's floor" if floor else f"KL {run['kl']:.3g} nats/token"
+    drift = f", drift {run['drift']['agreement']:.0%} agree" if run.get("drift") else ""
+    how = "the scheme's own run" if run["same_run"] else f"{serving.SKIP_FLAG} {' '.join(run['skip_layers'])}"
+    text = f"serve line run as printed in {who} ({how}): {kl}, top-1 {run['top1']:.1%}{drift}"
+    against = run.get("against_promised")
+    if against and against["worse"]:
+        text += (f"; worse than every layer quantized by {against['kl_change']:.3g} nats/token, beyond the noise "
+                 f"({against['limit']:.2g}); kvcal does not try the next candidate: serve without {serving.SKIP_FLAG}")
+    return [text]
 
 
 def _ratio_text(ratio: float | None) -> str:

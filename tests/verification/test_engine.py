@@ -18,7 +18,8 @@ from calibrate.engine import audit
 from calibrate.verification import engine
 from calibrate.verification.report import verify_text
 
-SEQ_LEN, SEQUENCES, CHUNK = 256, 2, 128  # 2 × 256 held-out tokens, chunked prefill in two chunks
+SEQ_LEN, SEQUENCES, CHUNK = 256, engine.AGREEMENT_SEQUENCES, 128  # 8 × 256 held-out tokens (the fewest the agreement
+# test is judged at), chunked prefill in two chunks
 PROMPTS, STEPS = 2, 12  # decode drift: 12 greedy tokens after each of 2 prompts, emulated and in the engine
 SCHEMES = "scale1,tensor,token,int8_per_token_head"
 # verify --engine starts vLLM ten times (its dtypes, the load audit, the delivery check's two runs, six cache runs):
@@ -165,6 +166,21 @@ def test_a_source_model_without_scales_runs_at_scale_one_as_it_is(smol_dir, held
 
 
 @pytest.mark.slow
+@needs_avx512
+def test_a_serve_lines_skip_layers_reach_the_engine(calibrated, held_out, python, smol_tokenizer, tmp_path):
+    """The serve line's --kv-cache-dtype-skip-layers, run as printed: the layers it names keep an unquantized cache
+    in vLLM's own read-back, every other layer is fp8, and the unquantized run skips nothing."""
+    ids = smol_tokenizer(json.loads(held_out.read_text())["text"])["input_ids"][:96]
+    host = engine.probe(str(python))
+    runs = engine.run_schemes(host, Path(calibrated.out), ["auto", "tensor"], [ids], dtype="bfloat16", chunk_len=64,
+                              max_model_len=128, block_size=32, kv_bytes=64 << 20, vocab_size=49152, workdir=tmp_path,
+                              unquantized="bfloat16", skip_layers=["0", "3"])
+    layers = [layer["cache_dtype"] for layer in runs["tensor"]["stored"]["layers"]]
+    assert layers[0] == layers[3] == "bfloat16" and set(layers[1:3] + layers[4:]) == {"uint8"}, layers
+    assert {layer["cache_dtype"] for layer in runs["auto"]["stored"]["layers"]} == {"bfloat16"}
+
+
+@pytest.mark.slow
 def test_refusals_without_avx512_are_vllms_own_and_the_rest_runs(calibrated, python, tmp_path):
     host = engine.probe(str(python))
     runs = engine.run_schemes(host, Path(calibrated.out), ["auto", "tensor", "head"], [list(range(100, 164))], dtype="bfloat16",
@@ -200,6 +216,40 @@ def test_tolerance_adds_floor_noise_and_the_t_margin_of_the_paired_error():
     assert engine.tolerance(0.002, 0.001, 0.0005, 4) == pytest.approx(0.002 + 0.001 + 3.182446 * 0.0005)
     assert engine.tolerance(0.002, 0.001, 0.0005, 16) == pytest.approx(0.002 + 0.001 + 2.131450 * 0.0005)
     assert engine.tolerance(0.002, 0.0, None, 1) == 0.002
+
+
+def _agreement(tmp_path: Path, sequences: int, factor: float) -> dict:
+    """``engine.compare`` on planted log-probabilities [sequences, 24, 64]: the engine's unquantized run is the
+    reference itself (floor and noise zero), its fp8 run the reference moved by noise, and the emulated KL per sequence
+    ``factor`` × the engine's, computed here in float64 from the same arrays."""
+    gen = torch.Generator().manual_seed(sequences)
+    ref = torch.log_softmax(torch.randn(sequences, 24, 64, generator=gen, dtype=torch.float64), -1)
+    moved = torch.log_softmax(ref + 0.1 * torch.randn(ref.shape, generator=gen, dtype=torch.float64), -1)
+    kls = (ref.exp() * (ref - moved)).sum(-1).mean(-1).tolist()  # KL(auto ‖ fp8) per sequence
+    for name, x in (("reference", ref), ("auto", ref), ("tensor", moved)):
+        np.save(tmp_path / f"{name}.npy", x.float().numpy())
+    stored = {"attention_backend": "CPU_ATTN", "backend_kv_cache_dtypes": [],
+              "layers": [{"cache_dtype": "uint8", "cache_shape": [1], "k_scale_float": 1.0, "v_scale_float": 1.0}]}
+    runs = {"auto": {"npy": tmp_path / "auto.npy", "isa": "x86", "stored": {**stored, "layers": []}, "rss_peak_delta_mib": 0.0},
+            "tensor": {"npy": tmp_path / "tensor.npy", "kv_cache_dtype": "fp8", "stored": stored, "seconds": 0.0,
+                       "rss_peak_delta_mib": 0.0}}
+    emulated = [factor * kl for kl in kls]
+    results = {"tensor": {**_row(sum(emulated) / sequences, emulated)}}
+    host = engine.EngineHost(tmp_path / "python", "0.32.0", "CpuPlatform")
+    return engine.compare(results, runs, np.load(tmp_path / "reference.npy"), {}, host, {})["schemes"]["tensor"]
+
+
+@pytest.mark.parametrize("factor, agrees", [(1.0, True), (1.3, False)])
+def test_agreement_is_judged_from_the_minimum_sequences_and_can_fail_there(tmp_path, factor, agrees):
+    """At ``AGREEMENT_SEQUENCES`` sequences an emulation 1.3× the engine's KL disagrees and an equal one agrees; below
+    it the same gap is "too few sequences to tell", never "agree" (at 2 sequences the margin is 12.7 standard errors,
+    wide enough to pass almost any gap)."""
+    row = _agreement(tmp_path, engine.AGREEMENT_SEQUENCES, factor)
+    assert row["within_tolerance"] is agrees and row["agreement"] == ("agree" if agrees else "disagree")
+    assert row["tolerance_kl"] is not None
+    few = _agreement(tmp_path, 2, factor)
+    assert few["within_tolerance"] is None and few["tolerance_kl"] is None
+    assert few["agreement"] == f"{engine.TOO_FEW} (2 < {engine.AGREEMENT_SEQUENCES})"
 
 
 def _stored(dtype: str, offered: list[str], k: float = 0.5) -> dict:

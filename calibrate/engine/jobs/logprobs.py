@@ -4,7 +4,8 @@ log-probabilities at every prompt position, and reports what the engine stores.
 Request: {"checkpoint", "kv_cache_dtype", "dtype", "max_model_len", "block_size", "chunk_len", "kv_cache_bytes",
 "sequences": [[token ids]] (all one length), "out": path of the float32 .npy to write, and optionally "prompts":
 [[token ids]] and "steps": N, for vLLM's own greedy decode of N tokens after each prompt, "attention_backend" (vLLM's
-``--attention-backend``; null: vLLM chooses) and "tokenizer" (false: the checkpoint has none, token ids only)}.
+``--attention-backend``; null: vLLM chooses), "tokenizer" (false: the checkpoint has none, token ids only) and
+"skip_layers" (``--kv-cache-dtype-skip-layers`` entries: those layers keep an unquantized cache; empty: none)}.
 
 Decode: vLLM's greedy generation (temperature 0, EOS ignored so every continuation has N tokens), with the top two
 log-probabilities at each step, whose difference is the top-1 margin decode drift needs to tell near-ties apart.
@@ -94,7 +95,8 @@ def work(request: dict) -> dict:
               max_model_len=request["max_model_len"], block_size=request["block_size"], enforce_eager=True,
               enable_chunked_prefill=True, max_num_batched_tokens=request["chunk_len"], max_num_seqs=1,
               enable_prefix_caching=False, kv_cache_memory_bytes=request["kv_cache_bytes"], seed=0,
-              attention_backend=request.get("attention_backend"), skip_tokenizer_init=not request.get("tokenizer", True))
+              attention_backend=request.get("attention_backend"), skip_tokenizer_init=not request.get("tokenizer", True),
+              **({"kv_cache_dtype_skip_layers": request["skip_layers"]} if request.get("skip_layers") else {}))
     loaded = time.perf_counter()
     runner = _runner(llm)
     model = runner.model
