@@ -21,6 +21,7 @@ from ..checkpoint.loaders import (
     stored_dtype,
 )
 from ..checkpoint.read import read_scales
+from ..checkpoint.scale_check import UNCALIBRATED, uncalibrated
 from ..choices import SCHEMES, SchemeSpec
 from ..fp8 import E5M2, FP8Format, per_token_head_round_trip, per_token_scale, quantize_dequantize
 from ..model.description import ModelDescription
@@ -155,6 +156,8 @@ def build_schemes(
     ckpt = {k: (v if rounded is None else v.to(rounded).float()) * loaded_multiplier(method, fmt.name) for k, v in ckpt.items()}
     if granularity is None:
         notes.append("the checkpoint has no KV scales: vLLM would load it with 1.0 for every layer (scheme scale1)")
+    elif uncalibrated(ckpt.values()):
+        notes.append(f"{UNCALIBRATED}: its rows measure scale 1.0 (scheme scale1)")
     held = {"granularity": granularity, "notes": notes, "statistics": stats is not None, "serving": []}
     q = not config.kv_only
     heads = sig.heads
