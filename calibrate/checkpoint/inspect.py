@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from .. import serving
 from ..fp8 import FORMATS
@@ -308,7 +308,7 @@ def _value_checks(directory: Path, found: CheckpointScales, notes: list[str]) ->
     where that check runs."""
     try:
         calibration = read_calibration(directory)
-    except ValueError as e:
+    except (ValueError, SafetensorError) as e:
         return [Problem("warning", f"the kvcal statistics are unreadable ({e}): the scales were not checked against them")]
     findings = check_scales(found, calibration)
     if calibration is None and found.tensors and not any(f.verdict == "uncalibrated" for f in findings):

@@ -165,7 +165,8 @@ def test_a_scale_that_clips_most_of_a_sample(large_share):
     k = torch.where(torch.rand(1, 1, 100, 10, generator=g) < large_share, 10.0, 1e-3)
     scale = 1e-3
     clipped = ((k / scale).abs() > 448).double().mean().item()  # beyond e4m3fn's largest value
-    findings = check_scales(one_layer(k, scale)[0], sample=one_layer(k, scale)[1])
+    found, stats = one_layer(k, scale)
+    findings = check_scales(found, sample=stats)
     assert bool(findings) == (clipped > MOST)
     if findings:
         assert findings[0].verdict == "clips" and f"saturates {clipped:.0%} of the K values" in findings[0].message
