@@ -21,19 +21,22 @@ import torch
 
 from ..capture.hooks import run_capture
 from ..capture.stats import Stats, bin_edges
+from ..choices import runs_the_model
 from ..fp8 import FORMATS, FP8Format
 from ..layout import provenance_path, stats_path
 from ..model.directory import attention_prefixes, read_json, tensor_names
 from ..model.layers import AttentionLayer, ModelSignature
 from ..scales.observers import derive_scales
+from ..scales.search import CANDIDATES
 from .loaders import quant_method, stored_dtype
 from .read import CheckpointScales, load_scales
 
 # How far a scale may lie from what the statistics give before it is named as changed after calibration. The
 # reference is the scale kvcal's export writes from these statistics (the recorded observer, granularity, format and
-# headroom), so an untouched output is within a hair of it: bf16 storage rounds by 2^-9, and scales kept in e4m3fn
-# units against an e4m3fnuz calibration differ by 448/240 ≈ 1.87. A factor of 4 covers both with room, and is far
-# below every edit the field ships (0, 1e30, and 1.0 where the data asks for ~0.003: 333×).
+# headroom; for the output observer, the range of the candidates it chooses among), so an untouched output is within a
+# hair of it: bf16 storage rounds by 2^-9, and scales kept in e4m3fn units against an e4m3fnuz calibration differ by
+# 448/240 ≈ 1.87. A factor of 4 covers both with room, and is far below every edit the field ships (0, 1e30, and 1.0
+# where the data asks for ~0.003: 333×).
 LIE_FACTOR = 4.0
 # A scale flushes or clips "most" of a sample when it does so to more than this fraction of the sample's values.
 MOST = 0.5
@@ -69,8 +72,8 @@ class Calibration:
 
 
 def read_calibration(directory: str | Path) -> Calibration | None:
-    """The statistics a kvcal output carries (kvcal/stats.safetensors) with its recorded observer settings; None without
-    statistics. The max observer stands in for one that statistics alone cannot re-derive (output)."""
+    """The statistics a kvcal output carries (kvcal/stats.safetensors) with its recorded observer settings (kvcal's
+    defaults where its provenance records none); None without statistics."""
     path = stats_path(directory)
     if not path.is_file():
         return None
@@ -79,7 +82,7 @@ def read_calibration(directory: str | Path) -> Calibration | None:
         recorded = read_json(provenance_path(directory)).get("scales") or {}
     except (OSError, ValueError, AttributeError):
         recorded = {}  # no or damaged provenance: the max observer, as kvcal's default
-    if recorded.get("observer") not in (None, "output"):
+    if isinstance(recorded.get("observer"), str):
         calibration.observer = recorded["observer"]
     calibration.granularity = {"head": "head"}.get(recorded.get("granularity"), "tensor")
     calibration.fp8_format = recorded.get("fp8_format") if recorded.get("fp8_format") in FORMATS else "e4m3fn"
@@ -148,30 +151,33 @@ def sample_statistics(model, layers: list[AttentionLayer], sig: ModelSignature, 
     return run_capture(model, layers, [tokens], Stats.empty(sig), chunk_len=SAMPLE_TOKENS, progress=False)
 
 
-def _derived(calibration: Calibration, query_scale: bool) -> dict[str, torch.Tensor]:
-    """kind → [L] or [L, H]: the scales kvcal's export writes from these statistics with the recorded settings."""
-    return derive_scales(calibration.stats.kinds, observer=calibration.observer, granularity=calibration.granularity,
-                         fmt=FORMATS[calibration.fp8_format], headroom=calibration.headroom, query_scale=query_scale).scales
+def _band(calibration: Calibration, query_scale: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """kind → (low, high), each [L] or [L, H]: the scales kvcal's export writes from these statistics with the recorded
+    settings (low = high), or for the output observer, which picks among CANDIDATES on held-back data, their range."""
+    observers = CANDIDATES if runs_the_model(calibration.observer) else (calibration.observer,)
+    sets = [derive_scales(calibration.stats.kinds, observer=observer, granularity=calibration.granularity,
+                          fmt=FORMATS[calibration.fp8_format], headroom=calibration.headroom, query_scale=query_scale).scales
+            for observer in observers]
+    return {kind: (torch.stack([s[kind] for s in sets]).amin(0), torch.stack([s[kind] for s in sets]).amax(0)) for kind in sets[0]}
 
 
 def _against_statistics(found: CheckpointScales, good: dict, calibration: Calibration) -> list[Finding]:
     """Scales more than LIE_FACTOR from what kvcal's export writes from the checkpoint's statistics."""
-    stats = calibration.stats
-    rows = {index: row for row, index in enumerate(stats.signature.layers)}
-    kinds = sorted({kind for _, kind in good})
-    derived = _derived(calibration, "q" in kinds)
+    rows = {index: row for row, index in enumerate(calibration.stats.signature.layers)}
+    band = _band(calibration, "q" in {kind for _, kind in good})
     findings = []
     for (index, kind), scale in good.items():
-        if index not in rows or kind not in derived:
+        if index not in rows or kind not in band:
             continue
-        expected = derived[kind][rows[index]].flatten().double()  # [1] or [H]
-        if expected.numel() != scale.numel():  # per-tensor against per-head: the largest of each
-            expected, scale = expected.amax(0, keepdim=True), scale.amax(0, keepdim=True)
-        ratio = scale.double() / expected
+        low, high = (b[rows[index]].flatten().double() for b in band[kind])  # [1] or [H]
+        if low.numel() != scale.numel():  # per-tensor against per-head: the largest of each
+            low, high, scale = low.amax(0, keepdim=True), high.amax(0, keepdim=True), scale.amax(0, keepdim=True)
+        ratio = torch.where(scale > high, scale / high, torch.where(scale < low, scale / low, 1.0))  # 1: within the band
         worst = ratio.max().item() if ratio.max() >= 1 / ratio.min() else ratio.min().item()
         if not 1 / LIE_FACTOR <= worst <= LIE_FACTOR:
+            expected = _shown(low) if torch.equal(low, high) else f"{_shown(low)}–{_shown(high)}"
             findings.append(Finding("changed", f"{found.sources[index, kind][-1]} is {_shown(scale)}, {worst:.3g}× the "
-                                    f"{_shown(expected)} the checkpoint's kvcal statistics give ({calibration.observer} "
+                                    f"{expected} the checkpoint's kvcal statistics give ({calibration.observer} "
                                     f"observer): changed after calibration (allowed: within {LIE_FACTOR:g}×); {EXPORT_HINT}", index))
     return findings
 
@@ -179,8 +185,8 @@ def _against_statistics(found: CheckpointScales, good: dict, calibration: Calibr
 def _statistics_give(calibration: Calibration, good: dict) -> str:
     """What the statistics give instead of an uncalibrated checkpoint's 1.0, for its message."""
     kinds = sorted({kind for _, kind in good})
-    derived = _derived(calibration, "q" in kinds)
-    shown = ", ".join(f"{kind} {derived[kind].min().item():.3g}–{derived[kind].max().item():.3g}" for kind in kinds)
+    band = _band(calibration, "q" in kinds)
+    shown = ", ".join(f"{kind} {band[kind][0].min().item():.3g}–{band[kind][1].max().item():.3g}" for kind in kinds)
     return f"; its kvcal statistics give {shown}: {EXPORT_HINT}"
 
 

@@ -61,6 +61,21 @@ def test_an_untouched_output_passes(out):
     assert found.ok(strict=True), found.text()
 
 
+def test_the_output_observer_is_held_to_the_range_of_its_candidates(out, tmp_path, data_file):
+    """The output observer picks among other observers' scales on held-back data: its untouched output passes, and a
+    scale 10× above the largest candidate (the max observer's) is named."""
+    searched = tmp_path / "searched"
+    api.calibrate(str(out.parent / "model"), [str(data_file)], str(searched), seq_len=64, max_tokens=256, verify=False,
+                  observer="output", **QUIET)
+    found = inspect(str(searched))
+    assert found.ok(strict=True), found.text()
+    tensors = load_file(scales_file(searched))
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor([10 * statistics_scale(searched, "v", 0)])
+    save_file(tensors, str(scales_file(searched)))
+    (error,) = errors(inspect(str(searched)))
+    assert error.startswith("0: model.layers.0.self_attn.v_scale") and "10× the " in error and "(output observer)" in error
+
+
 def test_an_all_zero_export_fails_every_scale(out, tmp_path):
     """llm-compressor #2853: every k/v/q scale 0."""
     zero = edited(out, tmp_path / "zero", lambda t: t.update({n: torch.zeros_like(v) for n, v in t.items()}))
