@@ -6,6 +6,7 @@ vLLM's interpreter. A job reports vLLM's refusals as results (``"error"``); only
 vLLM is an ``EngineError``, whose message is one line that says what to do.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -34,10 +35,17 @@ class EngineError(RuntimeError):
     """vLLM could not be found or run: the message is one line naming the fix."""
 
 
-def _has_vllm(python: Path) -> bool:
+@functools.cache
+def _probed_version(python: Path) -> str | None:
+    """The version of the vLLM that ``python`` has (package metadata; vLLM is not imported), None where it has none.
+    Asked once per interpreter and process: finding vLLM and every job that names its release share the answer."""
     probe = subprocess.run([str(python), "-c", _VERSION_PROBE], capture_output=True, text=True, timeout=60,
                            env=_clean_env())
-    return probe.returncode == 0
+    return probe.stdout.strip() if probe.returncode == 0 else None
+
+
+def _has_vllm(python: Path) -> bool:
+    return _probed_version(python) is not None
 
 
 def find_vllm_python(explicit: str | Path | None = None) -> Path:
@@ -61,11 +69,10 @@ def find_vllm_python(explicit: str | Path | None = None) -> Path:
 
 def vllm_version(python: Path) -> str:
     """The installed vLLM's version, read from package metadata (vLLM itself is not imported)."""
-    probe = subprocess.run([str(python), "-c", _VERSION_PROBE], capture_output=True, text=True, timeout=60,
-                           env=_clean_env())
-    if probe.returncode != 0:
+    version = _probed_version(python)
+    if version is None:
         raise EngineError(f"{python} has no vLLM: run {SETUP_COMMAND} or pass --vllm-python PATH")
-    return probe.stdout.strip()
+    return version
 
 
 def _clean_env() -> dict[str, str]:

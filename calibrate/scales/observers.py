@@ -11,7 +11,15 @@ from dataclasses import dataclass
 import torch
 
 from ..capture.stats import NUM_BINS, SINK_POSITIONS, TensorStats, bin_edges
-from ..choices import check_granularity, check_headroom, check_observer, runs_the_model
+from ..choices import (
+    OBSERVERS,
+    OUTPUT_OBSERVER,
+    check_granularity,
+    check_headroom,
+    check_observer,
+    check_table,
+    runs_the_model,
+)
 from ..fp8 import SATURATION_SLACK, SCALE_FLOOR, FP8Format, amax_to_scale
 
 # Samples per histogram bin when integrating the quantization error (stratified, uniform in the bin).
@@ -155,6 +163,37 @@ def _mse_scale(hist: torch.Tensor, absmax: torch.Tensor, fmt: FP8Format) -> torc
     return (base * torch.exp2(-best / 16).view(base.shape)).clamp(min=SCALE_FLOOR)
 
 
+def _max(spec: ObserverSpec, hist: torch.Tensor, absmax: torch.Tensor, non_sink: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """The largest value seen maps to the format's max."""
+    return amax_to_scale(absmax.double(), fmt, dtype=torch.float64)
+
+
+def _percentile(spec: ObserverSpec, hist: torch.Tensor, absmax: torch.Tensor, non_sink: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """The P-th percentile of |x| maps to the format's max; the values above it saturate (predicted)."""
+    return amax_to_scale(_percentile_value(hist, absmax, spec.percentile), fmt, dtype=torch.float64)
+
+
+def _sink_aware(spec: ObserverSpec, hist: torch.Tensor, absmax: torch.Tensor, non_sink: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    """Positions past the first SINK_POSITIONS set the scale; the sink tokens may saturate (reported). A tensor seen
+    only at sink positions falls back to its absmax."""
+    return amax_to_scale(torch.where(non_sink == 0, absmax, non_sink).double(), fmt, dtype=torch.float64)
+
+
+def _mse(spec: ObserverSpec, hist: torch.Tensor, absmax: torch.Tensor, non_sink: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
+    return _mse_scale(hist, absmax, fmt)
+
+
+def _runs_the_model(spec: ObserverSpec, *_) -> torch.Tensor:
+    raise ValueError(f"the {spec.name} observer runs the model (scales/search.py); statistics alone cannot give its scales")
+
+
+# The observers by the names choices.OBSERVERS gives them (percentile:P as "percentile"): each maps one tensor's
+# statistics (hist [..., NB], absmax [...], absmax past the sink positions [...]) to float64 dequantization scales [...].
+OBSERVER_SCALES = {"max": _max, "percentile": _percentile, "mse": _mse, "sink-aware": _sink_aware,
+                   OUTPUT_OBSERVER: _runs_the_model}
+check_table(OBSERVER_SCALES, tuple(name.partition(":")[0] for name in OBSERVERS), "observers.OBSERVER_SCALES")
+
+
 @torch.no_grad()
 def observe(
     stats: TensorStats, spec: ObserverSpec, fmt: FP8Format, *, per_head: bool, headroom: float = 1.0
@@ -178,20 +217,7 @@ def observe(
         hist, sumsq = hist.sum(1), sumsq.sum(1)  # [L, NB], [L]
         absmax, non_sink_absmax = absmax.amax(1), non_sink_absmax.amax(1)  # [L]
 
-    if spec.name == "max":
-        value = absmax.double()
-    elif spec.name == "percentile":
-        value = _percentile_value(hist, absmax, spec.percentile)
-    elif spec.name == "sink-aware":
-        # Positions past the first SINK_POSITIONS set the scale; the sink tokens may saturate (reported).
-        no_later_tokens = non_sink_absmax == 0
-        value = torch.where(no_later_tokens, absmax, non_sink_absmax).double()
-    else:
-        value = None
-    if value is not None:
-        scale = amax_to_scale(value, fmt, dtype=torch.float64)
-    else:
-        scale = _mse_scale(hist, absmax, fmt)
+    scale = OBSERVER_SCALES[spec.name](spec, hist, absmax, non_sink_absmax, fmt)
     scale = (scale * headroom).float()
     return scale, predict(hist, absmax, sumsq, scale, fmt)
 

@@ -22,6 +22,8 @@ the reference FP8 rounding of test_fp8.py (no torch FP8 conversion). Tolerances,
 """
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -471,3 +473,20 @@ def test_e4m3fnuz_scales_are_in_its_own_units():
     fnuz, _ = _observe(stats, "max", True, FORMATS["e4m3fnuz"])
     np.testing.assert_allclose(fnuz.numpy(), fn.numpy() * 448 / 240, rtol=2**-23)
     assert math.isclose(FORMATS["e4m3fnuz"].max, 240)
+
+
+def test_an_observer_without_a_rule_fails_at_import():
+    """A name added to choices.OBSERVERS with no entry in OBSERVER_SCALES stops the import (it once fell through to
+    MSE scales); run in a fresh interpreter so this process's modules stay as they are."""
+    code = ("import calibrate.choices as c\n"
+            "c.OBSERVERS = (*c.OBSERVERS, 'median')\n"
+            "import calibrate.scales.observers\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "observers.OBSERVER_SCALES covers" in proc.stderr and "'median'" in proc.stderr
+
+
+def test_the_output_observer_is_refused_from_statistics_alone():
+    x = np.random.default_rng(0).standard_normal((1, 2, 64, 16)).astype(np.float32)
+    with pytest.raises(ValueError, match="runs the model"):
+        _observe(_collect(x), "output", per_head=False)
