@@ -43,8 +43,8 @@ from .result import AppliedPack, CalibrationResult, PackResult
 from .run import resume
 from .run.distributed import session
 from .run.inputs import check_inputs
+from .run.provenance import at_one_provenance, scale_report
 from .run.provenance import provenance as calibration_provenance
-from .run.provenance import scale_report
 from .scales.observers import derive_scales, recorded_scales
 
 
@@ -265,7 +265,8 @@ def export(
     provenance = dict(old)
     provenance.update(
         exported_from=str(Path(source).resolve()), export_time_s=round(time.perf_counter() - start, 3),
-        scales=scale_report(scale_set), target=str(Path(target).resolve()), hub_id=hub_id,
+        scales=scale_report(scale_set), at_scale_1=at_one_provenance(stats, fmt, layers),
+        target=str(Path(target).resolve()), hub_id=hub_id,
         base_model=hub.base_model(target, base_model) if base_model or model else old.get("base_model"),
     )
     written = write_checkpoint(

@@ -45,9 +45,10 @@ SCALE_SOURCES = ("none", "ones", "checkpoint", "observer", "computed")
 # each from it), the verdict (its notes, its preference) and the command line read. kvcal's own names come first: the
 # reference, FP8 with scale 1.0, per-tensor, per-head and per-token-head scales; per-tensor scales of the max and mse
 # observers from the checkpoint's statistics (beside the output observer's, written as tensor). Then the other cache
-# dtypes kvcal emulates, by their --kv-cache-dtype names. The first five run by default. Rank: among schemes level
-# on verdict and KL, the most portable first (per-tensor fp8 on every backend), then the other cache dtypes from the
-# most to the least precise; scale 1.0 last. A scales file a user names ranks after tensor (FILE_RANK).
+# dtypes kvcal emulates, by their --kv-cache-dtype names, and nvfp4 at outer scale 1.0 (what vLLM does without
+# checkpoint scales, set against the checkpoint's in verification/scale1.py). The first five run by default. Rank:
+# among schemes level on verdict and KL, the most portable first (per-tensor fp8 on every backend), then the other
+# cache dtypes from the most to the least precise; scale 1.0 last. A scales file a user names ranks after tensor (FILE_RANK).
 # Labels are what a person types to get the scheme (vLLM's --kv-cache-dtype, and the scale source where it matters);
 # kvcal's internal names (scale1, tensor, ...) stay in code and report.json's keys, never in what a person reads.
 # --schemes takes a label as printed, its typed form (fp8:tensor) or the internal name.
@@ -73,6 +74,9 @@ SCHEMES = {
     "int4_per_token_head": SchemeSpec("int4_per_token_head", "int4_per_token_head", "computed", "token", 10),
     "nvfp4": SchemeSpec("nvfp4", "nvfp4", "checkpoint", "tensor", 9),
     "nvfp4_4over6": SchemeSpec("nvfp4_4over6", "nvfp4_4over6", "checkpoint", "tensor", 8),
+    "nvfp4_scale1": SchemeSpec("nvfp4, scale 1.0", "nvfp4", "ones", "tensor", 91,
+                               "outer scale 1.0: what vLLM's nvfp4 writers use when a checkpoint has no KV scales",
+                               "nvfp4:scale1"),
 }
 FILE_RANK = 1  # a .safetensors scales file the user names: right after the checkpoint's own per-tensor scales
 VERIFY_SCHEMES = tuple(SCHEMES)

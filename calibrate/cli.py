@@ -277,6 +277,23 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     print(f"kvcal: warning: {message}", file=sys.stderr if file is None else file)
 
 
+def run() -> NoReturn:
+    """The ``kvcal`` console script and ``python -m calibrate``: ``main``, then an exit that skips the interpreter's
+    finalization.
+
+    A Parquet file is read by pyarrow's threads through a Python file object (datasets' reader), and a scan left
+    before its end (the first record that opens every source, a token budget spent) leaves one such thread reading
+    for a while. Finalizing the interpreter under it aborts the process ("terminate called without an active
+    exception", exit 134) or hangs it, depending on timing. By the time ``main`` returns, everything kvcal writes is
+    complete, its temporaries removed by its own context managers and its messages printed: flushed, the process ends
+    here with ``main``'s status, whatever threads remain.
+    """
+    status = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def main(argv: list[str] | None = None) -> int:
     shown, warnings.showwarning = warnings.showwarning, _show_warning
     try:
@@ -391,4 +408,4 @@ def _main(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

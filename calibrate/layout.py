@@ -83,6 +83,15 @@ def is_pack(directory: str | Path) -> bool:
     return (Path(directory) / PACK_MANIFEST).is_file() and (Path(directory) / PACK_SCALES).is_file()
 
 
+def pack_files_missing(directory: str | Path) -> list[str] | None:
+    """The files a pack needs (its manifest and scales shard) that ``directory`` lacks, when it holds a file only a pack
+    has (the scales shard or the config fragment): ``[]`` for a whole pack, None for a folder that is no pack at all."""
+    directory = Path(directory)
+    if not any((directory / name).is_file() for name in (PACK_SCALES, PACK_FRAGMENT)):
+        return None
+    return [name for name in (PACK_MANIFEST, PACK_SCALES) if not (directory / name).is_file()]
+
+
 def replaceable(directory: str | Path) -> bool:
     """Whether ``--overwrite`` may replace ``directory``: only what kvcal wrote (an output, one applied from a pack, a
     pack)."""

@@ -17,6 +17,7 @@ from .engine.caveats import installed_vllm_version
 from .model.directory import quant_config, read_config_json
 from .model.layers import AttentionLayer
 from .recipes import serve_notes
+from .scales.at_one import at_one_line, at_scale_one
 from .scales.observers import ScaleSet
 from .scales.table import scale_table
 
@@ -44,7 +45,8 @@ class CalibrationResult:
         s = self.scale_set
         lines = [*self._layer_table(everything=verbose),
                  f"observer {s.observer}, granularity {s.granularity}, format {s.fmt.name}, "
-                 f"{int(self.stats.tokens.max())} tokens per layer"]
+                 f"{int(self.stats.tokens.max())} tokens per layer",
+                 at_one_line(at_scale_one(self.stats, s.fmt), s.fmt)]
         if verbose:
             lines += [
                 "predicted relative error (mean over layers): "

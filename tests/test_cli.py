@@ -48,7 +48,7 @@ def test_calibrate_prints_one_serve_line_last_for_its_target(tiny_dir, text_file
     serve = [i for i, line in enumerate(lines) if line.strip().startswith("vllm serve ")]
     assert serve == [len(lines) - 1], lines[-12:]
     assert "short verify of the written checkpoint (kvcal verify runs the full one):" in lines
-    assert len(lines) - lines.index("") <= 1 + 4 + 2 + 10 + 2  # calibrate's lines, then the table and the answer
+    assert len(lines) - lines.index("") <= 1 + 1 + 4 + 2 + 10 + 2  # calibrate's lines (the scale 1.0 line one), then the table and the answer
     assert any(line.startswith(f"serving target: {target}") for line in lines)
     assert ("(the default; --target rocm or cpu for the others)" in "\n".join(lines)) == (target == "gpu")
     if target == "cpu":
@@ -207,3 +207,25 @@ def test_warnings_are_one_line_each_without_a_source_line(tiny_dir, text_file, t
     lines = [line for line in proc.stderr.splitlines() if "recipe 'qwen3'" in line]
     assert lines == [lines[0]] and lines[0].startswith("kvcal: warning: recipe 'qwen3' is written for qwen3"), proc.stderr
     assert "UserWarning" not in proc.stderr and "warnings.warn" not in proc.stderr
+
+
+_EXIT_PROBE = """
+import atexit, sys
+from calibrate.cli import main, run
+atexit.register(print, "finalized")  # runs only if the interpreter is finalized
+sys.argv = ["kvcal", "recipes", "show"]  # refused: a ValueError, exit 2
+sys.exit(main()) if "{entry}" == "main" else run()
+"""
+
+
+@pytest.mark.parametrize("entry", ["main", "run"])
+def test_the_console_entry_exits_without_finalizing_the_interpreter(entry):
+    """``run`` (the console script and ``python -m calibrate``) ends the process without the interpreter's finalization,
+    under which a reader thread still running (pyarrow's, reading a Parquet file) may abort it: its status and its one
+    line are main's, and no exit handler runs. ``main`` returned through sys.exit is the contrast: the handler runs."""
+    proc = subprocess.run([sys.executable, "-c", _EXIT_PROBE.format(entry=entry)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["kvcal: error: kvcal recipes show needs a NAME (see kvcal recipes list)"]
+    assert ("finalized" in proc.stdout) == (entry == "main")
+

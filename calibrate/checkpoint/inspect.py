@@ -20,8 +20,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .. import serving
+from ..capture.stats import Stats
 from ..fp8 import FORMATS
-from ..layout import CARD_MARKER, card_path, is_kvcal_output, provenance_path
+from ..layout import CARD_MARKER, card_path, is_kvcal_output, provenance_path, stats_path
 from ..model.description import describe_config
 from ..model.directory import (
     LEGACY_KV_SCALE,
@@ -34,6 +35,7 @@ from ..model.directory import (
     vllm_files,
 )
 from ..model.layers import ModelSignature
+from ..scales.at_one import at_one_line, at_scale_one
 from .loaders import WRITE_NAMES, LoadedScale, ignored_scales, quant_method, stored_dtype
 from .read import CheckpointScales, load_scales
 from .scale_check import SAMPLE_TOKENS, check_scales, read_calibration
@@ -245,6 +247,7 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     loaders = _loader_checks(directory, files, quant, sources, problems)
     if is_kvcal_output(directory):
         _serve_line_checks(directory, problems, serving.model_shape(vars(sig)) if sig is not None else {})
+    notes += _at_one_notes(directory)
     problems.sort(key=lambda p: -1 if p.layer is None else p.layer)  # checkpoint-wide first, then by layer
     return Inspection(str(directory), model_type, _producer(directory, quant), method, strategy, list(layers.values()), problems,
                       loaders, notes)
@@ -278,6 +281,21 @@ def _serve_line_checks(directory: Path, problems: list[Problem], shape: dict) ->
         serving.skip_entries(recipe.get("skip_layers") or [])
     except ValueError as e:
         problems.append(Problem("warning", f"recipe {recipe.get('name', '?')}'s skip_layers: {e}"))
+
+
+def _at_one_notes(directory: Path) -> list[str]:
+    """What scale 1.0 would clip, from kvcal's statistics when the checkpoint holds them (``scales/at_one.py``), in the
+    calibration's FP8 format; none for a checkpoint without them, or whose statistics do not read (export and apply
+    report those)."""
+    if not stats_path(directory).is_file():
+        return []
+    try:
+        stats = Stats.load(stats_path(directory))
+        provenance = read_json(provenance_path(directory)) if provenance_path(directory).is_file() else {}
+        fmt = FORMATS[provenance.get("scales", {}).get("fp8_format", "e4m3fn")]
+    except (SafetensorError, OSError, ValueError, KeyError, AttributeError):
+        return []
+    return [f"kvcal's statistics: {at_one_line(at_scale_one(stats, fmt), fmt)}"]
 
 
 def _loader_notes(method: str | None, rounded: torch.dtype | None) -> list[str]:

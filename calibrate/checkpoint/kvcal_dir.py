@@ -18,11 +18,13 @@ from ..layout import (
     PROVENANCE_FILE,
     RECORDS_FILE,
     STATS_FILE,
+    is_pack,
     pause_at,
     provenance_path,
     records_path,
     stats_path,
 )
+from .pack import incomplete_pack
 
 STATS_SHA256 = "stats_sha256"  # calibration.json's key for the sha256 of kvcal/stats.safetensors
 
@@ -49,6 +51,11 @@ def load_calibration(source: str | Path) -> tuple[Stats, dict]:
     """Statistics and provenance saved in a kvcal output directory."""
     stats_file, provenance_file = stats_path(source), provenance_path(source)
     if not stats_file.is_file():
+        if (why := incomplete_pack(source)) is not None:
+            raise ValueError(why)
+        if is_pack(source):
+            raise ValueError(f"{source} is a scale pack, not a calibration output: it holds the scales alone, without "
+                             f"statistics; write a checkpoint from it with kvcal apply {source} MODEL --out OUT")
         raise ValueError(f"{source} has no {KVCAL_DIR}/{STATS_FILE}; pass a directory written by kvcal calibrate")
     if not provenance_file.is_file():
         raise ValueError(f"{source} has no {KVCAL_DIR}/{PROVENANCE_FILE} beside its statistics; pass a complete kvcal output")

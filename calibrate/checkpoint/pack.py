@@ -31,7 +31,9 @@ from ..layout import (
     RECORDS_FILE,
     card_path,
     is_pack,
+    pack_files_missing,
     records_path,
+    replaceable,
     sibling,
     sweep,
 )
@@ -117,8 +119,22 @@ def write_pack(source: Path, pack: Path, *, base: ModelDescription, base_id: str
     return manifest
 
 
+def incomplete_pack(directory: str | Path) -> str | None:
+    """What to tell a user who passed a folder holding some of a pack's files but not all it needs (one file lost in a
+    download or a copy), else None: such a folder is neither a pack nor a calibration output, and is refused as what it
+    is."""
+    missing = pack_files_missing(directory)
+    if not missing:
+        return None
+    held = [name for name in (PACK_SCALES, PACK_FRAGMENT, PACK_MANIFEST) if (Path(directory) / name).is_file()]
+    return (f"{directory} is an incomplete scale pack: it holds {' and '.join(held)} but no {' and no '.join(missing)}; "
+            "download the pack again, or write it again with kvcal export OUTPUT --pack")
+
+
 def read_pack(pack: Path) -> dict:
     """PACK's manifest, checked: a pack of this layout, its scales shard the one it names."""
+    if (why := incomplete_pack(pack)) is not None:
+        raise ValueError(why)
     if not is_pack(pack):
         raise ValueError(f"{pack} is not a scale pack (no {PACK_MANIFEST} beside {PACK_SCALES}); pass a folder written by "
                          "kvcal export --pack")
@@ -174,6 +190,7 @@ def check_weights(pack: Path, manifest: dict, described: ModelDescription) -> fl
     target, wanted = described.directory, manifest["weights"]["sha256"]
     found, _, seconds = weight_digests(described)
     if found != wanted:
+        check_not_kvcal_output(pack, manifest, target)
         name = sorted(set(found) ^ set(wanted) or {n for n in found if found[n] != wanted[n]})[0]
         why = (f"{name}: sha256 {found[name][:12]}… where the manifest has {wanted[name][:12]}…" if name in found and name in wanted
                else f"{name} is {'not in the manifest' if name in found else 'missing'}")
@@ -183,6 +200,20 @@ def check_weights(pack: Path, manifest: dict, described: ModelDescription) -> fl
                          f"{named}, or pass --other-weights to write the scales beside these weights anyway (a fine-tune "
                          "of the same architecture)")
     return seconds
+
+
+def check_not_kvcal_output(pack: Path, manifest: dict, target: Path) -> None:
+    """Refuse, in its own words, a target kvcal wrote: its weight files are the base model's under kvcal's shard names,
+    beside a shard of scales, so they never match the manifest by name, though they may be the very weights pinned."""
+    applied = target / KVCAL_DIR / PACK_MANIFEST
+    if applied.is_file():
+        scales = read_json_object(applied, "it was damaged: apply the pack to the base model again").get("scales", {})
+        if scales.get("sha256") == manifest["scales"]["sha256"]:
+            raise ValueError(f"{target} was written by kvcal apply from {pack}'s scales: it already holds them beside "
+                             "the weights; serve it as it is, or apply the pack to the base model's own folder")
+    if replaceable(target):
+        raise ValueError(f"{target} was written by kvcal and holds scales of its own (its weights under kvcal's shard "
+                         "names); apply the pack to the base model's own folder")
 
 
 def applied_extras(pack: Path, manifest: dict, *, copy_card: bool) -> Callable[[Path], None]:

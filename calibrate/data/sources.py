@@ -3,6 +3,7 @@
 
 import codecs
 import glob
+import gzip
 import json
 import os
 import re
@@ -19,6 +20,10 @@ if TYPE_CHECKING:
 # File suffix → the `datasets` builder that reads it.
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 TEXT_BUILDERS = ("text", "json", "csv")  # builders that decode bytes as UTF-8
+# A text file gzipped (data.jsonl.gz): datasets' streaming reader decompresses it by this suffix; Parquet compresses
+# inside the file, and is never gzipped whole.
+GZIP_SUFFIX = ".gz"
+SUPPORTED = "/".join([*BUILDERS, *(f"{s}{GZIP_SUFFIX}" for s, b in BUILDERS.items() if b in TEXT_BUILDERS)])
 KIND_COLUMNS = ("input_ids", "messages", "text")  # auto-detected columns, in order of preference
 SHUFFLE_BUFFER = 1000  # records held by the streaming shuffle: bounds memory, limits how far records move
 _HUB_NAME = re.compile(r"^(?P<name>[\w.-]+(?:/[\w.-]+)?)(?::(?P<config>[\w.-]+))?(?:@(?P<split>[\w.-]+))?$")
@@ -90,26 +95,26 @@ def spec_parts(spec: str) -> list[Part]:
     hub = _HUB_NAME.match(spec)
     if any(c in spec for c in "*?[") and not path.exists():  # a file named x[1].jsonl is that file, not a glob
         files = [Path(f) for f in sorted(glob.glob(os.path.expanduser(spec), recursive=True))]
-        files = [f for f in files if f.is_file() and f.suffix.lower() in BUILDERS]
+        files = [f for f in files if f.is_file() and builder_of(f)]
         if not files:
-            raise ValueError(f"no {'/'.join(BUILDERS)} files match {spec}")
+            raise ValueError(f"no {SUPPORTED} files match {spec}")
     elif _is_saved_dataset(path):
         return [Part(builder="disk", path=str(path), split=_saved_split(path, None))]
     elif head and _is_saved_dataset(Path(head).expanduser()):
         path = Path(head).expanduser()
         return [Part(builder="disk", path=str(path), split=_saved_split(path, split))]
     elif path.is_dir():
-        files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in BUILDERS)
+        files = sorted(f for f in path.iterdir() if f.is_file() and builder_of(f))
         if not files:
             raise ValueError(
-                f"directory {spec} holds no {'/'.join(BUILDERS)} files; "
+                f"directory {spec} holds no {SUPPORTED} files; "
                 "point --data at the files or a ** glob for subdirectories"
             )
     elif path.is_file():
-        if path.suffix.lower() not in BUILDERS:
-            raise ValueError(f"{spec}: unsupported file type; convert it to one of {', '.join(BUILDERS)}")
+        if not builder_of(path):
+            raise ValueError(f"{spec}: unsupported file type; convert it to one of {SUPPORTED.replace('/', ', ')}")
         files = [path]
-    elif path.suffix.lower() in BUILDERS or spec.startswith((".", "/", "~")) or not hub:
+    elif builder_of(path) or spec.startswith((".", "/", "~")) or not hub:
         raise ValueError(f"{spec}: no such file or directory (and not a hub dataset name:config@split)")
     elif _hub_offline():
         raise ValueError(
@@ -126,7 +131,16 @@ def spec_parts(spec: str) -> list[Part]:
             raise ValueError(f"cannot read {f}: {e.strerror}; fix its permissions or remove it from --data") from e
         if empty:
             raise ValueError(f"{f} is empty; remove it from --data")
-    return [Part(builder=BUILDERS[f.suffix.lower()], path=str(f)) for f in files]
+    return [Part(builder=builder_of(f), path=str(f)) for f in files]
+
+
+def builder_of(path: Path) -> str | None:
+    """The `datasets` builder that reads the file at ``path``, by its suffix (a text file's may end in .gz), or None."""
+    name = path.name.lower()
+    if name.endswith(GZIP_SUFFIX):
+        builder = BUILDERS.get(Path(name.removesuffix(GZIP_SUFFIX)).suffix)
+        return builder if builder in TEXT_BUILDERS else None
+    return BUILDERS.get(Path(name).suffix)
 
 
 def pick_column(part: Part, columns: list[str], text_field: str | None) -> str:
@@ -177,7 +191,8 @@ def read_rows(part: Part, *, shuffle_seed: int | None = None) -> Iterator[dict]:
         offset = _first_invalid_utf8(Path(part.path)) if part.builder in TEXT_BUILDERS else None
         if offset is not None:
             raise ValueError(
-                f"{part.path} is not UTF-8 text (first invalid byte at offset {offset}); "
+                f"{part.path} is not UTF-8 text (first invalid byte at offset {offset}"
+                f"{' of its decompressed text' if part.path.lower().endswith(GZIP_SUFFIX) else ''}); "
                 f"convert it, e.g. iconv -f latin1 -t utf-8"
             ) from e
         raise ValueError(f"cannot read {part_label(part)}: {type(e).__name__}: {e}") from e
@@ -230,12 +245,16 @@ def files_of(part: Part) -> list[Path]:
 
 
 def _first_invalid_utf8(path: Path) -> int | None:
-    """Byte offset of the first byte that is not valid UTF-8, or None when the file decodes."""
+    """Byte offset of the first byte that is not valid UTF-8 (in the decompressed text of a .gz), or None when the file
+    decodes."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
-    with path.open("rb") as f:
+    with (gzip.open(path) if path.name.lower().endswith(GZIP_SUFFIX) else path.open("rb")) as f:
         while True:
-            chunk = f.read(1 << 20)
+            try:
+                chunk = f.read(1 << 20)
+            except (OSError, EOFError):  # a damaged .gz: the reader's own error, which read_rows gives, says so
+                return None
             pending = len(decoder.getstate()[0])  # bytes of an unfinished character from the last chunk
             try:
                 decoder.decode(chunk, final=not chunk)

@@ -12,9 +12,11 @@ import torch
 from ..capture.stats import Stats
 from ..checkpoint.write import stored_scales
 from ..config import LITTLE_DATA_TOKENS, CalibrationConfig
+from ..fp8 import FP8Format
 from ..hub import base_model
 from ..layout import KVCAL_DIR, RECORDS_FILE
 from ..model.layers import AttentionLayer, ModelSignature
+from ..scales.at_one import at_one_report, at_scale_one
 from ..scales.observers import ScaleSet, latent_report
 from ..version import kvcal_version
 
@@ -47,9 +49,16 @@ def provenance(config: CalibrationConfig, layers: list[AttentionLayer], sig: Mod
         "little_data_threshold": LITTLE_DATA_TOKENS,
         "wall_time_s": round(wall_s, 2),
         "scales": scale_report(scale_set),
+        # What vLLM's scale of 1.0 would clip (scales/at_one.py): the line calibrate prints, the card and inspect give.
+        "at_scale_1": at_one_provenance(stats, scale_set.fmt, layers),
         # MLA: the latent and k_pe apart, and what vLLM 0.32's k_scale of 1.0 saturates (result.CalibrationResult._latent_note).
         **({"mla": latent_report(stats.kinds, sig.latent_dim, scale_set.fmt)} if sig.latent_dim else {}),
     }
+
+
+def at_one_provenance(stats: Stats, fmt: FP8Format, layers: list[AttentionLayer]) -> dict:
+    """calibration.json's "at_scale_1": what scale 1.0 does to each kind, per layer (``scales/at_one.py``)."""
+    return at_one_report(at_scale_one(stats, fmt), fmt, [layer.layer_idx for layer in layers])
 
 
 def scale_report(scale_set: ScaleSet) -> dict:

@@ -125,6 +125,8 @@ def _section(out: str, provenance: dict, report: dict | None, base: dict | None)
             provenance["dtype"], provenance["device"],
         ]]),
     ]
+    if "at_scale_1" in provenance:  # calibrations before it have none
+        lines += ["", f"At scale 1.0 (what vLLM uses for a checkpoint without KV scales): {provenance['at_scale_1']['line']}."]
     if provenance.get("little_data"):
         lines += ["", f"These scales rest on little data (fewer than {provenance['little_data_threshold']:,} tokens in "
                   "some layer): rarer outliers were likely not seen."]

@@ -13,7 +13,10 @@ token p (a record's closing EOS is its own).
 
 The trend: the mean KL of the deepest bucket that at least ``MIN_SEQUENCES`` sequences reach, minus that of the first
 bucket, paired by sequence (the same sequences, each its own difference): *grows* or *shrinks* when the difference is
-significant (``significance.significant``: Student's t, two-sided 5%), else *flat*.
+significant (``significance.significant``: Student's t, two-sided 5%), else *flat*; under ``MIN_SEQUENCES`` in every
+deeper bucket, too few sequences to tell. Per-token KL at any depth is heavy-tailed, and the first bucket's mean
+(128 positions) is noisier than a deeper one's, but on a depth that changes nothing the rule calls a trend at most 1
+time in 20 from 2 sequences on (tests/verification/test_depth.py simulates it).
 
 Plain numbers in, numbers out: nothing here runs a model.
 """
@@ -21,12 +24,11 @@ Plain numbers in, numbers out: nothing here runs a model.
 import torch
 
 from ..data.stream import Layout
-from .significance import RULE, significant
+from .significance import MIN_SEQUENCES, RULE, TOO_FEW, significant  # MIN_SEQUENCES: what a bucket needs for the trend
 from .verdict import mean_stderr
 
 FIRST_END = 128  # the first bucket is positions 0-127
 GROWTH = 4  # each next bucket ends GROWTH times further: 512, 2048, 8192, 32768...
-MIN_SEQUENCES = 2  # sequences a bucket needs for the trend to use it (a standard error needs two)
 
 
 def buckets(positions: int) -> list[tuple[int, int]]:
@@ -98,11 +100,12 @@ def by_depth(token_kl: torch.Tensor, token_top1: torch.Tensor, layouts: list[Lay
 
 def trend(rows: list[dict], ends: torch.Tensor) -> dict:
     """Last bucket minus first, paired by sequence: {"first", "last" (bucket labels), "sequences", "difference",
-    "stderr", "verdict": grows | shrinks | flat | None, "why" when None}."""
+    "stderr", "verdict": grows | shrinks | flat | None, "why" when None (the line said instead)}."""
     deep = [i for i, row in enumerate(rows) if i > 0 and row["sequences"] >= MIN_SEQUENCES]
     if not deep:
-        why = ("the sample's sequences hold one depth bucket" if len(rows) < 2 else
-               f"fewer than {MIN_SEQUENCES} sequences have a leading record reaching position {rows[1]['end']}")
+        why = ("not measured: the sample's sequences hold one depth bucket" if len(rows) < 2 else
+               f"{TOO_FEW}: the trend needs {MIN_SEQUENCES} sequences whose leading record reaches position "
+               f"{rows[1]['end']}, the sample has {rows[1]['sequences']}")
         return {"first": rows[0]["label"] if rows else None, "last": None, "sequences": 0, "difference": None,
                 "stderr": None, "verdict": None, "why": why}
     first, last = rows[0], rows[deep[-1]]
@@ -120,7 +123,7 @@ def trend_text(d: dict) -> str:
     """One scheme's depth trend in one line: the first and last bucket's KL, the paired difference, the verdict."""
     t = d["trend"]
     if t["verdict"] is None:
-        return f"not measured: {t['why']}"
+        return t["why"]
     rows = {row["label"]: row for row in d["buckets"]}
     first, last = rows[t["first"]], rows[t["last"]]
     words = {"grows": "grows with depth", "shrinks": "shrinks with depth", "flat": "no trend beyond noise"}[t["verdict"]]
@@ -132,4 +135,4 @@ def rule() -> str:
     """The depth rule in words a user reads."""
     return (f"KL of positions inside the record a sequence starts with, in buckets from 0–{FIRST_END - 1} growing "
             f"{GROWTH}× each, a bucket only over records that cover it; the trend is the deepest bucket (with ≥ "
-            f"{MIN_SEQUENCES} records) minus the first, paired by record, judged by {RULE}")
+            f"{MIN_SEQUENCES} records; with fewer, {TOO_FEW}) minus the first, paired by record, judged by {RULE}")

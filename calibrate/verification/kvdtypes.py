@@ -121,14 +121,30 @@ def _int4_per_token_head(x: torch.Tensor, scale: torch.Tensor | None) -> torch.T
     return rht(int4_round_trip_rotated(r), inverse=True) / rht_block(d)
 
 
-def _e4m3_block_scale(m: torch.Tensor, g: torch.Tensor, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """nvfp4 block scale sf = e4m3(g · (m · (1/divisor))) (RNE, saturating) and the encode multiplier os.
+def _e4m3(t: torch.Tensor) -> torch.Tensor:
+    """float32 t to e4m3, nearest even, saturating at 448 (``__nv_fp8_e4m3(t)``), and back to float32."""
+    return t.clamp(max=448.0).to(torch.float8_e4m3fn).float()  # clamped first: not every torch saturates the cast
 
-    os = 1 / (sf · (1/g)), 0 where sf is 0: the kernel's order of operations, with exact reciprocals in place
-    of ``rcp.approx``. Both are float32, shaped like m.
+
+def _flashinfer_block_scale(m: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashInfer's nvfp4 append (vLLM's writer on SM80, SM90 and SM120): sf = e4m3(m / (6 · k)), os = 1 / (sf · k).
+
+    k is the checkpoint's decode scale itself; os is 0 where sf is 0. IEEE division in place of the fast-math
+    division FlashInfer is built with (within 2 ulp). Both float32, shaped like m.
     """
-    sf = (g * (m * (1.0 / torch.tensor(divisor, dtype=torch.float32)))).clamp(max=448.0)
-    sf = sf.to(torch.float8_e4m3fn).float()  # RNE; clamped first, as not every torch version saturates the cast
+    sf = _e4m3(m / (E2M1_MAX * k))
+    os = torch.where(sf == 0, 0.0, 1 / (sf * k))
+    return sf, os
+
+
+def _sm100_block_scale(m: torch.Tensor, k: torch.Tensor, divisor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's own nvfp4 kernel (SM100): g = 1 / k, sf = e4m3(g · (m · (1/divisor))), os = 1 / (sf · (1/g)).
+
+    os is 0 where sf is 0. The kernel's order of operations, with exact reciprocals in place of ``rcp.approx``.
+    Both float32, shaped like m.
+    """
+    g = k.reciprocal()  # the kernel's "global scale"
+    sf = _e4m3(g * (m * (1.0 / torch.tensor(divisor, dtype=torch.float32))))
     os = torch.where(sf == 0, 0.0, 1 / (sf * g.reciprocal()))
     return sf, os
 
@@ -136,8 +152,10 @@ def _e4m3_block_scale(m: torch.Tensor, g: torch.Tensor, divisor: float) -> tuple
 def _nvfp4(x: torch.Tensor, scale: torch.Tensor, four_over_six: bool = False) -> torch.Tensor:
     """nvfp4: per 16 elements, e2m1(x · os) · sf · scale, sf an e4m3 block scale under the per-tensor ``scale``.
 
-    ``four_over_six`` (nvfp4_4over6): also try sf from max/4 and keep it where its squared reconstruction error
-    is strictly smaller than max/6's.
+    ``scale`` is vLLM's ``_k_scale``/``_v_scale`` as loaded (1.0 without checkpoint scales); both writers take it as
+    the decode multiplier, unchanged. nvfp4 is FlashInfer's writer (SM100 runs vLLM's, equal but for float32 rounding
+    at e4m3 ties, docs/kv-dtypes.md); ``four_over_six`` (nvfp4_4over6, SM100 only) vLLM's, which also tries sf from
+    max/4 and keeps it where its squared reconstruction error is strictly smaller than max/6's.
     """
     d = x.shape[-1]
     if d % NVFP4_BLOCK:
@@ -145,13 +163,14 @@ def _nvfp4(x: torch.Tensor, scale: torch.Tensor, four_over_six: bool = False) ->
     shape = (d // NVFP4_BLOCK, NVFP4_BLOCK)
     xb = x.float().unflatten(-1, shape)  # [B, H, S, D/16, 16]
     k = scale.float().broadcast_to(x.shape).unflatten(-1, shape)[..., :1]  # [B, H, S, D/16, 1]
-    g = k.reciprocal()  # the kernel's "global scale", 1 / k_scale
     m = xb.abs().amax(-1, keepdim=True)  # [B, H, S, D/16, 1]
-    sf, os = _e4m3_block_scale(m, g, 6.0)
     if four_over_six:
-        sf4, os4 = _e4m3_block_scale(m, g, 4.0)
+        sf, os = _sm100_block_scale(m, k, E2M1_MAX)
+        sf4, os4 = _sm100_block_scale(m, k, 4.0)
         use4 = _squared_error(xb, os4) < _squared_error(xb, os)
         sf, os = torch.where(use4, sf4, sf), torch.where(use4, os4, os)
+    else:
+        sf, os = _flashinfer_block_scale(m, k)
     return (round_e2m1(xb * os) * sf * k).flatten(-2)  # [B, H, S, D]
 
 

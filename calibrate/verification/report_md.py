@@ -184,8 +184,9 @@ def tails_markdown(rep: dict) -> list[str]:
             f"Per-token KL(reference ‖ scheme) over every position of the sample: a percentile is given only when at least "
             f"{t['min_beyond']} tokens lie beyond it; the maximum is the sample's own. Clear flips: the share of positions "
             f"whose top-1 changes where the reference's top-1 leads by more than {t['near_tie_nats']:g} nats. Intervals: "
-            f"{t['confidence']:.0%}, from {t['resamples']} bootstrap resamples of the sequences (seed {t['seed']}), the same "
-            "resamples for every scheme.", "",
+            + (f"none, {t['too_few']}." if t.get("too_few") else
+               f"{t['confidence']:.0%}, from {t['resamples']} bootstrap resamples of the sequences (seed {t['seed']}), the "
+               "same resamples for every scheme."), "",
             markdown_table(["scheme", "tokens", *PERCENTILES, "max", "clear flips", f"{t['compared']} / floor's"], rows), "",
             *([f"{t['compared']} of one scheme over another's:", "", markdown_table(["a", "b", "a / b", "interval"], pairs), ""] if pairs else [])]
 
@@ -225,7 +226,8 @@ def kinds_markdown(rep: dict) -> list[str]:
             for kind, k in c["kinds"].items():
                 vs = k.get("vs_rest")
                 rows.append([scheme_label(name), classification, kind, f"{k['tokens']:,}", _kl_cell(k["kl"]), percent_cell(k["top1"]),
-                             "—" if vs is None or vs["ratio"] is None else f"{vs['ratio']:.3g}×" + (" **much worse**" if vs["much_worse"] else "")])
+                             "—" if vs is None or vs["ratio"] is None else f"{vs['ratio']:.3g}×" + (" **much worse**" if vs["much_worse"] else
+                                                                                                    f" ({vs['too_few']})" if vs.get("too_few") else "")])
     if not rows:
         return []
     return ["## KL by kind of token", "",

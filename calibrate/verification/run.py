@@ -232,7 +232,7 @@ class Judged:
 @dataclass
 class Advice:
     """What the target is told: the recommendation's lines and its serve line, every target's serve line, the layers
-    to keep unquantized, what the cache costs and frees, whether scale 1.0 is enough, the vLLM release said."""
+    to keep unquantized, what the cache costs and frees, whether scale 1.0 is enough (FP8, nvfp4), the vLLM release said."""
 
     recommendation: list[str]
     serve: str
@@ -240,6 +240,7 @@ class Advice:
     skip_probe: dict | None
     pays: dict | None
     scale1: dict | None
+    scale1_nvfp4: dict | None
     vllm_version: str | None
 
 
@@ -446,16 +447,18 @@ def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: S
         skip_probe["bytes_per_token"] = skip_cost(kv_layers, results[skip_probe["scheme"]]["kv_dtype"], skip_probe["skip"], pays["context"])
     plain = serving.unquantized_dtype(model_config)  # auto, unless a kv_cache_scheme would make auto fp8
     scale1 = scale1_answer(results)
+    nvfp4_scale1 = scale1_answer(results, "nvfp4")
     vllm_version = config.vllm_version or installed_vllm_version()  # the release the caveats are said for
     served = served_model(subject)  # the report's serve lines name no local path
     recommendation, serve = recommend(results, emulated.held, layers, checkpoint_name(config.checkpoint), skip_probe, pays,
-                                      target=config.target, unquantized=plain, scale1=scale1["text"] if scale1 else None,
+                                      target=config.target, unquantized=plain,
+                                      scale1=" ".join(a["text"] for a in (scale1, nvfp4_scale1) if a) or None,
                                       vllm_version=vllm_version, served=served,
                                       engine_target=engine_result["target"] if engine_result else None,
                                       mla=bool(sig.latent_dim), model_type=model_config.get("model_type"),
                                       scale_one=bool(scale1) and scale1["outcome"] in (EQUAL, WORSE))
     return Advice(recommendation, serve, serve_lines(results, emulated.held, layers, served, skip_probe, unquantized=plain,
-                                                     **shape), skip_probe, pays, scale1, vllm_version)
+                                                     **shape), skip_probe, pays, scale1, nvfp4_scale1, vllm_version)
 
 
 def _engine_lines(started: "EngineStart", engine_result: dict | None, engine_error: str | None) -> list[str]:
@@ -505,6 +508,7 @@ def _report(config: VerifyConfig, subject: Subject, ref: Reference, sample: Samp
         "needle": emulated.needle,
         "recommendation": advice.recommendation,
         "scale1": advice.scale1,
+        "scale1_nvfp4": advice.scale1_nvfp4,
         "target": config.target,
         "serve_command": advice.serve,  # the line for ``target``, printed last
         "serve_lines": advice.serve_lines,  # every target's line, with the vLLM build it was checked against

@@ -6,19 +6,29 @@ Student's t at n − 1 degrees of freedom, two-sided 5%. On data with no real di
 most 1 time in 20 whatever n is; a fixed 2 standard errors says so about 1 time in 5 at 3 sequences. The test assumes
 the per-sequence differences are roughly normal. One sequence has no standard error: nothing is tested.
 
-The *detectable* difference is the one this test finds 4 times in 5 (power 80%): ``shift(n)`` standard errors, the
-mean of a noncentral t at n − 1 degrees of freedom whose probability beyond ±``critical_value(n)`` is 80%, computed
-here by integration. The textbook (t₀.₉₇₅ + t₀.₈₀) standard errors falls short of 80% at few sequences (77% at 3).
+Two things the same test cannot say, each with its own rule here. *Equal*: a difference that is not significant is not
+shown to be small, so equality is claimed only by two one-sided tests at 5% each (``equivalent``: the mean's 90%
+interval inside ± a stated margin), never from a test that found nothing. *How much it may cost*: the one-sided 95%
+bounds of a mean difference (``mean_bounds``).
 
-Plain Python (``math`` only): scipy is not a dependency.
+Every rule built on these states the fewest sequences it judges (``MIN_SEQUENCES`` for the t test: one sequence has no
+standard error; a rule with another test, such as the tails' bootstrap, sets its own) and below it says ``TOO_FEW``
+(``too_few``), never a verdict. On symmetric per-sequence differences (what two interchangeable measurements give) the
+t test holds its 5% at any n ≥ 2 however heavy the tails (it grows conservative); a difference that is skewed while
+its mean is zero (rare sequences carrying it) is the case it is not made for, and no minimum fixes that.
+
+Plain Python (``math`` and ``statistics`` only): scipy is not a dependency.
 """
 
 import math
+import statistics
+from collections.abc import Sequence
 from functools import lru_cache
 
 LEVEL = 0.05  # two-sided false-positive rate of the test
-POWER = 0.80  # the chance of finding a difference of the detectable size
 RULE = "Student's t test on the per-sequence differences (n − 1 degrees of freedom, two-sided 5%)"
+MIN_SEQUENCES = 2  # the fewest sequences the t test judges: one has no standard error
+TOO_FEW = "too few sequences to tell"
 
 
 def t_cdf(t: float, df: int) -> float:
@@ -57,59 +67,54 @@ def t_quantile(p: float, df: int) -> float:
 def critical_value(n: int) -> float:
     """How many standard errors a mean of ``n`` paired differences (n ≥ 2) must clear: t₀.₉₇₅ at n − 1 degrees of
     freedom (12.7 at 2 sequences, 4.30 at 3, 2.13 at 16, → 1.96)."""
-    if n < 2:
+    if n < MIN_SEQUENCES:
         raise ValueError(f"a paired test needs at least 2 sequences, not {n}")
     return t_quantile(1 - LEVEL / 2, n - 1)
-
-
-def power(shift: float, n: int) -> float:
-    """The chance the test finds a true mean difference of ``shift`` true standard errors (σ/√n) over ``n``
-    sequences: P(|Z + shift| > c·S), Z standard normal, S² a χ² over n − 1 degrees of freedom divided by them, c the
-    critical value; integrated over S by Simpson's rule."""
-    df, c = n - 1, critical_value(n)
-    log_norm = math.log(2) + df / 2 * math.log(df / 2) - math.lgamma(df / 2)
-
-    def f(s: float) -> float:  # P(reject | S = s) × the density of S
-        if s == 0.0:
-            return 0.0 if df > 1 else math.exp(log_norm) * (_phi(shift) + _phi(-shift))
-        density = math.exp(log_norm + (df - 1) * math.log(s) - df * s * s / 2)
-        return (_phi(shift - c * s) + _phi(-shift - c * s)) * density
-
-    top, steps = 1 + 12 / math.sqrt(df), 2000
-    h = top / steps
-    inner = sum((4 if i % 2 else 2) * f(i * h) for i in range(1, steps))
-    return h / 3 * (f(0.0) + inner + f(top))
-
-
-def _phi(x: float) -> float:
-    """The standard normal's P(Z ≤ x)."""
-    return 0.5 * math.erfc(-x / math.sqrt(2))
-
-
-@lru_cache
-def shift(n: int) -> float:
-    """How many standard errors a true difference must be for the test over ``n`` sequences to find it with
-    ``POWER`` (by bisection on ``power``): 5.6 at 3 sequences, 3.0 at 16, → 2.80."""
-    lo, hi = 0.0, 2 * critical_value(n) + 2
-    while hi - lo > 1e-6:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if power(mid, n) < POWER else (lo, mid)
-    return hi  # the side with at least POWER
 
 
 def significant(mean: float, stderr: float | None, n: int) -> bool:
     """Whether a mean of ``n`` paired differences with standard error ``stderr`` is beyond chance (``RULE``); never
     with one sequence (``stderr`` None). A zero standard error makes any non-zero mean significant."""
-    return stderr is not None and n >= 2 and abs(mean) > critical_value(n) * stderr
+    return stderr is not None and n >= MIN_SEQUENCES and abs(mean) > critical_value(n) * stderr
 
 
 def margin(stderr: float | None, n: int) -> float:
     """The most a mean of ``n`` paired differences may lie from zero and still be chance: ``critical_value(n)`` ×
     ``stderr`` (0 with one sequence, where there is no standard error)."""
-    return 0.0 if stderr is None or n < 2 else critical_value(n) * stderr
+    return 0.0 if stderr is None or n < MIN_SEQUENCES else critical_value(n) * stderr
 
 
-def detectable(stderr: float, n: int) -> float:
-    """The difference the test over ``n`` sequences finds with ``POWER`` at this standard error: ``shift(n)`` ×
-    ``stderr`` (the observed standard error standing for the true one)."""
-    return shift(n) * stderr
+def too_few(n: int, minimum: int = MIN_SEQUENCES) -> str | None:
+    """``TOO_FEW`` with the counts, when ``n`` sequences are under a rule's ``minimum``; None when they are enough."""
+    return f"{TOO_FEW} ({n} of the {minimum} this rule needs)" if n < minimum else None
+
+
+@lru_cache
+def one_sided(n: int) -> float:
+    """How many standard errors bound a mean of ``n`` paired differences (n ≥ 2) on one side at 95%: t₀.₉₅ at n − 1
+    degrees of freedom (6.31 at 2 sequences, 2.92 at 3, 1.75 at 16, → 1.645)."""
+    if n < MIN_SEQUENCES:
+        raise ValueError(f"a paired test needs at least 2 sequences, not {n}")
+    return t_quantile(1 - LEVEL, n - 1)
+
+
+def mean_bounds(values: Sequence[float]) -> tuple[float, float] | None:
+    """The one-sided 95% lower and upper bounds of the true mean of ``values`` (per-sequence, paired): mean ∓
+    ``one_sided(n)`` standard errors, each side alone at 95% (together a 90% interval); None under ``MIN_SEQUENCES``."""
+    n = len(values)
+    if n < MIN_SEQUENCES:
+        return None
+    mean = statistics.fmean(values)
+    reach = one_sided(n) * statistics.stdev(values) / math.sqrt(n)
+    return mean - reach, mean + reach
+
+
+def equivalent(differences: Sequence[float], within: Sequence[float]) -> bool:
+    """Whether the true mean of per-sequence ``differences`` is shown to lie inside ± the mean of per-sequence margins
+    ``within`` (≥ 0): two one-sided t tests at 5% each (TOST), on each difference minus its margin (shown below zero)
+    and plus it (shown above). A margin that is a share of a measured KL varies with each sequence as the difference
+    does, so it is tested per sequence, not taken as a constant. On differences whose true mean lies on the margin or
+    beyond it says yes at most 1 time in 20; never under ``MIN_SEQUENCES``."""
+    above = mean_bounds([d - w for d, w in zip(differences, within)])
+    below = mean_bounds([d + w for d, w in zip(differences, within)])
+    return above is not None and below is not None and above[1] < 0 < below[0]

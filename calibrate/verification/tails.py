@@ -4,7 +4,11 @@ Per scheme: the 99th and 99.9th percentiles of per-token KL(reference ‖ scheme
 when at least ``MIN_BEYOND`` tokens lie beyond it (a percentile of fewer is one or two tokens' value, not a tail), the
 maximum, and the share of positions whose top-1 changes where the reference's top-1 was clear (led by more than
 ``NEAR_TIE_NATS``). Schemes are compared by a seeded bootstrap over sequences (positions of one sequence are not
-independent; sequences are): the same resampled sequences for every scheme, so each comparison is paired.
+independent; sequences are): the same resampled sequences for every scheme, so each comparison is paired. A bootstrap
+over few sequences draws from too few distinct resamples and its intervals are too narrow: simulated with a tail
+exactly on the limit (sequences differing 2.7× in level), it called the tail heavier 48%, 21% and 14% of the time at
+1, 2 and 3 sequences, 5.8% at 12 and 4.7% at 16. So no interval is given, and nothing judged, under ``MIN_SEQUENCES``
+(tests/verification/test_tails.py checks at most 5% at 1, 2, 3 and 16).
 
 Plain numbers in, numbers out (numpy): nothing here runs a model.
 """
@@ -15,12 +19,14 @@ import numpy as np
 import torch
 
 from .config import NEAR_TIE_NATS
+from .significance import too_few
 
 MIN_BEYOND = 10  # tokens that must lie beyond a percentile for it to be reported
 PERCENTILES = {"p99": 99.0, "p99.9": 99.9}
 COMPARED = "p99"  # the percentile the bootstrap compares between schemes and against the floor
 RESAMPLES = 1000  # bootstrap resamples of the sample's sequences
 _BOOTSTRAP_ELEMENTS = 1 << 24  # float64 values one batch of resamples holds (128 MiB), whatever the sample's size
+MIN_SEQUENCES = 16  # sequences the bootstrap needs to give intervals and judge a tail (module docstring)
 CONFIDENCE = 0.95  # two-sided: the comparison's interval runs from the 2.5th to the 97.5th percentile of resamples
 
 
@@ -88,11 +94,13 @@ def tails(token_kl: dict[str, torch.Tensor], clear_flips: dict[str, list[tuple[i
         clear_flips: scheme → per sequence (top-1 changed, positions) where the reference's top-1 was clear.
         seed: the bootstrap's seed (the sample's: the same run gives the same intervals).
         floor, floor_pass: the floor's name among ``token_kl`` and the verdicts' pass factor; with both, each scheme's
-            ``COMPARED`` percentile is set against ``floor_pass`` × the floor's (``vs_floor``, what the verdict reads).
+            ``COMPARED`` percentile is set against ``floor_pass`` × the floor's (``vs_floor``, what the verdict reads;
+            under ``MIN_SEQUENCES`` sequences its ``interval`` and ``heavier`` are None: too few to tell).
 
     Returns:
         {"schemes": name → tail_values + "clear_flips" (share) + "clear_positions" + "vs_floor",
-         "comparisons": every pair's ratio of ``COMPARED`` with its interval, and the settings used}.
+         "comparisons": every pair's ratio of ``COMPARED`` with its interval (None under ``MIN_SEQUENCES``),
+         "too_few": why no interval was given (None when there were enough sequences), and the settings used}.
     """
     schemes = {name: tail_values(t) for name, t in token_kl.items()}
     for name, r in schemes.items():
@@ -100,20 +108,23 @@ def tails(token_kl: dict[str, torch.Tensor], clear_flips: dict[str, list[tuple[i
         r["clear_flips"], r["clear_positions"] = (flipped / clear if clear else None), clear
         r["vs_floor"] = None
     reportable = [name for name, r in schemes.items() if r[COMPARED] is not None]
+    sequences = min((t.shape[0] for t in token_kl.values()), default=0)
+    few = too_few(sequences, MIN_SEQUENCES)
     comparisons = []
     if len(reportable) > 1:
-        boot = bootstrap({n: token_kl[n] for n in reportable}, PERCENTILES[COMPARED], seed, resamples)
+        boot = None if few else bootstrap({n: token_kl[n] for n in reportable}, PERCENTILES[COMPARED], seed, resamples)
         for i, a in enumerate(reportable):
             for b in reportable[i + 1 :]:
-                interval = ratio_interval(boot[a], boot[b])
+                interval = None if boot is None else ratio_interval(boot[a], boot[b])
                 comparisons.append({"a": a, "b": b, "ratio": _ratio(schemes[a][COMPARED], schemes[b][COMPARED]), "interval": interval})
         if floor in reportable and floor_pass is not None:
             for name in reportable:
-                interval = None if name == floor else ratio_interval(boot[name], boot[floor])
-                if interval is not None:
+                interval = None if boot is None or name == floor else ratio_interval(boot[name], boot[floor])
+                if name != floor and (few or interval is not None):  # below the minimum: the ratio alone, judged by nothing
                     schemes[name]["vs_floor"] = {"ratio": _ratio(schemes[name][COMPARED], schemes[floor][COMPARED]), "interval": interval,
-                                                 "limit": floor_pass, "heavier": interval[0] > floor_pass}
+                                                 "limit": floor_pass, "heavier": None if few else interval[0] > floor_pass}
     return {"schemes": schemes, "comparisons": comparisons, "compared": COMPARED, "min_beyond": MIN_BEYOND,
+            "min_sequences": MIN_SEQUENCES, "sequences": sequences, "too_few": few,
             "resamples": resamples, "seed": seed, "confidence": CONFIDENCE, "near_tie_nats": NEAR_TIE_NATS}
 
 
@@ -125,4 +136,5 @@ def tail_rule(floor_pass: float) -> str:
     """How tails count in a verdict, in words a user reads (the thresholds line)."""
     return (f"tails: a scheme whose {COMPARED} per-token KL is above {floor_pass:g}× the floor's, with "
             f"{CONFIDENCE:.0%} bootstrap confidence over sequences, is at best warn (judged on samples of at least "
-            f"{tokens_needed(PERCENTILES[COMPARED]):,} tokens)")
+            f"{MIN_SEQUENCES} sequences and {tokens_needed(PERCENTILES[COMPARED]):,} tokens; under {MIN_SEQUENCES} "
+            "sequences, too few sequences to tell)")

@@ -6,8 +6,12 @@ JSON answer is a JSON token predicted wrongly. Two classifications, each over th
 *role* (system, user, assistant, tool, other, template, reasoning; chat records only) and *form* (prose, json, code).
 
 A kind is *much worse* when its mean KL is at least ``RATIO`` times that of the rest of its classification, it holds
-at least ``MIN_TOKENS`` tokens, and the difference (the kind's mean minus the rest's, within each sequence that holds
-both, then averaged over those sequences) is significant (``significance.significant``: Student's t, two-sided 5%).
+at least ``MIN_TOKENS`` tokens, and that it is at least ``RATIO`` times worse is shown over the sequences: the kind's
+mean minus ``RATIO`` × the rest's, within each sequence that holds both, averaged over those sequences, is above zero
+and significant (``significance.significant``: Student's t, two-sided 5%). Testing only that the kind is worse at all
+called a kind truly exactly 2× the rest "much worse" 42% of the time at 16 sequences (simulated,
+tests/verification/test_token_kinds.py); this test, 1% or less at 1 to 16. Under ``significance.MIN_SEQUENCES`` such
+sequences: too few sequences to tell.
 
 Plain numbers in, numbers out: nothing here runs a model.
 """
@@ -16,7 +20,7 @@ import torch
 
 from ..data.kinds import FORM_SHIFT, FORMS, ROLES
 from ..data.stream import Layout
-from .significance import RULE, significant
+from .significance import MIN_SEQUENCES, RULE, TOO_FEW, significant, too_few
 from .verdict import mean_stderr
 
 RATIO = 2.0  # a kind's KL over the rest's for it to be much worse
@@ -74,18 +78,20 @@ def by_kind(token_kl: torch.Tensor, token_top1: torch.Tensor, layouts: list[Layo
 
 
 def _judge(token_kl: torch.Tensor, mine: torch.Tensor, rest: torch.Tensor) -> dict | None:
-    """A kind against the rest of its classification; None when the rest is empty."""
+    """A kind against the rest of its classification; None when the rest is empty. ``difference``: the kind's mean
+    minus the rest's, per sequence, averaged; ``excess``: the kind's minus ``RATIO`` × the rest's, what is tested."""
     if not rest.any():
         return None
     kl, rest_kl = token_kl[mine].double().mean().item(), token_kl[rest].double().mean().item()
     both = (mine.any(1) & rest.any(1)).nonzero().flatten().tolist()
-    diffs = [token_kl[s][mine[s]].double().mean().item() - token_kl[s][rest[s]].double().mean().item() for s in both]
-    mean, se = mean_stderr(diffs) if diffs else (None, None)
+    pairs = [(token_kl[s][mine[s]].double().mean().item(), token_kl[s][rest[s]].double().mean().item()) for s in both]
+    mean, se = mean_stderr([a - b for a, b in pairs]) if pairs else (None, None)
+    excess, excess_se = mean_stderr([a - RATIO * b for a, b in pairs]) if pairs else (None, None)
     ratio = kl / rest_kl if rest_kl > 0 else None
-    worse = (ratio is not None and ratio >= RATIO and int(mine.sum()) >= MIN_TOKENS and mean is not None and mean > 0
-             and significant(mean, se, len(diffs)))
-    return {"rest_kl": rest_kl, "ratio": ratio, "paired_sequences": len(diffs), "difference": mean, "stderr": se,
-            "much_worse": worse}
+    worse = (ratio is not None and ratio >= RATIO and int(mine.sum()) >= MIN_TOKENS and excess is not None and excess > 0
+             and significant(excess, excess_se, len(pairs)))
+    return {"rest_kl": rest_kl, "ratio": ratio, "paired_sequences": len(pairs), "difference": mean, "stderr": se,
+            "excess": excess, "excess_stderr": excess_se, "much_worse": worse, "too_few": too_few(len(pairs))}
 
 
 def worse_text(d: dict) -> list[str]:
@@ -98,5 +104,5 @@ def worse_text(d: dict) -> list[str]:
 def rule() -> str:
     """The rule in words a user reads."""
     return (f"token kinds: a kind (chat role, or JSON/code/prose) is much worse when its KL is ≥ {RATIO:g}× the rest of "
-            f"its classification's over ≥ {MIN_TOKENS} tokens and the per-sequence difference is "
-            f"significant ({RULE})")
+            f"its classification's over ≥ {MIN_TOKENS} tokens and, per sequence, its KL minus {RATIO:g}× the rest's is "
+            f"above zero and significant ({RULE}), over ≥ {MIN_SEQUENCES} sequences holding both (fewer: {TOO_FEW})")

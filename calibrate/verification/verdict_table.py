@@ -104,6 +104,8 @@ def _tail_clause(rep: dict) -> str:
     have, need = floor["tails"]["tokens"], tokens_needed(PERCENTILES[COMPARED])
     if have < need:
         return f"; tails not judged: {COMPARED} needs {need:,} tokens, the sample has {have:,}"
+    if rep["tails"].get("too_few"):
+        return f"; tails not judged: {rep['tails']['too_few']}"
     return "; " + tail_rule(th["floor_pass"])
 
 

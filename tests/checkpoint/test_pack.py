@@ -365,3 +365,40 @@ def test_vllm_loads_a_checkpoint_applied_from_a_pack(smol_tokenizer, kjv_path, t
         for kind in "kvq":
             assert layer[f"{kind}_scale"] == pytest.approx(written[f"model.layers.{layer['index']}.self_attn.{kind}_scale"].tolist())
     assert set(tensor_names(scales_file(applied))) == set(written)
+
+
+def test_a_pack_missing_its_manifest_is_refused_as_an_incomplete_pack(calibrated, packed, tmp_path, capsys):
+    """A pack that lost its manifest is neither a pack nor a calibration output: apply and export say which file it
+    lacks, not that it has no statistics."""
+    base, _ = calibrated
+    partial = tmp_path / "partial"
+    shutil.copytree(packed, partial)
+    (partial / "manifest.json").unlink()
+    for argv in (["apply", str(partial), str(base), "--out", str(tmp_path / "o")], ["export", str(partial), "--out", str(tmp_path / "o")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "partial is an incomplete scale pack" in err and "but no manifest.json" in err, err
+        assert "stats.safetensors" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_export_of_a_whole_pack_says_it_is_a_pack(packed, tmp_path, capsys):
+    assert main(["export", str(packed), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a scale pack, not a calibration output" in err and f"kvcal apply {packed} MODEL" in err
+
+
+def test_apply_to_an_output_kvcal_wrote_says_so(calibrated, packed, tmp_path, capsys):
+    """The pack's own applied output holds the base model's weights under kvcal's shard names, and the scales already:
+    apply says that, not that the weights differ; any other kvcal output is refused as one."""
+    base, out = calibrated
+    applied = tmp_path / "applied"
+    assert main(["apply", str(packed), str(base), "--out", str(applied)]) == 0
+    assert sha256(applied / shard_name(1, 2)) == sha256(base / "model.safetensors")  # the very weights, renamed
+    capsys.readouterr()
+    for target, says in ((applied, "was written by kvcal apply from"), (out, "was written by kvcal and holds scales of its own")):
+        assert main(["apply", str(packed), str(target), "--out", str(tmp_path / "again")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err and "not those" not in err, err
+        assert "the base model's own folder" in err
+    assert not (tmp_path / "again").exists()

@@ -4,6 +4,7 @@ Expected sequences are computed here independently: the test tokenizes the texts
 """
 
 import copy
+import gzip
 import hashlib
 import json
 import socket
@@ -112,6 +113,35 @@ def write_csv(tmp_path):
     return str(tmp_path / "a.csv")
 
 
+def gzipped(path: str) -> str:
+    """``path`` gzipped beside itself as PATH.gz, the plain file removed."""
+    packed = Path(path + ".gz")
+    packed.write_bytes(gzip.compress(Path(path).read_bytes()))
+    Path(path).unlink()
+    return str(packed)
+
+
+def write_jsonl_gz(tmp_path):
+    return gzipped(write_jsonl(tmp_path))
+
+
+def write_txt_gz(tmp_path):
+    return gzipped(write_txt(tmp_path))
+
+
+def write_csv_gz(tmp_path):
+    return gzipped(write_csv(tmp_path))
+
+
+def write_gz_directory(tmp_path):
+    """A folder of gzipped files of every text kind, read as one source."""
+    folder = tmp_path / "gz"
+    folder.mkdir()
+    for i, t in enumerate(TEXTS):
+        (folder / f"part{i}.jsonl.gz").write_bytes(gzip.compress((json.dumps({"text": t}) + "\n").encode()))
+    return str(folder)
+
+
 def write_save_to_disk(tmp_path):
     datasets.Dataset.from_dict({"text": TEXTS}).save_to_disk(tmp_path / "saved")
     return str(tmp_path / "saved")
@@ -143,6 +173,10 @@ WRITERS = [
     write_save_to_disk,
     write_glob,
     write_directory,
+    write_jsonl_gz,
+    write_txt_gz,
+    write_csv_gz,
+    write_gz_directory,
 ]
 
 
@@ -365,8 +399,9 @@ def test_manifest_names_hashes_and_counts(tmp_path, smol_tokenizer):
         ({"sources": ["{tmp}/missing.jsonl"]}, "missing.jsonl: no such file or directory"),
         ({"sources": ["{tmp}/empty.jsonl"]}, "empty.jsonl is empty; remove it from --data"),
         ({"sources": ["{tmp}/data.xml"]}, r"data.xml: unsupported file type; convert it to one of .txt, .jsonl"),
-        ({"sources": ["{tmp}/nothing"]}, "directory .*nothing holds no .txt/.jsonl/.json/.parquet/.csv files"),
-        ({"sources": ["{tmp}/*.parquet"]}, r"no .txt/.jsonl/.json/.parquet/.csv files match .*\*.parquet"),
+        ({"sources": ["{tmp}/a.parquet.gz"]}, r"a.parquet.gz: unsupported file type; .* .jsonl.gz, .json.gz, .csv.gz$"),
+        ({"sources": ["{tmp}/nothing"]}, "directory .*nothing holds no .txt/.jsonl/.json/.parquet/.csv/.txt.gz/.jsonl.gz/.json.gz/.csv.gz files"),
+        ({"sources": ["{tmp}/*.parquet"]}, r"no .txt/.jsonl/.json/.parquet/.csv/.txt.gz/.jsonl.gz/.json.gz/.csv.gz files match .*\*.parquet"),
     ],
     ids=[
         "no-sources",
@@ -380,6 +415,7 @@ def test_manifest_names_hashes_and_counts(tmp_path, smol_tokenizer):
         "missing",
         "empty",
         "unsupported",
+        "parquet-gzipped-whole",
         "dir-without-data",
         "glob-without-match",
     ],
@@ -388,6 +424,7 @@ def test_validate_refuses_bad_config(tmp_path, options, message):
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "data.xml").write_text("<a/>")
+    (tmp_path / "a.parquet.gz").write_bytes(gzip.compress(b"PAR1"))
     (tmp_path / "nothing").mkdir()
     (tmp_path / "nothing" / "notes.md").write_text("no data here")
     options = {"sources": ["{tmp}/a.jsonl"], **options}
@@ -461,6 +498,21 @@ def test_non_utf8_file_is_refused_at_the_first_bad_byte(tmp_path, smol_tokenizer
     offset = len(good.encode()) + 3
     with pytest.raises(ValueError, match=rf"{name} is not UTF-8 text \(first invalid byte at offset {offset}\)"):
         read_all(smol_tokenizer, [str(tmp_path / name)])
+
+
+def test_non_utf8_gzipped_file_is_refused_at_the_first_bad_byte_of_its_text(tmp_path, smol_tokenizer):
+    good = '{"text": "ok"}\n'
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(good.encode() + "caf\xe9 au lait\n".encode("latin-1")))
+    offset = len(good.encode()) + 3  # in the decompressed text, not the file's bytes
+    with pytest.raises(ValueError, match=rf"a.jsonl.gz is not UTF-8 text \(first invalid byte at offset {offset} of its "
+                                         r"decompressed text\)"):
+        read_all(smol_tokenizer, [str(tmp_path / "a.jsonl.gz")])
+
+
+def test_a_file_named_gz_that_is_not_gzip_is_refused_in_one_line(tmp_path, smol_tokenizer):
+    (tmp_path / "a.jsonl.gz").write_text('{"text": "plain, not gzipped"}\n')
+    with pytest.raises(ValueError, match=r"cannot read .*a.jsonl.gz: BadGzipFile: Not a gzipped file"):
+        read_all(smol_tokenizer, [str(tmp_path / "a.jsonl.gz")])
 
 
 def test_non_utf8_offset_counts_a_character_cut_by_the_read_chunks(tmp_path, smol_tokenizer):

@@ -21,11 +21,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from builders import kjv_jsonl, save_tiny_checkpoint, tiny_config
 from runners import as_a_user
 
-from calibrate import calibrate
+from calibrate import apply, calibrate, export_pack
 
 REPO = Path(__file__).resolve().parents[2]  # the checkout whose code the subprocesses run
 TIMEOUT_S = 300  # one command; the slowest rows load a tiny model
@@ -184,6 +185,12 @@ def root(tmp_path_factory, smol_tokenizer, kjv_path):
     del header["signature"]["head_dim"]
     stats_path.unlink()
     save_file(tensors, stats_path, metadata={"kvcal": json.dumps(header)})
+    # Issue 51: a pack that lost its manifest, the pack's own applied output, a Parquet file of empty rows.
+    export_pack(str(root / "out"), str(root / "pack"))
+    shutil.copytree(root / "pack", root / "pack-no-manifest")
+    (root / "pack-no-manifest" / "manifest.json").unlink()
+    apply(str(root / "pack"), str(root / "llama"), str(root / "applied"))
+    pd.DataFrame({"text": [""] * 50}).to_parquet(root / "empty-rows.parquet")
     yield root
     (root / "ro").chmod(0o755)
 
@@ -386,6 +393,13 @@ NEW = {
     "export-stats-signature-incomplete": _export("{root}/stats-no-field", fragments=["stats.safetensors", "head_dim"]),
     "apply-stats-signature-incomplete": _apply("{root}/stats-no-field", "{root}/llama", fragments=["stats.safetensors", "head_dim"]),
     "verify-stats-signature-incomplete": _verify("{root}/stats-no-field", *DATA, *SHORT, fragments=["stats.safetensors", "head_dim"]),
+    # Issue 51: refusals that say what is true.
+    "apply-pack-without-manifest": _apply("{root}/pack-no-manifest", "{root}/llama",
+                                          fragments=["is an incomplete scale pack", "but no manifest.json"]),
+    "apply-pack-to-its-own-applied-output": _apply("{root}/pack", "{root}/applied",
+                                                   fragments=["was written by kvcal apply from", "already holds them"]),
+    "calibrate-parquet-rows-empty": _calibrate("{root}/llama", "--data", "{root}/empty-rows.parquet", *TINY,
+                                               fragments=["empty-rows.parquet: all 50 records are empty"]),
     # Where nothing can be written.
     "calibrate-out-parent-read-only": _calibrate("{root}/llama", *DATA, *TINY, out=READ_ONLY_OUT, read_only=True, fragments=["ro", "not writable"]),
     "export-out-parent-read-only": _export("{root}/out", out=READ_ONLY_OUT, read_only=True, fragments=["ro", "not writable"]),

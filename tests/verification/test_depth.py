@@ -94,10 +94,42 @@ def test_a_shorter_last_sequence_counts_only_its_own_positions():
 def test_no_trend_without_two_records_reaching_a_second_bucket():
     kl, top1 = torch.rand(3, 300), torch.ones(3, 300, dtype=torch.bool)
     got = depth.by_depth(kl, top1, [layout([301]), layout([100, 201]), layout([50, 251])])
-    assert got["trend"]["verdict"] is None and "fewer than 2 sequences" in got["trend"]["why"]
-    assert "not measured" in depth.trend_text(got)
+    why = "too few sequences to tell: the trend needs 2 sequences whose leading record reaches position 300, the sample has 1"
+    assert got["trend"]["verdict"] is None and got["trend"]["why"] == why and depth.trend_text(got) == why
     short = depth.by_depth(torch.rand(2, 100), torch.ones(2, 100, dtype=torch.bool), [layout([101]), layout([101])])
-    assert short["trend"]["why"] == "the sample's sequences hold one depth bucket"
+    assert depth.trend_text(short) == "not measured: the sample's sequences hold one depth bucket"
+
+
+TRIALS = 2000
+ALLOWANCE = 3 * np.sqrt(0.05 * 0.95 / TRIALS)  # 3 binomial standard errors of a 5% rate over TRIALS: 0.0146
+
+
+def _trend_calls(n: int, deeper: float, seed: int) -> dict[str, float]:
+    """How often ``depth.trend`` says each verdict over TRIALS samples of ``n`` sequences 600 positions long (buckets
+    0–127, 128–511, 512–599), whose per-token KL is log-normal (σ 1.5, a sequence's level log-normal σ 1 across
+    sequences) and ``deeper`` × as large in the deepest bucket (1: no trend). Bucket means by numpy, handed to trend as
+    by_depth hands them."""
+    rng = np.random.default_rng(seed)
+    calls = {"grows": 0, "shrinks": 0, "flat": 0, None: 0}
+    ends = torch.full((n,), 600)
+    for _ in range(TRIALS):
+        kl = rng.lognormal(0, 1.0, (n, 1)) * rng.lognormal(-8, 1.5, (n, 600))
+        kl[:, 512:] *= deeper
+        rows = [{"label": depth.label(a, b), "end": b, "sequences": n, "kl_per_sequence": kl[:, a:b].mean(1).tolist()}
+                for a, b in depth.buckets(600)]
+        calls[depth.trend(rows, ends)["verdict"]] += 1
+    return {k: v / TRIALS for k, v in calls.items()}
+
+
+@pytest.mark.parametrize("n", [pytest.param(n, id=f"{n}-sequences") for n in (1, 2, 3, 16)])
+def test_at_most_five_percent_false_trends(n):
+    calls = _trend_calls(n, 1.0, seed=n)
+    assert calls["grows"] + calls["shrinks"] <= 0.05 + ALLOWANCE
+    assert (calls[None] == 1.0) == (n < depth.MIN_SEQUENCES)  # one sequence: too few to tell, every time
+
+
+def test_at_sixteen_sequences_a_real_trend_is_found():
+    assert _trend_calls(16, 2.0, seed=99)["grows"] >= 0.8
 
 
 def test_the_report_shows_buckets_packed_positions_and_one_trend_line_per_scheme():

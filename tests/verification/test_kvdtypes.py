@@ -288,33 +288,58 @@ def test_int4_hand_worked_block():
 # --- nvfp4 and nvfp4_4over6 -----------------------------------------------------------------------------------
 
 def nvfp4_reference(x: np.ndarray, k: float, four_over_six: bool = False) -> np.ndarray:
-    """vLLM's nvfp4 write then read of float32 x [..., D] under per-tensor scale k, float64 (float32-rounded)."""
+    """vLLM's nvfp4 write then read of float32 x [..., D] under per-tensor scale k, float64 (float32-rounded).
+
+    nvfp4: FlashInfer's append, sf = e4m3(m / (6·k)), os = 1 / (sf·k). nvfp4_4over6: vLLM's SM100 kernel, g = 1/k,
+    sf = e4m3(g·(m·(1/6))), os = 1 / (sf·(1/g)), and the same from m/4 where its squared error is strictly smaller.
+    Each float32 step is one float64 operation rounded to float32: exact for a product or quotient of two floats.
+    """
     xb = x.reshape(*x.shape[:-1], -1, 16)  # [..., D/16, 16]
-    g = F32(1) / F32(k)
+    k32 = F32(k)
     m = np.abs(xb).max(-1, keepdims=True)
 
-    def candidate(divisor):
-        sf = e4m3_round((g * (m * (F32(1) / F32(divisor)))).astype(np.float64)).astype(F32)
+    def os_of(sf, denominator):
         with np.errstate(divide="ignore"):
-            os = np.where(sf == 0, F32(0), F32(1) / (sf * (F32(1) / g)))
-        return sf, os
+            return np.where(sf == 0, F32(0), F32(1) / (sf * denominator))
 
-    sf, os = candidate(6)
+    def sm100(divisor):
+        g = F32(1) / k32
+        sf = e4m3_round((g * (m * (F32(1) / F32(divisor)))).astype(np.float64)).astype(F32)
+        return sf, os_of(sf, F32(1) / g)
+
     if four_over_six:
         def err(os):
             q = e2m1_reference((xb * os).astype(np.float64))
             with np.errstate(divide="ignore"):
                 back = np.where(os == 0, 0.0, 1.0 / os.astype(np.float64))
             return ((q * back - xb) ** 2).sum(-1, keepdims=True)
-        sf4, os4 = candidate(4)
+        (sf, os), (sf4, os4) = sm100(6), sm100(4)
         use4 = err(os4) < err(os)
         sf, os = np.where(use4, sf4, sf), np.where(use4, os4, os)
+    else:
+        sf = e4m3_round((m / (F32(6) * k32)).astype(np.float64)).astype(F32)
+        os = os_of(sf, k32)
     q = e2m1_reference((xb * os).astype(np.float64))
-    return ((q * sf).astype(F32) * F32(k)).reshape(x.shape).astype(np.float64)
+    return ((q * sf).astype(F32) * k32).reshape(x.shape).astype(np.float64)
+
+
+def flashinfer_nvfp4_float64(x: np.ndarray, k: float) -> np.ndarray:
+    """FlashInfer's nvfp4 writer and reader from its definition alone, in float64 throughout (no float32 step).
+
+    Per 16 elements along the last dim: block max m; block scale sf = the e4m3 value nearest m / (6·k) (saturating
+    at 448, ties to even); codes = the e2m1 values {0, .5, 1, 1.5, 2, 3, 4, 6} nearest x / (sf·k); read back as
+    code · sf · k. Differs from the float32 kernel only where a float32 rounding moves a value across a midpoint.
+    """
+    xb = x.astype(np.float64).reshape(*x.shape[:-1], -1, 16)
+    m = np.abs(xb).max(-1, keepdims=True)
+    sf = e4m3_round(m / (6.0 * k))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(sf == 0, 0.0, e2m1_reference(xb / (sf * k)))
+    return (q * sf * k).reshape(x.shape)
 
 
 def test_nvfp4_hand_worked_blocks():
-    """k = 0.25 and block max 3 = 6·k·2: g = 4, sf = e4m3(4 · 3/6) = 2, os = 1/(2 · 0.25) = 2, read back q·2·k.
+    """k = 0.25 and block max 3 = 6·k·2: sf = e4m3(3 / (6 · 0.25)) = 2, os = 1/(2 · 0.25) = 2, read back q·2·k.
 
     The second block is the first ÷ 8: sf = 0.25, os = 16, the same codes, read back q / 16.
     """
@@ -354,6 +379,58 @@ def test_nvfp4_equals_reference(name, k):
     want = nvfp4_reference(x.float().numpy(), k, four_over_six=name == "nvfp4_4over6")
     assert got.dtype == torch.bfloat16
     np.testing.assert_array_equal(got.double().numpy(), as_bfloat16(want))
+
+
+def midpoint_distance(y: np.ndarray, grid: np.ndarray) -> np.ndarray:
+    """Relative distance of |y| (float64) to the nearest midpoint of two adjacent magnitudes of ``grid``."""
+    mids = (grid[1:] + grid[:-1]) / 2
+    return (np.abs(np.abs(y)[..., None] - mids) / mids).min(-1)
+
+
+def outlier_heavy(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Normal values with 0.5% of them 100 times larger, as attention sinks and massive activations give K and V."""
+    x = rng.standard_normal(shape)
+    return np.where(rng.random(shape) < 0.005, 100 * x, x)
+
+
+@pytest.mark.parametrize("data", ["normal", "outliers"])
+@pytest.mark.parametrize("outer", ["one", "amax_over_448", "amax_over_2688"])
+def test_nvfp4_equals_the_writer_computed_in_float64(data, outer):
+    """kvcal's nvfp4 emulation against FlashInfer's writer worked out in float64 from its definition (e2m1 codes,
+    an e4m3 block scale per 16 elements, the outer scale k): equal wherever no float32 step can move a value across
+    a rounding midpoint. At an e2m1 tie (x / (sf·k) a midpoint, which bf16 inputs hit) the kernel's float32 1/(sf·k)
+    decides, so the emulation must read back one of the tie's two neighbours; blocks whose m / (6·k) lies within
+    float32 rounding of an e4m3 tie, but not on it, are left out, and must be rare. k is 1.0 (vLLM without checkpoint scales), FP8's amax/448 and amax/2688
+    (largest block scale at 448), rounded to 12 bits so that 6·k is exact in float32."""
+    rng = np.random.default_rng(7)
+    shape = (2, 4, 64, 128)
+    x = torch.from_numpy(rng.standard_normal(shape) if data == "normal" else outlier_heavy(rng, shape)).to(torch.bfloat16)
+    xs = x.double().numpy()
+    amax = np.abs(xs).max()
+    k = {"one": 1.0, "amax_over_448": amax / 448, "amax_over_2688": amax / 2688}[outer]
+    mantissa, exponent = np.frexp(k)
+    k = float(np.ldexp(np.round(mantissa * 2**12) / 2**12, exponent))
+    got = DTYPES["nvfp4"].round_trip(x, torch.tensor(k)).double().numpy()
+    want = as_bfloat16(flashinfer_nvfp4_float64(xs, k))
+
+    blocks = (*shape[:-1], -1, 16)
+    xb = xs.reshape(blocks)
+    m = np.abs(xb).max(-1, keepdims=True)
+    sf = e4m3_round(m / (6 * k))
+    e4m3_grid = np.unique(np.abs(e4m3_round(np.linspace(0, 448, 2**16))))
+    d = midpoint_distance(m / (6 * k), e4m3_grid)  # 0: an exact tie, which the float32 quotient keeps exact
+    sf_tie = np.broadcast_to((d > 0) & (d < 2.0**-20), xb.shape).reshape(shape)
+    assert sf_tie.mean() < 1e-3
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.where(sf == 0, 0.0, xb / (sf * k)).reshape(shape)  # what the writer rounds to e2m1
+    tie = (midpoint_distance(y, E2M1) < 2.0**-20) & ~sf_tie
+    assert tie.mean() < 0.02
+    exact = ~tie & ~sf_tie
+    np.testing.assert_array_equal(got[exact], want[exact])
+    block_scale = np.broadcast_to(sf, xb.shape).reshape(shape)
+    j = np.abs(np.abs(y[tie])[:, None] - (E2M1[1:] + E2M1[:-1]) / 2).argmin(-1)  # the midpoint each tie sits at
+    reads = [as_bfloat16(np.copysign(E2M1[j + side], xs[tie]) * block_scale[tie] * k) for side in (0, 1)]
+    assert ((got[tie] == reads[0]) | (got[tie] == reads[1])).all()
 
 
 def test_nvfp4_4over6_picks_max_over_4_only_when_strictly_better():

@@ -23,6 +23,7 @@ from calibrate.verification.passes import measure
 from calibrate.verification.report_md import verify_markdown
 from calibrate.verification.run import _evidence_reasons
 from calibrate.verification.schemes import Mode, Scheme
+from calibrate.verification.significance import critical_value
 
 E4M3 = FORMATS["e4m3fn"]
 SCALE = 0.02
@@ -108,6 +109,54 @@ def test_a_much_worse_kind_needs_twice_the_rest_fifty_tokens_and_two_standard_er
     assert small["form"]["kinds"]["json"]["tokens"] == 48 and small["form"]["much_worse"] == []  # under 50 tokens
     kl, layouts = synthetic(1.5, 40)
     assert token_kinds.by_kind(kl, torch.ones(kl.shape, dtype=torch.bool), layouts)["form"]["much_worse"] == []  # under 2×
+
+
+def test_under_two_sequences_it_is_too_few_to_tell():
+    kl, layouts = synthetic(3.0, 100, sequences=1)
+    vs = token_kinds.by_kind(kl, torch.ones(kl.shape, dtype=torch.bool), layouts)["form"]["kinds"]["json"]["vs_rest"]
+    assert not vs["much_worse"] and vs["too_few"] == "too few sequences to tell (1 of the 2 this rule needs)"
+    rep = report_dict()
+    rep["schemes"]["tensor"]["token_kinds"] = token_kinds.by_kind(kl, torch.ones(kl.shape, dtype=torch.bool), layouts)
+    rep["token_kinds"] = {"rule": token_kinds.rule()}
+    assert "(too few sequences to tell (1 of the 2 this rule needs)) |" in verify_markdown(rep, {})
+    assert "over ≥ 2 sequences holding both (fewer: too few sequences to tell)" in token_kinds.rule()
+
+
+# ---- simulation: how often a kind is called much worse that is not ---------------------------------------------------
+
+TRIALS = 1000
+ALLOWANCE = 3 * np.sqrt(0.05 * 0.95 / TRIALS)  # 3 binomial standard errors of a 5% rate over TRIALS: 0.0207
+
+
+def _much_worse(n: int, factor: float, seed: int, trials: int = TRIALS) -> tuple[float, float]:
+    """Over ``trials`` samples of ``n`` sequences of 200 positions, 60 of them JSON whose per-token KL is truly ``factor`` ×
+    prose's (log-normal σ 1.5, each sequence's level log-normal σ 1): how often the rule calls JSON much worse, and how
+    often the rule it replaces did (the kind's minus the rest's significant, from the same figures)."""
+    rng = np.random.default_rng(seed)
+    kind = torch.full((201,), code(form="prose"), dtype=torch.uint8)
+    kind[1:61] = code(form="json")
+    layouts = [Layout(torch.zeros(201, dtype=torch.long), kind) for _ in range(n)]
+    calls = old = 0
+    for _ in range(trials):
+        kl = rng.lognormal(0, 1.0, (n, 1)) * rng.lognormal(-8, 1.5, (n, 200))
+        kl[:, :60] *= factor
+        json = token_kinds.by_kind(torch.from_numpy(kl), torch.ones(n, 200, dtype=torch.bool), layouts)["form"]["kinds"]["json"]
+        vs = json["vs_rest"]
+        calls += vs["much_worse"]
+        old += (vs["ratio"] >= token_kinds.RATIO and vs["stderr"] is not None and vs["difference"] > 0
+                and abs(vs["difference"]) > critical_value(n) * vs["stderr"])
+    return calls / trials, old / trials
+
+
+@pytest.mark.parametrize("n", [pytest.param(n, id=f"{n}-sequences") for n in (1, 2, 3, 16)])
+def test_at_most_five_percent_false_much_worse(n):
+    """JSON truly exactly 2× prose, the rule's own limit: called much worse at most 1 time in 20."""
+    assert _much_worse(n, token_kinds.RATIO, seed=n)[0] <= 0.05 + ALLOWANCE
+
+
+def test_at_sixteen_sequences_a_much_worse_kind_is_found_and_the_old_rule_over_claimed():
+    assert _much_worse(16, 4.0, seed=99, trials=300)[0] >= 0.8  # 89% over 1,000
+    assert _much_worse(16, token_kinds.RATIO, seed=16, trials=300)[1] > 0.3  # testing against zero: 42% at the limit
 
 
 def test_the_report_and_the_reasons_name_a_much_worse_kind():
