@@ -4,7 +4,8 @@ Handles kvcal's and llm-compressor's form (compressed-tensors ``kv_cache_scheme`
 ModelOpt's (``self_attn.k_proj.k_scale`` + ``hf_quant_config.json``), fused ``qkv_proj.k_scale``, old
 llm-compressor / Quark ``k_proj.output_scale`` and the legacy fused ``kv_scale``. No model is loaded:
 attention layers come from the tensor names and config.json, and only the scale tensors are read
-(plus a few weights for the opt-in ``check_weights`` heuristic), so it runs in about a second.
+(plus kvcal's statistics when the checkpoint carries them, and a few weights for the opt-in ``check_weights``
+heuristic), so it runs in about a second.
 
     inspect()  config.json → files vLLM loads → scale tensors → per-layer scales → problems
     apply()    one calibration's scales → another checkpoint of the same architecture (via api.export)
@@ -36,7 +37,8 @@ from ..model.directory import (
 from ..model.layers import ModelSignature
 from ..scales.at_one import at_one_line, at_scale_one
 from .loaders import WRITE_NAMES, LoadedScale, ignored_scales, quant_method, stored_dtype
-from .read import load_scales
+from .read import CheckpointScales, load_scales
+from .scale_check import SAMPLE_TOKENS, check_scales, read_calibration
 
 # The attention's own K/V scale parameters, which transformers creates when it applies a kv_cache_scheme.
 _ATTENTION_KV_NAMES = (WRITE_NAMES["compressed-tensors"]["k"], WRITE_NAMES["compressed-tensors"]["v"])
@@ -234,7 +236,8 @@ def inspect(checkpoint: str, *, check_weights: bool = False) -> Inspection:
     for (index, kind), names in sources.items():
         if len(names) > 1:
             problems.append(Problem("error", f"{kind}_scale comes from {len(names)} tensors ({', '.join(names)}); vLLM keeps one silently", index))
-        _check_values(kind, found.tensors[index, kind], names[-1], index, strategy, heads[kind], problems)
+        _check_shape(found.tensors[index, kind], names[-1], index, strategy, heads[kind], problems)
+    problems += _value_checks(directory, found, notes)
     for index, layer in layers.items():
         layer.scales = found.loaded[index]
     problems += [Problem(severity, message, index) for index, severity, message in found.gaps]
@@ -309,16 +312,27 @@ def _loader_notes(method: str | None, rounded: torch.dtype | None) -> list[str]:
     return notes
 
 
-def _check_values(kind: str, tensor: torch.Tensor, name: str, index: int, strategy: str, heads: int, problems: list[Problem]) -> None:
-    """Non-finite, non-positive and wrongly shaped scales."""
-    if not torch.isfinite(tensor).all():
-        problems.append(Problem("error", f"{name} holds NaN or Inf; vLLM's cache breaks", index))
-    elif not (tensor > 0).all():
-        problems.append(Problem("error", f"{name} is zero or negative ({tensor.min().item():g}); vLLM treats it as absent or fails", index))
+def _check_shape(tensor: torch.Tensor, name: str, index: int, strategy: str, heads: int, problems: list[Problem]) -> None:
+    """A scale whose shape the strategy vLLM expects does not take."""
     expected = heads if strategy == "attn_head" else 1
     if tensor.numel() != expected:
         problems.append(Problem("error", f"{name} has shape {list(tensor.shape)} ({tensor.numel()} values) but strategy {strategy} "
                                 f"needs {expected}; vLLM refuses to load it", index))
+
+
+def _value_checks(directory: Path, found: CheckpointScales, notes: list[str]) -> list[Problem]:
+    """The scales' values (``scale_check``, the check verify shares): refused by vLLM, changed after calibration (against
+    the checkpoint's kvcal statistics), or all 1.0. Without statistics inspect has no data to hold them to: a note says
+    where that check runs."""
+    try:
+        calibration = read_calibration(directory)
+    except (ValueError, SafetensorError) as e:
+        return [Problem("warning", f"the kvcal statistics are unreadable ({e}): the scales were not checked against them")]
+    findings = check_scales(found, calibration)
+    if calibration is None and found.tensors and not any(f.verdict == "uncalibrated" for f in findings):
+        notes.append("no kvcal statistics: the scales' sizes are not checked against data here; kvcal verify checks them on "
+                     f"{SAMPLE_TOKENS} held-out tokens")
+    return [Problem(f.severity, f.message, f.layer) for f in findings]
 
 
 def _family_checks(config: dict, strategy: str, layers: dict[int, LayerScales], any_scales: bool, problems: list[Problem]) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from .. import serving
 from ..capture.stats import Stats, position_bucket_starts
+from ..checkpoint.scale_check import checkpoint_findings, refuse, sample_statistics
 from ..checkpoint.write import tensor_bytes, weight_files
 from ..data.stream import Layout, iter_sequences, portable_manifest, read_digests
 from ..engine.audit import FAILED, OK, AuditResult, audit
@@ -275,6 +276,8 @@ def _describe(config: VerifyConfig) -> Subject:
     config.validate()
     check_known_type(config.checkpoint, described.config)
     files = weight_files(described)  # vLLM's files, every header checked
+    # Scales vLLM refuses, or that lie about the statistics the checkpoint carries: refused as kvcal inspect fails them.
+    refuse(checkpoint_findings(config.checkpoint, files, described.config, described.quant), config.checkpoint)
     path = records_path(config.checkpoint)
     if config.include_calibration_data:  # counted for the report only, never checked: opting in must always work
         records = frozenset(path.read_text().split()) if path.is_file() else frozenset()
@@ -308,9 +311,11 @@ def _sample(config: VerifyConfig, subject: Subject) -> Sample:
     return Sample(tokenizer, sequences, layouts, manifest, excluded, prompts, source)
 
 
-def _reference(config: VerifyConfig, subject: Subject, device: torch.device, tokenizer) -> Reference:
+def _reference(config: VerifyConfig, subject: Subject, device: torch.device, tokenizer,
+               sequences: list[torch.Tensor]) -> Reference:
     """The reference model (float32 on CPU by default, K and V unquantized), its attention layers under the names the
-    checkpoint's files give them, and the checkpoint's statistics checked against it."""
+    checkpoint's files give them, and the checkpoint's statistics checked against it; without statistics, its scales
+    checked on the first tokens of ``sequences`` (``scale_check.sample_statistics``)."""
     model, _ = load_model(config.checkpoint, device=device, dtype=getattr(torch, config.dtype) if config.dtype else None,
                           tokenizer=tokenizer, config=subject.described.config)
     layers = checkpoint_named(attention_layers(model), subject.prefixes)
@@ -321,6 +326,10 @@ def _reference(config: VerifyConfig, subject: Subject, device: torch.device, tok
     stats = Stats.load(path) if path.is_file() else None
     if stats is not None:
         stats.signature.check_matches(sig, f"the statistics in {path}")
+    else:  # no statistics to hold the scales to: a short held-out sample through the model instead
+        refuse(checkpoint_findings(config.checkpoint, subject.files, subject.described.config, subject.described.quant,
+                                   lambda: sample_statistics(model, layers, sig, sequences), get_format(config.fp8_format)),
+               config.checkpoint)
     return Reference(model, device, layers, sig, stats)
 
 
@@ -414,7 +423,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     sample = _sample(config, subject)
     clock.mark("sample")
     # 4. The reference model (float32 on CPU by default, K and V unquantized) and its attention layers.
-    ref = _reference(config, subject, device, sample.tokenizer)
+    ref = _reference(config, subject, device, sample.tokenizer, sample.sequences)
     if started is not None:  # the engine's arrays fit the temporary directory, known before the emulation's passes
         engine.check_room(len(sample.sequences), config.data.seq_len - 1, ref.model.config.get_text_config().vocab_size,
                           subject.absolute, config.schemes, Path(tempfile.gettempdir()))

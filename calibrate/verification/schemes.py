@@ -21,6 +21,7 @@ from ..checkpoint.loaders import (
     stored_dtype,
 )
 from ..checkpoint.read import read_scales
+from ..checkpoint.scale_check import UNCALIBRATED, uncalibrated
 from ..choices import SCHEMES, SchemeSpec
 from ..fp8 import E5M2, FP8Format, per_token_head_round_trip, per_token_scale, quantize_dequantize
 from ..model.description import ModelDescription
@@ -156,6 +157,10 @@ def build_schemes(
     if granularity is None:
         notes.append("the checkpoint has no KV scales: vLLM would load it with 1.0 for every layer (scheme scale1)")
     held = {"granularity": granularity, "notes": notes, "statistics": stats is not None, "serving": []}
+    # Every scale 1.0 (ModelOpt's fp8_cast): vLLM serves scale 1.0, so the scale1 row judges it, never a "calibrated" one.
+    blank = granularity is not None and uncalibrated(ckpt.values())
+    if blank:
+        held["serving"].append(f"The checkpoint is {UNCALIBRATED}; the scale 1.0 row measures what vLLM serves from it.")
     q = not config.kv_only
     heads = sig.heads
     schemes, skipped = [], {}
@@ -206,12 +211,14 @@ def build_schemes(
             scales, source = derived(name, spec.granularity), f"the {name} observer on the checkpoint's kvcal statistics"
         elif spec.scales == "checkpoint":
             scales, source = static_scales(spec)
-            if scales is None:
-                skipped[name] = source
+            if scales is None or (blank and source == "checkpoint" and spec.kv_dtype == "fp8"):
+                skipped[name] = source if scales is None else f"the checkpoint is {UNCALIBRATED}: the scale 1.0 row measures it"
                 continue
         else:  # computed at cache write: no stored scales
             scales, source = {}, "computed per token at cache write"
         schemes.append(_scheme(name, spec, source, fmt, scales, q))
+    if blank and not any(s.name == "scale1" for s in schemes):
+        schemes.append(_scheme("scale1", SCHEMES["scale1"], "1.0: the checkpoint's scales, all 1.0", fmt, ones, q))
     if sig.latent_dim:  # MLA: the latent cache in an fp8 format under one per-tensor k scale (docs/vllm-notes.md, MLA)
         other = [s for s in schemes if s.mode in (Mode.TOKEN, Mode.CACHE) or s.granularity == "head"]
         for scheme in other:

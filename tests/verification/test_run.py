@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from calibrate import api, cli
 from calibrate.capture.hooks import hooked_attention
+from calibrate.checkpoint.inspect import inspect
 from calibrate.checkpoint.write import scales_file, shard_name
 from calibrate.choices import scheme_label
 from calibrate.config import SHORT_VERIFY_SCHEMES
@@ -1005,3 +1006,67 @@ def test_a_report_folder_on_a_full_disk_is_not_written_and_the_answer_is_still_p
                                                      "(no space left on the device; nothing of it is there): free space "
                                                      "there and run again")
     assert sorted(p.name for p in small_tmpdir.iterdir()) == ["filler"]
+
+
+# ---- scales that lie: refused as kvcal inspect fails them (calibrate/checkpoint/scale_check.py) ----------------------
+
+
+def with_scales(ckpt, target, change, *, statistics: bool = True):
+    """A copy of ``ckpt`` whose scale tensors (name → tensor) ``change`` edits in place; without kvcal/ unless ``statistics``."""
+    copy_checkpoint(ckpt, target)
+    if not statistics:
+        shutil.rmtree(target / "kvcal")
+    tensors = load_file(scales_file(target))
+    change(tensors)
+    save_file(tensors, str(scales_file(target)))
+    return target
+
+
+@pytest.mark.parametrize("name, change, fragments", [
+    ("zero", lambda t: t.update({n: torch.zeros_like(v) for n, v in t.items()}),
+     ["layer 0: model.layers.0.self_attn.k_scale is zero or negative (0); vLLM treats it as absent or fails (and 8 more)"]),
+    ("negative", lambda t: t.update({"model.layers.1.self_attn.v_scale": torch.tensor([-0.5])}),
+     ["layer 1: model.layers.1.self_attn.v_scale is zero or negative (-0.5)"]),
+    ("absurd", lambda t: t.update({"model.layers.1.self_attn.k_scale": torch.tensor([1e30])}),
+     ["layer 1: model.layers.1.self_attn.k_scale is 1e+30", "changed after calibration", "kvcal export"]),
+])
+def test_scales_inspect_fails_are_refused_before_the_model_loads(plain_ckpt, data_file, tmp_path, monkeypatch, capsys,
+                                                                 name, change, fragments):
+    """What kvcal inspect fails, verify refuses in its first step, in one line: never judged "fp8, calibrated per tensor"."""
+    bad = with_scales(plain_ckpt, tmp_path / name, change)
+    assert not inspect(str(bad)).ok()
+    monkeypatch.setattr("calibrate.verification.run.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    rc = cli.main(["verify", str(bad), "--data", str(data_file), "--seq-len", "64", "--max-tokens", "128", "--quiet"])
+    assert_refused(rc, capsys.readouterr().err, *fragments, f"kvcal inspect {bad} lists every one")
+
+
+def test_an_absurd_scale_without_statistics_is_refused_on_a_short_sample(plain_ckpt, data_file, tmp_path, capsys):
+    """No statistics to hold it to: 256 held-out tokens through the model show k_scale 1e30 stores every K as zero.
+    The largest K named is the one the model gives on those tokens, measured here with the capture hook."""
+    bare = with_scales(plain_ckpt, tmp_path / "bare", lambda t: t.update({"model.layers.1.self_attn.k_scale": torch.tensor([1e30])}),
+                       statistics=False)
+    tokens = torch.cat(sample(bare, data_file, 64, 512))[:256]
+    model, _ = load_model(str(bare), device=torch.device("cpu"))
+    largest = {}
+
+    def record(module, q, k, v, mask, base, **kw):
+        largest[module.layer_idx] = max(largest.get(module.layer_idx, 0.0), k.abs().max().item())
+        return base(module, q, k, v, mask, **kw)
+
+    with torch.no_grad(), hooked_attention(model, record):
+        model(input_ids=tokens[None])
+    rc = cli.main(["verify", str(bare), "--data", str(data_file), "--seq-len", "64", "--max-tokens", "512", "--quiet"])
+    assert_refused(rc, capsys.readouterr().err, "layer 1: model.layers.1.self_attn.k_scale is 1e+30: it stores 100% of the K "
+                   f"values of 256 held-out tokens as zero (their largest is {largest[1]:.3g})", "recalibrate")
+
+
+def test_an_all_one_checkpoint_is_judged_as_uncalibrated(plain_ckpt, data_file, tmp_path):
+    """Every scale 1.0 is not an error: verify measures it as vLLM serves it, as scale 1.0 (never "fp8, calibrated per
+    tensor"), and says it is uncalibrated."""
+    ones = with_scales(plain_ckpt, tmp_path / "ones", lambda t: t.update({n: torch.ones_like(v) for n, v in t.items()}))
+    result = verify(str(ones), str(data_file), schemes="bf16,tensor", seq_len=64, max_tokens=128, **QUIET)
+    assert set(result.schemes) == {"bf16", "scale1"}
+    assert result.report["skipped"]["tensor"].startswith("the checkpoint is uncalibrated: the same as no scales")
+    assert any("uncalibrated: the same as no scales" in line for line in result.report["recommendation"])
+    plain = verify(str(plain_ckpt), str(data_file), schemes="scale1", seq_len=64, max_tokens=128, **QUIET)
+    assert result.schemes["scale1"]["kl"] == plain.schemes["scale1"]["kl"]  # the same model and sample at 1.0
