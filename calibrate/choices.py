@@ -18,6 +18,9 @@ from typing import NamedTuple
 # Every such rule asks ``runs_the_model``, never the name.
 OUTPUT_OBSERVER = "output"
 OBSERVERS = ("max", "percentile:P", "mse", "sink-aware", OUTPUT_OBSERVER)
+# The observers whose scales the output observer picks among, per layer (scales/search.py; scale_check.py holds its
+# picks to their range).
+OUTPUT_CANDIDATES = ("max", "mse", "percentile:99.999", "percentile:99.99", "percentile:99.9")
 GRANULARITIES = ("tensor", "head", "token")
 OUTPUT_GRANULARITIES = ("tensor", "head")
 FP8_FORMATS = ("e4m3fn", "e4m3fnuz")

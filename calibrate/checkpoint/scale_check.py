@@ -19,15 +19,14 @@ from pathlib import Path
 
 import torch
 
-from ..capture.hooks import run_capture
 from ..capture.stats import Stats, bin_edges
+from ..choices import OUTPUT_CANDIDATES as CANDIDATES
 from ..choices import runs_the_model
 from ..fp8 import FORMATS, FP8Format
 from ..layout import provenance_path, stats_path
 from ..model.directory import attention_prefixes, read_json, tensor_names
 from ..model.layers import AttentionLayer, ModelSignature
 from ..scales.observers import derive_scales
-from ..scales.search import CANDIDATES
 from .loaders import quant_method, stored_dtype
 from .read import CheckpointScales, load_scales
 
@@ -147,6 +146,8 @@ def checkpoint_findings(directory: str | Path, files: list[Path], config: dict, 
 def sample_statistics(model, layers: list[AttentionLayer], sig: ModelSignature, sequences: list[torch.Tensor]) -> Stats:
     """Statistics of the first SAMPLE_TOKENS tokens of ``sequences`` (1-D token tensors) through ``model``: the short
     sample ``check_scales`` holds a checkpoint without statistics to."""
+    from ..capture.hooks import run_capture  # here, not at the top: it brings transformers, which inspect never needs
+
     tokens = torch.cat(sequences)[:SAMPLE_TOKENS]  # [≤ SAMPLE_TOKENS]
     return run_capture(model, layers, [tokens], Stats.empty(sig), chunk_len=SAMPLE_TOKENS, progress=False)
 

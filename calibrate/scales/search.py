@@ -15,12 +15,12 @@ import torch
 
 from ..capture.hooks import prefill_chunks
 from ..capture.stats import Stats
+from ..choices import OUTPUT_CANDIDATES as CANDIDATES
 from ..choices import OUTPUT_OBSERVER, check_output_granularity
 from ..fp8 import FP8Format, quantize_dequantize
 from ..model.layers import AttentionLayer
 from .observers import Prediction, ScaleSet, derive_scales
 
-CANDIDATES = ("max", "mse", "percentile:99.999", "percentile:99.99", "percentile:99.9")
 SEARCHED = ("k", "v")
 
 

@@ -226,17 +226,17 @@ def _agreement(tmp_path: Path, sequences: int, factor: float) -> dict:
     ref = torch.log_softmax(torch.randn(sequences, 24, 64, generator=gen, dtype=torch.float64), -1)
     moved = torch.log_softmax(ref + 0.1 * torch.randn(ref.shape, generator=gen, dtype=torch.float64), -1)
     kls = (ref.exp() * (ref - moved)).sum(-1).mean(-1).tolist()  # KL(auto ‖ fp8) per sequence
-    for name, x in (("reference", ref), ("auto", ref), ("tensor", moved)):
-        np.save(tmp_path / f"{name}.npy", x.float().numpy())
+    reference, auto, fp8 = (x.float().numpy() for x in (ref, ref, moved))
     stored = {"attention_backend": "CPU_ATTN", "backend_kv_cache_dtypes": [],
               "layers": [{"cache_dtype": "uint8", "cache_shape": [1], "k_scale_float": 1.0, "v_scale_float": 1.0}]}
-    runs = {"auto": {"npy": tmp_path / "auto.npy", "isa": "x86", "stored": {**stored, "layers": []}, "rss_peak_delta_mib": 0.0},
-            "tensor": {"npy": tmp_path / "tensor.npy", "kv_cache_dtype": "fp8", "stored": stored, "seconds": 0.0,
-                       "rss_peak_delta_mib": 0.0}}
+    runs = {"auto": {**engine.figures(auto, None, reference, None), "isa": "x86", "stored": {**stored, "layers": []},
+                     "rss_peak_delta_mib": 0.0},
+            "tensor": {**engine.figures(fp8, auto, reference, None), "kv_cache_dtype": "fp8", "stored": stored,
+                       "seconds": 0.0, "rss_peak_delta_mib": 0.0}}
     emulated = [factor * kl for kl in kls]
     results = {"tensor": {**_row(sum(emulated) / sequences, emulated)}}
     host = engine.EngineHost(tmp_path / "python", "0.32.0", "CpuPlatform")
-    return engine.compare(results, runs, np.load(tmp_path / "reference.npy"), {}, host, {})["schemes"]["tensor"]
+    return engine.compare(results, runs, {}, host, {})["schemes"]["tensor"]
 
 
 @pytest.mark.parametrize("factor, agrees", [(1.0, True), (1.3, False)])
