@@ -159,6 +159,21 @@ def sweep(out: str | Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def swap_in(new: Path, out: Path) -> None:
+    """Replace the directory ``out`` by ``new`` in two renames: ``out`` aside (``sibling(out, "old")``), then ``new`` in
+    its place; the old one is removed only after, and put back where the second rename fails. Between the renames
+    ``out`` is missing, never half-written (``sweep`` puts back one a killed run left aside)."""
+    old = sibling(out, "old")
+    os.rename(out, old)
+    pause_at("swap")  # test-only: between the swap's two renames, OUT missing
+    try:
+        os.rename(new, out)
+    except BaseException:
+        os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 # Test-only (tests/e2e/test_faults.py): the phases a run can be held at, named where pause_at is called.
 PAUSE_PHASES = ("capture", "stats", "weights", "rename", "swap", "publish", "short-verify")
 

@@ -3,6 +3,7 @@ kvcal's and other tools' layouts (ModelOpt, an fp8 release), KJV text files, and
 check of its verdict-table rows."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -299,3 +300,17 @@ def check_drift_cell(cell: str, d: dict | None) -> None:
         values = sorted(f if f is not None else d["steps"] for f in d["first_divergence"])
         assert float(median) == pytest.approx((values[(len(values) - 1) // 2] + values[len(values) // 2]) / 2)
         assert int(low.rstrip(")")) == values[0]
+
+
+def edited_scales(checkpoint: Path, target: Path, change, *, statistics: bool = True) -> Path:
+    """A copy of the kvcal output ``checkpoint`` (real files, not links) whose scale tensors (name → tensor) ``change``
+    edits in place, the way the field's bugs leave checkpoints; without its kvcal/ folder unless ``statistics``."""
+    from calibrate.checkpoint.write import scales_file
+
+    shutil.copytree(checkpoint, target, copy_function=shutil.copy2)
+    if not statistics:
+        shutil.rmtree(target / "kvcal")
+    tensors = load_file(scales_file(target))
+    change(tensors)
+    save_file(tensors, str(scales_file(target)))
+    return target

@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 
 from ..files import apply_umask, save_tensors
-from ..layout import KVCAL_DIR, identity, pause_at, replaceable, sibling, sweep
+from ..layout import KVCAL_DIR, identity, pause_at, replaceable, sibling, swap_in, sweep
 from ..model.description import ModelDescription
 from ..model.directory import (
     HF_QUANT_CONFIG,
@@ -451,12 +451,4 @@ def move_into_place(tmp: Path, out: Path, *, seen: tuple[int, int] | None) -> No
     if identity(out) != seen:
         raise ValueError(f"{out} was replaced while this run was working (another run with the same --out?); nothing "
                          "was written: run again to replace the new one, or choose another --out")
-    old = sibling(out, "old")
-    os.rename(out, old)
-    pause_at("swap")  # test-only (layout.pause_at): between the swap's two renames, OUT missing
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    swap_in(tmp, out)

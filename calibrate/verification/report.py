@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .. import serving
 from ..choices import scheme_label
-from ..layout import sibling, sweep
+from ..layout import sibling, swap_in, sweep
 from .capacity import plan_text
 from .plots import plot_kl_by_depth, plot_layer_error, plot_position_profile, plot_scale_heatmap
 from .report_md import verify_markdown
@@ -134,14 +134,7 @@ def write_verify_report(directory: Path, rep: dict) -> None:
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
-        old = sibling(directory, "old")
-        os.rename(directory, old)
-        try:
-            os.rename(staging, directory)
-        except BaseException:
-            os.rename(old, directory)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
+        swap_in(staging, directory)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already where the rename happened
 

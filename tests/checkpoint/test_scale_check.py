@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from builders import save_tiny_checkpoint
+from builders import edited_scales, save_tiny_checkpoint
 from runners import QUIET
 from safetensors.torch import load_file, save_file
 
@@ -34,17 +34,6 @@ def out(tmp_path_factory, tokenizer, data_file):
     save_tiny_checkpoint(root / "model", "llama", tokenizer)
     api.calibrate(str(root / "model"), [str(data_file)], str(root / "out"), seq_len=64, max_tokens=256, verify=False, **QUIET)
     return root / "out"
-
-
-def edited(out, target, change, *, statistics: bool = True):
-    """A copy of ``out`` whose scale tensors (name → tensor) ``change`` edits in place; without kvcal/ unless ``statistics``."""
-    shutil.copytree(out, target)
-    if not statistics:
-        shutil.rmtree(target / "kvcal")
-    tensors = load_file(scales_file(target))
-    change(tensors)
-    save_file(tensors, str(scales_file(target)))
-    return target
 
 
 def errors(found) -> list[str]:
@@ -78,7 +67,7 @@ def test_the_output_observer_is_held_to_the_range_of_its_candidates(out, tmp_pat
 
 def test_an_all_zero_export_fails_every_scale(out, tmp_path):
     """llm-compressor #2853: every k/v/q scale 0."""
-    zero = edited(out, tmp_path / "zero", lambda t: t.update({n: torch.zeros_like(v) for n, v in t.items()}))
+    zero = edited_scales(out, tmp_path / "zero", lambda t: t.update({n: torch.zeros_like(v) for n, v in t.items()}))
     found = errors(inspect(str(zero)))
     assert len(found) == 3 * LAYERS
     assert all("is zero or negative (0); vLLM treats it as absent or fails" in m for m in found)
@@ -86,14 +75,14 @@ def test_an_all_zero_export_fails_every_scale(out, tmp_path):
 
 
 def test_a_negative_scale_fails(out, tmp_path):
-    negative = edited(out, tmp_path / "neg", lambda t: t.update({"model.layers.1.self_attn.v_scale": torch.tensor([-0.5])}))
+    negative = edited_scales(out, tmp_path / "neg", lambda t: t.update({"model.layers.1.self_attn.v_scale": torch.tensor([-0.5])}))
     assert errors(inspect(str(negative))) == ["1: model.layers.1.self_attn.v_scale is zero or negative (-0.5); vLLM treats "
                                              "it as absent or fails"]
 
 
 def test_an_absurd_scale_is_named_as_changed_after_calibration(out, tmp_path):
     """k_scale 1e30 flushes every K of layer 1 to zero; the statistics say absmax / 448."""
-    absurd = edited(out, tmp_path / "absurd", lambda t: t.update({"model.layers.1.self_attn.k_scale": torch.tensor([1e30])}))
+    absurd = edited_scales(out, tmp_path / "absurd", lambda t: t.update({"model.layers.1.self_attn.k_scale": torch.tensor([1e30])}))
     expected = statistics_scale(out, "k", 1)
     found = errors(inspect(str(absurd)))
     assert len(found) == 1 and found[0].startswith("1: model.layers.1.self_attn.k_scale is 1e+30, ")
@@ -105,7 +94,7 @@ def test_an_absurd_scale_is_named_as_changed_after_calibration(out, tmp_path):
                                              (1 / (0.9 * LIE_FACTOR), False), (1 / (1.1 * LIE_FACTOR), True)])
 def test_the_factor_is_where_a_scale_stops_being_the_statistics(out, tmp_path, factor, flagged):
     scale = statistics_scale(out, "v", 2) * factor
-    moved = edited(out, tmp_path / "moved", lambda t: t.update({"model.layers.2.self_attn.v_scale": torch.tensor([scale])}))
+    moved = edited_scales(out, tmp_path / "moved", lambda t: t.update({"model.layers.2.self_attn.v_scale": torch.tensor([scale])}))
     assert bool(errors(inspect(str(moved)))) == flagged
 
 
@@ -131,7 +120,7 @@ def test_an_all_one_modelopt_export_is_uncalibrated_not_an_error(out, tmp_path, 
 
 
 def test_an_all_one_kvcal_output_says_what_its_statistics_give(out, tmp_path):
-    ones = edited(out, tmp_path / "ones", lambda t: t.update({n: torch.ones_like(v) for n, v in t.items()}))
+    ones = edited_scales(out, tmp_path / "ones", lambda t: t.update({n: torch.ones_like(v) for n, v in t.items()}))
     (warning,) = [p.message for p in inspect(str(ones)).problems if p.severity == "warning"]
     low = min(statistics_scale(out, "k", i) for i in range(LAYERS))
     assert warning.startswith(UNCALIBRATED) and f"k {low:.3g}–" in warning
@@ -140,7 +129,7 @@ def test_an_all_one_kvcal_output_says_what_its_statistics_give(out, tmp_path):
 def test_without_statistics_inspect_says_where_sizes_are_checked(out, tmp_path):
     """Inspect has no data to hold a scale to without statistics: the absurd scale is not an error here, and a note
     says so (verify's short sample catches it: tests/verification/test_run.py)."""
-    bare = edited(out, tmp_path / "bare", lambda t: t.update({"model.layers.1.self_attn.k_scale": torch.tensor([1e30])}),
+    bare = edited_scales(out, tmp_path / "bare", lambda t: t.update({"model.layers.1.self_attn.k_scale": torch.tensor([1e30])}),
                   statistics=False)
     found = inspect(str(bare))
     assert found.ok() and any("no kvcal statistics" in note for note in found.notes)

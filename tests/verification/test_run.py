@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import save_tiny_checkpoint, tiny_config
+from builders import edited_scales, save_tiny_checkpoint, tiny_config
 from references import ref_attention, ref_qdq
 from runners import QUIET, assert_refused
 from safetensors.torch import load_file, save_file
@@ -1011,17 +1011,6 @@ def test_a_report_folder_on_a_full_disk_is_not_written_and_the_answer_is_still_p
 # ---- scales that lie: refused as kvcal inspect fails them (calibrate/checkpoint/scale_check.py) ----------------------
 
 
-def with_scales(ckpt, target, change, *, statistics: bool = True):
-    """A copy of ``ckpt`` whose scale tensors (name → tensor) ``change`` edits in place; without kvcal/ unless ``statistics``."""
-    copy_checkpoint(ckpt, target)
-    if not statistics:
-        shutil.rmtree(target / "kvcal")
-    tensors = load_file(scales_file(target))
-    change(tensors)
-    save_file(tensors, str(scales_file(target)))
-    return target
-
-
 @pytest.mark.parametrize("name, change, fragments", [
     ("zero", lambda t: t.update({n: torch.zeros_like(v) for n, v in t.items()}),
      ["layer 0: model.layers.0.self_attn.k_scale is zero or negative (0); vLLM treats it as absent or fails (and 8 more)"]),
@@ -1033,7 +1022,7 @@ def with_scales(ckpt, target, change, *, statistics: bool = True):
 def test_scales_inspect_fails_are_refused_before_the_model_loads(plain_ckpt, data_file, tmp_path, monkeypatch, capsys,
                                                                  name, change, fragments):
     """What kvcal inspect fails, verify refuses in its first step, in one line: never judged "fp8, calibrated per tensor"."""
-    bad = with_scales(plain_ckpt, tmp_path / name, change)
+    bad = edited_scales(plain_ckpt, tmp_path / name, change)
     assert not inspect(str(bad)).ok()
     monkeypatch.setattr("calibrate.verification.run.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     rc = cli.main(["verify", str(bad), "--data", str(data_file), "--seq-len", "64", "--max-tokens", "128", "--quiet"])
@@ -1043,7 +1032,7 @@ def test_scales_inspect_fails_are_refused_before_the_model_loads(plain_ckpt, dat
 def test_an_absurd_scale_without_statistics_is_refused_on_a_short_sample(plain_ckpt, data_file, tmp_path, capsys):
     """No statistics to hold it to: 256 held-out tokens through the model show k_scale 1e30 stores every K as zero.
     The largest K named is the one the model gives on those tokens, measured here with the capture hook."""
-    bare = with_scales(plain_ckpt, tmp_path / "bare", lambda t: t.update({"model.layers.1.self_attn.k_scale": torch.tensor([1e30])}),
+    bare = edited_scales(plain_ckpt, tmp_path / "bare", lambda t: t.update({"model.layers.1.self_attn.k_scale": torch.tensor([1e30])}),
                        statistics=False)
     tokens = torch.cat(sample(bare, data_file, 64, 512))[:256]
     model, _ = load_model(str(bare), device=torch.device("cpu"))
@@ -1063,7 +1052,7 @@ def test_an_absurd_scale_without_statistics_is_refused_on_a_short_sample(plain_c
 def test_an_all_one_checkpoint_is_judged_as_uncalibrated(plain_ckpt, data_file, tmp_path):
     """Every scale 1.0 is not an error: verify measures it as vLLM serves it, as scale 1.0 (never "fp8, calibrated per
     tensor"), and says it is uncalibrated."""
-    ones = with_scales(plain_ckpt, tmp_path / "ones", lambda t: t.update({n: torch.ones_like(v) for n, v in t.items()}))
+    ones = edited_scales(plain_ckpt, tmp_path / "ones", lambda t: t.update({n: torch.ones_like(v) for n, v in t.items()}))
     result = verify(str(ones), str(data_file), schemes="bf16,tensor", seq_len=64, max_tokens=128, **QUIET)
     assert set(result.schemes) == {"bf16", "scale1"}
     assert result.report["skipped"]["tensor"].startswith("the checkpoint is uncalibrated: the same as no scales")
