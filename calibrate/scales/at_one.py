@@ -31,7 +31,7 @@ class AtOne:
 @torch.no_grad()
 def at_scale_one(stats: Stats, fmt: FP8Format) -> dict[str, AtOne]:
     """Kind → what scale 1.0 does to it, from ``stats``' histograms and absmax (exact; module docstring)."""
-    lower = bin_edges()[:, 0]  # [NUM_BINS] lower edge of each bin, non-decreasing
+    lower = bin_edges()[:, 0].contiguous()  # [NUM_BINS] lower edge of each bin, non-decreasing
     first = int(torch.searchsorted(lower, fmt.max))  # first bin whose values are all ≥ fmt.max
     if first >= len(lower) or lower[first] != fmt.max:
         raise RuntimeError(f"{fmt.max} is not a histogram bin edge: the count beyond it would not be exact")

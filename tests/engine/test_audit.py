@@ -149,7 +149,7 @@ def test_bad_engine_options_are_one_line_errors(model_dir, tmp_path, capsys):
                                                "--engine vllm")
     assert main(["inspect", str(model_dir), "--engine", "vllm", "--vllm-python", str(tmp_path / "python")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("kvcal: error: --vllm-python ") and err.endswith("no such interpreter; give the python of a "
+    assert err.startswith("kvcal: error: the check could not run: --vllm-python ") and err.endswith("no such interpreter; give the python of a "
                                                                              "venv with vLLM") and "\n" not in err
 
 
