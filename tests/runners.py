@@ -227,3 +227,15 @@ def job_wrapper(tmp_path: Path, python: Path, job: str, shell: str) -> Path:
     path.write_text(f'#!/bin/sh\nPY="{python}"\ncase "$1" in\n  */jobs/{job}.py)\n{shell}\n;;\nesac\nexec "$PY" "$@"\n')
     path.chmod(0o755)
     return path
+
+
+def import_job(monkeypatch, name: str):
+    """``calibrate/engine/jobs/NAME.py`` imported afresh as launch.py runs it: a script beside jobkit, with the jobs'
+    folder on sys.path, importing its siblings by name."""
+    import importlib
+
+    from calibrate.engine.launch import JOBS
+
+    monkeypatch.syspath_prepend(str(JOBS))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module(name)

@@ -2,22 +2,17 @@
 (``fault``), whatever exception carries it."""
 
 import errno
-import importlib
 import json
 import sys
-from pathlib import Path
 
 import pytest
-
-JOBS = Path(__file__).resolve().parents[3] / "calibrate" / "engine" / "jobs"
+from runners import import_job
 
 
 @pytest.fixture
 def jobkit(monkeypatch):
     """The module as a job imports it: a script beside it, by that name."""
-    monkeypatch.syspath_prepend(str(JOBS))
-    monkeypatch.delitem(sys.modules, "jobkit", raising=False)
-    return importlib.import_module("jobkit")
+    return import_job(monkeypatch, "jobkit")
 
 
 def _answer(jobkit, tmp_path, monkeypatch, error: Exception) -> dict:

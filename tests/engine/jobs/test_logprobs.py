@@ -1,22 +1,16 @@
 """calibrate/engine/jobs/logprobs.py, the parts that need no vLLM: the runner step it wraps, or a one-line refusal
 where a vLLM release no longer has it (0.34 removed the V1 model runner; docs/engine.md, "Which vLLM")."""
 
-import importlib
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
-JOBS = Path(__file__).resolve().parents[3] / "calibrate" / "engine" / "jobs"
+from runners import import_job
 
 
 @pytest.fixture
 def logprobs(monkeypatch):
     """The job module as launch.py runs it: a script beside jobkit, which it imports by that name."""
-    monkeypatch.syspath_prepend(str(JOBS))
-    monkeypatch.delitem(sys.modules, "logprobs", raising=False)
-    return importlib.import_module("logprobs")
+    return import_job(monkeypatch, "logprobs")
 
 
 def test_the_v1_runner_step_is_the_one_wrapped(logprobs):
