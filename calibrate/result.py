@@ -8,18 +8,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import serving
 from .capture.stats import Stats
-from .checkpoint.loaders import MLA_AT_ONE, quant_method, stored_dtype
+from .checkpoint.loaders import stored_dtype
 from .choices import DEFAULT_TARGET
 from .config import LITTLE_DATA_TOKENS
-from .engine.caveats import installed_vllm_version
+from .engine.launch import installed_vllm_version
 from .model.directory import quant_config, read_config_json
 from .model.layers import AttentionLayer
 from .recipes import serve_notes
 from .scales.at_one import at_one_line, at_scale_one
 from .scales.observers import ScaleSet
 from .scales.table import scale_table
+from .vllm_facts import serving
+from .vllm_facts.loaders import MLA_AT_ONE, quant_method
 
 TOP_LAYERS = 5  # the per-layer rows calibrate's summary shows without --verbose
 

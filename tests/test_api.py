@@ -27,7 +27,8 @@ from calibrate.model.load import read_config
 from calibrate.result import CalibrationResult
 from calibrate.run.provenance import scale_report
 from calibrate.scales.observers import derive_scales
-from calibrate.serving import SERVE_NOTES
+from calibrate.vllm_facts.release import READ_IN
+from calibrate.vllm_facts.serving import SERVE_NOTES
 
 E4M3_MAX = 448.0
 
@@ -177,7 +178,7 @@ def test_summary_of_a_real_calibration_matches_the_written_scales(calibrated):
     assert lines[-2:] == ["serve it with:", f"  vllm serve {out} --kv-cache-dtype fp8"]
     # No GPU engine has run fp8 (engine.caveats: no measured row on target gpu), and the summary says so before the line.
     assert lines[-3].startswith("scales rest on little data") and lines[-3].endswith("more with --verbose)")
-    assert r.summary(verbose=True).splitlines()[-3].startswith("note: Not run in vLLM 0.32.0's engine by kvcal: fp8 on target gpu")
+    assert r.summary(verbose=True).splitlines()[-3].startswith(f"note: Not run in vLLM {READ_IN}'s engine by kvcal: fp8 on target gpu")
 
 
 def test_provenance_holds_the_runs_settings_and_scales(calibrated):

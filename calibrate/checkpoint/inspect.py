@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .. import serving
 from ..capture.stats import Stats
 from ..fp8 import FORMATS
 from ..layout import CARD_MARKER, card_path, is_kvcal_output, provenance_path, stats_path
@@ -36,7 +35,10 @@ from ..model.directory import (
 )
 from ..model.layers import ModelSignature
 from ..scales.at_one import at_one_line, at_scale_one
-from .loaders import WRITE_NAMES, LoadedScale, ignored_scales, quant_method, stored_dtype
+from ..vllm_facts import serving
+from ..vllm_facts.caveats import PER_HEAD_READERS
+from ..vllm_facts.loaders import WRITE_NAMES, LoadedScale, quant_method
+from .loaders import ignored_scales, stored_dtype
 from .read import CheckpointScales, load_scales
 from .scale_check import SAMPLE_TOKENS, check_scales, read_calibration
 
@@ -340,8 +342,8 @@ def _family_checks(config: dict, strategy: str, layers: dict[int, LayerScales], 
     if any_scales and (ignored := ignored_scales(config)) is not None:
         problems.append(Problem(*ignored))
     if strategy == "attn_head":
-        problems.append(Problem("warning", "per-head scales: only vLLM's FlashAttention-3 backend (Hopper) uses them; Triton "
-                                "and FlashInfer refuse them (serve with --attention-backend FLASH_ATTN)"))
+        problems.append(Problem("warning", f"per-head scales are read as calibrated only by {PER_HEAD_READERS}; Triton "
+                                "and FlashInfer refuse them"))
     if any(a.scales["k"].tensor and a.scales["k"].tensor.endswith(f".{LEGACY_KV_SCALE}") for a in layers.values()):
         problems.append(Problem("warning", "legacy kv_scale: vLLM uses it for both K and V; re-calibrate for separate k/v scales"))
 

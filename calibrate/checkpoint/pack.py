@@ -40,7 +40,8 @@ from ..layout import (
 from ..model.description import ModelDescription
 from ..model.directory import HF_QUANT_CONFIG, checkpoint_prefixes, read_config_json
 from ..model.layers import ModelSignature
-from .loaders import WRITE_NAMES, loaded_multiplier, source_form
+from ..vllm_facts.loaders import WRITE_NAMES, loaded_multiplier
+from .loaders import source_form
 from .write import move_into_place, prepare_output, scales_file, weight_files
 
 PACK_FORMAT = "kvcal-pack"  # manifest.json's "format": what tells a pack from any other manifest

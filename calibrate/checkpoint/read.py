@@ -10,7 +10,8 @@ import torch
 from ..capture.stats import KINDS
 from ..model.directory import read_tensor, tensor_names
 from ..model.layers import AttentionLayer, ModelSignature
-from .loaders import LoadedScale, fill_missing, layer_sources
+from ..vllm_facts.loaders import LoadedScale, fill_missing
+from .loaders import layer_sources
 
 
 @dataclass

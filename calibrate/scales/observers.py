@@ -315,7 +315,7 @@ def latent_report(stats: dict[str, TensorStats], latent_dim: int, fmt: FP8Format
     """What an MLA layer's one k scale covers, per layer, as plain lists for JSON.
 
     The latent (the first ``latent_dim`` channels of k) and k_pe (the rest) are reported apart, with the fraction of
-    k and q values that saturate at scale 1.0: what vLLM 0.32 uses for MLA layers whatever the checkpoint holds.
+    k and q values that saturate at scale 1.0: what vLLM (vllm_facts.release.READ_IN) uses for MLA layers whatever the checkpoint holds.
     """
     channels = stats["k"].channel_absmax[:, 0]  # [L, latent_dim + rope_dim]
     ones = torch.ones(channels.shape[0])

@@ -20,12 +20,12 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .. import serving
-from ..checkpoint.loaders import MLA_AT_ONE
 from ..data.stream import portable_manifest
 from ..files import read_json_object, write_atomically
 from ..layout import CARD_MARKER as MARKER
 from ..layout import KVCAL_DIR, PACK_MANIFEST, SECTION_BEGIN, SECTION_END, card_path
+from ..vllm_facts import serving
+from ..vllm_facts.loaders import MLA_AT_ONE
 from .report_md import markdown_table, target_serve_markdown
 from .verdict_table import (
     VERIFY_HEADER,

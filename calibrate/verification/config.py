@@ -21,11 +21,11 @@ from ..choices import (
     verify_scheme,
 )
 from ..data.config import DataConfig, as_sources, check_int
-from ..engine.caveats import READ_IN, version_note
-from ..engine.platforms import Emulation, Platform
 from ..layout import VERIFY_REPORT_FILES
 from ..settings import flat_settings, route_options
 from ..thresholds import Thresholds
+from ..vllm_facts.caveats import READ_IN, version_note
+from ..vllm_facts.platforms import Emulation, Platform
 from .capacity import parse_memory
 
 HOPPER_ACCUM_BITS = 13  # accumulator mantissa bits of Hopper's FP8 matrix multiply (--accum-bits; fa3.py models it)

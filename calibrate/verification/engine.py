@@ -30,9 +30,9 @@ import torch
 from ..checkpoint.write import rescaled_copy
 from ..choices import CACHE_DTYPES, SCHEMES, SchemeSpec, size_text
 from ..engine.launch import EngineError, find_vllm_python, run_job
-from ..engine.platforms import PLATFORMS
 from ..files import no_room
 from ..model.directory import KV_SCALE_PATTERN, tensor_names, vllm_files
+from ..vllm_facts.platforms import PLATFORMS
 from .drift import engine_drift
 from .passes import token_kl
 from .significance import margin

@@ -1,4 +1,4 @@
-"""vLLM 0.32's ``--kv-cache-dtype`` choices: what attention reads back from the cache, and its size.
+"""vLLM's (vllm_facts.release.READ_IN) ``--kv-cache-dtype`` choices: what attention reads back from the cache, and its size.
 
 Every fact used here (kernel arithmetic, rounding, layouts, with vLLM file:line) is in docs/kv-dtypes.md; this
 module is that sheet written as code. Scales follow kvcal's convention: a scale is the dequantization multiplier,

@@ -9,9 +9,9 @@ import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import serving
 from ..choices import scheme_label
 from ..layout import sibling, swap_in, sweep
+from ..vllm_facts import serving
 from .capacity import plan_text
 from .plots import plot_kl_by_depth, plot_layer_error, plot_position_profile, plot_scale_heatmap
 from .report_md import verify_markdown

@@ -3,8 +3,9 @@ numbers, each probe's section and the settings. The model card (``card``) shows 
 
 import json
 
-from .. import serving
 from ..choices import scheme_label
+from ..vllm_facts import serving
+from ..vllm_facts.caveats import Q_QUANTIZERS
 from .capacity import plan_text
 from .tails import PERCENTILES
 from .verdict import SKIP_BASELINE
@@ -53,7 +54,7 @@ def verify_markdown(rep: dict, plots: dict[str, str]) -> str:
         f"the FP8 numbers stand for vLLM's **{rep.get('backend', 'cuda')}** KV-cache writer (docs/kv-dtypes.md, Writers). "
         f"Sample: {rep['sample']['sequences']} sequences of {rep['sample']['seq_len']} tokens "
         f"({rep['sample']['tokens']} tokens) from {', '.join(d['source'] for d in rep['data'])}. "
-        f"Static schemes quantize {'K and V only (Triton/FlashInfer)' if th['kv_only'] else 'Q, K and V (FA3 on Hopper)'}.",
+        f"Static schemes quantize {'K and V only (Triton/FlashInfer)' if th['kv_only'] else f'Q, K and V ({Q_QUANTIZERS})'}.",
         *(f"{line[0].upper()}{line[1:]}." for line in held_out_text(rep)),
         "",
         "## Verdict",

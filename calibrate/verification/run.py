@@ -27,18 +27,14 @@ from pathlib import Path
 
 import torch
 
-from .. import serving
 from ..capture.stats import Stats, position_bucket_starts
 from ..checkpoint.scale_check import checkpoint_findings, refuse, sample_statistics
 from ..checkpoint.write import tensor_bytes, weight_files
 from ..data.stream import Layout, iter_sequences, portable_manifest, read_digests
 from ..engine.audit import FAILED, OK, AuditResult, audit
-from ..engine.caveats import AMX_MLA_AUTO_ONLY, installed_vllm_version
 from ..engine.delivery import DeliveryResult, check_delivery
 from ..engine.dtypes import EngineDtypes, engine_dtypes
-from ..engine.launch import EngineError
-from ..engine.platforms import Emulation as Writer
-from ..engine.platforms import platform
+from ..engine.launch import EngineError, installed_vllm_version
 from ..files import no_room, read_json_object
 from ..fp8 import get_format
 from ..hub import snapshot_origin
@@ -49,6 +45,10 @@ from ..model.layers import AttentionLayer, ModelSignature, attention_layers, che
 from ..model.load import check_known_type, check_tokenizer_fits, load_model, load_tokenizer, resolve_device
 from ..thresholds import Thresholds
 from ..version import kvcal_version
+from ..vllm_facts import serving
+from ..vllm_facts.caveats import AMX_MLA_AUTO_ONLY
+from ..vllm_facts.platforms import Emulation as Writer
+from ..vllm_facts.platforms import platform
 from . import depth, engine, fa3, report, token_kinds
 from .capacity import LayerKV, per_token, plan
 from .card import PLACEHOLDER, refresh_applied, served_name, write_card

@@ -11,21 +11,14 @@ import torch
 
 from ..capture.hooks import latent_view
 from ..capture.stats import Stats
-from ..checkpoint.loaders import (
-    MLA_AT_ONE,
-    MLA_SCALES_IGNORED,
-    Servable,
-    loaded_multiplier,
-    quant_method,
-    refusal,
-    stored_dtype,
-)
+from ..checkpoint.loaders import stored_dtype
 from ..checkpoint.read import read_scales
 from ..checkpoint.scale_check import UNCALIBRATED, uncalibrated
 from ..choices import SCHEMES, SchemeSpec
 from ..fp8 import E5M2, FP8Format, per_token_head_round_trip, per_token_scale, quantize_dequantize
 from ..model.description import ModelDescription
 from ..scales.observers import derive_scales
+from ..vllm_facts.loaders import MLA_AT_ONE, MLA_SCALES_IGNORED, Servable, loaded_multiplier, quant_method, refusal
 from .config import FLOOR, VerifyConfig
 from .kvdtypes import DTYPES, CacheDtype
 

@@ -8,10 +8,11 @@ import math
 
 import torch
 
-from .. import serving
 from ..choices import DEFAULT_TARGET, SCHEMES, TARGETS, scheme_label, scheme_rank
 from ..model.layers import AttentionLayer
 from ..thresholds import Thresholds
+from ..vllm_facts import serving
+from ..vllm_facts.caveats import Q_QUANTIZERS
 from .config import FLOOR, percent
 from .kvdtypes import DTYPES
 from .significance import significant
@@ -320,7 +321,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     lines = [*held.get("serving", []), *(n for n in held["notes"] if "no KV scales" in n), *([scale1] if scale1 else [])]
     ranked = {n: r for n, r in results.items() if r["mode"] != "reference"}
     if "token" in ranked and any(r["quantizes_query"] for r in ranked.values()):
-        lines.append("The static schemes here quantize Q as well (as FA3 on Hopper does); fp8_per_token_head leaves Q unquantized, "
+        lines.append(f"The static schemes here quantize Q as well (as {Q_QUANTIZERS} does); fp8_per_token_head leaves Q unquantized, "
                      "so part of its lead may be Q's: --kv-only compares K and V alone.")
 
     def versus(a: str, b: str) -> str:

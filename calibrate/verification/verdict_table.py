@@ -2,8 +2,8 @@
 data, serving target, the engine's run): the terminal (``report.verify_text``), report.md (``report_md``) and the model
 card (``card``) each show them."""
 
-from .. import serving
 from ..choices import scheme_label
+from ..vllm_facts import serving
 from .config import percent
 from .depth import trend_text
 from .tails import COMPARED, PERCENTILES, tail_rule, tokens_needed

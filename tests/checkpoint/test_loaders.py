@@ -11,10 +11,10 @@ import torch
 from builders import modelopt_fp8, save_tiny_checkpoint
 
 from calibrate import apply, calibrate, inspect
-from calibrate.checkpoint.loaders import WRITE_NAMES, Servable, loaded_multiplier, refusal
 from calibrate.model.directory import KV_SCALE_PATTERN, SCALE_SOURCES
+from calibrate.vllm_facts.loaders import WRITE_NAMES, Servable, loaded_multiplier, refusal
 
-# vLLM 0.32 (docs/vllm-notes.md, "ROCm fnuz"): the base KV loader (fp8, ModelOpt, Quark, legacy) doubles loaded
+# vLLM READ_IN (docs/vllm-notes.md, "ROCm fnuz"): the base KV loader (fp8, ModelOpt, Quark, legacy) doubles loaded
 # scales on e4m3fnuz; the compressed-tensors loader never does; nothing is doubled on e4m3fn.
 MULTIPLIERS = {
     ("compressed-tensors", "e4m3fn"): 1.0, ("compressed-tensors", "e4m3fnuz"): 1.0,
@@ -131,7 +131,7 @@ def config_only(directory, quant: dict | None):
 
 
 def test_quant_methods_table_covers_every_row():
-    from calibrate.checkpoint.loaders import QUANT_METHODS
+    from calibrate.vllm_facts.loaders import QUANT_METHODS
 
     for method, (form, why) in QUANT_METHODS.items():
         assert (form is None) != (why is None), method  # a form to write into, or the reason for refusing
@@ -215,7 +215,8 @@ def test_per_head_scales_are_refused_where_the_loader_takes_a_scalar(form, granu
 def test_verify_refuses_per_head_scales_in_the_writers_words(method):
     """verify's refusal of a checkpoint's per-head scales (REFUSALS["head"]) quotes what check_scalar_scales quotes,
     for the same methods: those whose loader is vLLM's base KV method."""
-    from calibrate.checkpoint.loaders import BASE_PATH_METHODS, check_scalar_scales
+    from calibrate.checkpoint.loaders import check_scalar_scales
+    from calibrate.vllm_facts.loaders import BASE_PATH_METHODS
 
     why = refusal("head", Servable(method, False, False, "head"))
     assert re.fullmatch(f"not servable from this checkpoint: vLLM refuses it with {SCALAR_WEIGHT}", why), why

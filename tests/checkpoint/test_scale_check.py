@@ -17,12 +17,12 @@ from safetensors.torch import load_file, save_file
 from calibrate import api
 from calibrate.capture.stats import Stats
 from calibrate.checkpoint.inspect import inspect
-from calibrate.checkpoint.loaders import LoadedScale
 from calibrate.checkpoint.read import CheckpointScales
 from calibrate.checkpoint.scale_check import LIE_FACTOR, MOST, UNCALIBRATED, check_scales
 from calibrate.checkpoint.write import scales_file
 from calibrate.cli import main
 from calibrate.model.layers import ModelSignature
+from calibrate.vllm_facts.loaders import LoadedScale
 
 LAYERS = 3
 

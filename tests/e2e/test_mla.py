@@ -17,6 +17,7 @@ from calibrate.checkpoint.write import stored_scales
 from calibrate.fp8 import get_format
 from calibrate.model.layers import attention_layers, signature
 from calibrate.scales.observers import derive_scales
+from calibrate.vllm_facts.release import READ_IN
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, max_position_embeddings=4096, num_hidden_layers=3)
 MOE = dict(moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
@@ -172,9 +173,9 @@ def test_verify_runs_on_an_mla_checkpoint(smol_tokenizer, kjv_path, tmp_path):
                   granularity="head", progress=False, verify=False)
     report = verify(out, [str(kjv_path)], seq_len=128, max_tokens=256, chunk_len=64, device="cpu",
                     schemes="tensor,token,int8_per_token_head,head", progress=False).report
-    assert set(report["schemes"]) == {"tensor", "scale1"}  # scale1: what vLLM 0.32 serves for MLA
+    assert set(report["schemes"]) == {"tensor", "scale1"}  # scale1: what vLLM READ_IN serves for MLA
     assert set(report["skipped"]) == {"token", "int8_per_token_head", "head"}
-    assert report["recommendation"][0].startswith("vLLM 0.32.0 loads no checkpoint KV scales into MLA layers")
+    assert report["recommendation"][0].startswith(f"vLLM {READ_IN} loads no checkpoint KV scales into MLA layers")
     for name in ("tensor", "scale1"):
         r = report["schemes"][name]
         assert 0 < r["kl"] < 1 and r["bytes_per_token"] == 3 * (32 + 16)  # fp8: one byte per latent element, no V
@@ -236,5 +237,5 @@ def test_the_deepseek_recipe_fits_mla_models_and_compares_with_vllm_s_scale_one(
                            max_tokens=512, progress=False)
     assert result.provenance["recipe"]["name"] == "deepseek"
     assert set(result.verification.report["schemes"]) == {"tensor", "scale1"}
-    assert any(line.startswith("recipe deepseek: vLLM 0.32 loads no KV scale into MLA layers")
+    assert any(line.startswith(f"recipe deepseek: vLLM {READ_IN} loads no KV scale into MLA layers")
                for line in recipes.serve_notes(result.provenance["recipe"]))

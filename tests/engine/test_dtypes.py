@@ -4,10 +4,12 @@ import ast
 import subprocess
 
 import pytest
+from builders import LATER
 from runners import client_python
 
 from calibrate.choices import CACHE_DTYPES, VLLM_SCHEME_NAMES
 from calibrate.engine.dtypes import NOT_EMULATED, EngineDtypes, engine_dtypes
+from calibrate.vllm_facts.release import READ_IN
 
 
 def literal_in_source(python) -> tuple[str, ...]:
@@ -24,7 +26,7 @@ def test_the_installed_vllms_list_is_its_own():
     python = client_python("vLLM")
     found = engine_dtypes(python)
     assert found.names == literal_in_source(python)
-    if found.vllm_version == "0.32.0":  # the release kvcal's CACHE_DTYPES was read in: it lacks none of them
+    if found.vllm_version == READ_IN:  # the release kvcal's CACHE_DTYPES was read in: it lacks none of them
         assert found.missing(CACHE_DTYPES) == []
         assert set(found.not_emulated()) >= {"fp8_inc", "fp8_ds_mla", "turboquant_k8v4"}
 
@@ -32,8 +34,8 @@ def test_the_installed_vllms_list_is_its_own():
 @pytest.mark.smoke
 def test_a_dtype_a_newer_vllm_adds_is_not_emulated_and_a_dropped_one_is_named():
     names = tuple(name for name in (*CACHE_DTYPES, "bfloat16", "octave_k3v4") if name != "nvfp4_4over6")
-    rows = dict(EngineDtypes("0.33.0", names).rows())
+    rows = dict(EngineDtypes(LATER, names).rows())
     assert rows["octave_k3v4"] == NOT_EMULATED and rows["turboquant_k8v4"] == NOT_EMULATED
     assert rows["fp8"] == f"emulated as {VLLM_SCHEME_NAMES['fp8']}" and rows["int8_per_token_head"] == "emulated as int8_per_token_head"
-    assert rows["nvfp4_4over6"] == "not in vLLM 0.33.0"
-    assert EngineDtypes("0.33.0", names).missing(["fp8", "nvfp4_4over6"]) == ["nvfp4_4over6"]
+    assert rows["nvfp4_4over6"] == f"not in vLLM {LATER}"
+    assert EngineDtypes(LATER, names).missing(["fp8", "nvfp4_4over6"]) == ["nvfp4_4over6"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from runners import FAULTING, OUT_OF_MEMORY, client_python, job_wrapper
 
-from calibrate.engine.launch import EngineError, find_vllm_python, run_job, vllm_version
+from calibrate.engine.launch import EngineError, find_vllm_python, installed_vllm_version, run_job, vllm_version
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +146,8 @@ def test_sigterm_to_verify_during_a_job_exits_130_and_leaves_no_vllm_process(pyt
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip().splitlines()[-1] == "kvcal: interrupted; nothing was written"
     assert _gone(child) and not (tmp_path / "r").exists()
+
+
+def test_the_installed_vllm_is_the_default_version(python):
+    """The release the caveats are said for, when verify names none: the vLLM find_vllm_python finds."""
+    assert installed_vllm_version() == vllm_version(python)

