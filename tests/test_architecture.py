@@ -2,7 +2,10 @@
 knows about it. Read with ``ast`` (nothing is imported), so a new import that breaks a rule fails here by name."""
 
 import ast
+import importlib
+import re
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -89,3 +92,98 @@ def test_a_top_level_module_a_stage_imports_imports_no_later_stage(path):
     lowest = lowest_importer(path)
     later = sorted(t for t in imports(path) if (s := stage(t)) is not None and s > lowest)
     assert not later, f"{module_name(path)}, which the {STAGES[lowest]} stage imports, imports a later stage: {later}"
+
+
+def test_vllm_facts_is_torch_free():
+    """The room of vLLM's facts imports without torch (the CLI's help, recipes and inspect's table read it)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, calibrate.vllm_facts.caveats, calibrate.vllm_facts.loaders, calibrate.vllm_facts.platforms, "
+            "calibrate.vllm_facts.serving, calibrate.vllm_facts.release; print('torch' in sys.modules)")
+    answer = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, check=True)
+    assert answer.stdout.strip() == "False"
+
+
+# ---- docs/architecture.md's "Where to add" lists, kept true ------------------------------------------------------
+
+DOC = PACKAGE.parent / "docs" / "architecture.md"
+_HEADING = re.compile(r"^### (.+?) \(keyed on `(\w+)\.(\w+)`(?:, rows by `(\w+)`)?\)$")
+_ITEM = re.compile(r"^\d+\. `([^`]+)`(?: `(\w+)`)?( \(keyed\))?")
+
+
+class Step(NamedTuple):
+    path: str  # relative to the repository
+    table: str | None  # the module-level name the change goes into
+    keyed: bool  # the table must hold every name of the list's key
+
+
+def where_to_add() -> dict[str, tuple[str, str, str | None, list[Step]]]:
+    """Each "### A new ..." list of the section: title → (key module, key name, row field, its steps)."""
+    text = DOC.read_text().split("\n## Where to add", 1)[1].split("\n## ", 1)[0]
+    lists: dict[str, tuple[str, str, str | None, list[Step]]] = {}
+    title = None
+    for line in text.splitlines():
+        if heading := _HEADING.match(line):
+            title = heading.group(1)
+            lists[title] = (heading.group(2), heading.group(3), heading.group(4), [])
+        elif title and (item := _ITEM.match(line)):
+            lists[title][3].append(Step(item.group(1), item.group(2), bool(item.group(3))))
+    return lists
+
+
+def names_in(table, field: str | None) -> set[str]:
+    """The names a table holds: a dict's keys (or its rows' ``field`` where its keys are of another kind, as
+    PLATFORMS' class names), a sequence of names, or a sequence of rows' ``field``."""
+    rows = list(table.values()) if isinstance(table, dict) else list(table)
+    if isinstance(table, dict) and (field is None or not hasattr(rows[0], field)):
+        return {str(k) for k in table}
+    return {getattr(r, field) for r in rows} if field and rows and hasattr(rows[0], field) else {str(r) for r in rows}
+
+
+def missing(table, key: tuple[str, ...], field: str | None) -> list[str]:
+    """The names of ``key`` (a parameter's ``:P`` left off) that ``table`` lacks."""
+    held = names_in(table, field)
+    return [name for name in (k.partition(":")[0] for k in key) if name not in held]
+
+
+def table_of(step: Step):
+    module = importlib.import_module(".".join(Path(step.path).with_suffix("").parts))
+    return getattr(module, step.table)
+
+
+def test_where_to_add_has_the_three_lists():
+    lists = where_to_add()
+    assert set(lists) == {"A new cache dtype", "A new observer", "A new platform or target"}
+    for title, (_, _, _, steps) in lists.items():
+        assert len(steps) >= 3 and any(s.keyed for s in steps), title
+        assert any(s.path.startswith("tests/") for s in steps) and any(s.path.startswith("docs/") for s in steps), title
+
+
+@pytest.mark.parametrize("title", sorted(where_to_add()))
+def test_each_file_and_table_a_list_names_exists(title):
+    for step in where_to_add()[title][3]:
+        path = PACKAGE.parent / step.path
+        assert path.is_file(), f"{title}: {step.path} does not exist"
+        if step.table:
+            tree = ast.parse(path.read_text())
+            defined = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                       for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+            assert step.table in defined, f"{title}: {step.path} defines no {step.table}"
+
+
+@pytest.mark.parametrize("title", sorted(where_to_add()))
+def test_each_keyed_table_holds_every_name_of_the_key(title):
+    module, name, field, steps = where_to_add()[title]
+    key = getattr(importlib.import_module(f"calibrate.{module}"), name)
+    for step in (s for s in steps if s.keyed):
+        assert missing(table_of(step), key, field) == [], f"{title}: {step.path} {step.table}"
+
+
+def test_a_name_added_to_the_key_alone_is_found():
+    """The check's reach: a cache dtype, an observer and a target added to their key and to no table are named."""
+    for title, new in (("A new cache dtype", "fp6_e3m2"), ("A new observer", "median:P"), ("A new platform or target", "tpu")):
+        module, name, field, steps = where_to_add()[title]
+        key = (*getattr(importlib.import_module(f"calibrate.{module}"), name), new)
+        for step in (s for s in steps if s.keyed):
+            assert missing(table_of(step), key, field) == [new.partition(":")[0]], (title, step.table)
