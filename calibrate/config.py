@@ -128,7 +128,7 @@ class ScaleConfig:
         observer: ``max``, ``percentile:P``, ``mse`` or ``sink-aware``.
         granularity: ``tensor``, ``head`` (read by FLASH_ATTN only, ``vllm_facts.caveats.PER_HEAD_READERS``) or ``token`` (dynamic at serve time).
         headroom: multiplier ≥ 1 on every scale, range kept for unseen data.
-        query_scale: also write q_scale (vLLM's FA3 path quantizes queries and uses 1.0 without it).
+        query_scale: also write q_scale (where vLLM quantizes queries, ``vllm_facts.caveats.Q_QUANTIZERS``, it uses 1.0 without it).
         fp8_format: ``e4m3fn`` (NVIDIA, CPU) or ``e4m3fnuz`` (ROCm MI300).
     """
 

@@ -243,7 +243,7 @@ def named_scheme(name: str, fmt: FP8Format, scales: dict[str, torch.Tensor], bac
 
 
 def _scheme(name: str, spec: SchemeSpec, source: str, fmt: FP8Format, scales: dict, q: bool) -> Scheme:
-    """A quantized scheme from its table row: static FP8 in e4m3 (queries too when ``q``, as FA3 on Hopper) or e5m2
+    """A quantized scheme from its table row: static FP8 in e4m3 (queries too when ``q``, as ``Q_QUANTIZERS`` do) or e5m2
     (K and V only), fp8_per_token_head's dynamic scales, or another cache dtype's write and read (``kvdtypes``)."""
     if spec.kv_dtype == "fp8":
         return Scheme(name, Mode.STATIC, source, fmt, spec.granularity, scales, q)
