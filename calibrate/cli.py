@@ -231,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, help="context per sequence for the memory arithmetic (default: the model's maximum); "
                    "with --engine, vLLM's --max-model-len (default: --seq-len plus one block)")
     p.add_argument("--gpu", help=f"one GPU's memory for the memory arithmetic: {', '.join(GPUS)} or a size such as 80GB (default {{gpu}})")
-    p.add_argument("--tp", type=int, help="tensor-parallel GPUs for the memory arithmetic (default {tp})")
+    p.add_argument("--tp", type=int, help="tensor-parallel GPUs for the memory arithmetic (default {tp}); with --engine, "
+                   "vLLM's --tensor-parallel-size (only 1 for now: docs/engine.md)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=MODEL_DTYPES, help="reference dtype (default: float32 on CPU, checkpoint's on GPU)")
     p.add_argument("--fp8-format", choices=FP8_FORMATS, help="e4m3fn (NVIDIA, CPU) or e4m3fnuz (ROCm)")

@@ -176,7 +176,7 @@ def test_summary_of_a_real_calibration_matches_the_written_scales(calibrated):
     assert any(line.startswith("scales rest on little data: 512 tokens per layer") for line in lines)
     assert f"wrote {out}" in lines
     assert lines[-2:] == ["serve it with:", f"  vllm serve {out} --kv-cache-dtype fp8"]
-    # No GPU engine has run fp8 (engine.caveats: no measured row on target gpu), and the summary says so before the line.
+    # No GPU engine has run fp8 (vllm_facts.caveats: no measured row on target gpu), and the summary says so before the line.
     assert lines[-3].startswith("scales rest on little data") and lines[-3].endswith("more with --verbose)")
     assert r.summary(verbose=True).splitlines()[-3].startswith(f"note: Not run in vLLM {READ_IN}'s engine by kvcal: fp8 on target gpu")
 

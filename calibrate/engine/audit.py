@@ -49,6 +49,7 @@ class AuditResult:
     failures: list[str] = field(default_factory=list)  # one line each
     reason: str = ""  # why not auditable
     layers: list[dict] = field(default_factory=list)  # per layer: expected and held, per kind
+    engine: dict | None = None  # what the started engine showed of itself (jobs/jobkit.py engine_facts); None: no start
 
     def ok(self, strict: bool = False) -> bool:
         """Nothing found wrong (``strict``: and the audit could run)."""
@@ -111,7 +112,7 @@ def audit(out: str | Path, python: str | Path | None = None, *, kv_cache_dtype: 
             result.failures.append(f"vLLM {result.vllm_version} refuses to load the checkpoint: {refusal}")
         return result
     held = answer["result"]
-    result.vllm_version, result.platform = held["vllm_version"], held["platform"]
+    result.vllm_version, result.platform, result.engine = held["vllm_version"], held["platform"], held.get("engine")
     compare(result, expected_scales(directory, method), held)
     return result
 

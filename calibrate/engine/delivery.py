@@ -55,6 +55,7 @@ class DeliveryResult:
     kinds: dict = field(default_factory=dict)  # k, v, q → {"status", "reason"}
     groups: list[dict] = field(default_factory=list)  # per kind and group: layers, shifts, whether it moved
     reason: str = ""  # why ignored, not auditable or failed
+    engine: dict | None = None  # what the started engine showed of itself (jobs/jobkit.py engine_facts); None: no start
 
     def ok(self, strict: bool = False) -> bool:
         """The scales reach the kernel or are documented not to (``strict``: and the check could run)."""
@@ -129,6 +130,7 @@ def check_delivery(checkpoint: str | Path, python: str | Path | None = None, *, 
     perturbing, repeat = answers
     base = perturbing["base"]
     result.vllm_version, result.platform = perturbing["vllm_version"], perturbing["platform"]
+    result.engine = perturbing.get("engine")
     result.tokens, result.decode = len(base["prefill"]), len(base["tokens"])
     unperturbed = [base, perturbing["again"], repeat["base"], repeat["again"]]
     result.noise = {"prefill": max(_shift(base, run)["prefill_max"] for run in unperturbed),

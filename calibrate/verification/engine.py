@@ -219,7 +219,8 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
                 unquantized: str = "auto", offered: Sequence[str] = CACHE_DTYPES, prompts: Sequence[list[int]] = (),
                 steps: int = 0, attention_backend: str | None = None, tokenizer: bool = True,
                 deny_isa: tuple[str, ...] = (), reference: np.ndarray | None = None,
-                targets: np.ndarray | None = None, skip_layers: Sequence[str] = ()) -> dict[str, dict]:
+                targets: np.ndarray | None = None, skip_layers: Sequence[str] = (),
+                tensor_parallel_size: int = 1) -> dict[str, dict]:
     """One engine run per name (``auto`` first, then ``auto2`` and schemes), each the job's answer plus its figures
     (``figures``: the run's array is reduced to them when it ends and removed, all but ``auto``'s, which stays as
     ``npy`` for the others), or ``why`` (a few words: why it did not run; with ``failed`` where the run crashed, was
@@ -232,12 +233,13 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
     longest prompt plus ``steps``. ``attention_backend``: vLLM's ``--attention-backend`` (None: vLLM chooses);
     ``tokenizer`` False for a checkpoint without one (token ids in, token ids out); ``skip_layers``:
     ``--kv-cache-dtype-skip-layers`` entries every quantized run keeps unquantized (a serve line run as printed; ``auto``
-    has nothing to skip)."""
+    has nothing to skip); ``tensor_parallel_size``: vLLM's, the GPUs each run spreads the model over."""
     checkpoint = checkpoint.resolve()  # the job runs elsewhere: a relative path would read as a Hub id there
     runs: dict[str, dict] = {}
     base = {"dtype": dtype, "max_model_len": max_model_len, "block_size": block_size, "chunk_len": chunk_len,
             "kv_cache_bytes": kv_bytes, "sequences": sequences, "vocab_size": vocab_size, "prompts": list(prompts),
-            "steps": steps, "attention_backend": attention_backend, "tokenizer": tokenizer}
+            "steps": steps, "attention_backend": attention_backend, "tokenizer": tokenizer,
+            "tensor_parallel_size": tensor_parallel_size}
     auto = None  # the unquantized run's array, once it ran
     for name in names:
         if name in NOT_RUN or name not in (*RUNS, "auto", "auto2"):

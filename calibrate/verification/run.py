@@ -16,6 +16,8 @@ and by kind of token (``token_kinds.py``) reuse the passes' per-token KL. What t
 recommendation, is ``verdict.py``'s; the memory arithmetic ``capacity.py``'s.
 """
 
+import contextlib
+import copy
 import math
 import sys
 import tempfile
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..capture.stats import Stats, position_bucket_starts
@@ -35,6 +38,7 @@ from ..engine.audit import FAILED, OK, AuditResult, audit
 from ..engine.delivery import DeliveryResult, check_delivery
 from ..engine.dtypes import EngineDtypes, engine_dtypes
 from ..engine.launch import EngineError, installed_vllm_version
+from ..engine.started import check_hooks, emulation_for, shown
 from ..files import no_room, read_json_object
 from ..fp8 import get_format
 from ..hub import snapshot_origin
@@ -133,6 +137,7 @@ def skip_cost(kv_layers: list[LayerKV], dtype: str, skip: list[int], context: in
 
 # verify's exit status when the answer is incomplete: an engine run failed after the emulation ran (docs/usage.md).
 INCOMPLETE = 3
+REFERENCE_LOGPROBS = "reference.npy"  # the reference model's log-probabilities, in the engine's temporary folder
 
 
 @dataclass
@@ -432,16 +437,20 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     emulated = _emulate(config, subject, ref, sample, clock)
     # 6. Judge the emulation: limits from the floor unless set, tails, depth, kinds of token, verdicts.
     judged = _judge(config, sample, emulated)
-    # 7. The engine runs the same sequences per scheme it serves; its figures replace the emulation's where it did.
-    engine_result, engine_error = _run_engine(config, subject, started, ref, sample, emulated, judged) if started else (None, None)
-    # 8. Recommend for the target, on the figures that decide: what its vLLM refuses, the choice, the layers to keep
-    # unquantized, what the cache costs and frees, whether scale 1.0 is enough.
-    advice = _recommend(config, subject, ref, sample, emulated, judged, engine_result)
-    if started is not None:
-        advice.recommendation[:0] = _engine_lines(started, engine_result, engine_error)
-    # 8b. The serve line it will print, run as printed in the engine: the answer shows that run's figures.
-    if engine_result is not None:
-        engine_result["serve_run"] = _run_serve_line(config, subject, started, ref, sample, judged, advice, engine_result)
+    with _scratch(started) as scratch:
+        # 7. The engine runs the same sequences per scheme it serves, the reference model off the GPU while it does;
+        # its figures replace the emulation's where it ran.
+        engine_result, engine_error = (_run_engine(config, subject, started, ref, sample, emulated, judged, Path(scratch))
+                                       if started else (None, None))
+        # 8. Recommend for the target, on the figures that decide: what its vLLM refuses, the choice, the layers to
+        # keep unquantized, what the cache costs and frees, whether scale 1.0 is enough.
+        advice = _recommend(config, subject, ref, sample, emulated, judged, engine_result)
+        if started is not None:
+            advice.recommendation[:0] = _engine_lines(started, engine_result, engine_error)
+        # 8b. The serve line it will print, run as printed in the engine: the answer shows that run's figures.
+        if engine_result is not None:
+            engine_result["serve_run"] = _run_serve_line(config, subject, started, ref, sample, judged, advice,
+                                                         engine_result, Path(scratch))
     # 9. The report; a kvcal output's model card gets its table.
     rep = _report(config, subject, ref, sample, emulated, judged, advice, engine_result, engine_error, clock)
     out, failed = None, None
@@ -475,6 +484,7 @@ def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: S
     if choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
         # One baseline: the emulation's all-quantized pass against its passes with a layer left unquantized, even where
         # the engine's figures chose the scheme (an engine/emulation gap is no layer's gain).
+        _on_device(ref)
         skip_probe = probe_skip_layers(ref.model, layers, next(s for s in emulated.schemes if s.name == choice),
                                        emulated_figures(results)[choice], sample.sequences, config)
     for r in results.values():
@@ -650,21 +660,22 @@ class EngineStart:
     delivery: DeliveryResult | None  # None: the audit did not pass, so delivery was not asked
     settings: str  # the line saying what kvcal set, and why
     dtypes: EngineDtypes
+    facts: dict | None  # what the engine showed of itself at its starts (``engine.started.shown``; None: no start)
 
 
 def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
-    """Find vLLM, set the emulation and the target to its platform (``VerifyConfig.match_engine``, said on stderr with
-    the progress), read its cache dtypes, run the load audit and, where it passed, the delivery check
-    (``engine.delivery``: the kernel uses the scales): a vLLM that cannot load the checkpoint ends the run here, in one
-    line, before the emulation's long passes."""
+    """Find vLLM, read its cache dtypes, run the load audit and, where it passed, the delivery check
+    (``engine.delivery``: the kernel uses the scales); refuse a release whose engine lacks a hook the jobs need; set the
+    emulation and the target like for like with the platform and the attention backend the engine started with
+    (``VerifyConfig.match_engine``, said on stderr with the progress). A flag that contradicts the platform, or a vLLM
+    that cannot load the checkpoint, ends the run here, in one line, before the emulation's long passes."""
     host = engine.probe(config.vllm_python)
-    settings = config.match_engine(host.platform, platform(host.platform))
-    if (platform(host.platform).target == "cpu" and host.isa.get("amx") and subject.described.mla
+    chosen = platform(host.platform)
+    copy.copy(config).match_engine(host.platform, chosen)  # a flag contradicting the platform: refused before any start
+    if (chosen.target == "cpu" and host.isa.get("amx") and subject.described.mla
             and serving.unquantized_dtype(subject.described.config) != "auto"):
         raise ValueError(f"{AMX_MLA_AUTO_ONLY}: nothing can be measured in the engine on this host; verify the source "
                          f"model with --engine vllm, or {config.checkpoint} without it")
-    if config.progress:
-        print(f"kvcal: {settings}", file=sys.stderr, flush=True)
     checkpoint = subject.absolute
     try:
         dtypes = engine_dtypes(host.python)
@@ -676,25 +687,54 @@ def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
     if held.status == FAILED and not held.layers:  # vLLM refused the load itself
         raise ValueError(f"{held.failures[0]}: nothing can be measured in the engine; fix the checkpoint (kvcal inspect "
                          f"{config.checkpoint}), or verify without --engine")
-    return EngineStart(host, held, delivered, settings, dtypes)
+    facts = shown([delivered.engine if delivered else None, held.engine])
+    check_hooks(facts, host.version)
+    settings = config.match_engine(host.platform, chosen, emulation_for(chosen, facts))
+    if config.progress:
+        print(f"kvcal: {settings}", file=sys.stderr, flush=True)
+    return EngineStart(host, held, delivered, settings, dtypes, facts)
+
+
+def _scratch(started: "EngineStart | None"):
+    """The engine's temporary folder (None without an engine): the reference model's log-probabilities stay there from
+    the engine's runs (step 7) to the serve line's (8b), so the model computes them once."""
+    return tempfile.TemporaryDirectory(prefix="kvcal-engine-") if started else contextlib.nullcontext()
+
+
+def _off_gpu(ref: Reference, on_gpu: bool) -> None:
+    """Move the reference model off the GPU the engine will run on (``on_gpu``): each vLLM start sizes its share of
+    the card from the memory free then (``jobs/jobkit.py`` ``device_memory``), which the model would otherwise hold.
+    ``_on_device`` moves it back for the emulation's later passes."""
+    if on_gpu:
+        ref.model.to("cpu")
+        torch.cuda.empty_cache()
+
+
+def _on_device(ref: Reference) -> None:
+    """The reference model back on its device, for a pass after the engine ran (the skip-layer probe)."""
+    if next(ref.model.parameters()).device != ref.device:
+        ref.model.to(ref.device)
 
 
 def _run_engine(config: VerifyConfig, subject: Subject, started: EngineStart, ref: Reference, sample: Sample,
-                emulated: Emulation, judged: Judged) -> tuple[dict | None, str | None]:
+                emulated: Emulation, judged: Judged, scratch: Path) -> tuple[dict | None, str | None]:
     """The same sequences in the engine, once per scheme it can serve, judged there (``engine.judge_on_engine``); with
-    decode drift's prompts, the engine's own greedy decode after each too. (result, None), or (None, the failure in
-    one line) when the engine failed after the emulation ran, which then stands alone."""
+    decode drift's prompts, the engine's own greedy decode after each too. The reference model's log-probabilities go
+    to ``scratch/reference.npy`` first, then the model leaves the GPU (``_off_gpu``). (result, None), or (None, the
+    failure in one line) when the engine failed after the emulation ran, which then stands alone."""
     host, sequences = started.host, sample.sequences
     request, settings = _engine_request(config, subject, started, ref, sample)
     schemes = emulated.schemes
     names = ["auto", "auto2", *(s.name for s in schemes if s.mode != Mode.REFERENCE)]
     targets = torch.stack([s[1:] for s in sequences]).numpy()  # the next tokens, for the engine's perplexity
     try:
-        with tempfile.TemporaryDirectory(prefix="kvcal-engine-") as tmp:
-            logprobs = engine.reference_logprobs(ref.model, sequences, Path(tmp) / "reference.npy")
-            runs = engine.run_schemes(host, subject.absolute, names, [s.tolist() for s in sequences], **request,
-                                      vocab_size=logprobs.shape[-1], workdir=Path(tmp), reference=logprobs, targets=targets)
-            del logprobs
+        logprobs = engine.reference_logprobs(ref.model, sequences, scratch / REFERENCE_LOGPROBS)
+        _off_gpu(ref, platform(host.platform).target != "cpu")
+        runs = engine.run_schemes(host, subject.absolute, names, [s.tolist() for s in sequences], **request,
+                                  vocab_size=logprobs.shape[-1], workdir=scratch, reference=logprobs, targets=targets)
+        del logprobs
+        if "npy" in runs.get("auto", {}):  # the serve line's run makes its own unquantized run
+            runs["auto"].pop("npy").unlink()
         result = engine.compare(judged.results, runs, {s.name: s.scales for s in schemes if s.scales}, host, settings)
     except (ValueError, EngineError) as e:
         return None, str(e)
@@ -711,6 +751,7 @@ def _run_engine(config: VerifyConfig, subject: Subject, started: EngineStart, re
     result["audit"] = {"status": held.status, "failures": held.failures, "reason": held.reason,
                        "kv_cache_dtype": held.kv_cache_dtype}
     result["set"], result["not_emulated"] = started.settings, started.dtypes.not_emulated()
+    result["at_start"] = started.facts
     result["delivery"] = started.delivery.to_json() | {"text": started.delivery.text()} if started.delivery else None
     return result, None
 
@@ -728,18 +769,17 @@ def _engine_request(config: VerifyConfig, subject: Subject, started: EngineStart
     request = {"dtype": config.dtype or "auto", "chunk_len": config.data.chunk_len, "max_model_len": max_len,
                "block_size": block, "kv_bytes": engine.kv_cache_bytes(len(ref.layers), sig.num_kv_heads, sig.head_dim, max_len, block),
                "unquantized": serving.unquantized_dtype(subject.described.config), "offered": started.dtypes.names,
-               "prompts": [p.tolist() for p in prompts], "steps": config.generate}
+               "prompts": [p.tolist() for p in prompts], "steps": config.generate, "tensor_parallel_size": config.tp}
     return request, settings
 
 
 def _run_serve_line(config: VerifyConfig, subject: Subject, started: EngineStart, ref: Reference, sample: Sample,
-                    judged: Judged, advice: Advice, engine_result: dict) -> dict:
+                    judged: Judged, advice: Advice, engine_result: dict, scratch: Path) -> dict:
     """The serve line the answer prints, run as printed in the engine (its cache dtype, its skip layers, this
     checkpoint's scales) on the held-out sequences: the scheme's own run where that already is the line, else one run
-    with the skip layers beside a fresh unquantized one; against the scheme's all-quantized run, flagged when worse
-    beyond the noise. The next candidate is not tried: the answer says so."""
-    import tempfile
-
+    with the skip layers beside a fresh unquantized one, against the reference's log-probabilities step 7 left in
+    ``scratch``; against the scheme's all-quantized run, flagged when worse beyond the noise. The next candidate is not
+    tried: the answer says so."""
     choice = advice.serve_lines[config.target]["scheme"]
     dtype, skip = serving.serve_args(advice.serve)
     out = {"line": advice.serve, "scheme": choice, "kv_cache_dtype": dtype, "skip_layers": skip,
@@ -757,12 +797,11 @@ def _run_serve_line(config: VerifyConfig, subject: Subject, started: EngineStart
     sequences = sample.sequences
     targets = torch.stack([s[1:] for s in sequences]).numpy()
     try:
-        with tempfile.TemporaryDirectory(prefix="kvcal-serve-") as tmp:
-            logprobs = engine.reference_logprobs(ref.model, sequences, Path(tmp) / "reference.npy")
-            runs = engine.run_schemes(started.host, subject.absolute, ["auto", choice], [s.tolist() for s in sequences],
-                                      **request, vocab_size=logprobs.shape[-1], workdir=Path(tmp), skip_layers=skip,
-                                      reference=logprobs, targets=targets)
-            del logprobs
+        logprobs = np.load(scratch / REFERENCE_LOGPROBS, mmap_mode="r")
+        runs = engine.run_schemes(started.host, subject.absolute, ["auto", choice], [s.tolist() for s in sequences],
+                                  **request, vocab_size=logprobs.shape[-1], workdir=scratch, skip_layers=skip,
+                                  reference=logprobs, targets=targets)
+        del logprobs
         result = engine.compare({choice: emulated_figures(judged.results)[choice]}, runs, {}, started.host, settings)
     except (ValueError, EngineError) as e:
         return {**out, "ran": False, "why": f"the engine failed: {e}"}

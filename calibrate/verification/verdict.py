@@ -313,10 +313,10 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     ``target_refusal`` is never recommended; ``skip_probe`` counts only when it probed the scheme chosen;
     ``unquantized``: the dtype that keeps this checkpoint's cache unquantized (``serving.unquantized_dtype``);
     ``scale1``: the answer to "is scale 1.0 enough?" (``scale1.scale1_answer``), said right after the checkpoint's notes;
-    ``vllm_version``: the release the engine caveats are said for (``engine.caveats.applying``); ``engine_target``: the
+    ``vllm_version``: the release the engine caveats are said for (``vllm_facts.caveats.applying``); ``engine_target``: the
     target whose engine judged the verdicts (``verify --engine``), so a scheme it ran there is not called unrun and its
     figures are the engine's (``engine.judge_on_engine``); ``mla`` and ``model_type``: the model's, for the caveats
-    that depend on them (``engine.caveats.applying``); ``scale_one``: the scale-1.0 answer says 1.0 is enough (a
+    that depend on them (``vllm_facts.caveats.applying``); ``scale_one``: the scale-1.0 answer says 1.0 is enough (a
     recommendation that serves 1.0 counts too)."""
     lines = [*held.get("serving", []), *(n for n in held["notes"] if "no KV scales" in n), *([scale1] if scale1 else [])]
     ranked = {n: r for n, r in results.items() if r["mode"] != "reference"}

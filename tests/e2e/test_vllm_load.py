@@ -124,7 +124,7 @@ def test_vllm_serves_kvcal_mla_output_but_loads_no_mla_scale(smol_tokenizer, kjv
         refused = vllm_probe(result.out, tmp_path, "bfloat16")
         assert refused.returncode != 0 and AMX_MLA_REFUSAL in refused.stderr, refused.stderr[-4000:]
     refused = vllm_probe(result.out, tmp_path, "fp8")
-    assert refused.returncode != 0, "this vLLM serves MLA with an fp8 cache on CPU: update docs/vllm-notes.md and engine.caveats"
+    assert refused.returncode != 0, "this vLLM serves MLA with an fp8 cache on CPU: update docs/vllm-notes.md and vllm_facts.caveats"
     assert (AMX_MLA_REFUSAL if has_amx() else CPU_MLA_REFUSAL) in refused.stderr, refused.stderr[-4000:]
     # So kvcal prints no fp8 line for it on the cpu target, and says why.
     shape = serving.model_shape(vars(result.stats.signature))
@@ -156,7 +156,7 @@ def test_vllm_cpu_refuses_fp8_for_a_head_size_not_a_multiple_of_32_and_kvcal_say
     result = calibrate(str(tmp_path / "model"), [str(kjv_path)], str(tmp_path / "out"), seq_len=64, max_tokens=256,
                        progress=False, verify=False, target="cpu")
     refused = vllm_probe(result.out, tmp_path, "fp8")
-    assert refused.returncode != 0, "this vLLM serves head size 80 with an fp8 cache on CPU: update engine.caveats.LIMITS"
+    assert refused.returncode != 0, "this vLLM serves head size 80 with an fp8 cache on CPU: update vllm_facts.caveats.LIMITS"
     assert CPU_HEAD_SIZE_REFUSAL in refused.stderr, refused.stderr[-4000:]
     assert [layer["index"] for layer in vllm_load(result.out, tmp_path, "bfloat16")["layers"]] == [0, 1]  # served unquantized
     summary = result.summary()

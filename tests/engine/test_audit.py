@@ -70,6 +70,7 @@ def test_good_checkpoint_passes(model_dir, python, tmp_path):
         assert [held[i][kind]["held"] for i in range(LAYERS)] == [[torch.tensor(v).item()] for v in values]
     assert result.transformations == []
     assert result.text().endswith("engine audit OK: vLLM holds the checkpoint's scales")
+    assert result.engine["missing_hooks"] == [] and result.engine["kv_cache_dtype"] == "bfloat16"
 
 
 @pytest.mark.slow

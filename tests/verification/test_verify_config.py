@@ -74,3 +74,28 @@ def test_every_platform_names_a_target_and_a_writer_kvcal_knows():
     assert {p.target for p in PLATFORMS.values()} == set(TARGETS)
     assert {p.emulation.backend for p in PLATFORMS.values()} <= set(BACKENDS)
     assert [name for name, p in PLATFORMS.items() if p.measured] == ["CpuPlatform"]  # the only twin measured so far
+
+
+def test_tensor_parallel_engine_runs_are_refused_in_one_line_saying_why(tmp_path):
+    """--tp is vLLM's tensor-parallel size under --engine; the jobs read inside vLLM's one in-process worker, so only
+    1 runs, and 2 says why in one line; without --engine --tp 2 is the memory arithmetic's and is taken."""
+    assert _config(tmp_path, tp=1).tp == 1
+    with pytest.raises(ValueError) as e:
+        _config(tmp_path, tp=2)
+    assert str(e.value).startswith("--tp 2 with --engine vllm: kvcal's engine jobs read log-probabilities and scales "
+                                   "inside vLLM's one in-process worker") and "\n" not in str(e.value)
+    data = tmp_path / "t.txt"
+    assert VerifyConfig.from_options(str(tmp_path), [str(data)], tp=2).validate().tp == 2
+
+
+def test_a_request_carries_the_tensor_parallel_size_to_vllm(tmp_path, monkeypatch):
+    """The size reaches the job's LLM(...) through every run's request (engine.run_schemes)."""
+    from calibrate.verification import engine
+
+    seen = []
+    monkeypatch.setattr(engine, "run_job", lambda python, job, request, **k: seen.append(request) or
+                        {"error": "refused", "result": None})
+    host = engine.EngineHost(tmp_path, "0", "CpuPlatform")
+    engine.run_schemes(host, tmp_path, ["auto"], [[1, 2]], dtype="auto", chunk_len=8, max_model_len=32, block_size=32,
+                       kv_bytes=1, vocab_size=4, workdir=tmp_path, tensor_parallel_size=1)
+    assert seen[0]["tensor_parallel_size"] == 1

@@ -13,12 +13,13 @@ Result: vLLM's version and platform, ``base`` and ``again`` (the text as loaded,
 ``perturbed`` (each kind of ``kinds`` times each of G contiguous groups of the attention layers, first to last:
 ``{"kind", "layers", "run"}``), each run ``{"prefill": the N - 1 prompt tokens' own
 log-probabilities (nats, from the first text token on), "tokens": the D greedy decode tokens, "decode": their
-log-probabilities}``, and ``layers`` as the scales job reads them (as loaded).
+log-probabilities}``, ``layers`` as the scales job reads them (as loaded), and ``engine``, what the engine shows of
+itself (``jobkit.engine_facts``).
 """
 
 from functools import partial
 
-from jobkit import run
+from jobkit import device_memory, engine_facts, run
 from scales import read_layers
 
 
@@ -77,7 +78,8 @@ def work(request: dict) -> dict:
     if request.get("ignore_scales_in_kernel"):
         _ignore_scales_in_kernel()
     llm = LLM(model=request["model"], kv_cache_dtype=request["kv_cache_dtype"], dtype=request.get("dtype", "bfloat16"),
-              enforce_eager=True, max_model_len=request["max_model_len"], enable_prefix_caching=False, seed=0)
+              enforce_eager=True, max_model_len=request["max_model_len"], enable_prefix_caching=False, seed=0,
+              **device_memory())
     ids = llm.get_tokenizer().encode(request["text"])[: request["tokens"]]
     if len(ids) < request["tokens"]:
         raise ValueError(f"the sample text is {len(ids)} tokens, fewer than the {request['tokens']} asked for")
@@ -103,7 +105,8 @@ def work(request: dict) -> dict:
             perturbed.append({"kind": kind, "layers": chosen, "run": once()})
             llm.apply_model(partial(scale_layers, kind=kind, layers=chosen, factor=1 / factor))
     return {"vllm_version": vllm.__version__, "platform": type(current_platform).__name__, "base": base,
-            "again": once(), "perturbed": perturbed, "layers": layers}
+            "again": once(), "perturbed": perturbed, "layers": layers,
+            "engine": engine_facts(llm, request["kv_cache_dtype"])}
 
 
 if __name__ == "__main__":

