@@ -40,8 +40,8 @@ from ..engine.caveats import AMX_MLA_AUTO_ONLY, installed_vllm_version
 from ..engine.delivery import DeliveryResult, check_delivery
 from ..engine.dtypes import EngineDtypes, engine_dtypes
 from ..engine.launch import EngineError
+from ..engine.platforms import PLATFORMS, platform
 from ..engine.platforms import Emulation as Writer
-from ..engine.platforms import platform
 from ..engine.started import check_hooks, emulation_for, shown
 from ..files import no_room, read_json_object
 from ..fp8 import get_format
@@ -62,7 +62,7 @@ from .kvdtypes import DTYPES
 from .needle import needle_probe
 from .passes import ApplyScheme, ReferenceProbe, measure, probe_skip_layers, scheme_result
 from .scale1 import EQUAL, WORSE, scale1_answer
-from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
+from .schemes import TWIN_MARK, Mode, Scheme, build_schemes, floor_scheme, scheme_dtype, target_twins
 from .tails import tails
 from .verdict import (
     check_measured,
@@ -247,6 +247,7 @@ class Emulation:
     fa3: dict | None
     needle: dict | None
     drifts: dict
+    twins: list[Scheme]  # the static schemes as the other targets' writers run them (``schemes.target_twins``)
 
 
 @dataclass
@@ -257,6 +258,7 @@ class Judged:
     floor: dict | None
     limits: Thresholds
     tails: dict
+    others: dict[str, dict[str, dict]]  # target → scheme → its twin's figures and verdict (``_judge_twins``)
 
 
 @dataclass
@@ -344,8 +346,9 @@ def _emulate(config: VerifyConfig, subject: Subject, ref: Reference, sample: Sam
     fmt = get_format(config.fp8_format)
     schemes, skipped, held = build_schemes(config, subject.described, subject.files, ref.layers, ref.sig, ref.stats, fmt)
     floor = [floor_scheme(ref.model.dtype, fmt)] if config.floor else []
+    twins = target_twins(schemes, {target: (w.backend, not w.kv_only) for target, w in other_writers(config).items()})
     rows = fa3.query_rows(config.data.seq_len, config.data.chunk_len, config.fa3_rows) if config.fa3 else None
-    tallies, probe, ref_nll, ref_seconds = measure(ref.model, ref.layers, schemes + floor, sample.sequences, config, rows)
+    tallies, probe, ref_nll, ref_seconds = measure(ref.model, ref.layers, schemes + twins + floor, sample.sequences, config, rows)
     clock.mark("passes")
     fa3_result = _fa3(probe, rows, schemes, ref.layers, ref.sig, config) if config.fa3 else None
     clock.mark("fa3")
@@ -355,7 +358,8 @@ def _emulate(config: VerifyConfig, subject: Subject, ref: Reference, sample: Sam
     drifts = (measure_drift(ref.model, ref.layers, schemes + floor, sample.prompts, config.generate, progress=config.progress)
               if sample.prompts else {})
     clock.mark("drift")
-    return Emulation(schemes, floor, skipped, held, tallies, probe, ref_nll, ref_seconds, fa3_result, needle_result, drifts)
+    return Emulation(schemes, floor, skipped, held, tallies, probe, ref_nll, ref_seconds, fa3_result, needle_result, drifts,
+                     twins)
 
 
 def _judge(config: VerifyConfig, sample: Sample, emulated: Emulation) -> Judged:
@@ -387,7 +391,28 @@ def _judge(config: VerifyConfig, sample: Sample, emulated: Emulation) -> Judged:
         if not r["servable"]:
             r["reasons"].append(not_servable[name])
         r["kv_dtype"] = scheme_dtype(next(s for s in schemes if s.name == name))
-    return Judged(results, floor_result, limits, tail_result)
+    return Judged(results, floor_result, limits, tail_result, _judge_twins(emulated, limits))
+
+
+def other_writers(config: VerifyConfig) -> dict[str, Writer]:
+    """Under --engine, each other target's like-for-like writer (its platform's emulation), whose line is chosen on
+    the twins measured with it; none without an engine, where one emulation serves every target."""
+    if config.engine is None:
+        return {}
+    return {p.target: p.emulation for p in PLATFORMS.values() if p.target != config.target}
+
+
+def _judge_twins(emulated: Emulation, limits: Thresholds) -> dict[str, dict[str, dict]]:
+    """Each twin's figures, judged by the emulation's limits (without the tails, which are measured for the run's own
+    schemes only): target → scheme → {kl, kl_stderr, kl_per_sequence, top1, ppl_change, verdict, reasons}."""
+    out: dict[str, dict[str, dict]] = {}
+    for twin in emulated.twins:
+        name, target = twin.name.split(TWIN_MARK)
+        r = scheme_result(twin, emulated.tallies[twin.name], emulated.probe.ref_sq, emulated.ref_nll)
+        verdict, reasons = judge({**r, "tails": None, "needle_lost": None}, limits)
+        out.setdefault(target, {})[name] = {**{k: r[k] for k in engine.ENGINE_FIGURES if k in r}, "verdict": verdict,
+                                            "reasons": reasons}
+    return out
 
 
 class Clock:
@@ -507,10 +532,14 @@ def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: S
                                       engine_target=engine_result["target"] if engine_result else None,
                                       mla=bool(sig.latent_dim), model_type=model_config.get("model_type"),
                                       scale_one=bool(scale1) and scale1["outcome"] in (EQUAL, WORSE))
-    # The engine's figures choose its own target's line; every other target's is the emulation's, said so.
-    emulation = f"kvcal's emulation, {Writer(config.backend, config.dtype, bool(config.kv_only)).flags()}"
+    # The engine's figures choose its own target's line; every other target's is the emulation's with that target's
+    # writer (its static schemes' twins), said so.
+    own = Writer(config.backend, config.dtype, bool(config.kv_only))
+    emulation = {target: f"kvcal's emulation, {Writer(w.backend, config.dtype, w.kv_only).flags() if target in judged.others else own.flags()}"
+                 for target, w in other_writers(config).items()}
     lines = serve_lines(results, emulated.held, layers, served, skip_probe, unquantized=plain, **shape,
-                        engine_target=engine_result["target"] if engine_result else None, emulation=emulation)
+                        engine_target=engine_result["target"] if engine_result else None, emulation=emulation,
+                        others=judged.others)
     return Advice(recommendation, serve, lines, skip_probe, pays, scale1, nvfp4_scale1, vllm_version)
 
 
@@ -566,6 +595,7 @@ def _report(config: VerifyConfig, subject: Subject, ref: Reference, sample: Samp
         "target": config.target,
         "serve_command": advice.serve,  # the line for ``target``, printed last
         "serve_lines": advice.serve_lines,  # every target's line, with the vLLM build it was checked against
+        "other_targets": judged.others,  # under --engine, the static schemes as each other target's writer runs them
         "engine": engine_result,
         "engine_error": engine_error,  # the engine's failure after the emulation ran (None: it ran, or was not asked)
         "position_profile": _position_profile(ref.stats),

