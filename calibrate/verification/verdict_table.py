@@ -246,6 +246,17 @@ def engine_brief(engine: dict, *, whole: bool = False) -> list[str]:
               if engine.get("not_emulated") else [])]
 
 
+def disagreement_lines(engine: dict | None) -> list[str]:
+    """One line per scheme whose engine KL lies outside the measured tolerance of the emulation's (judged only on a
+    platform whose like-for-like pair was measured, from enough sequences: ``engine.compare``), for the answer's risks:
+    the engine's figures decide, and the emulation's prediction for that scheme did not hold on this model."""
+    rows = (engine or {}).get("schemes", {})
+    return [f"the engine and kvcal's emulation disagree on {scheme_label(name)}: engine KL {row['kl']:.4g} vs emulated "
+            f"{row['emulated_kl']:.4g} ({row['ratio']:.2f}×), outside the measured tolerance ±{row['tolerance_kl']:.2g}; "
+            "the engine's figures decide (docs/engine.md)"
+            for name, row in rows.items() if row.get("within_tolerance") is False]
+
+
 def serve_run_lines(rep: dict) -> list[str]:
     """The serve line run as printed in the engine (``run._run_serve_line``), for the answer: that run's KL over the
     engine's floor, top-1 and drift, labelled with the engine, its version and backend; or why it did not run, and
