@@ -38,7 +38,7 @@ from ..data.stream import Layout, iter_sequences, portable_manifest, read_digest
 from ..engine.audit import FAILED, OK, AuditResult, audit
 from ..engine.caveats import AMX_MLA_AUTO_ONLY, installed_vllm_version
 from ..engine.delivery import DeliveryResult, check_delivery
-from ..engine.dtypes import EngineDtypes, engine_dtypes
+from ..engine.dtypes import EngineDtypes
 from ..engine.launch import EngineError
 from ..engine.platforms import PLATFORMS, platform
 from ..engine.platforms import Emulation as Writer
@@ -456,7 +456,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     ref = _reference(config, subject, device, sample.tokenizer, sample.sequences)
     if started is not None:  # the engine's arrays fit the temporary directory, known before the emulation's passes
         engine.check_room(len(sample.sequences), config.data.seq_len - 1, ref.model.config.get_text_config().vocab_size,
-                          subject.absolute, config.schemes, Path(tempfile.gettempdir()))
+                          ["auto", "auto2", *config.schemes], Path(tempfile.gettempdir()))
     clock.mark("load")
     # 5. Emulate every scheme and the floor as vLLM's cache write does it; the optional probes.
     emulated = _emulate(config, subject, ref, sample, clock)
@@ -694,7 +694,7 @@ class EngineStart:
 
 
 def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
-    """Find vLLM, read its cache dtypes, run the load audit and, where it passed, the delivery check
+    """Find vLLM and its cache dtypes (one import), run the load audit and, where it passed, the delivery check
     (``engine.delivery``: the kernel uses the scales); refuse a release whose engine lacks a hook the jobs need; set the
     emulation and the target like for like with the platform and the attention backend the engine started with
     (``VerifyConfig.match_engine``, said on stderr with the progress). A flag that contradicts the platform, or a vLLM
@@ -708,7 +708,6 @@ def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
                          f"model with --engine vllm, or {config.checkpoint} without it")
     checkpoint = subject.absolute
     try:
-        dtypes = engine_dtypes(host.python)
         held = audit(checkpoint, host.python)
         delivered = check_delivery(checkpoint, host.python) if held.status == OK else None
     except EngineError as e:
@@ -722,7 +721,7 @@ def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
     settings = config.match_engine(host.platform, chosen, emulation_for(chosen, facts))
     if config.progress:
         print(f"kvcal: {settings}", file=sys.stderr, flush=True)
-    return EngineStart(host, held, delivered, settings, dtypes, facts)
+    return EngineStart(host, held, delivered, settings, EngineDtypes(host.version, host.cache_dtypes), facts)
 
 
 def _scratch(started: "EngineStart | None"):

@@ -657,13 +657,11 @@ class FakeEngine:
 
         from calibrate.engine import audit as audit_module
         from calibrate.engine import delivery
-        from calibrate.engine.dtypes import EngineDtypes
         from calibrate.verification import engine, run
 
         self.calls: dict = {}
         self.kept: dict = {}  # the reference's and the first unquantized run's log-probabilities, for a test's own sums
-        monkeypatch.setattr(engine, "probe", lambda python: engine.EngineHost(Path(sys.executable), "0.32.0", platform))
-        monkeypatch.setattr(run, "engine_dtypes", lambda python: EngineDtypes("0.32.0", (
+        monkeypatch.setattr(engine, "probe", lambda python: engine.EngineHost(Path(sys.executable), "0.32.0", platform, {}, (
             "auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_ds_mla")))
 
         def audit(checkpoint, python):
