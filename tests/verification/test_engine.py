@@ -23,7 +23,8 @@ SEQ_LEN, SEQUENCES, CHUNK = 256, engine.AGREEMENT_SEQUENCES, 128  # 8 × 256 hel
 # test is judged at), chunked prefill in two chunks
 PROMPTS, STEPS = 2, 12  # decode drift: 12 greedy tokens after each of 2 prompts, emulated and in the engine
 SCHEMES = "scale1,tensor,token,int8_per_token_head"
-# verify --engine starts vLLM ten times (its dtypes, the load audit, the delivery check's two runs, six cache runs):
+# verify --engine starts vLLM eight times (the load audit, the delivery check's two runs, the unquantized cache twice,
+# scale1 and tensor in one, token, int8_per_token_head), after one import for its version and cache dtypes:
 # about 10 minutes on a quiet 2-core machine, over 18 under load (measured: a 1,100 s limit ran out at load ~8).
 pytestmark = pytest.mark.timeout(2400)
 
