@@ -472,10 +472,17 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         advice = _recommend(config, subject, ref, sample, emulated, judged, engine_result)
         if started is not None:
             advice.recommendation[:0] = _engine_lines(started, engine_result, engine_error)
-        # 8b. The serve line it will print, run as printed in the engine: the answer shows that run's figures.
+        # 8b. The serve line it will print, run as printed in the engine: the answer shows that run's figures. Where
+        # its skip layers made it worse than every layer quantized, the next candidate is that line, which the engine
+        # already ran: the advice is made again without the skip-layer probe.
         if engine_result is not None:
-            engine_result["serve_run"] = _run_serve_line(config, subject, started, ref, sample, judged, advice,
-                                                         engine_result, Path(scratch))
+            served = _run_serve_line(config, subject, started, ref, sample, judged, advice, engine_result, Path(scratch))
+            if served.get("against_promised", {}).get("worse"):
+                served["skip_probe"] = advice.skip_probe
+                advice = _recommend(config, subject, ref, sample, emulated, judged, engine_result, probe=False)
+                advice.recommendation[:0] = _engine_lines(started, engine_result, engine_error)
+                served["instead"] = advice.serve
+            engine_result["serve_run"] = served
     # 9. The report; a kvcal output's model card gets its table.
     rep = _report(config, subject, ref, sample, emulated, judged, advice, engine_result, engine_error, clock)
     out, failed = None, None
@@ -494,19 +501,21 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
 
 
 def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: Sample, emulated: Emulation,
-               judged: Judged, engine_result: dict | None) -> Advice:
+               judged: Judged, engine_result: dict | None, probe: bool = True) -> Advice:
     """The recommendation for ``config.target`` and its serve line, every target's serve line, the layers to keep
-    unquantized, the cache's bytes and what FP8 frees (``does_it_pay``), and the answer to "is scale 1.0 enough?"."""
+    unquantized (unless not ``probe``), the cache's bytes and what FP8 frees (``does_it_pay``), and the answer to "is
+    scale 1.0 enough?"."""
     results, layers, sig, model_config = judged.results, ref.layers, ref.sig, subject.described.config
     # The serving target's vLLM: a dtype it lacks or serves wrongly is marked so instead of a verdict, never chosen.
     shape = serving.model_shape(vars(sig))
     for name, why in target_refusals(results, config.target, **shape).items():
         results[name]["target_refusal"] = why.short
-        results[name]["reasons"].append(f"{why.note} ({'measured' if why.evidence == 'measured' else 'read in the source'}, "
-                                        f"{serving.build_name(config.target)})")
+        reason = f"{why.note} ({'measured' if why.evidence == 'measured' else 'read in the source'}, {serving.build_name(config.target)})"
+        if reason not in results[name]["reasons"]:  # made again when the serve line's run sends it back (step 8b)
+            results[name]["reasons"].append(reason)
     choice = choose(results)
     skip_probe = None
-    if choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
+    if probe and choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
         # One baseline: the emulation's all-quantized pass against its passes with a layer left unquantized, even where
         # the engine's figures chose the scheme (an engine/emulation gap is no layer's gain).
         _on_device(ref)
@@ -807,8 +816,8 @@ def _run_serve_line(config: VerifyConfig, subject: Subject, started: EngineStart
     """The serve line the answer prints, run as printed in the engine (its cache dtype, its skip layers, this
     checkpoint's scales) on the held-out sequences: the scheme's own run where that already is the line, else one run
     with the skip layers beside a fresh unquantized one, against the reference's log-probabilities step 7 left in
-    ``scratch``; against the scheme's all-quantized run, flagged when worse beyond the noise. The next candidate is not
-    tried: the answer says so."""
+    ``scratch``; against the scheme's all-quantized run, flagged when worse beyond the noise (``run_verify`` then
+    serves that run's line instead)."""
     choice = advice.serve_lines[config.target]["scheme"]
     dtype, skip = serving.serve_args(advice.serve)
     out = {"line": advice.serve, "scheme": choice, "kv_cache_dtype": dtype, "skip_layers": skip,
