@@ -21,6 +21,7 @@ from .verdict_table import (
     SHORT_COLUMNS,
     VERIFY_HEADER,
     depth_lines,
+    disagreement_lines,
     drift_note,
     engine_brief,
     engine_lines,
@@ -99,7 +100,8 @@ RISK_WIDTH = 118  # the answer's risk line is wrapped to this width, at most thr
 
 def risk_lines(rep: dict, risks: Sequence[str] = ()) -> list[str]:
     """The warnings behind the recommendation, the most serious first: the engine's failures (load audit, delivery,
-    a failed run), a sample that may hold the calibration's own records, the caller's ``risks``, other targets whose
+    a failed run), the schemes where the engine and the emulation disagree, a sample that may hold the calibration's
+    own records, the caller's ``risks``, other targets whose
     serve line differs (a reader serving there must not take this one), the target's vLLM caveats, then "not run in
     vLLM's engine"."""
     target = rep.get("target", serving.DEFAULT_TARGET)
@@ -110,7 +112,7 @@ def risk_lines(rep: dict, risks: Sequence[str] = ()) -> list[str]:
     elsewhere = [t + (f" ({s['evidence'].split(' (')[0]})" if s.get("evidence") else "") for t, s in other_targets(rep).items()]
     other = [f"serving on {' or '.join(elsewhere)}? its serve line differs; --verbose gives it"] if elsewhere else []
     seen = [line for line in held_out_text(rep) if line.startswith("the sample may hold")]  # data the scales have seen
-    return [*failed, *seen, *risks, *other, *caveats, *unrun]
+    return [*failed, *disagreement_lines(rep.get("engine")), *seen, *risks, *other, *caveats, *unrun]
 
 
 def write_verify_report(directory: Path, rep: dict) -> None:

@@ -36,7 +36,7 @@ from ..checkpoint.write import tensor_bytes, weight_files
 from ..data.stream import Layout, iter_sequences, portable_manifest, read_digests
 from ..engine.audit import FAILED, OK, AuditResult, audit
 from ..engine.delivery import DeliveryResult, check_delivery
-from ..engine.dtypes import EngineDtypes, engine_dtypes
+from ..engine.dtypes import EngineDtypes
 from ..engine.launch import EngineError, installed_vllm_version
 from ..engine.started import check_hooks, emulation_for, shown
 from ..files import no_room, read_json_object
@@ -51,8 +51,8 @@ from ..thresholds import Thresholds
 from ..version import kvcal_version
 from ..vllm_facts import serving
 from ..vllm_facts.caveats import AMX_MLA_AUTO_ONLY
+from ..vllm_facts.platforms import PLATFORMS, platform
 from ..vllm_facts.platforms import Emulation as Writer
-from ..vllm_facts.platforms import platform
 from . import depth, engine, fa3, report, token_kinds
 from .capacity import LayerKV, per_token, plan
 from .card import PLACEHOLDER, refresh_applied, served_name, write_card
@@ -62,7 +62,7 @@ from .kvdtypes import DTYPES
 from .needle import needle_probe
 from .passes import ApplyScheme, ReferenceProbe, measure, probe_skip_layers, scheme_result
 from .scale1 import EQUAL, WORSE, scale1_answer
-from .schemes import Mode, Scheme, build_schemes, floor_scheme, scheme_dtype
+from .schemes import TWIN_MARK, Mode, Scheme, build_schemes, floor_scheme, scheme_dtype, target_twins
 from .tails import tails
 from .verdict import (
     check_measured,
@@ -247,6 +247,7 @@ class Emulation:
     fa3: dict | None
     needle: dict | None
     drifts: dict
+    twins: list[Scheme]  # the static schemes as the other targets' writers run them (``schemes.target_twins``)
 
 
 @dataclass
@@ -257,6 +258,7 @@ class Judged:
     floor: dict | None
     limits: Thresholds
     tails: dict
+    others: dict[str, dict[str, dict]]  # target → scheme → its twin's figures and verdict (``_judge_twins``)
 
 
 @dataclass
@@ -344,8 +346,9 @@ def _emulate(config: VerifyConfig, subject: Subject, ref: Reference, sample: Sam
     fmt = get_format(config.fp8_format)
     schemes, skipped, held = build_schemes(config, subject.described, subject.files, ref.layers, ref.sig, ref.stats, fmt)
     floor = [floor_scheme(ref.model.dtype, fmt)] if config.floor else []
+    twins = target_twins(schemes, {target: (w.backend, not w.kv_only) for target, w in other_writers(config).items()})
     rows = fa3.query_rows(config.data.seq_len, config.data.chunk_len, config.fa3_rows) if config.fa3 else None
-    tallies, probe, ref_nll, ref_seconds = measure(ref.model, ref.layers, schemes + floor, sample.sequences, config, rows)
+    tallies, probe, ref_nll, ref_seconds = measure(ref.model, ref.layers, schemes + twins + floor, sample.sequences, config, rows)
     clock.mark("passes")
     fa3_result = _fa3(probe, rows, schemes, ref.layers, ref.sig, config) if config.fa3 else None
     clock.mark("fa3")
@@ -355,7 +358,8 @@ def _emulate(config: VerifyConfig, subject: Subject, ref: Reference, sample: Sam
     drifts = (measure_drift(ref.model, ref.layers, schemes + floor, sample.prompts, config.generate, progress=config.progress)
               if sample.prompts else {})
     clock.mark("drift")
-    return Emulation(schemes, floor, skipped, held, tallies, probe, ref_nll, ref_seconds, fa3_result, needle_result, drifts)
+    return Emulation(schemes, floor, skipped, held, tallies, probe, ref_nll, ref_seconds, fa3_result, needle_result, drifts,
+                     twins)
 
 
 def _judge(config: VerifyConfig, sample: Sample, emulated: Emulation) -> Judged:
@@ -387,7 +391,28 @@ def _judge(config: VerifyConfig, sample: Sample, emulated: Emulation) -> Judged:
         if not r["servable"]:
             r["reasons"].append(not_servable[name])
         r["kv_dtype"] = scheme_dtype(next(s for s in schemes if s.name == name))
-    return Judged(results, floor_result, limits, tail_result)
+    return Judged(results, floor_result, limits, tail_result, _judge_twins(emulated, limits))
+
+
+def other_writers(config: VerifyConfig) -> dict[str, Writer]:
+    """Under --engine, each other target's like-for-like writer (its platform's emulation), whose line is chosen on
+    the twins measured with it; none without an engine, where one emulation serves every target."""
+    if config.engine is None:
+        return {}
+    return {p.target: p.emulation for p in PLATFORMS.values() if p.target != config.target}
+
+
+def _judge_twins(emulated: Emulation, limits: Thresholds) -> dict[str, dict[str, dict]]:
+    """Each twin's figures, judged by the emulation's limits (without the tails, which are measured for the run's own
+    schemes only): target → scheme → {kl, kl_stderr, kl_per_sequence, top1, ppl_change, verdict, reasons}."""
+    out: dict[str, dict[str, dict]] = {}
+    for twin in emulated.twins:
+        name, target = twin.name.split(TWIN_MARK)
+        r = scheme_result(twin, emulated.tallies[twin.name], emulated.probe.ref_sq, emulated.ref_nll)
+        verdict, reasons = judge({**r, "tails": None, "needle_lost": None}, limits)
+        out.setdefault(target, {})[name] = {**{k: r[k] for k in engine.ENGINE_FIGURES if k in r}, "verdict": verdict,
+                                            "reasons": reasons}
+    return out
 
 
 class Clock:
@@ -431,7 +456,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     ref = _reference(config, subject, device, sample.tokenizer, sample.sequences)
     if started is not None:  # the engine's arrays fit the temporary directory, known before the emulation's passes
         engine.check_room(len(sample.sequences), config.data.seq_len - 1, ref.model.config.get_text_config().vocab_size,
-                          subject.absolute, config.schemes, Path(tempfile.gettempdir()))
+                          ["auto", "auto2", *config.schemes], Path(tempfile.gettempdir()))
     clock.mark("load")
     # 5. Emulate every scheme and the floor as vLLM's cache write does it; the optional probes.
     emulated = _emulate(config, subject, ref, sample, clock)
@@ -447,10 +472,17 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         advice = _recommend(config, subject, ref, sample, emulated, judged, engine_result)
         if started is not None:
             advice.recommendation[:0] = _engine_lines(started, engine_result, engine_error)
-        # 8b. The serve line it will print, run as printed in the engine: the answer shows that run's figures.
+        # 8b. The serve line it will print, run as printed in the engine: the answer shows that run's figures. Where
+        # its skip layers made it worse than every layer quantized, the next candidate is that line, which the engine
+        # already ran: the advice is made again without the skip-layer probe.
         if engine_result is not None:
-            engine_result["serve_run"] = _run_serve_line(config, subject, started, ref, sample, judged, advice,
-                                                         engine_result, Path(scratch))
+            served = _run_serve_line(config, subject, started, ref, sample, judged, advice, engine_result, Path(scratch))
+            if served.get("against_promised", {}).get("worse"):
+                served["skip_probe"] = advice.skip_probe
+                advice = _recommend(config, subject, ref, sample, emulated, judged, engine_result, probe=False)
+                advice.recommendation[:0] = _engine_lines(started, engine_result, engine_error)
+                served["instead"] = advice.serve
+            engine_result["serve_run"] = served
     # 9. The report; a kvcal output's model card gets its table.
     rep = _report(config, subject, ref, sample, emulated, judged, advice, engine_result, engine_error, clock)
     out, failed = None, None
@@ -469,19 +501,21 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
 
 
 def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: Sample, emulated: Emulation,
-               judged: Judged, engine_result: dict | None) -> Advice:
+               judged: Judged, engine_result: dict | None, probe: bool = True) -> Advice:
     """The recommendation for ``config.target`` and its serve line, every target's serve line, the layers to keep
-    unquantized, the cache's bytes and what FP8 frees (``does_it_pay``), and the answer to "is scale 1.0 enough?"."""
+    unquantized (unless not ``probe``), the cache's bytes and what FP8 frees (``does_it_pay``), and the answer to "is
+    scale 1.0 enough?"."""
     results, layers, sig, model_config = judged.results, ref.layers, ref.sig, subject.described.config
     # The serving target's vLLM: a dtype it lacks or serves wrongly is marked so instead of a verdict, never chosen.
     shape = serving.model_shape(vars(sig))
     for name, why in target_refusals(results, config.target, **shape).items():
         results[name]["target_refusal"] = why.short
-        results[name]["reasons"].append(f"{why.note} ({'measured' if why.evidence == 'measured' else 'read in the source'}, "
-                                        f"{serving.build_name(config.target)})")
+        reason = f"{why.note} ({'measured' if why.evidence == 'measured' else 'read in the source'}, {serving.build_name(config.target)})"
+        if reason not in results[name]["reasons"]:  # made again when the serve line's run sends it back (step 8b)
+            results[name]["reasons"].append(reason)
     choice = choose(results)
     skip_probe = None
-    if choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
+    if probe and choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
         # One baseline: the emulation's all-quantized pass against its passes with a layer left unquantized, even where
         # the engine's figures chose the scheme (an engine/emulation gap is no layer's gain).
         _on_device(ref)
@@ -507,10 +541,14 @@ def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: S
                                       engine_target=engine_result["target"] if engine_result else None,
                                       mla=bool(sig.latent_dim), model_type=model_config.get("model_type"),
                                       scale_one=bool(scale1) and scale1["outcome"] in (EQUAL, WORSE))
-    # The engine's figures choose its own target's line; every other target's is the emulation's, said so.
-    emulation = f"kvcal's emulation, {Writer(config.backend, config.dtype, bool(config.kv_only)).flags()}"
+    # The engine's figures choose its own target's line; every other target's is the emulation's with that target's
+    # writer (its static schemes' twins), said so.
+    own = Writer(config.backend, config.dtype, bool(config.kv_only))
+    emulation = {target: f"kvcal's emulation, {Writer(w.backend, config.dtype, w.kv_only).flags() if target in judged.others else own.flags()}"
+                 for target, w in other_writers(config).items()}
     lines = serve_lines(results, emulated.held, layers, served, skip_probe, unquantized=plain, **shape,
-                        engine_target=engine_result["target"] if engine_result else None, emulation=emulation)
+                        engine_target=engine_result["target"] if engine_result else None, emulation=emulation,
+                        others=judged.others)
     return Advice(recommendation, serve, lines, skip_probe, pays, scale1, nvfp4_scale1, vllm_version)
 
 
@@ -566,6 +604,7 @@ def _report(config: VerifyConfig, subject: Subject, ref: Reference, sample: Samp
         "target": config.target,
         "serve_command": advice.serve,  # the line for ``target``, printed last
         "serve_lines": advice.serve_lines,  # every target's line, with the vLLM build it was checked against
+        "other_targets": judged.others,  # under --engine, the static schemes as each other target's writer runs them
         "engine": engine_result,
         "engine_error": engine_error,  # the engine's failure after the emulation ran (None: it ran, or was not asked)
         "position_profile": _position_profile(ref.stats),
@@ -664,7 +703,7 @@ class EngineStart:
 
 
 def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
-    """Find vLLM, read its cache dtypes, run the load audit and, where it passed, the delivery check
+    """Find vLLM and its cache dtypes (one import), run the load audit and, where it passed, the delivery check
     (``engine.delivery``: the kernel uses the scales); refuse a release whose engine lacks a hook the jobs need; set the
     emulation and the target like for like with the platform and the attention backend the engine started with
     (``VerifyConfig.match_engine``, said on stderr with the progress). A flag that contradicts the platform, or a vLLM
@@ -678,7 +717,6 @@ def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
                          f"model with --engine vllm, or {config.checkpoint} without it")
     checkpoint = subject.absolute
     try:
-        dtypes = engine_dtypes(host.python)
         held = audit(checkpoint, host.python)
         delivered = check_delivery(checkpoint, host.python) if held.status == OK else None
     except EngineError as e:
@@ -692,7 +730,7 @@ def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
     settings = config.match_engine(host.platform, chosen, emulation_for(chosen, facts))
     if config.progress:
         print(f"kvcal: {settings}", file=sys.stderr, flush=True)
-    return EngineStart(host, held, delivered, settings, dtypes, facts)
+    return EngineStart(host, held, delivered, settings, EngineDtypes(host.version, host.cache_dtypes), facts)
 
 
 def _scratch(started: "EngineStart | None"):
@@ -778,8 +816,8 @@ def _run_serve_line(config: VerifyConfig, subject: Subject, started: EngineStart
     """The serve line the answer prints, run as printed in the engine (its cache dtype, its skip layers, this
     checkpoint's scales) on the held-out sequences: the scheme's own run where that already is the line, else one run
     with the skip layers beside a fresh unquantized one, against the reference's log-probabilities step 7 left in
-    ``scratch``; against the scheme's all-quantized run, flagged when worse beyond the noise. The next candidate is not
-    tried: the answer says so."""
+    ``scratch``; against the scheme's all-quantized run, flagged when worse beyond the noise (``run_verify`` then
+    serves that run's line instead)."""
     choice = advice.serve_lines[config.target]["scheme"]
     dtype, skip = serving.serve_args(advice.serve)
     out = {"line": advice.serve, "scheme": choice, "kv_cache_dtype": dtype, "skip_layers": skip,

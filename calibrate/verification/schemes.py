@@ -3,7 +3,7 @@ checkpoint's scales, its statistics or a cache dtype, and applied to Q, K and V 
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 
@@ -230,6 +230,27 @@ def build_schemes(
     held["not_servable"] = {s.name: why for s in schemes
                             if (why := refusal(scheme_dtype(s), servable) or (s.source == "checkpoint" and refusal(s.granularity, servable)))}
     return schemes, skipped, held
+
+
+# Between a scheme's name and a target's in the name of its twin (``target_twins``): "tensor@gpu".
+TWIN_MARK = "@"
+
+
+def target_twins(schemes: list[Scheme], writers: dict[str, tuple[str, bool]]) -> list[Scheme]:
+    """Each static FP8 scheme as another target's cache writer runs it (``writers``: target → (``--backend``, Q
+    quantized)), named NAME@TARGET, for the other targets' serve lines of a verify whose engine measured one platform
+    (``verdict.serve_lines``). Only static schemes depend on the writer and on Q (an e5m2 cache never quantizes Q);
+    the other cache dtypes' emulation is the same for every target, so they have no twin, nor has a scheme whose
+    writer and Q already are the target's."""
+    twins = []
+    for target, (backend, q) in writers.items():
+        for scheme in schemes:
+            if scheme.mode != Mode.STATIC:
+                continue
+            twin_q = q and scheme.fmt != E5M2
+            if (backend, twin_q) != (scheme.backend, scheme.quantize_query):
+                twins.append(replace(scheme, name=f"{scheme.name}{TWIN_MARK}{target}", backend=backend, quantize_query=twin_q))
+    return twins
 
 
 def named_scheme(name: str, fmt: FP8Format, scales: dict[str, torch.Tensor], backend: str, q: bool = False) -> Scheme:

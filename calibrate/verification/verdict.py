@@ -136,7 +136,8 @@ def target_refusals(results: dict[str, dict], target: str, *, mla: bool = False,
 
 def serve_lines(results: dict[str, dict], held: dict, layers: list[AttentionLayer], checkpoint: str,
                 skip_probe: dict | None = None, *, unquantized: str = "auto", mla: bool = False,
-                head_size: int | None = None, engine_target: str | None = None, emulation: str | None = None) -> dict[str, dict]:
+                head_size: int | None = None, engine_target: str | None = None, emulation: dict[str, str] | None = None,
+                others: dict[str, dict[str, dict]] | None = None) -> dict[str, dict]:
     """The serve line for every target, each chosen among the schemes that target's vLLM serves as measured for this
     model (``target_refusals``): target → {"scheme": name or None (bf16), "label": its ``choices.scheme_label``,
     "kv_dtype", "line", "build": the vLLM build its facts were read in, and under an engine "evidence": whose figures
@@ -144,13 +145,15 @@ def serve_lines(results: dict[str, dict], held: dict, layers: list[AttentionLaye
 
     An engine's figures (``engine_target``: the target whose engine judged ``results``, ``engine.judge_on_engine``)
     choose its own target's line only: every other target's is chosen on the emulation's figures and verdicts
-    (``emulated_figures``), its evidence "emulated for <target>" with the emulation's settings (``emulation``), so a
-    kernel of one platform never changes another's line. Without an engine there is no evidence key: every line is
-    the emulation's."""
+    (``emulated_figures``), with its static schemes' figures and verdicts as that target's writer gave them where
+    ``others`` holds them (target → scheme → the twin's, ``schemes.target_twins``), its evidence "emulated for
+    <target>" with the emulation's settings (``emulation``: target → words), so a kernel of one platform never
+    changes another's line. Without an engine there is no evidence key: every line is the emulation's."""
     out = {}
     for target in TARGETS:
         own = engine_target is None or target == engine_target
-        figures = results if own else emulated_figures(results)
+        figures = results if own else {name: {**r, **(others or {}).get(target, {}).get(name, {})}
+                                       for name, r in emulated_figures(results).items()}
         refused = target_refusals(figures, target, mla=mla, head_size=head_size)
         judged = {n: {**r, "target_refusal": refused[n].short if n in refused else None} for n, r in figures.items()}
         _, line = recommend(judged, held, layers, checkpoint, skip_probe, target=target, unquantized=unquantized)
@@ -160,7 +163,7 @@ def serve_lines(results: dict[str, dict], held: dict, layers: list[AttentionLaye
                        "build": serving.build_name(target)}
         if engine_target is not None:
             out[target]["evidence"] = ("the engine's figures where it ran a scheme" if own
-                                       else f"{EMULATED_FOR}{target}" + (f" ({emulation})" if emulation else ""))
+                                       else f"{EMULATED_FOR}{target}" + (f" ({emulation[target]})" if emulation else ""))
     return out
 
 

@@ -246,6 +246,17 @@ def engine_brief(engine: dict, *, whole: bool = False) -> list[str]:
               if engine.get("not_emulated") else [])]
 
 
+def disagreement_lines(engine: dict | None) -> list[str]:
+    """One line per scheme whose engine KL lies outside the measured tolerance of the emulation's (judged only on a
+    platform whose like-for-like pair was measured, from enough sequences: ``engine.compare``), for the answer's risks:
+    the engine's figures decide, and the emulation's prediction for that scheme did not hold on this model."""
+    rows = (engine or {}).get("schemes", {})
+    return [f"the engine and kvcal's emulation disagree on {scheme_label(name)}: engine KL {row['kl']:.4g} vs emulated "
+            f"{row['emulated_kl']:.4g} ({row['ratio']:.2f}×), outside the measured tolerance ±{row['tolerance_kl']:.2g}; "
+            "the engine's figures decide (docs/engine.md)"
+            for name, row in rows.items() if row.get("within_tolerance") is False]
+
+
 def serve_run_lines(rep: dict) -> list[str]:
     """The serve line run as printed in the engine (``run._run_serve_line``), for the answer: that run's KL over the
     engine's floor, top-1 and drift, labelled with the engine, its version and backend; or why it did not run, and
@@ -260,12 +271,14 @@ def serve_run_lines(rep: dict) -> list[str]:
     kl = f"KL {run['kl'] / floor:.3g}× the engine's floor" if floor else f"KL {run['kl']:.3g} nats/token"
     drift = f", drift {run['drift']['agreement']:.0%} agree" if run.get("drift") else ""
     how = "the scheme's own run" if run["same_run"] else f"{serving.SKIP_FLAG} {' '.join(run['skip_layers'])}"
-    text = f"serve line run as printed in {who} ({how}): {kl}, top-1 {run['top1']:.1%}{drift}"
+    figures = f"{kl}, top-1 {run['top1']:.1%}{drift}"
     against = run.get("against_promised")
-    if against and against["worse"]:
-        text += (f"; worse than every layer quantized by {against['kl_change']:.3g} nats/token, beyond the noise "
-                 f"({against['limit']:.2g}); kvcal does not try the next candidate: serve without {serving.SKIP_FLAG}")
-    return [text]
+    if not (against and against["worse"]):
+        return [f"serve line run as printed in {who} ({how}): {figures}"]
+    # the next candidate: the scheme with every layer quantized, whose engine run the table above judges
+    return [f"the line with {how}, run in {who}: {figures}; worse than every layer quantized by "
+            f"{against['kl_change']:.3g} nats/token, beyond the noise ({against['limit']:.2g}), so kvcal serves the "
+            f"scheme with every layer quantized instead (the engine's own run of it), without {serving.SKIP_FLAG}"]
 
 
 def _ratio_text(ratio: float | None) -> str:

@@ -146,3 +146,18 @@ def test_a_sample_that_may_hold_the_calibration_data_is_the_risk_named_first_aft
     assert risk_lines(rep, ["little data"])[:2] == [
         "the sample may hold the 20 records the checkpoint was calibrated on (--include-calibration-data): it measures "
         "data the scales have seen", "little data"]
+
+
+def test_an_engine_that_disagrees_with_the_emulation_is_named_in_the_answer_before_the_other_risks():
+    """A scheme the engine measured outside the tolerance of the emulation's prediction is the answer's risk (after
+    the engine's own failures): report.md's flag alone was not enough for a reader of the ten lines."""
+    row = {"kl": 0.0116, "emulated_kl": 0.0140, "ratio": 0.0116 / 0.0140, "tolerance_kl": 0.0011, "within_tolerance": False}
+    agreed = {**row, "kl": 0.0139, "within_tolerance": True}
+    rep = report_dict() | {"engine": {"schemes": {"tensor": row, "scale1": agreed, "int8_per_token_head": {"why": "not run"}}},
+                           "recommendation": ["Recommended: ...", "vLLM: a caveat of the target's vLLM"]}
+    risks = risk_lines(rep, ["little data"])
+    assert risks[0] == (f"the engine and kvcal's emulation disagree on {scheme_label('tensor')}: engine KL 0.0116 vs "
+                        "emulated 0.014 (0.83×), outside the measured tolerance ±0.0011; the engine's figures decide "
+                        "(docs/engine.md)")
+    assert risks[1:] == ["little data", "vLLM: a caveat of the target's vLLM"]
+    assert any(line.startswith("check: the engine and kvcal's emulation disagree on") for line in answer_lines(rep))
