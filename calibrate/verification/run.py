@@ -3,7 +3,7 @@
 A *scheme* is one way vLLM could store attention's inputs (``choices.VERIFY_SCHEMES``, or a scales file the user names).
 Every scheme is emulated as vLLM's cache write does it: FP8 schemes as x / scale, saturated to the format's
 finite max, rounded to nearest even, times scale — K and V always, Q too where the backend quantizes queries
-(FA3 on Hopper; ``kv_only`` models the Triton/FlashInfer backends); vLLM's other cache dtypes (int8 and int4 per
+(``vllm_facts.caveats.Q_QUANTIZERS``; ``kv_only`` models the Triton/FlashInfer backends); vLLM's other cache dtypes (int8 and int4 per
 token-head, nvfp4) by ``kvdtypes``, K and V only.
 
 Cost: one reference forward of the sample (which also runs each scheme's attention on every layer's own inputs,
