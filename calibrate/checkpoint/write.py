@@ -190,22 +190,6 @@ def scales_file(directory: Path) -> Path:
     return Path(directory) / shards.pop()
 
 
-def rescaled_copy(checkpoint: Path, out: Path, rescale: Callable[[str, torch.Tensor], torch.Tensor]) -> Path:
-    """A copy at ``out`` of kvcal output ``checkpoint`` whose scales shard holds ``rescale(name, tensor)`` for each of
-    its tensors: every other file hard-linked (``link_or_copy``), the scales shard rewritten. For running the engine on
-    changed scales through its own loader (verify's scale-1.0 run, the delivery check's scaled run)."""
-    from safetensors.torch import load_file
-
-    shard = scales_file(checkpoint)
-    out.mkdir()
-    for path in checkpoint.iterdir():
-        if path.is_file() and path != shard:
-            link_or_copy(path, out / path.name)
-    save_tensors({name: rescale(name, t) for name, t in load_file(shard).items()}, out / shard.name,
-                 metadata={"format": "pt"})
-    return out
-
-
 def link_or_copy(src: Path, dst: Path) -> None:
     """Hard-link the file ``src`` names, following symlinks (a Hub cache's snapshot files are relative links
     into its ``blobs/``, which a link of the link itself would leave dangling in OUT)."""

@@ -41,13 +41,13 @@ class EngineDtypes:
 
 
 def engine_dtypes(python: str | Path | None = None) -> EngineDtypes:
-    """The installed vLLM's cache dtypes, read from vLLM itself (about as long as importing it).
+    """The installed vLLM's cache dtypes, read from vLLM itself by the version job (about as long as importing it).
 
     Raises:
         launch.EngineError: no vLLM, or it has no list where 0.32 keeps it.
     """
     python = find_vllm_python(python)
-    answer = run_job(python, "dtypes", {})
+    answer = run_job(python, "version", {})
     if answer["error"] is not None:
         raise EngineError(f"could not read vLLM's cache dtypes: {answer['error'].splitlines()[0]}")
     return EngineDtypes(answer["result"]["vllm_version"], tuple(answer["result"]["cache_dtypes"]))

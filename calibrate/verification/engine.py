@@ -16,9 +16,7 @@ own margin plus the noise.
 """
 
 import math
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,11 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..checkpoint.write import rescaled_copy
 from ..choices import CACHE_DTYPES, SCHEMES, SchemeSpec, size_text
 from ..engine.launch import EngineError, find_vllm_python, run_job
 from ..engine.platforms import PLATFORMS
-from ..files import no_room
 from ..model.directory import KV_SCALE_PATTERN, tensor_names, vllm_files
 from .drift import engine_drift
 from .passes import token_kl
@@ -53,9 +49,9 @@ def _not_run(spec: SchemeSpec) -> str | None:
 # Schemes no single engine run stands for, and why (a few words, for the engine cells).
 NOT_RUN = {name: why for name, spec in SCHEMES.items() if (why := _not_run(spec))}
 # kvcal scheme → (the --kv-cache-dtype the engine serves it with, where its scales come from), both as choices.SCHEMES
-# holds them (``kv_dtype``, ``scales``), for every quantized scheme an engine run stands for. Scales "ones" run from a
-# copy of the checkpoint with every scale 1.0 (``scale1_checkpoint``); "checkpoint" and "computed" (the cache writer's
-# own, per token and head) from the checkpoint as it is.
+# holds them (``kv_dtype``, ``scales``), for every quantized scheme an engine run stands for. Scales "ones" run with
+# every k, v and q scale set to 1.0 in the engine (as vLLM serves a checkpoint without scales), "checkpoint" as loaded,
+# "computed" (the cache writer's own, per token and head) from the checkpoint as it is.
 RUNS = {name: (spec.kv_dtype, spec.scales) for name, spec in SCHEMES.items() if spec.scales != "none" and name not in NOT_RUN}
 # What each vLLM cache dtype's name promises the engine stores: bytes per cached element, and where its scales come
 # from. Engine-only, so not in choices.SCHEMES: it is what vLLM's name says of vLLM's own storage, checked against what
@@ -71,9 +67,6 @@ NOT_AS_NAMED = "not what the name says"
 # The start of the reason of a scheme whose engine run failed (its verdict: ``verdict.RUN_FAILED``), vLLM's or the
 # OS's line after it.
 RUN_FAILED_TEXT = "the engine's run failed"
-# Full-vocabulary arrays on disk at once (``run_schemes``): the reference model's, the engine's unquantized run's (every
-# run is compared with it) and the run in progress; each run is reduced to its figures when it ends.
-ARRAYS_AT_ONCE = 3
 ROOM_MARGIN = 64 << 20  # a job's own files (its request, the array's header) and the file system's slack
 # The fewest sequences the agreement test is judged at: its margin is t₀.₉₇₅ paired standard errors at n − 1 degrees
 # of freedom, 12.7 at 2 sequences (the test could pass almost any gap) and 2.36 at 8, within a fifth of the
@@ -84,17 +77,19 @@ TOO_FEW = "too few sequences to tell"
 
 @dataclass
 class EngineHost:
-    """The vLLM verify will run: its interpreter, version, platform, and the ISA the job saw."""
+    """The vLLM verify will run: its interpreter, version, platform, the ISA the job saw, and its own list of cache
+    dtypes."""
 
     python: Path
     version: str
     platform: str
     isa: dict = field(default_factory=dict)
+    cache_dtypes: tuple[str, ...] = ()
 
 
 def probe(vllm_python: str | None) -> EngineHost:
-    """Find vLLM (``launch.find_vllm_python``) and ask it its version and platform; ValueError in one line if it
-    cannot be found or started."""
+    """Find vLLM (``launch.find_vllm_python``) and ask it its version, platform and cache dtypes, in one import;
+    ValueError in one line if it cannot be found or started."""
     try:
         python = find_vllm_python(vllm_python)
         answer = run_job(python, "version", {}, timeout_s=300)
@@ -103,7 +98,8 @@ def probe(vllm_python: str | None) -> EngineHost:
     if answer["error"]:
         raise ValueError(f"vLLM could not start: {answer['error']}")
     info = answer["result"]
-    return EngineHost(python, info["vllm_version"], info["platform"], {k: info[k] for k in ("avx512", "amx")})
+    return EngineHost(python, info["vllm_version"], info["platform"], {k: info[k] for k in ("avx512", "amx")},
+                      tuple(info["cache_dtypes"]))
 
 
 def model_len(tokens: int, block_size: int) -> int:
@@ -118,24 +114,19 @@ def kv_cache_bytes(num_layers: int, kv_heads: int, head_dim: int, max_model_len:
     return max(64 << 20, 2 * 2 * num_layers * kv_heads * head_dim * 4 * tokens)
 
 
-def room_needed(sequences: int, positions: int, vocab: int, checkpoint: Path, names: Sequence[str],
-                where: Path) -> tuple[int, str]:
-    """Bytes ``run_schemes`` writes under ``where`` at most, and what they are, in words: ARRAYS_AT_ONCE float32
-    [sequences, positions, vocab] arrays, and for a scale-1.0 run a copy of the checkpoint (free where hard links
-    work, on ``where``'s file system; the whole checkpoint elsewhere)."""
+def room_needed(sequences: int, positions: int, vocab: int, names: Sequence[str]) -> tuple[int, str]:
+    """Bytes ``run_schemes`` writes at most, and what they are, in words: float32 [sequences, positions, vocab]
+    arrays, the reference model's and the engine's unquantized run's (every run is compared with it) beside the runs of
+    one start (``job_groups``), each reduced to its figures once its start ends."""
     array = sequences * positions * vocab * 4
-    need, parts = ARRAYS_AT_ONCE * array + ROOM_MARGIN, f"{ARRAYS_AT_ONCE} log-probability arrays of {size_text(array)}"
-    if "scale1" in names and os.stat(checkpoint).st_dev != os.stat(where).st_dev:
-        copy = sum(f.stat().st_size for f in checkpoint.iterdir() if f.is_file())
-        need, parts = need + copy, parts + f" and a scale-1.0 copy of the checkpoint ({size_text(copy)})"
-    return need, parts
+    count = 2 + max((len(g) for g in job_groups(names) if g[0] not in ("auto", "auto2")), default=1)
+    return count * array + ROOM_MARGIN, f"{count} log-probability arrays of {size_text(array)}"
 
 
-def check_room(sequences: int, positions: int, vocab: int, checkpoint: Path, names: Sequence[str],
-               where: Path) -> None:
+def check_room(sequences: int, positions: int, vocab: int, names: Sequence[str], where: Path) -> None:
     """Refuse, in one line, a ``where`` (the temporary directory, TMPDIR) without room for the engine's files
     (``room_needed``): before the reference model loads, not when the first run fills the disk."""
-    need, parts = room_needed(sequences, positions, vocab, checkpoint, names, where)
+    need, parts = room_needed(sequences, positions, vocab, names)
     free = shutil.disk_usage(where).free
     if free < need:
         raise ValueError(f"--engine vllm writes up to {size_text(need)} in {where} ({parts}), and it has "
@@ -146,15 +137,6 @@ def check_room(sequences: int, positions: int, vocab: int, checkpoint: Path, nam
 def has_kv_scales(checkpoint: Path) -> bool:
     """Whether a file vLLM loads from ``checkpoint`` holds a KV scale (else vLLM serves its fp8 cache at 1.0)."""
     return any(KV_SCALE_PATTERN.search(name) for path in vllm_files(checkpoint)[0] for name in tensor_names(path))
-
-
-def scale1_checkpoint(checkpoint: Path, into: Path) -> Path:
-    """The checkpoint as vLLM serves it at KV scale 1.0: itself where no file vLLM loads holds a KV scale (vLLM then
-    uses 1.0), else a copy of a kvcal output whose every KV scale is 1.0 (``checkpoint.write.rescaled_copy``;
-    ValueError for scales kvcal did not write)."""
-    if not has_kv_scales(checkpoint):
-        return checkpoint
-    return rescaled_copy(checkpoint, into / "scale1", lambda name, t: torch.ones_like(t))
 
 
 def check_stored(dtype: str, stored: dict, scheme_scales: dict | None) -> dict:
@@ -241,52 +223,69 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
             "steps": steps, "attention_backend": attention_backend, "tokenizer": tokenizer,
             "tensor_parallel_size": tensor_parallel_size}
     auto = None  # the unquantized run's array, once it ran
-    for name in names:
-        if name in NOT_RUN or name not in (*RUNS, "auto", "auto2"):
-            runs[name] = {"why": NOT_RUN.get(name, "a scales file: not run in the engine")}
+    for group in job_groups(names):
+        ready = []
+        for name in group:
+            kv_dtype = RUNS.get(name, (unquantized,))[0]  # auto and auto2: the unquantized cache
+            if name in NOT_RUN or name not in (*RUNS, "auto", "auto2"):
+                runs[name] = {"why": NOT_RUN.get(name, "a scales file: not run in the engine")}
+            elif kv_dtype not in (*offered, unquantized):
+                runs[name] = {"why": f"vLLM {host.version} has no {kv_dtype}"}
+            elif "auto" in runs and auto is None:  # nothing to compare with: the unquantized run failed or was refused
+                runs[name] = {"why": "not run: the engine's unquantized run, which every run is compared with, did not run"}
+            else:
+                ready.append(name)
+        if not ready:
             continue
-        kv_dtype, scales = RUNS.get(name, (unquantized, "none"))  # auto and auto2: the unquantized cache
-        if kv_dtype not in (*offered, unquantized):
-            runs[name] = {"why": f"vLLM {host.version} has no {kv_dtype}"}
-            continue
-        if "auto" in runs and auto is None:  # nothing to compare with: the unquantized run failed or was refused
-            runs[name] = {"why": "not run: the engine's unquantized run, which every run is compared with, did not run"}
-            continue
+        kv_dtype, scales = RUNS.get(ready[0], (unquantized, "none"))
         start = time.perf_counter()
-        npy = workdir / f"{name}.npy"
-        copy = Path(tempfile.mkdtemp(dir=workdir)) if scales == "ones" else None  # the scale-1.0 copy, for this run
+        asked = [{"name": name, "scales": "ones" if RUNS.get(name, (None, "none"))[1] == "ones" else "loaded",
+                  "out": str(workdir / f"{name}.npy")} for name in ready]
         try:
-            path = scale1_checkpoint(checkpoint, copy) if copy else checkpoint
-            answer = run_job(host.python, "logprobs", {**base, "checkpoint": str(path), "kv_cache_dtype": kv_dtype,
-                                                       "out": str(npy), "skip_layers": list(skip_layers) if scales != "none" else []},
+            answer = run_job(host.python, "logprobs", {**base, "checkpoint": str(checkpoint), "kv_cache_dtype": kv_dtype,
+                                                       "runs": asked, "skip_layers": list(skip_layers) if scales != "none" else []},
                              deny_isa=deny_isa)
-        except ValueError as e:  # scales kvcal did not write: no copy to make
-            runs[name] = {"why": f"no scale-1.0 copy: {e}"}
-            continue
         except EngineError as e:
-            runs[name] = failed_run(e.detail or str(e), str(e), kv_dtype, time.perf_counter() - start)
+            for name in ready:
+                runs[name] = failed_run(e.detail or str(e), str(e), kv_dtype, (time.perf_counter() - start) / len(ready))
             continue
-        except OSError as e:  # the scale-1.0 copy met a full disk: the directory it was written in is the one to free
-            if (why := no_room(e)) is None:
-                raise
-            runs[name] = failed_run(f"writing the scale-1.0 copy of the checkpoint in {workdir} failed: {why}; free space "
-                                    "there, or set TMPDIR to a disk with room", str(e), kv_dtype, time.perf_counter() - start)
-            continue
-        finally:
-            if copy:  # the next runs need its room (a whole checkpoint where hard links cannot reach)
-                shutil.rmtree(copy, ignore_errors=True)
-        seconds = time.perf_counter() - start
+        seconds = (time.perf_counter() - start) / len(ready)  # the start is shared
         if answer["error"]:
-            runs[name] = {"why": short_reason(answer["error"]), "error": answer["error"], "kv_cache_dtype": kv_dtype, "seconds": seconds}
+            for name in ready:
+                runs[name] = {"why": short_reason(answer["error"]), "error": answer["error"], "kv_cache_dtype": kv_dtype,
+                              "seconds": seconds}
             continue
-        logprobs = np.load(npy, mmap_mode="r")
-        runs[name] = {**answer["result"], **figures(logprobs, auto, reference, targets), "seconds": seconds}
-        if name == "auto":
-            auto, runs[name]["npy"] = logprobs, npy
-        else:
-            del logprobs
-            npy.unlink()
+        shared = {key: value for key, value in answer["result"].items() if key != "runs"}
+        for name in ready:
+            npy = workdir / f"{name}.npy"
+            logprobs = np.load(npy, mmap_mode="r")
+            runs[name] = {**shared, **answer["result"]["runs"][name], **figures(logprobs, auto, reference, targets),
+                          "seconds": seconds}
+            if name == "auto":
+                auto, runs[name]["npy"] = logprobs, npy
+            else:
+                del logprobs
+                npy.unlink()
     return runs
+
+
+def job_groups(names: Sequence[str]) -> list[list[str]]:
+    """``names`` as vLLM starts, in order: the runs of one cache dtype whose scales are the checkpoint's or 1.0 (scale
+    1.0 and calibrated per tensor are both ``fp8``) share a start, the job setting the scales between them; each other
+    run has its own (the second unquantized run measures the noise between starts; a dtype that computes its own
+    scales has no other run of its dtype)."""
+    groups: list[list[str]] = []
+    shared: dict[str, list[str]] = {}
+    for name in names:
+        kv_dtype, scales = RUNS.get(name, (None, None))
+        if scales not in ("ones", "checkpoint"):
+            groups.append([name])
+        elif kv_dtype in shared:
+            shared[kv_dtype].append(name)
+        else:
+            shared[kv_dtype] = [name]
+            groups.append(shared[kv_dtype])
+    return groups
 
 
 def failed_run(detail: str, error: str, kv_dtype: str, seconds: float) -> dict:
@@ -455,13 +454,13 @@ def judge_on_engine(results: dict[str, dict], engine: dict, limits) -> None:
 def as_printed(choice: str | None, skip: Sequence[str], engine: dict, checkpoint: Path) -> tuple[bool, str | None]:
     """Whether the engine's run of scheme ``choice`` (``engine["schemes"]``) already is the serve line as printed, with
     ``skip`` its skip-layer entries: (True, None) when it is, (False, None) when a run with the skip layers is needed,
-    (False, why) when no engine run can stand for the line (never run; 1.0 served from a copy)."""
+    (False, why) when no engine run can stand for the line (never run; 1.0 set in place over the checkpoint's scales)."""
     row = engine["schemes"].get(choice, {})
     if "kl" not in row:
         return False, f"not run in the engine: {row.get('why', 'no engine run')}"
     if RUNS[choice][1] == "ones" and has_kv_scales(checkpoint):
-        return False, ("the engine ran scale 1.0 from a copy without KV scales; the line serves the checkpoint, whose "
-                       "scales vLLM would use instead")
+        return False, ("the engine ran scale 1.0 by setting the checkpoint's KV scales to 1.0; the line serves the "
+                       "checkpoint, whose scales vLLM would use instead")
     return not skip, None
 
 

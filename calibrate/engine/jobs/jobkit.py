@@ -100,6 +100,20 @@ def engine_facts(llm, kv_cache_dtype: str) -> dict:
             "runner": type(found).__name__, "missing_hooks": missing}
 
 
+# What a backend derives from a layer's scales at its first forward and keeps: FlashInfer's implementation caches
+# bmm1_scale (softmax scale x q x k) and bmm2_scale (v) on first use (vLLM 0.32 flashinfer.py:2042-2050).
+DERIVED_SCALES = ("bmm1_scale", "bmm2_scale")
+
+
+def scales_changed(layer) -> None:
+    """After an attention layer's scales were changed in place: forget what its backend derived from them
+    (DERIVED_SCALES), so the next forward reads them again, as a fresh start would."""
+    impl = getattr(layer, "impl", None)
+    for name in DERIVED_SCALES:
+        if getattr(impl, name, None) is not None:
+            setattr(impl, name, None)
+
+
 def run(work: Callable[[dict], object]) -> None:
     in_path, out_path = sys.argv[1:3]
     with open(in_path) as f:

@@ -1,12 +1,15 @@
 """The job that runs token sequences through vLLM with one ``kv_cache_dtype`` and keeps the full-vocabulary
-log-probabilities at every prompt position, and reports what the engine stores.
+log-probabilities at every prompt position, and reports what the engine stores; several runs in one start where they
+differ only in the scales (the checkpoint's, or every one 1.0), set in place between them.
 
 Request: {"checkpoint", "kv_cache_dtype", "dtype", "max_model_len", "block_size", "chunk_len", "kv_cache_bytes",
-"sequences": [[token ids]] (all one length), "out": path of the float32 .npy to write, and optionally "prompts":
-[[token ids]] and "steps": N, for vLLM's own greedy decode of N tokens after each prompt, "attention_backend" (vLLM's
-``--attention-backend``; null: vLLM chooses), "tokenizer" (false: the checkpoint has none, token ids only),
-"tensor_parallel_size" (vLLM's; 1 where absent) and "skip_layers" (``--kv-cache-dtype-skip-layers`` entries: those
-layers keep an unquantized cache; empty: none)}.
+"sequences": [[token ids]] (all one length), "runs": [{"name", "scales": "loaded" (as the checkpoint gives them) or
+"ones" (every k, v and q scale 1.0, as vLLM serves a checkpoint without them), "out": path of the float32 .npy to
+write}], and optionally "prompts": [[token ids]] and "steps": N, for vLLM's own greedy decode of N tokens after each
+prompt, "attention_backend" (vLLM's ``--attention-backend``; null: vLLM chooses), "tokenizer" (false: the checkpoint
+has none, token ids only), "tensor_parallel_size" (vLLM's; 1 where absent) and "skip_layers"
+(``--kv-cache-dtype-skip-layers`` entries: those layers keep an unquantized cache; empty: none)}. Result: what every
+run shares (version, platform, load time) and "runs": {name: its greedy decode, what the engine stored, its time}.
 
 Decode: vLLM's greedy generation (temperature 0, EOS ignored so every continuation has N tokens), with the top two
 log-probabilities at each step, whose difference is the top-1 margin decode drift needs to tell near-ties apart.
@@ -17,12 +20,16 @@ keeps), and wraps the runner's prompt-logprobs step so that, while it runs, the 
 log-softmaxed in float32 and written row by row into a memory-mapped [sequences, positions - 1, vocab] array. No
 Python list of the vocabulary is ever built; the extra memory is one chunk's rows (chunk × vocab × 4 bytes, twice:
 vLLM's own log-softmax and this one).
+
+Scales set in place: every attention layer's ``_k_scale``, ``_v_scale``, ``_q_scale`` buffers and their host-side
+floats, which the backends read at every forward (docs/vllm-notes.md), with what a backend derived from them
+forgotten (``jobkit.scales_changed``); prefix caching is off, so each run writes its cache afresh.
 """
 
 import os
 import time
 
-from jobkit import device_memory, run
+from jobkit import device_memory, run, scales_changed
 from jobkit import runner as runner_of
 
 
@@ -99,15 +106,14 @@ def work(request: dict) -> dict:
     loaded = time.perf_counter()
     runner = runner_of(llm)
     model = runner.model
-    vocab = None
-    out = None
-    state = {"active": False, "seq": 0, "row": 0, "rss_peak": 0.0}
+    state = {"active": False, "seq": 0, "row": 0, "rss_peak": 0.0, "out": None}
     compute_logits = model.compute_logits
     prompt_step = _prompt_step(runner, vllm.__version__)
 
     def logits_hook(hidden_states):
         logits = compute_logits(hidden_states)
         if state["active"] and logits is not None:
+            out = state["out"]
             rows = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
             out[state["seq"], state["row"]:state["row"] + len(rows)] = rows[:, : out.shape[2]]
             state["row"] += len(rows)
@@ -123,23 +129,48 @@ def work(request: dict) -> dict:
 
     model.compute_logits = logits_hook
     runner._get_prompt_logprobs_dict = prompt_step_hook
-    vocab = request["vocab_size"]
-    out = np.lib.format.open_memmap(request["out"], mode="w+", dtype=np.float32, shape=(len(sequences), n - 1, vocab))
-    _reserve(request["out"])
+    loaded_scales = _scales(model)
     rss_before = state["rss_peak"] = _rss_mib()
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, detokenize=False)
-    for i, seq in enumerate(sequences):
-        state.update(seq=i, row=0)
-        llm.generate([TokensPrompt(prompt_token_ids=seq)], params, use_tqdm=False)
-        if state["row"] != n - 1:
-            raise RuntimeError(f"sequence {i}: the engine gave {state['row']} prompt positions, expected {n - 1}")
-    out.flush()
-    greedy = _greedy(llm, request.get("prompts") or [], request.get("steps", 0))
-    done = time.perf_counter()
+    runs = {}
+    for asked in request["runs"]:
+        began = time.perf_counter()
+        _set_scales(model, loaded_scales, ones=asked["scales"] == "ones")
+        out = state["out"] = np.lib.format.open_memmap(asked["out"], mode="w+", dtype=np.float32,
+                                                       shape=(len(sequences), n - 1, request["vocab_size"]))
+        _reserve(asked["out"])
+        for i, seq in enumerate(sequences):
+            state.update(seq=i, row=0)
+            llm.generate([TokensPrompt(prompt_token_ids=seq)], params, use_tqdm=False)
+            if state["row"] != n - 1:
+                raise RuntimeError(f"sequence {i}: the engine gave {state['row']} prompt positions, expected {n - 1}")
+        out.flush()
+        state["out"] = None
+        del out
+        runs[asked["name"]] = {"greedy": _greedy(llm, request.get("prompts") or [], request.get("steps", 0)),
+                               "stored": _stored(runner), "run_s": time.perf_counter() - began}
     return {"vllm_version": vllm.__version__, "platform": type(current_platform).__name__, "isa": _isa(),
-            "kv_cache_dtype": request["kv_cache_dtype"], "shape": list(out.shape),
-            "stored": _stored(runner), "load_s": loaded - start, "run_s": done - loaded,
-            "rss_before_mib": rss_before, "rss_peak_delta_mib": state["rss_peak"] - rss_before, "greedy": greedy}
+            "kv_cache_dtype": request["kv_cache_dtype"], "shape": [len(sequences), n - 1, request["vocab_size"]],
+            "load_s": loaded - start, "rss_before_mib": rss_before, "rss_peak_delta_mib": state["rss_peak"] - rss_before,
+            "runs": runs}
+
+
+def _scales(model) -> list[tuple]:
+    """Every attention layer with its scale buffers and floats as loaded: (layer, {kind: (buffer copy, float)})."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    return [(m, {kind: (getattr(m, f"_{kind}_scale").clone(), getattr(m, f"_{kind}_scale_float")) for kind in "kvq"})
+            for m in model.modules() if isinstance(m, (Attention, MLAAttention))]
+
+
+def _set_scales(model, loaded: list[tuple], *, ones: bool) -> None:
+    """Each attention layer's k, v and q scales as loaded, or every one 1.0 (``ones``), in place."""
+    for layer, kinds in loaded:
+        for kind, (buffer, value) in kinds.items():
+            getattr(layer, f"_{kind}_scale").copy_(buffer.new_ones(buffer.shape) if ones else buffer)
+            setattr(layer, f"_{kind}_scale_float", 1.0 if ones else value)
+        scales_changed(layer)
 
 
 def _reserve(path: str) -> None:
