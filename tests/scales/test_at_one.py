@@ -2,14 +2,15 @@
 
 The counts are checked against values counted directly in float64: synthetic tensors put through ``Stats.update``, and
 the K a tiny Qwen2 model really caches (its ``past_key_values``, after RoPE, the K vLLM would store) on the
-calibration's own sequences. A large k_proj bias (Qwen2's k_proj has one) makes K exceed 448 in chosen layers.
+calibration's own sequences. A large k_proj bias (Qwen2's k_proj has one) makes K exceed 448 in chosen layers
+(``builders.biased_qwen2``, the conftest fixture ``clipping_qwen2``).
 """
 
 import json
 
 import pytest
 import torch
-from builders import save_tiny_checkpoint
+from builders import BIASED_LAYERS
 from transformers import AutoModelForCausalLM
 
 from calibrate import calibrate
@@ -22,8 +23,6 @@ from calibrate.model.layers import ModelSignature
 from calibrate.scales.at_one import at_one_line, at_scale_one
 
 E4M3 = FORMATS["e4m3fn"]
-CLIPPED = (0, 2)  # the layers whose k_proj bias pushes K beyond 448
-BIAS = 1500.0
 
 
 def synthetic_stats(values: dict[str, torch.Tensor]) -> Stats:
@@ -70,17 +69,6 @@ def test_the_line_names_what_clips_or_that_nothing_reaches_the_range():
     assert loud.endswith(": serve the calibrated scales")
 
 
-@pytest.fixture(scope="module")
-def biased_qwen2(tmp_path_factory, smol_tokenizer):
-    """A tiny Qwen2 whose k_proj bias is BIAS in the CLIPPED layers: K there lies near ±BIAS, far beyond 448."""
-
-    def plant(model, tokenizer):
-        for index in CLIPPED:
-            model.model.layers[index].self_attn.k_proj.bias.fill_(BIAS)
-
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("clips") / "qwen2", "qwen2", smol_tokenizer, plant=plant)
-
-
 def cached_keys(model_dir, sequences) -> torch.Tensor:
     """K as the model caches it (after RoPE) for each sequence, float64: [L, N, Hkv, S, D] stacked over sequences."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -92,15 +80,15 @@ def cached_keys(model_dir, sequences) -> torch.Tensor:
     return torch.stack(per_sequence, 1)
 
 
-def test_calibrate_says_scale_1_clips_k_where_the_cached_keys_exceed_448(biased_qwen2, smol_tokenizer, text_file, tmp_path):
+def test_calibrate_says_scale_1_clips_k_where_the_cached_keys_exceed_448(clipping_qwen2, smol_tokenizer, text_file, tmp_path):
     out = tmp_path / "out"
-    result = calibrate(str(biased_qwen2), [str(text_file)], str(out), seq_len=64, max_tokens=128, progress=False, verify=False)
+    result = calibrate(str(clipping_qwen2), [str(text_file)], str(out), seq_len=64, max_tokens=128, progress=False, verify=False)
     assert json.loads((out / "kvcal" / "calibration.json").read_text())["dtype"] == "float32"  # as the reference runs
     sequences = list(iter_sequences(DataConfig(sources=[str(text_file)], seq_len=64, max_tokens=128), smol_tokenizer))
-    keys = cached_keys(biased_qwen2, sequences)  # [L, N, Hkv, S, D]
+    keys = cached_keys(clipping_qwen2, sequences)  # [L, N, Hkv, S, D]
     beyond = (keys.abs() >= 448).flatten(1).double().mean(1)  # [L], counted directly
     clipped = [layer for layer in range(keys.shape[0]) if keys[layer].abs().max() > 448]
-    assert clipped == list(CLIPPED)
+    assert clipped == list(BIASED_LAYERS)
 
     at_one = json.loads((out / "kvcal" / "calibration.json").read_text())["at_scale_1"]
     assert at_one["k"]["clipped_layers"] == clipped and at_one["v"]["clipped_layers"] == []
