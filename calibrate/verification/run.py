@@ -834,6 +834,7 @@ def _run_serve_line(config: VerifyConfig, subject: Subject, started: EngineStart
     request, settings = _engine_request(config, subject, started, ref, sample)
     sequences = sample.sequences
     targets = torch.stack([s[1:] for s in sequences]).numpy()
+    _off_gpu(ref, platform(started.host.platform).target != "cpu")  # the skip-layer probe brought it back
     try:
         logprobs = np.load(scratch / REFERENCE_LOGPROBS, mmap_mode="r")
         runs = engine.run_schemes(started.host, subject.absolute, ["auto", choice], [s.tolist() for s in sequences],

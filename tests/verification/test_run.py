@@ -786,8 +786,8 @@ def _gpu_facts(backend: str = "FLASH_ATTN", q: bool = True, missing: tuple[str, 
 def test_on_a_gpu_the_reference_model_leaves_the_card_before_vllm_starts(tokenizer, data_file, tmp_path, monkeypatch):
     """The whole ``verify --engine`` flow with CUDA injected, in order: the engine's starts before the model loads
     (audit, delivery), the emulation, then the reference's log-probabilities once, the model moved off the GPU and
-    CUDA's cache emptied, and only then the engine's runs; the model back on its device for the skip-layer probe, and
-    the serve line's run on the same reference array (the model never computes it twice). Each job measures the free
+    CUDA's cache emptied, and only then the engine's runs; the model back on its device for the skip-layer probe, off
+    it again before the serve line's run, which reads the same reference array (the model never computes it twice). Each job measures the free
     memory when it starts (jobs/jobkit.py device_memory, tests/engine/jobs/test_jobkit.py)."""
     import transformers
 
@@ -823,7 +823,8 @@ def test_on_a_gpu_the_reference_model_leaves_the_card_before_vllm_starts(tokeniz
     assert rep["skip_layers"]["skip"] and rep["engine"]["serve_run"]["ran"]  # the probe and the serve line both ran
     after_load = events[events.index("emulation"):]
     assert [e for e in after_load if e != "emulation"] == [
-        "reference", "model to cpu", "cache emptied", "engine runs", "skip probe", "engine runs"]
+        "reference", "model to cpu", "cache emptied", "engine runs", "skip probe", "model to cpu", "cache emptied",
+        "engine runs"]
     assert events.index("audit") < events.index("delivery") < events.index("load")
     assert rep["engine"]["at_start"] == _gpu_facts()
 
