@@ -26,8 +26,9 @@ from pathlib import Path
 import pytest
 from runners import client_python, has_avx512
 
-from calibrate import recipes, serving
+from calibrate import recipes
 from calibrate.choices import TARGETS
+from calibrate.vllm_facts import serving
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
