@@ -19,7 +19,7 @@ itself (``jobkit.engine_facts``).
 
 from functools import partial
 
-from jobkit import device_memory, engine_facts, run, scales_changed
+from jobkit import attention_layers, device_memory, engine_facts, run, scales_changed
 from scales import read_layers
 
 
@@ -56,13 +56,10 @@ def scale_layers(model, kind: str, layers: list[int], factor: float) -> int:
     ``layers`` by ``factor`` (its reciprocal undoes it exactly for a power of two). Returns the modules changed."""
     import re
 
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
     chosen, changed = set(layers), 0
-    for name, module in model.named_modules():
+    for name, module, _ in attention_layers(model):
         index = re.search(r"\.(\d+)\.", f".{name}.")
-        if isinstance(module, (Attention, MLAAttention)) and index and int(index.group(1)) in chosen:
+        if index and int(index.group(1)) in chosen:
             getattr(module, f"_{kind}_scale").mul_(factor)
             setattr(module, f"_{kind}_scale_float", getattr(module, f"_{kind}_scale_float") * factor)
             scales_changed(module)

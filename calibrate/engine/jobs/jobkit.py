@@ -40,6 +40,16 @@ def _is_fault(error: BaseException) -> bool:
             or (isinstance(error, OSError) and error.errno in OUT_OF_ROOM))
 
 
+def attention_layers(model) -> list[tuple[str, object, bool]]:
+    """Every attention layer of vLLM's model, in module order: (name, module, whether it is latent attention, MLA).
+    MLA layers hold the k/v/q scale buffers too, but no ``kv_cache`` or ``query_quant`` of the standard layer's."""
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    return [(name, m, isinstance(m, MLAAttention)) for name, m in model.named_modules()
+            if isinstance(m, (Attention, MLAAttention))]
+
+
 def runner(llm):
     """The model runner of vLLM's one in-process worker (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
     core = llm.llm_engine.engine_core.engine_core
@@ -72,7 +82,7 @@ def device_memory() -> dict:
 
 # What kvcal's jobs reach inside a running engine beyond vLLM's public API: on the model runner, on its model, and on
 # every attention layer. Checked by ``engine_facts`` when the engine starts, so a release without one is refused in
-# one line before anything long runs (engine/hooks.py).
+# one line before anything long runs (engine/started.py).
 RUNNER_HOOKS = ("_get_prompt_logprobs_dict",)
 MODEL_HOOKS = ("compute_logits",)
 LAYER_HOOKS = ("kv_cache", "attn_backend", "query_quant", "_k_scale", "_v_scale", "_q_scale", "_k_scale_float",
@@ -83,14 +93,12 @@ def engine_facts(llm, kv_cache_dtype: str) -> dict:
     """What the started engine shows of itself: its attention backend, whether it quantizes the query (an attention
     layer's ``query_quant`` is set where the backend takes an FP8 query: FlashAttention 3, Triton on CUDA, FlashInfer's
     TRT-LLM kernels), and the hooks of RUNNER_HOOKS, MODEL_HOOKS and LAYER_HOOKS it lacks (``runner.X``...)."""
-    from vllm.model_executor.layers.attention.attention import Attention
-
     try:
         found = runner(llm)
     except AttributeError as e:
         return {"kv_cache_dtype": kv_cache_dtype, "attention_backend": None, "q_quantized": None,
                 "runner": None, "missing_hooks": [f"the in-process model runner ({e})"]}
-    layers = [m for m in found.model.modules() if isinstance(m, Attention)]
+    layers = [m for _, m, mla in attention_layers(found.model) if not mla]
     missing = [f"runner.{name}" for name in RUNNER_HOOKS if not hasattr(found, name)]
     missing += [f"model.{name}" for name in MODEL_HOOKS if not hasattr(found.model, name)]
     missing += [f"attention.{name}" for name in LAYER_HOOKS if layers and not hasattr(layers[0], name)]

@@ -29,7 +29,7 @@ forgotten (``jobkit.scales_changed``); prefix caching is off, so each run writes
 import os
 import time
 
-from jobkit import device_memory, run, scales_changed
+from jobkit import attention_layers, device_memory, run, scales_changed
 from jobkit import runner as runner_of
 
 
@@ -40,9 +40,9 @@ def _rss_mib() -> float:
 
 
 def _prompt_step(runner, version: str):
-    """The runner's prompt-logprobs step this job wraps: a method of vLLM's V1 model runner (0.33 keeps it when
-    Triton is missing), which 0.34 removed with that runner. Refused in one line rather than an AttributeError
-    (docs/engine.md, "Which vLLM")."""
+    """The runner's prompt-logprobs step this job wraps: a method of vLLM's V1 model runner (which jobkit selects
+    where a release also has V2), removed in 0.34 with that runner. Refused in one line rather than an AttributeError
+    (docs/engine.md, "Which vLLM"); engine/started.py refuses it earlier, when the engine starts."""
     step = getattr(runner, "_get_prompt_logprobs_dict", None)
     if step is None:
         raise RuntimeError(f"vLLM {version}'s model runner ({type(runner).__name__}) has no prompt-logprobs step for "
@@ -63,14 +63,11 @@ def _isa() -> str:
 
 def _stored(runner) -> dict:
     """What the running engine holds per attention layer: its backend, the cache tensor, the scales it uses."""
-    from vllm.model_executor.layers.attention.attention import Attention
-
-    layers, backend, q_quantized = [], None, False
-    for name, module in runner.model.named_modules():
-        if not isinstance(module, Attention):
+    layers, backend = [], None
+    for name, module, mla in attention_layers(runner.model):
+        if mla:  # no standard cache tensor to read back
             continue
         backend = module.attn_backend
-        q_quantized = q_quantized or module.query_quant is not None  # the backend takes an FP8 query
         cache = module.kv_cache[0] if isinstance(module.kv_cache, (list, tuple)) else module.kv_cache
         layers.append({
             "name": name,
@@ -81,7 +78,7 @@ def _stored(runner) -> dict:
         })
     return {"attention_backend": backend.get_name() if backend else None,
             "backend_kv_cache_dtypes": list(getattr(backend, "supported_kv_cache_dtypes", []) or []),
-            "q_quantized": q_quantized, "layers": layers}
+            "layers": layers}
 
 
 def work(request: dict) -> dict:
@@ -157,11 +154,8 @@ def work(request: dict) -> dict:
 
 def _scales(model) -> list[tuple]:
     """Every attention layer with its scale buffers and floats as loaded: (layer, {kind: (buffer copy, float)})."""
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
     return [(m, {kind: (getattr(m, f"_{kind}_scale").clone(), getattr(m, f"_{kind}_scale_float")) for kind in "kvq"})
-            for m in model.modules() if isinstance(m, (Attention, MLAAttention))]
+            for _, m, _ in attention_layers(model)]
 
 
 def _set_scales(model, loaded: list[tuple], *, ones: bool) -> None:

@@ -10,7 +10,7 @@ with the layer's cache dtype and KV-cache method.
 import os
 import re
 
-from jobkit import device_memory, engine_facts, run
+from jobkit import attention_layers, device_memory, engine_facts, run
 
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model sends our function to the in-process worker
 KINDS = ("k", "v", "q")
@@ -22,19 +22,14 @@ def _flat(tensor) -> list[float]:
 
 def read_layers(model) -> list[dict]:
     """Inside vLLM's worker: every Attention (and MLA) module's scales, in module order."""
-    from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
     layers = []
-    for name, module in model.named_modules():
-        if not isinstance(module, (Attention, MLAAttention)):
-            continue
+    for name, module, mla in attention_layers(model):
         index = re.search(r"\.(\d+)\.", f".{name}.")
         method = getattr(module, "quant_method", None)
         layers.append({
             "name": name,
             "index": int(index.group(1)) if index else None,
-            "mla": isinstance(module, MLAAttention),
+            "mla": mla,
             "kv_cache_dtype": str(getattr(module, "kv_cache_dtype", "")),
             "kv_cache_method": type(method).__name__ if method is not None else None,
             **{f"{kind}_scale": _flat(getattr(module, f"_{kind}_scale")) for kind in KINDS},

@@ -89,7 +89,7 @@ def test_device_memory_is_measured_on_a_gpu_and_absent_elsewhere(jobkit, monkeyp
 
 @pytest.fixture
 def fake_vllm(monkeypatch):
-    """vLLM's attention-layer class where engine_facts imports it (the main venv has no vLLM)."""
+    """vLLM's attention-layer classes where jobkit.attention_layers imports them (the main venv has no vLLM)."""
     import types
 
     import torch
@@ -97,11 +97,15 @@ def fake_vllm(monkeypatch):
     class Attention(torch.nn.Module):
         pass
 
+    class MLAAttention(torch.nn.Module):
+        pass
+
     for name in ("vllm", "vllm.model_executor", "vllm.model_executor.layers", "vllm.model_executor.layers.attention"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    leaf = types.ModuleType("vllm.model_executor.layers.attention.attention")
-    leaf.Attention = Attention
-    monkeypatch.setitem(sys.modules, leaf.__name__, leaf)
+    for leaf, cls in (("attention", Attention), ("mla_attention", MLAAttention)):
+        module = types.ModuleType(f"vllm.model_executor.layers.attention.{leaf}")
+        setattr(module, cls.__name__, cls)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
     return Attention
 
 
