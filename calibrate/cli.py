@@ -335,16 +335,13 @@ def _main(argv: list[str] | None) -> int:
             if not args.json:
                 print(found.text(), flush=True)
             if args.engine:
-                from .engine.audit import OK, audit
-                from .engine.delivery import check_delivery
+                from .engine.delivery import audit_and_check
                 from .engine.launch import EngineError
 
-                try:
-                    checked = audit(args.checkpoint, args.vllm_python)
+                try:  # the scales reach the kernel: asked only of scales the engine holds
+                    checked, delivered = audit_and_check(args.checkpoint, args.vllm_python)
                     if not args.json:
                         print(checked.text(), flush=True)
-                    # the scales reach the kernel: asked only of scales the engine holds
-                    delivered = check_delivery(args.checkpoint, args.vllm_python) if checked.status == OK else None
                 except EngineError as e:  # no finding about the checkpoint: the check itself did not happen
                     print(f"kvcal: error: the check could not run: {e}", file=sys.stderr)
                     return 2

@@ -90,30 +90,47 @@ def audit(out: str | Path, python: str | Path | None = None, *, kv_cache_dtype: 
         launch.EngineError: no vLLM, or it crashed.
     """
     directory = Path(out)
-    config = read_config_json(directory)
-    method = quant_method(describe_config(directory, config).quant)
+    method = checkpoint_method(directory)
     dtype = kv_cache_dtype or ("bfloat16" if method == "compressed-tensors" else "fp8")
-    result = AuditResult(str(directory), dtype, OK, quant_method=method)
     if method in BASE_PATH_METHODS and dtype in UNQUANTIZED:
-        result.status, result.reason = NOT_AUDITABLE, (f"vLLM's {method} loader keeps k/v scales only under a quantized "
-                                                       f"cache, and --kv-cache-dtype {dtype} is not one")
-        return result
+        return AuditResult(str(directory), dtype, NOT_AUDITABLE, quant_method=method,
+                           reason=(f"vLLM's {method} loader keeps k/v scales only under a quantized cache, and "
+                                   f"--kv-cache-dtype {dtype} is not one"))
     python = find_vllm_python(python)
     answer = run_job(python, "scales", {"model": str(directory.resolve()), "kv_cache_dtype": dtype,
                                         "kv_cache_space_gib": 1}, deny_isa=deny_isa, timeout_s=timeout_s)
+    return judge(directory, dtype, answer, python)
+
+
+def checkpoint_method(directory: Path) -> str | None:
+    """The checkpoint's quantization method as vLLM's loaders name it (``vllm_facts.loaders.quant_method``).
+
+    Raises:
+        ValueError: ``directory`` is not a checkpoint.
+    """
+    return quant_method(describe_config(directory, read_config_json(directory)).quant)
+
+
+def judge(out: str | Path, kv_cache_dtype: str, answer: dict, python: Path) -> AuditResult:
+    """The audit of checkpoint ``out`` from the answer of a job that loaded it under ``kv_cache_dtype`` and read its
+    layers before changing anything: the scales job (``audit``), or the delivery check's first start
+    (``delivery.audit_and_check``); both report what ``jobs/jobkit.py`` ``loaded_facts`` reads beside the layers.
+    ``python`` is asked vLLM's version where the job was refused."""
+    directory = Path(out)
+    result = AuditResult(str(directory), kv_cache_dtype, OK, quant_method=checkpoint_method(directory))
     if answer["error"] is not None:
         result.vllm_version = vllm_version(python)
         refusal, host = first_sentence(answer["error"])
         if host:
             result.status, result.reason = NOT_AUDITABLE, (f"vLLM {result.vllm_version} runs no --kv-cache-dtype "
-                                                           f"{dtype} here ({refusal})")
+                                                           f"{kv_cache_dtype} here ({refusal})")
         else:
             result.status = FAILED
             result.failures.append(f"vLLM {result.vllm_version} refuses to load the checkpoint: {refusal}")
         return result
     held = answer["result"]
     result.vllm_version, result.platform, result.engine = held["vllm_version"], held["platform"], held.get("engine")
-    compare(result, expected_scales(directory, method), held)
+    compare(result, expected_scales(directory, result.quant_method), held)
     return result
 
 

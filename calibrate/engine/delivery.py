@@ -9,7 +9,8 @@ layers (first, middle, last third) x ``FACTOR``, each alone (``jobs/delivery.py`
 its backend, between two generate calls), then as loaded again. A second start runs the text as loaded twice: the
 noise is the largest difference between any two unperturbed runs, within a start and across the two. A perturbation
 moved where its prefill or decode log-probabilities differ from the first unperturbed run's by more than the noise
-plus ``MIN_SHIFT``, or its greedy tokens differ.
+plus ``MIN_SHIFT``, or its greedy tokens differ. The first start reads every layer's scales before it perturbs any, so
+``audit_and_check`` judges the load audit from it too.
 """
 
 from dataclasses import asdict, dataclass, field
@@ -19,7 +20,7 @@ from ..choices import SCHEMES
 from ..model.directory import LEGACY_KV_SCALE, SCALE_SOURCES, tensor_names, vllm_files
 from ..vllm_facts.caveats import first_sentence
 from ..vllm_facts.platforms import PLATFORMS
-from .audit import FAILED, NOT_AUDITABLE, UNQUANTIZED
+from .audit import FAILED, NOT_AUDITABLE, OK, UNQUANTIZED, AuditResult, audit, judge
 from .launch import DEFAULT_TIMEOUT_S, find_vllm_python, run_job, vllm_version
 
 USED = "used"
@@ -92,7 +93,8 @@ def check_delivery(checkpoint: str | Path, python: str | Path | None = None, *, 
     """Run ``checkpoint`` in vLLM as loaded and with each kind of its scales x FACTOR per layer third; say whether
     its outputs moved. Any checkpoint whose KV scales vLLM loads (kvcal's, llm-compressor's, ModelOpt's ...).
 
-    Costs two vLLM starts (none for a dtype in COMPUTED or a checkpoint without KV scales).
+    Costs two vLLM starts (none for a dtype in COMPUTED or a checkpoint without KV scales); ``audit_and_check``
+    runs the load audit from the first.
 
     Args:
         checkpoint: a checkpoint directory with KV scales (audited first: ``audit.audit``).
@@ -103,31 +105,76 @@ def check_delivery(checkpoint: str | Path, python: str | Path | None = None, *, 
     Raises:
         launch.EngineError: no vLLM, or it crashed.
     """
+    result, request = _planned(Path(checkpoint), kv_cache_dtype or "fp8", ignore_scales_in_kernel)
+    if request is None:
+        return result
+    python = find_vllm_python(python)
+    first = run_job(python, "delivery", request, deny_isa=deny_isa, timeout_s=timeout_s)
+    return _finished(result, request, first, python, deny_isa, timeout_s)
+
+
+def audit_and_check(checkpoint: str | Path, python: str | Path | None = None, *, deny_isa: tuple[str, ...] = (),
+                    ignore_scales_in_kernel: bool = False,
+                    timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[AuditResult, DeliveryResult | None]:
+    """The load audit, then where it passed the delivery check under ``fp8``, as ``kvcal inspect --engine`` and
+    ``kvcal verify --engine`` run them, in one vLLM start fewer than apart: the delivery check's first start reads
+    every layer's scales as loaded, before its first perturbation, and reports what the audit reads beside them
+    (``jobs/jobkit.py`` ``loaded_facts``), so the audit is judged from it (``audit.judge``, under ``fp8``). The audit
+    runs its own start (``audit.audit``, under its own cache) where the delivery check starts nothing (no KV scales)
+    or its first start was refused (a host without an FP8 cache says so there; the audit's cache may still run).
+
+    Returns:
+        The audit, and the delivery check where the audit passed (None: not asked).
+
+    Raises:
+        ValueError: ``checkpoint`` is not a checkpoint.
+        launch.EngineError: no vLLM, or it crashed.
+    """
     directory = Path(checkpoint)
-    dtype = kv_cache_dtype or "fp8"
+    result, request = _planned(directory, "fp8", ignore_scales_in_kernel)
+    first = None
+    if request is not None:
+        python = find_vllm_python(python)
+        first = run_job(python, "delivery", request, deny_isa=deny_isa, timeout_s=timeout_s)
+    if first is not None and first["error"] is None:
+        held = judge(directory, result.kv_cache_dtype, first, python)
+    else:
+        held = audit(directory, python, deny_isa=deny_isa, timeout_s=timeout_s)
+    if held.status != OK:
+        return held, None
+    return held, result if first is None else _finished(result, request, first, python, deny_isa, timeout_s)
+
+
+def _planned(directory: Path, dtype: str, ignore_scales_in_kernel: bool) -> tuple[DeliveryResult, dict | None]:
+    """The check's result so far and its first start's request; None where no start is needed (a dtype in COMPUTED,
+    an unquantized cache, a checkpoint without KV scales), the result then saying why."""
     result = DeliveryResult(str(directory), dtype, NOT_AUDITABLE)
     if dtype in COMPUTED:
         result.status, result.reason = IGNORED, "its cache writer computes a scale per token and head as it writes"
-        return result
+        return result, None
     if dtype in UNQUANTIZED:
         result.reason = f"--kv-cache-dtype {dtype} is no quantized cache: no scale reaches a kernel"
-        return result
+        return result, None
     kinds = carried_kinds(directory)
     if not kinds:
         result.reason = "the checkpoint holds no KV scales for vLLM to load"
+        return result, None
+    return result, {"kv_cache_dtype": dtype, "text": _sample(), "tokens": SAMPLE_TOKENS, "decode": DECODE_TOKENS,
+                    "max_model_len": SAMPLE_TOKENS + DECODE_TOKENS + 32, "kv_cache_space_gib": 1,
+                    "model": str(directory.resolve()), "factor": FACTOR, "groups": len(GROUPS), "kinds": kinds,
+                    "ignore_scales_in_kernel": ignore_scales_in_kernel}
+
+
+def _finished(result: DeliveryResult, request: dict, first: dict, python: Path, deny_isa: tuple[str, ...],
+              timeout_s: float) -> DeliveryResult:
+    """``result`` judged from the first start's answer (the perturbations and the noise) and a second start's, which
+    runs the text as loaded twice (the noise across starts)."""
+    if not _answered(result, first, python):
         return result
-    python = find_vllm_python(python)
-    request = {"kv_cache_dtype": dtype, "text": _sample(), "tokens": SAMPLE_TOKENS, "decode": DECODE_TOKENS,
-               "max_model_len": SAMPLE_TOKENS + DECODE_TOKENS + 32, "kv_cache_space_gib": 1,
-               "model": str(directory.resolve()), "factor": FACTOR, "groups": len(GROUPS),
-               "ignore_scales_in_kernel": ignore_scales_in_kernel}
-    answers = []
-    for asked in (kinds, []):  # the perturbations and the noise, then the noise across starts
-        answer = run_job(python, "delivery", request | {"kinds": asked}, deny_isa=deny_isa, timeout_s=timeout_s)
-        if not _answered(result, answer, python):
-            return result
-        answers.append(answer["result"])
-    perturbing, repeat = answers
+    second = run_job(python, "delivery", request | {"kinds": []}, deny_isa=deny_isa, timeout_s=timeout_s)
+    if not _answered(result, second, python):
+        return result
+    perturbing, repeat = first["result"], second["result"]
     base = perturbing["base"]
     result.vllm_version, result.platform = perturbing["vllm_version"], perturbing["platform"]
     result.engine = perturbing.get("engine")
@@ -142,7 +189,8 @@ def check_delivery(checkpoint: str | Path, python: str | Path | None = None, *, 
                  or steady and (shift["diverged"] or shift["decode_max"] > result.noise["decode"] + MIN_SHIFT))
         result.groups.append({"kind": done["kind"], "layers": done["layers"], **shift, "moved": moved})
     for kind in KINDS:
-        result.kinds[kind] = _judge(kind, kinds, [g for g in result.groups if g["kind"] == kind], result.platform)
+        result.kinds[kind] = _judge(kind, request["kinds"], [g for g in result.groups if g["kind"] == kind],
+                                    result.platform)
     statuses = {found["status"] for found in result.kinds.values()}
     result.status = NOT_USED if NOT_USED in statuses else USED if USED in statuses else IGNORED
     return result

@@ -34,8 +34,8 @@ from ..capture.stats import Stats, position_bucket_starts
 from ..checkpoint.scale_check import checkpoint_findings, refuse, sample_statistics
 from ..checkpoint.write import tensor_bytes, weight_files
 from ..data.stream import Layout, iter_sequences, portable_manifest, read_digests
-from ..engine.audit import FAILED, OK, AuditResult, audit
-from ..engine.delivery import DeliveryResult, check_delivery
+from ..engine.audit import FAILED, AuditResult
+from ..engine.delivery import DeliveryResult, audit_and_check
 from ..engine.dtypes import EngineDtypes
 from ..engine.launch import EngineError, installed_vllm_version
 from ..engine.started import check_hooks, emulation_for, shown
@@ -717,8 +717,7 @@ def _start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
                          f"model with --engine vllm, or {config.checkpoint} without it")
     checkpoint = subject.absolute
     try:
-        held = audit(checkpoint, host.python)
-        delivered = check_delivery(checkpoint, host.python) if held.status == OK else None
+        held, delivered = audit_and_check(checkpoint, host.python)  # one start serves both
     except EngineError as e:
         raise ValueError(f"the check could not run: vLLM {host.version} on {checkpoint.name} ({e}), so nothing can be "
                          "measured in the engine") from None

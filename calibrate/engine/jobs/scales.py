@@ -1,16 +1,17 @@
 """The job that loads a checkpoint in vLLM and reads back the k/v/q scales every attention layer holds.
 
 Request: ``{"model": DIR, "kv_cache_dtype": NAME, "dtype": "bfloat16", "max_model_len": 256,
-"kv_cache_space_gib": 1}``. Result: vLLM's version, platform and model dtype, whether its FP8 is e4m3fnuz, what
-the engine shows of itself (``jobkit.engine_facts``), and per attention layer the scale buffers (``_k_scale`` ...,
-one value per head or one) and the host-side floats the CPU and FlashInfer kernels read (``_k_scale_float`` ...),
-with the layer's cache dtype and KV-cache method.
+"kv_cache_space_gib": 1}``. Result: what the load audit reads of the engine (``jobkit.loaded_facts``: vLLM's
+version, platform and model dtype, whether its FP8 is e4m3fnuz, what the engine shows of itself), and per attention
+layer (``read_layers``, which the delivery job calls too) the scale buffers (``_k_scale`` ..., one value per head or
+one) and the host-side floats the CPU and FlashInfer kernels read (``_k_scale_float`` ...), with the layer's cache
+dtype and KV-cache method.
 """
 
 import os
 import re
 
-from jobkit import attention_layers, device_memory, engine_facts, run
+from jobkit import attention_layers, device_memory, loaded_facts, run
 
 os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model sends our function to the in-process worker
 KINDS = ("k", "v", "q")
@@ -39,18 +40,13 @@ def read_layers(model) -> list[dict]:
 
 
 def work(request: dict) -> dict:
-    import vllm
     from vllm import LLM
-    from vllm.platforms import current_platform
 
     llm = LLM(model=request["model"], kv_cache_dtype=request["kv_cache_dtype"], dtype=request.get("dtype", "bfloat16"),
               enforce_eager=True, max_model_len=request.get("max_model_len", 256), enable_prefix_caching=False,
               **device_memory())
     (layers,) = llm.apply_model(read_layers)  # one worker
-    return {"vllm_version": vllm.__version__, "platform": type(current_platform).__name__,
-            "model_dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
-            "fp8_fnuz": bool(current_platform.is_fp8_fnuz()), "layers": layers,
-            "engine": engine_facts(llm, request["kv_cache_dtype"])}
+    return {**loaded_facts(llm, request["kv_cache_dtype"]), "layers": layers}
 
 
 if __name__ == "__main__":
