@@ -963,6 +963,9 @@ def test_a_serve_line_the_engine_runs_worse_gives_way_to_every_layer_quantized(t
     assert (f"the line with --kv-cache-dtype-skip-layers {' '.join(run['skip_layers'])}, run in vLLM {READ_IN} engine "
             "(FLASH_ATTN):") in out
     assert "so kvcal serves the scheme with every layer quantized instead" in out
+    # advised twice, from the same judgment: every reason and every engine line is said once
+    assert all(len(r["reasons"]) == len(set(r["reasons"])) for r in rep["schemes"].values())
+    assert len(rep["recommendation"]) == len(set(rep["recommendation"]))
     assert out.rstrip().splitlines()[-1].strip() == f"vllm serve {model.name} --kv-cache-dtype fp8"  # the line printed
     assert sum(r.count("vLLM:") for r in rep["schemes"]["scale1"]["reasons"]) <= 1  # advice made twice, said once
 
