@@ -20,6 +20,7 @@ from calibrate.verification.significance import (
     equivalent,
     margin,
     mean_bounds,
+    mean_stderr,
     one_sided,
     significant,
     t_cdf,
@@ -149,3 +150,14 @@ def test_two_standard_errors_would_have_over_claimed():
     d = np.random.default_rng(0).standard_normal((DRAWS, 3))
     rate = np.mean(np.abs(d.mean(1)) > 2 * d.std(1, ddof=1) / np.sqrt(3))
     assert rate > 0.15 and 2 * (1 - t_cdf(2.0, 2)) == pytest.approx(0.1835, abs=1e-4)
+
+
+def test_mean_stderr_is_the_textbook_float64_one_and_carries_a_nan():
+    """Against numpy in float64 (sample standard deviation, n − 1), on values whose sum loses digits in a naive float
+    loop; one value has no standard error; a NaN stays a NaN for the check that refuses it."""
+    values = [1e8, 1.0, -1e8, 3.0, 2.5, 1e-3]
+    mean, se = mean_stderr(values)
+    x = np.array(values, dtype=np.float64)
+    assert mean == pytest.approx(x.mean(), rel=1e-12) and se == pytest.approx(x.std(ddof=1) / np.sqrt(len(x)), rel=1e-12)
+    assert mean_stderr([0.25]) == (0.25, None)
+    assert all(np.isnan(v) for v in mean_stderr([1.0, float("nan"), 2.0]))
