@@ -21,11 +21,10 @@ import json
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..choices import CACHE_DTYPES
-from ..data.config import as_sources, check_int
 from ..data.passages import MIN_WORDS, cloze_items, held_out_passages
 from ..data.stream import read_digests
 from ..engine.launch import EngineError, run_job
@@ -35,53 +34,17 @@ from ..model.description import describe
 from ..model.load import load_tokenizer
 from ..vllm_facts.platforms import platform
 from ..vllm_facts.serving import unquantized_dtype
-from . import engine
+from .config import DEFAULT_MAX_MODEL_LEN, TasksConfig
 from .significance import LEVEL, mcnemar_exact
 
-DEFAULT_ITEMS = 400  # cloze items: 300-500 keeps a run to minutes while the paired test can see a few flips' lean
-DEFAULT_DOCUMENTS = 100  # perplexity passages
-DEFAULT_MAX_MODEL_LEN = 2048  # vLLM's --max-model-len: lm-eval rolls longer passages in windows of this many tokens
+if TYPE_CHECKING:
+    from .engine import EngineHost
+
 BOOTSTRAP_ITERS = 1000  # lm-eval's bootstrap of the perplexities' standard errors (its default, 100,000, takes minutes)
 PERPLEXITY, CLOZE = "kvcal_perplexity", "kvcal_cloze"
 JOB_TIMEOUT_S = 3600.0
 INSTALL = ("run scripts/setup-vllm, or install kvcal's lmeval extra into it without lm-eval's own vllm extra "
            "(pip install 'lm-eval>=0.4.13,<0.5')")
-
-
-@dataclass
-class TasksConfig:
-    """One ``kvcal tasks`` run, checked before anything is read or started (``validate``)."""
-
-    checkpoint: str
-    data: list[str]
-    out: str
-    kv_cache_dtypes: list[str] = field(default_factory=lambda: ["fp8"])
-    items: int = DEFAULT_ITEMS
-    documents: int = DEFAULT_DOCUMENTS
-    max_model_len: int | None = None  # None: DEFAULT_MAX_MODEL_LEN, or the model's context where shorter
-    text_field: str | None = None
-    seed: int = 0
-    include_calibration_data: bool = False
-    vllm_python: str | None = None
-
-    def validate(self) -> TasksConfig:
-        self.data = as_sources(self.data)
-        check_int("items", self.items, 1)
-        check_int("documents", self.documents, 1)
-        if self.max_model_len is not None:
-            check_int("max_model_len", self.max_model_len, 16)
-        if not self.kv_cache_dtypes:
-            raise ValueError("name at least one --kv-cache-dtype to judge against the unquantized cache, e.g. fp8")
-        unknown = [d for d in self.kv_cache_dtypes if d not in CACHE_DTYPES or d == "auto"]
-        if unknown:
-            raise ValueError(f"--kv-cache-dtype {unknown[0]}: not a quantized cache dtype kvcal knows; use one of "
-                             f"{', '.join(d for d in CACHE_DTYPES if d != 'auto')} (the unquantized cache always runs)")
-        if len(set(self.kv_cache_dtypes)) != len(self.kv_cache_dtypes):
-            raise ValueError(f"--kv-cache-dtype names a dtype twice: {', '.join(self.kv_cache_dtypes)}")
-        out = Path(self.out)
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise ValueError(f"--out {out} exists and is not an empty folder: name a new one")
-        return self
 
 
 @dataclass
@@ -178,6 +141,8 @@ def tasks(checkpoint: str | Path, data: str | Path | list[str], out: str | Path,
 
 def run_tasks(config: TasksConfig) -> TasksResult:
     """Run ``kvcal tasks``; see ``tasks``."""
+    from . import engine  # torch's import, paid only when a run starts (``kvcal --help`` reads this module's defaults)
+
     config.validate()
     described = describe(config.checkpoint)
     # 1. vLLM and lm-eval in its interpreter, and what the engine offers, before any text is read.
@@ -246,7 +211,7 @@ def _run(python: Path, checkpoint: str, dtype: str, folder: Path, settings: dict
     return {**answer["result"], "wall_s": time.perf_counter() - began}
 
 
-def _write(result: TasksResult, settings: dict, host: engine.EngineHost) -> None:
+def _write(result: TasksResult, settings: dict, host: EngineHost) -> None:
     """tables.md (lm-eval's tables and the paired lines) and results.json, each written whole."""
     out = result.out
     tables = "\n\n".join(f"## --kv-cache-dtype {dtype}\n\n{found['table']}" for dtype, found in result.runs.items())

