@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from calibrate.model.description import describe
 from calibrate.verification import engine
-from calibrate.verification.verdict import mean_stderr
+from calibrate.verification.significance import mean_stderr
 
 
 def main() -> None:

@@ -187,3 +187,53 @@ def test_a_name_added_to_the_key_alone_is_found():
         key = (*getattr(importlib.import_module(f"calibrate.{module}"), name), new)
         for step in (s for s in steps if s.keyed):
             assert missing(table_of(step), key, field) == [new.partition(":")[0]], (title, step.table)
+
+
+# ---- verify's steps (docs/architecture.md, "One verify") -----------------------------------------------------------
+
+VERIFICATION = PACKAGE / "verification"
+# What measures (numbers from the model, the emulation or the engine) and what judges those numbers (verdicts, the
+# recommendation, the words around them). Every module of verification/ is one or the other, or a step, or shared.
+MEASURE = ("passes", "depth", "drift", "token_kinds", "tails", "engine", "fa3", "needle", "kvdtypes", "capacity",
+           "schemes", "emulation", "reference", "sample")
+JUDGE = ("verdict", "judgment", "advice", "scale1", "verdict_table", "report", "report_md", "report_json", "card", "plots")
+
+
+def test_measurement_never_imports_judgment():
+    """A measured number does not depend on how it will be judged: the measuring modules import no judging one."""
+    assert {p.stem for p in VERIFICATION.glob("*.py")} >= set(MEASURE) | set(JUDGE)
+    for name in MEASURE:
+        judged = sorted(t for t in imports(VERIFICATION / f"{name}.py") if t.split(".")[-1] in JUDGE)
+        assert not judged, f"verification/{name}.py measures, and imports judgment: {judged}"
+
+
+def test_run_py_holds_the_order_and_no_step_imports_it():
+    """verify's steps live in their own modules; run.py keeps verify, run_verify and the result (about 250 lines)."""
+    assert len((VERIFICATION / "run.py").read_text().splitlines()) <= 250
+    users = sorted(module_name(p) for p in MODULES if "calibrate.verification.run" in imports(p))
+    assert all(not u.startswith("calibrate.verification.") for u in users), users
+
+
+def circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """The first circle in ``graph`` (module → the modules it imports), as the path around it; None: there is none."""
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        if name in path:
+            return path[path.index(name):] + [name]
+        if name in done or name not in graph:
+            return None
+        for target in sorted(graph[name]):
+            if found := visit(target, [*path, name]):
+                return found
+        done.add(name)
+        return None
+
+    return next((found for name in sorted(graph) if (found := visit(name, []))), None)
+
+
+def test_no_circle_of_imports():
+    """No module reaches itself through its run-time imports (a circle makes the import order decide what exists)."""
+    assert circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]  # the finder finds one
+    found = circle({module_name(p): {t for t in imports(p) if t != module_name(p)} for p in MODULES})
+    assert found is None, f"a circle of imports: {' -> '.join(found)}"

@@ -42,6 +42,8 @@ PROMPT_LEN = 64  # decode drift's prompt, in tokens, unless set (at most half a 
 
 REFERENCE = "bf16"  # the name users know; the reference runs in the dtype the report states
 FLOOR = "floor"
+# How the skip-layer probe measures a layer's gain: one method on both sides, never an engine's KL less an emulated one.
+SKIP_BASELINE = "kvcal's emulation, all layers quantized against one layer left unquantized"
 
 
 def canonical_schemes(names: list[str]) -> list[str]:

@@ -24,8 +24,9 @@ Plain numbers in, numbers out: nothing here runs a model.
 import torch
 
 from ..data.stream import Layout
-from .significance import MIN_SEQUENCES, RULE, TOO_FEW, significant  # MIN_SEQUENCES: what a bucket needs for the trend
-from .verdict import mean_stderr
+
+# MIN_SEQUENCES: what a bucket needs for the trend
+from .significance import MIN_SEQUENCES, RULE, TOO_FEW, mean_stderr, significant
 
 FIRST_END = 128  # the first bucket is positions 0-127
 GROWTH = 4  # each next bucket ends GROWTH times further: 512, 2048, 8192, 32768...

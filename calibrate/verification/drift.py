@@ -28,7 +28,7 @@ from ..model.load import input_device
 from .config import ENGINE_NEAR_TIE_NATS, NEAR_TIE_NATS
 from .passes import ApplyScheme, token_kl, top1_margin
 from .schemes import Mode, Scheme
-from .verdict import mean_stderr
+from .significance import mean_stderr
 
 
 @dataclass

@@ -31,8 +31,7 @@ from ..model.directory import KV_SCALE_PATTERN, tensor_names, vllm_files
 from ..vllm_facts.platforms import PLATFORMS
 from .drift import engine_drift
 from .passes import token_kl
-from .significance import margin
-from .verdict import RUN_FAILED, judge, mean_stderr
+from .significance import margin, mean_stderr
 
 
 def _not_run(spec: SchemeSpec) -> str | None:
@@ -415,40 +414,6 @@ def ranking_flips(schemes: dict[str, dict], results: dict[str, dict], noise_kl: 
 # Not drift: the engine's (its greedy decode against its own unquantized cache's, no decode KL) has its own column in
 # the engine table, and the emulation's, against the reference with the reference's near-ties followed, stays.
 ENGINE_FIGURES = ("kl", "kl_stderr", "kl_per_sequence", "top1", "ppl_change")
-
-
-def judge_on_engine(results: dict[str, dict], engine: dict, limits) -> None:
-    """The engine's figures decide where it measured a scheme: its KL, top-1 and perplexity change replace the
-    emulation's in ``results`` (kept under ``emulated``, with the emulated verdict and reasons), so that the ranking, the
-    recommendation, "is scale 1.0 enough?", report.json and the card all rest on them; judged on them against
-    ``limits``, which the caller resolves from the engine's own floor (its unquantized cache against the reference on
-    the same sequences, ``engine["floor"]``), never the emulation's; and flagged
-    where the engine and the emulation disagree beyond the tolerance, rank otherwise, or the dtype is not what its
-    name says. ``measured_by`` names the engine on each such scheme."""
-    flipped = {n for pair in engine["ranking_flips"] for n in pair}
-    label = f"vLLM {engine['vllm_version']} engine ({engine['attention_backend']})"
-    for name, row in engine["schemes"].items():
-        r = results[name]
-        if row.get("failed"):  # no verdict rests on the emulation in the engine's place: the row says the run failed
-            r["emulated"] = {"verdict": r["verdict"]}
-            r["verdict"], r["reasons"] = RUN_FAILED, [row["why"], *r["reasons"]]
-            continue
-        if "kl" not in row:
-            r["reasons"].append(f"not measured in the engine: {row['why']}")
-            continue
-        r["emulated"] = {**{key: r[key] for key in ENGINE_FIGURES if key in r}, "verdict": r["verdict"], "reasons": r["reasons"]}
-        r.update({key: row[key] for key in ENGINE_FIGURES if row.get(key) is not None}, measured_by=label)
-        verdict, reasons = judge({**r, "tails": None, "needle_lost": None}, limits)
-        r["verdict"] = verdict
-        r["reasons"] = [f"engine: {why}" for why in reasons]
-        if not row["as_named"]:
-            r["verdict"] = "fail"
-            r["reasons"].append(f"engine stores {NOT_AS_NAMED}: {'; '.join(row['stored']['reasons'])}")
-        if row["within_tolerance"] is False:
-            r["reasons"].append(f"engine KL {row['kl']:.4g} vs emulated {row['emulated_kl']:.4g} (ratio {row['ratio']:.3g}×): "
-                                f"outside the measured tolerance ±{row['tolerance_kl']:.2g}")
-        if name in flipped:
-            r["reasons"].append("the engine ranks this scheme differently from the emulation")
 
 
 def as_printed(choice: str | None, skip: Sequence[str], engine: dict, checkpoint: Path) -> tuple[bool, str | None]:

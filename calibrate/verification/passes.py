@@ -12,9 +12,9 @@ from ..capture.hooks import cached_latent, latent_view, prefill_chunks
 from ..fp8 import SATURATION_SLACK, FP8Format
 from ..model.layers import is_latent
 from . import fa3
-from .config import NEAR_TIE_NATS, VerifyConfig
+from .config import NEAR_TIE_NATS, SKIP_BASELINE, VerifyConfig
 from .schemes import Scheme, absorbed_attention
-from .verdict import SCHEME_NOTES, SKIP_BASELINE, mean_stderr, skip_choice
+from .significance import mean_stderr
 
 
 class ApplyScheme:
@@ -218,7 +218,7 @@ def measure(
 
 
 def scheme_result(scheme: Scheme, tally: Tally, ref_sq: torch.Tensor, ref_nll: list[float]) -> dict:
-    """Every number of one scheme, as plain JSON-able values (the verdict comes once the floor is known)."""
+    """Every number of one scheme, as plain JSON-able values (its note and verdict are judgment's, once the floor is known)."""
     kl, kl_se = mean_stderr(tally.seq_kl)
     nll, ref_mean_nll = sum(tally.seq_nll) / len(tally.seq_nll), sum(ref_nll) / len(ref_nll)
     top1 = sum(tally.seq_top1) / len(tally.seq_top1)
@@ -226,7 +226,6 @@ def scheme_result(scheme: Scheme, tally: Tally, ref_sq: torch.Tensor, ref_nll: l
             for k, c in tally.counts.items()}
     result = {
         "mode": scheme.mode, "granularity": scheme.granularity, "source": scheme.source, "quantizes_query": scheme.quantize_query,
-        "note": SCHEME_NOTES.get(scheme.name, "static scales from a file"),
         "layer_rel_error": (tally.err_sq / ref_sq.clamp(min=1e-300)).sqrt().tolist() if scheme.kinds() else [0.0] * len(ref_sq),
         "fractions": frac,
         "kl": kl, "kl_stderr": kl_se, "kl_per_sequence": tally.seq_kl,
@@ -244,7 +243,7 @@ def probe_skip_layers(model, layers, scheme: Scheme, result: dict, sequences: li
     The estimate is each layer's own attention-output error (``layer_rel_error``: the layer quantized alone on
     the reference's inputs). The ``probe_layers`` layers measured are the ones the estimate ranks highest, plus
     the median-ranked one as a control: one pass each with every other layer quantized, paired with the
-    scheme's own pass over the same sequences. ``verdict.skip_choice`` then picks the layers worth keeping.
+    scheme's own pass over the same sequences. Which layers are worth keeping is judgment's (``verdict.skip_choice``).
     ``result`` must be the emulation's (``verdict.emulated_figures``): both sides of each gain are then one method's
     (``baseline``), never an engine's KL less an emulated one.
     """
@@ -264,4 +263,4 @@ def probe_skip_layers(model, layers, scheme: Scheme, result: dict, sequences: li
                          "kl_without": sum(tallies[variant.name].seq_kl) / len(sequences), "gain": mean, "gain_stderr": se,
                          "sequences": len(gain)})
     return {"scheme": scheme.name, "baseline": SKIP_BASELINE, "kl": result["kl"], "estimate": estimate, "layers": [layer.layer_idx for layer in layers],
-            "measured": measured, "seconds": time.perf_counter() - start, **skip_choice(result["kl"], measured, len(layers))}
+            "measured": measured, "seconds": time.perf_counter() - start}

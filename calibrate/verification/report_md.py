@@ -7,8 +7,8 @@ from ..choices import scheme_label
 from ..vllm_facts import serving
 from ..vllm_facts.caveats import Q_QUANTIZERS
 from .capacity import plan_text
+from .config import SKIP_BASELINE
 from .tails import PERCENTILES
-from .verdict import SKIP_BASELINE
 from .verdict_table import (
     VERIFY_HEADER,
     depth_lines,

@@ -31,6 +31,14 @@ MIN_SEQUENCES = 2  # the fewest sequences the t test judges: one has no standard
 TOO_FEW = "too few sequences to tell"
 
 
+def mean_stderr(values: Sequence[float]) -> tuple[float, float | None]:
+    """Mean over sequences and its standard error (None with a single sequence); a NaN or Inf among ``values`` carries
+    through, so a broken measurement stays visible to the check that refuses it."""
+    n = len(values)
+    mean = math.fsum(values) / n
+    return mean, (math.sqrt(math.fsum((x - mean) ** 2 for x in values) / (n - 1) / n) if n > 1 else None)
+
+
 def t_cdf(t: float, df: int) -> float:
     """P(T ≤ t) for Student's t with an integer ``df`` ≥ 1: the exact finite series (Abramowitz & Stegun 26.7.3-4)."""
     theta = math.atan(abs(t) / math.sqrt(df))

@@ -20,8 +20,7 @@ import torch
 
 from ..data.kinds import FORM_SHIFT, FORMS, ROLES
 from ..data.stream import Layout
-from .significance import MIN_SEQUENCES, RULE, TOO_FEW, significant, too_few
-from .verdict import mean_stderr
+from .significance import MIN_SEQUENCES, RULE, TOO_FEW, mean_stderr, significant, too_few
 
 RATIO = 2.0  # a kind's KL over the rest's for it to be much worse
 MIN_TOKENS = 50  # tokens a kind needs to be judged

@@ -13,20 +13,16 @@ from ..model.layers import AttentionLayer
 from ..thresholds import Thresholds
 from ..vllm_facts import serving
 from ..vllm_facts.caveats import Q_QUANTIZERS
-from .config import FLOOR, percent
+from .config import FLOOR, SKIP_BASELINE, percent
 from .kvdtypes import DTYPES
-from .significance import significant
+from .significance import mean_stderr, significant
 from .tails import COMPARED, CONFIDENCE
 
-# Each scheme's note, from the one table (choices.SCHEMES; a cache dtype's from kvdtypes.DTYPES), and the floor's.
+# What each scheme is, in a line, for the report and the recommendation.
 SCHEME_NOTES = {name: spec.note or f"--kv-cache-dtype {spec.kv_dtype}: {DTYPES[spec.kv_dtype].note}" for name, spec in SCHEMES.items()}
 SCHEME_NOTES[FLOOR] = "the unquantized model computed in another precision: what the verdicts are measured against"
 
-
-def mean_stderr(values: list[float]) -> tuple[float, float | None]:
-    """Mean over sequences and its standard error (None with a single sequence)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    return t.mean().item(), (t.std().item() / math.sqrt(len(values)) if len(values) > 1 else None)
+# Each scheme's note, from the one table (choices.SCHEMES; a cache dtype's from kvdtypes.DTYPES), and the floor's.
 
 
 def check_measured(name: str, result: dict) -> None:
@@ -51,7 +47,7 @@ def check_measured(name: str, result: dict) -> None:
 JUDGED = ("kl", "top1", "nll")
 NOT_FINITE = "not finite"  # the verdict of a scheme whose measurements are NaN or Inf: never chosen nor recommended
 # The verdict of a scheme whose engine run crashed, was killed, timed out or ran out of memory or disk
-# (``engine.judge_on_engine``): the emulation's stays beside it, never in its place; never chosen nor recommended.
+# (``judgment.judge_engine``): the emulation's stays beside it, never in its place; never chosen nor recommended.
 RUN_FAILED = "engine run failed"
 
 
@@ -143,7 +139,7 @@ def serve_lines(results: dict[str, dict], held: dict, layers: list[AttentionLaye
     "kv_dtype", "line", "build": the vLLM build its facts were read in, and under an engine "evidence": whose figures
     chose it}.
 
-    An engine's figures (``engine_target``: the target whose engine judged ``results``, ``engine.judge_on_engine``)
+    An engine's figures (``engine_target``: the target whose engine judged ``results``, ``judgment.judge_engine``)
     choose its own target's line only: every other target's is chosen on the emulation's figures and verdicts
     (``emulated_figures``), with its static schemes' figures and verdicts as that target's writer gave them where
     ``others`` holds them (target → scheme → the twin's, ``schemes.target_twins``), its evidence "emulated for
@@ -172,7 +168,7 @@ EMULATED_FOR = "emulated for "  # the evidence of a target's line the engine did
 
 def emulated_figures(results: dict[str, dict]) -> dict[str, dict]:
     """``results`` as the emulation measured and judged them: where an engine's figures replaced a scheme's
-    (``engine.judge_on_engine`` keeps the emulation's under ``emulated``), the emulation's figures, verdict and
+    (``judgment.judge_engine`` keeps the emulation's under ``emulated``), the emulation's figures, verdict and
     reasons back."""
     out = {}
     for name, r in results.items():
@@ -215,7 +211,6 @@ def rank_correlation(x: list[float], y: list[float]) -> float | None:
 
 
 # What both sides of the skip-layer probe's gains are measured by: one method, whatever judged the scheme.
-SKIP_BASELINE = "kvcal's emulation, all layers quantized against one layer left unquantized"
 
 
 def skip_choice(kl: float, measured: list[dict], num_layers: int) -> dict:
@@ -318,7 +313,7 @@ def recommend(results: dict[str, dict], held: dict, layers: list[AttentionLayer]
     ``scale1``: the answer to "is scale 1.0 enough?" (``scale1.scale1_answer``), said right after the checkpoint's notes;
     ``vllm_version``: the release the engine caveats are said for (``vllm_facts.caveats.applying``); ``engine_target``: the
     target whose engine judged the verdicts (``verify --engine``), so a scheme it ran there is not called unrun and its
-    figures are the engine's (``engine.judge_on_engine``); ``mla`` and ``model_type``: the model's, for the caveats
+    figures are the engine's (``judgment.judge_engine``); ``mla`` and ``model_type``: the model's, for the caveats
     that depend on them (``vllm_facts.caveats.applying``); ``scale_one``: the scale-1.0 answer says 1.0 is enough (a
     recommendation that serves 1.0 counts too)."""
     lines = [*held.get("serving", []), *(n for n in held["notes"] if "no KV scales" in n), *([scale1] if scale1 else [])]

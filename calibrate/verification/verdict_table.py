@@ -38,7 +38,7 @@ def percent_cell(x: float | None, digits: int = 2) -> str:
 
 
 def _kl(r: dict) -> str:
-    """KL ± s.e., marked "(engine)" where the engine measured it (``engine.judge_on_engine``; the emulation's is in the
+    """KL ± s.e., marked "(engine)" where the engine measured it (``judgment.judge_engine``; the emulation's is in the
     engine table beside it)."""
     se = r.get("kl_stderr")
     return f"{r['kl']:.4g}" + (f" ± {se:.2g}" if se is not None else "") + (" (engine)" if r.get("measured_by") else "")
@@ -100,7 +100,7 @@ def thresholds_text(rep: dict) -> str:
 
 
 def _engine_limits(rep: dict) -> str:
-    """The engine's verdicts' limits (``run._run_engine``: resolved from the engine's floor, its unquantized cache
+    """The engine's verdicts' limits (``engine_runs.run_engine``: resolved from the engine's floor, its unquantized cache
     against the reference on the same sequences), empty without an engine run."""
     engine = rep.get("engine")
     if not engine or not engine.get("thresholds"):
@@ -260,7 +260,7 @@ def disagreement_lines(engine: dict | None) -> list[str]:
 
 
 def serve_run_lines(rep: dict) -> list[str]:
-    """The serve line run as printed in the engine (``run._run_serve_line``), for the answer: that run's KL over the
+    """The serve line run as printed in the engine (``engine_runs.run_serve_line``), for the answer: that run's KL over the
     engine's floor, top-1 and drift, labelled with the engine, its version and backend; or why it did not run, and
     whether it came out worse than the scheme with every layer quantized (nothing without an engine run)."""
     run = (rep.get("engine") or {}).get("serve_run")

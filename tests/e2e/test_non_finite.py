@@ -52,9 +52,9 @@ def root(tmp_path_factory, smol_tokenizer, kjv_path):
 def test_a_scheme_whose_kl_went_non_finite_is_named_and_never_recommended(root, capsys, monkeypatch):
     """The checkpoint's own per-tensor scales (the scheme verify prefers) measured NaN at its second layer (as a real
     overflow would leave them): verify still ends, says so, and recommends a scheme it could judge."""
-    import calibrate.verification.run as run
+    import calibrate.verification.judgment as judgment
 
-    real = run.scheme_result
+    real = judgment.scheme_result
 
     def nan_tensor(scheme, tally, ref_sq, ref_nll):
         result = real(scheme, tally, ref_sq, ref_nll)
@@ -63,7 +63,7 @@ def test_a_scheme_whose_kl_went_non_finite_is_named_and_never_recommended(root, 
             result.update(kl=float("nan"), kl_per_sequence=[float("nan")] * len(result["kl_per_sequence"]))
         return result
 
-    monkeypatch.setattr(run, "scheme_result", nan_tensor)
+    monkeypatch.setattr(judgment, "scheme_result", nan_tensor)
     report = root / "report-nan"
     code = main(["verify", str(root / "out"), "--data", str(root / "data.jsonl"), *SAMPLE, "--schemes",
                  "bf16,scale1,tensor,token", "--report", str(report)])

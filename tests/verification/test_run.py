@@ -569,11 +569,11 @@ def records_in(records: dict[str, list[int]], sequences) -> set[str]:
 
 
 def sampled(monkeypatch) -> list:
-    """Makes verify's ``_sample`` calls record what they return here (``run.Sample``)."""
+    """Makes verify's ``held_out_sample`` calls record what they return here (``sample.Sample``)."""
     import calibrate.verification.run as run
 
-    seen, original = [], run._sample
-    monkeypatch.setattr(run, "_sample", lambda *a: seen.append(original(*a)) or seen[-1])
+    seen, original = [], run.held_out_sample
+    monkeypatch.setattr(run, "held_out_sample", lambda *a: seen.append(original(*a)) or seen[-1])
     return seen
 
 
@@ -659,7 +659,7 @@ class FakeEngine:
 
         from calibrate.engine import audit as audit_module
         from calibrate.engine import delivery
-        from calibrate.verification import engine, run
+        from calibrate.verification import engine, engine_runs
 
         self.calls: dict = {}
         self.kept: dict = {}  # the reference's and the first unquantized run's log-probabilities, for a test's own sums
@@ -721,8 +721,8 @@ class FakeEngine:
                          "decode_max": 0.0, "diverged": False, "moved": not not_delivered} for kind in ("k", "v")],
                 engine=facts)
 
-        monkeypatch.setattr(run, "audit", audit)
-        monkeypatch.setattr(run, "check_delivery", check_delivery)
+        monkeypatch.setattr(engine_runs, "audit", audit)
+        monkeypatch.setattr(engine_runs, "check_delivery", check_delivery)
         monkeypatch.setattr(engine, "run_schemes", run_schemes)
 
 
@@ -791,7 +791,7 @@ def test_on_a_gpu_the_reference_model_leaves_the_card_before_vllm_starts(tokeniz
     memory when it starts (jobs/jobkit.py device_memory, tests/engine/jobs/test_jobkit.py)."""
     import transformers
 
-    from calibrate.verification import engine, run
+    from calibrate.verification import advice, emulation, engine, engine_runs, reference
 
     model = save_tiny_checkpoint(tmp_path / "twelve", "llama", tokenizer, num_hidden_layers=12)
     FakeEngine(monkeypatch, "CudaPlatform", facts=_gpu_facts())
@@ -803,9 +803,10 @@ def test_on_a_gpu_the_reference_model_leaves_the_card_before_vllm_starts(tokeniz
             return call(*args, **kwargs)
         return wrapped
 
-    for owner, attr, name in ((run, "audit", "audit"), (run, "check_delivery", "delivery"), (run, "load_model", "load"),
-                              (run, "measure", "emulation"), (engine, "reference_logprobs", "reference"),
-                              (engine, "run_schemes", "engine runs"), (run, "probe_skip_layers", "skip probe"),
+    for owner, attr, name in ((engine_runs, "audit", "audit"), (engine_runs, "check_delivery", "delivery"),
+                              (reference, "load_model", "load"), (emulation, "measure", "emulation"),
+                              (engine, "reference_logprobs", "reference"), (engine, "run_schemes", "engine runs"),
+                              (advice, "probe_skip_layers", "skip probe"),
                               (torch.cuda, "empty_cache", "cache emptied")):
         monkeypatch.setattr(owner, attr, recording(name, getattr(owner, attr)))
     to = torch.nn.Module.to
@@ -851,10 +852,10 @@ def test_a_vllm_without_the_jobs_hooks_is_refused_at_its_start_naming_the_releas
                                                                                    monkeypatch, capsys):
     """A vLLM with only its V2 model runner (docs/engine.md, "Which vLLM"), which has no prompt-logprobs step to wrap:
     refused when the engine starts, in one line with the release, before the model loads."""
-    from calibrate.verification import run
+    from calibrate.verification import reference
 
     FakeEngine(monkeypatch, "CudaPlatform", facts=_gpu_facts(missing=("runner._get_prompt_logprobs_dict",)))
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("the model was loaded: the emulation ran"))
+    monkeypatch.setattr(reference, "load_model", lambda *a, **k: pytest.fail("the model was loaded: the emulation ran"))
     code = _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch)
     assert_refused(code, capsys.readouterr().err, f"vLLM {READ_IN}'s engine lacks what kvcal's engine jobs read "
                    "(runner._get_prompt_logprobs_dict, model runner GPUModelRunner)", "verify without --engine")
@@ -962,6 +963,9 @@ def test_a_serve_line_the_engine_runs_worse_gives_way_to_every_layer_quantized(t
     assert (f"the line with --kv-cache-dtype-skip-layers {' '.join(run['skip_layers'])}, run in vLLM {READ_IN} engine "
             "(FLASH_ATTN):") in out
     assert "so kvcal serves the scheme with every layer quantized instead" in out
+    # advised twice, from the same judgment: every reason and every engine line is said once
+    assert all(len(r["reasons"]) == len(set(r["reasons"])) for r in rep["schemes"].values())
+    assert len(rep["recommendation"]) == len(set(rep["recommendation"]))
     assert out.rstrip().splitlines()[-1].strip() == f"vllm serve {model.name} --kv-cache-dtype fp8"  # the line printed
     assert sum(r.count("vLLM:") for r in rep["schemes"]["scale1"]["reasons"]) <= 1  # advice made twice, said once
 
@@ -1025,10 +1029,10 @@ def test_a_target_other_than_the_engines_is_refused_before_anything_runs(plain_c
 
 def test_an_engine_that_cannot_load_the_checkpoint_stops_verify_before_the_emulation(plain_ckpt, data_file, tmp_path,
                                                                                      monkeypatch, capsys):
-    from calibrate.verification import run
+    from calibrate.verification import reference
 
     FakeEngine(monkeypatch, "CpuPlatform", load_refused=True)
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("the model was loaded: the emulation ran"))
+    monkeypatch.setattr(reference, "load_model", lambda *a, **k: pytest.fail("the model was loaded: the emulation ran"))
     code = _engine_verify(plain_ckpt, data_file, tmp_path, monkeypatch)
     assert_refused(code, capsys.readouterr().err, "refuses to load the checkpoint", "nothing can be measured in the engine")
 
@@ -1041,7 +1045,7 @@ def test_an_mla_output_on_an_amx_host_s_vllm_cpu_is_refused_before_the_emulation
     import transformers as T
 
     from calibrate import calibrate
-    from calibrate.verification import engine, run
+    from calibrate.verification import engine, engine_runs
 
     config = T.DeepseekV3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
@@ -1058,7 +1062,7 @@ def test_an_mla_output_on_an_amx_host_s_vllm_cpu_is_refused_before_the_emulation
     FakeEngine(monkeypatch, "CpuPlatform")
     amx = engine.EngineHost(Path(sys.executable), READ_IN, "CpuPlatform", {"avx512": True, "amx": True})
     monkeypatch.setattr(engine, "probe", lambda python: amx)
-    monkeypatch.setattr(run, "audit", lambda *a: pytest.fail("the engine was started"))
+    monkeypatch.setattr(engine_runs, "audit", lambda *a: pytest.fail("the engine was started"))
     code = _engine_verify(out, data_file, tmp_path, monkeypatch)
     assert_refused(code, capsys.readouterr().err, "AMX_MLA backend (this CPU has AMX)", "verify the source model")
     assert not (tmp_path / "r").exists()
@@ -1144,7 +1148,7 @@ def test_scales_inspect_fails_are_refused_before_the_model_loads(plain_ckpt, dat
     """What kvcal inspect fails, verify refuses in its first step, in one line: never judged "fp8, calibrated per tensor"."""
     bad = edited_scales(plain_ckpt, tmp_path / name, change)
     assert not inspect(str(bad)).ok()
-    monkeypatch.setattr("calibrate.verification.run.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("calibrate.verification.reference.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
     rc = cli.main(["verify", str(bad), "--data", str(data_file), "--seq-len", "64", "--max-tokens", "128", "--quiet"])
     assert_refused(rc, capsys.readouterr().err, *fragments, f"kvcal inspect {bad} lists every one")
 

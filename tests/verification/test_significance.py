@@ -24,6 +24,7 @@ from calibrate.verification.significance import (
     margin,
     mcnemar_exact,
     mean_bounds,
+    mean_stderr,
     one_sided,
     significant,
     t_cdf,
@@ -174,3 +175,14 @@ def test_mcnemar_exact_at_a_printed_value_and_refuses_negative_counts():
     assert mcnemar_exact(1, 9) == pytest.approx(22 / 1024, rel=1e-15)
     with pytest.raises(ValueError, match="non-negative"):
         mcnemar_exact(-1, 3)
+
+
+def test_mean_stderr_is_the_textbook_float64_one_and_carries_a_nan():
+    """Against numpy in float64 (sample standard deviation, n − 1), on values whose sum loses digits in a naive float
+    loop; one value has no standard error; a NaN stays a NaN for the check that refuses it."""
+    values = [1e8, 1.0, -1e8, 3.0, 2.5, 1e-3]
+    mean, se = mean_stderr(values)
+    x = np.array(values, dtype=np.float64)
+    assert mean == pytest.approx(x.mean(), rel=1e-12) and se == pytest.approx(x.std(ddof=1) / np.sqrt(len(x)), rel=1e-12)
+    assert mean_stderr([0.25]) == (0.25, None)
+    assert all(np.isnan(v) for v in mean_stderr([1.0, float("nan"), 2.0]))

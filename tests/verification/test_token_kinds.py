@@ -19,9 +19,9 @@ from calibrate.fp8 import FORMATS
 from calibrate.model.layers import attention_layers
 from calibrate.verification import token_kinds
 from calibrate.verification.config import VerifyConfig
+from calibrate.verification.judgment import evidence_reasons
 from calibrate.verification.passes import measure
 from calibrate.verification.report_md import verify_markdown
-from calibrate.verification.run import _evidence_reasons
 from calibrate.verification.schemes import Mode, Scheme
 from calibrate.verification.significance import critical_value
 
@@ -162,7 +162,7 @@ def test_at_sixteen_sequences_a_much_worse_kind_is_found_and_the_old_rule_over_c
 def test_the_report_and_the_reasons_name_a_much_worse_kind():
     kl, layouts = synthetic(3.0, 40)
     result = token_kinds.by_kind(kl, torch.ones(kl.shape, dtype=torch.bool), layouts)
-    reasons = _evidence_reasons({"token_kinds": result, "depth": None})
+    reasons = evidence_reasons({"token_kinds": result, "depth": None})
     assert len(reasons) == 1 and reasons[0].startswith("json tokens' KL is ") and "(160 tokens)" in reasons[0]
     rep = report_dict()
     rep["schemes"]["tensor"]["token_kinds"] = result
