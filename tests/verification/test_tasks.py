@@ -123,9 +123,11 @@ def _reference(model, tokenizer, run: Path) -> tuple[list[float], list[bool]]:
 
 @pytest.mark.slow
 def test_lm_eval_on_vllm_cpu_bf16_and_fp8(smol_calibrated, kjv_path, tmp_path):
-    """Both caches run, lm-eval's perplexity is the model's (bf16 engine against the float32 Hugging Face model:
-    within 2% in bits per byte, bf16's rounding of activations moving each token's log-probability by about 1%), its
-    accuracy is the greedy-match rate of the items, and the paired counts are those of the per-item logs."""
+    """Both caches run, lm-eval's perplexity is the model's, its accuracy the greedy-match rate of the items, and the
+    paired counts those of the per-item logs. The perplexity is the bf16 engine's against the float32 Hugging Face
+    model's: on 100 KJV passages they were 0.044% apart in bits per byte, each passage's log-likelihood 0.16% apart
+    (median) and 0.71% at most (bf16's activations round at 2⁻⁸ relative); the test allows 1% in bits per byte and
+    3% a passage, so a wrong window, prefix token or byte count (several percent at these lengths) fails it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     python = client_python("vLLM")
@@ -144,9 +146,9 @@ def test_lm_eval_on_vllm_cpu_bf16_and_fp8(smol_calibrated, kjv_path, tmp_path):
         len(json.loads(line)["text"].encode()) for line in (run / "tasks" / "perplexity.jsonl").read_text().splitlines()]
     engine_bpb = bf16["results"][PERPLEXITY]["bits_per_byte,none"]
     reference_bpb = -sum(lls) / sum(row["bits_per_byte"][1] for row in rolled) / math.log(2)
-    assert math.isfinite(engine_bpb) and engine_bpb == pytest.approx(reference_bpb, rel=0.02)
+    assert math.isfinite(engine_bpb) and engine_bpb == pytest.approx(reference_bpb, rel=0.01)
     for row, ll in zip(rolled, lls):  # each passage too, not only the sum
-        assert row["bits_per_byte"][0] == pytest.approx(ll, rel=0.05, abs=0.5)
+        assert row["bits_per_byte"][0] == pytest.approx(ll, rel=0.03)
 
     for found in result.runs.values():
         cloze = found["samples"][CLOZE]
