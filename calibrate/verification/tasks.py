@@ -12,12 +12,15 @@ started as verify's engine runs are):
 Beside lm-eval's own tables, each candidate is set against the unquantized cache item by item on the cloze: at a few
 hundred items the unpaired standard error of an accuracy is about 2 points, more than an FP8 cache usually moves it,
 while the items both caches answer alike carry no evidence. The exact McNemar test on the items that flip
-(``significance.mcnemar_exact``) says whether the flips lean one way beyond chance.
+(``significance.mcnemar_exact``) says whether the flips lean one way beyond chance. The perplexity is paired too:
+each passage's bits per byte with the candidate minus the unquantized cache's, judged by the t test verify's paired
+comparisons use.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import time
@@ -35,7 +38,7 @@ from ..model.load import load_tokenizer
 from ..vllm_facts.platforms import platform
 from ..vllm_facts.serving import unquantized_dtype
 from .config import DEFAULT_MAX_MODEL_LEN, TasksConfig
-from .significance import LEVEL, mcnemar_exact
+from .significance import LEVEL, RULE, mcnemar_exact, mean_stderr, significant
 
 if TYPE_CHECKING:
     from .engine import EngineHost
@@ -54,7 +57,8 @@ class TasksResult:
 
     baseline: str
     runs: dict[str, dict]
-    paired: dict[str, dict]
+    paired: dict[str, dict]  # candidate → the paired cloze test (``pair``)
+    passages: dict[str, dict]  # candidate → the paired perplexity difference (``pair_perplexity``)
     items: int
     documents: int
     notes: list[str]
@@ -65,6 +69,7 @@ class TasksResult:
         for dtype, found in self.runs.items():
             lines += [f"lm-eval, --kv-cache-dtype {dtype} ({found['load_s'] + found['eval_s']:.0f} s):", found["table"]]
         lines += [paired_line(self.baseline, dtype, test) for dtype, test in self.paired.items()]
+        lines += [perplexity_line(self.baseline, dtype, test) for dtype, test in self.passages.items()]
         lines += [f"note: {note}" for note in self.notes]
         lines.append(f"written: {self.out / 'results.json'}, {self.out / 'tables.md'}, task files in {self.out / 'tasks'}")
         return "\n".join(lines)
@@ -77,6 +82,30 @@ def paired_line(baseline: str, dtype: str, test: dict) -> str:
     return (f"{dtype} vs {baseline}, cloze ({test['items']} items): accuracy {test['acc_candidate']:.4f} vs "
             f"{test['acc_baseline']:.4f}; {test['only_baseline']} right only with {baseline}, {test['only_candidate']} "
             f"right only with {dtype}; exact McNemar p = {test['p_value']:.3g}: {verdict}")
+
+
+def perplexity_line(baseline: str, dtype: str, test: dict) -> str:
+    """One candidate's bits per byte against the unquantized cache's, passage by passage, in words."""
+    se = f" ± {test['stderr']:.4f} s.e." if test["stderr"] is not None else ""
+    verdict = f"significant at {LEVEL:.0%}" if test["significant"] else f"not significant at {LEVEL:.0%}"
+    return (f"{dtype} vs {baseline}, perplexity ({test['passages']} passages): {test['mean_diff']:+.4f} bits per byte "
+            f"a passage{se}, {verdict} (paired t test)")
+
+
+def pair_perplexity(baseline: list[dict], candidate: list[dict]) -> dict:
+    """A candidate's bits per byte minus the unquantized cache's, passage by passage, from lm-eval's per-passage
+    records (``bits_per_byte``: [log-likelihood in nats, bytes]): the mean difference, its standard error and whether
+    it is significant by the rule every paired comparison of kvcal's uses (``significance.RULE``)."""
+    def bits(rows: list[dict]) -> dict[int, float]:
+        return {row["doc_id"]: -row["bits_per_byte"][0] / row["bits_per_byte"][1] / math.log(2) for row in rows}
+
+    base, other = bits(baseline), bits(candidate)
+    if base.keys() != other.keys():
+        raise ValueError("the perplexity passages of two runs differ; they cannot be paired")
+    differences = [other[i] - base[i] for i in sorted(base)]
+    mean, stderr = mean_stderr(differences)
+    return {"passages": len(differences), "mean_diff": mean, "stderr": stderr,
+            "significant": significant(mean, stderr, len(differences)), "rule": RULE}
 
 
 def pair(baseline: list[dict], candidate: list[dict]) -> dict:
@@ -185,7 +214,9 @@ def run_tasks(config: TasksConfig) -> TasksResult:
         # 5. Each candidate paired with the unquantized cache on the cloze, then the files, results.json last.
         paired = {dtype: pair(runs[baseline]["samples"][CLOZE], runs[dtype]["samples"][CLOZE])
                   for dtype in config.kv_cache_dtypes}
-        result = TasksResult(baseline, runs, paired, len(items), len(documents), notes, out)
+        passages = {dtype: pair_perplexity(runs[baseline]["samples"][PERPLEXITY], runs[dtype]["samples"][PERPLEXITY])
+                    for dtype in config.kv_cache_dtypes}
+        result = TasksResult(baseline, runs, paired, passages, len(items), len(documents), notes, out)
         _write(result, settings, host)
     except BaseException:
         if made:
@@ -215,9 +246,10 @@ def _write(result: TasksResult, settings: dict, host: EngineHost) -> None:
     """tables.md (lm-eval's tables and the paired lines) and results.json, each written whole."""
     out = result.out
     tables = "\n\n".join(f"## --kv-cache-dtype {dtype}\n\n{found['table']}" for dtype, found in result.runs.items())
-    paired = "\n".join(f"- {paired_line(result.baseline, d, t)}" for d, t in result.paired.items())
-    write_atomically(out / "tables.md", lambda p: p.write_text(f"{tables}\n\n## Paired cloze test\n\n{paired}\n"))
+    paired = "\n".join([f"- {paired_line(result.baseline, d, t)}" for d, t in result.paired.items()]
+                       + [f"- {perplexity_line(result.baseline, d, t)}" for d, t in result.passages.items()])
+    write_atomically(out / "tables.md", lambda p: p.write_text(f"{tables}\n\n## Paired tests\n\n{paired}\n"))
     report = {"baseline": result.baseline, "items": result.items, "documents": result.documents, "notes": result.notes,
               "engine": {**settings, "vllm_version": host.version, "platform": host.platform},
-              "runs": result.runs, "paired": result.paired}
+              "runs": result.runs, "paired": result.paired, "paired_perplexity": result.passages}
     write_atomically(out / "results.json", lambda p: p.write_text(json.dumps(report, indent=1)))

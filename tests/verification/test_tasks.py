@@ -18,8 +18,17 @@ from runners import client_python
 from calibrate.cli import main
 from calibrate.data.passages import cloze_items
 from calibrate.verification.config import TasksConfig
-from calibrate.verification.significance import mcnemar_exact
-from calibrate.verification.tasks import CLOZE, PERPLEXITY, has_lm_eval, pair, paired_line, tasks, write_tasks
+from calibrate.verification.significance import critical_value, mcnemar_exact
+from calibrate.verification.tasks import (
+    CLOZE,
+    PERPLEXITY,
+    has_lm_eval,
+    pair,
+    pair_perplexity,
+    paired_line,
+    tasks,
+    write_tasks,
+)
 
 TEXTS = [f"and the {n} sons of the house went out at evening unto the field of {w}."
          for n, w in zip(("two", "three", "seven"), ("Ephron", "Machpelah", "Mamre"))]
@@ -41,6 +50,23 @@ def test_pair_counts_the_flips_as_numpy_does(seed):
 def test_pair_refuses_runs_of_other_items():
     with pytest.raises(ValueError, match="cannot be paired"):
         pair([{"doc_id": 0, "acc": 1}], [{"doc_id": 1, "acc": 1}])
+
+
+@pytest.mark.parametrize("shift", [0.0, 0.01])
+def test_pair_perplexity_is_the_per_passage_bits_difference(shift):
+    """Against numpy in float64: each passage's bits per byte (−ll / bytes / ln 2), the candidate's minus the
+    baseline's, their mean and standard error, significant beyond t₀.₉₇₅ standard errors."""
+    rng = np.random.default_rng(7)
+    nbytes = rng.integers(80, 400, 50)
+    ll = -rng.uniform(0.8, 1.2, 50) * nbytes
+    moved = ll - (shift + rng.normal(0, 0.002, 50)) * nbytes * np.log(2)  # ~shift more bits per byte, with noise
+    base = [{"doc_id": i, "bits_per_byte": [float(ll[i]), int(nbytes[i])]} for i in range(50)]
+    other = [{"doc_id": i, "bits_per_byte": [float(moved[i]), int(nbytes[i])]} for i in reversed(range(50))]
+    found = pair_perplexity(base, other)
+    d = -moved / nbytes / np.log(2) - (-ll / nbytes / np.log(2))
+    assert found["mean_diff"] == pytest.approx(d.mean(), rel=1e-9)
+    assert found["stderr"] == pytest.approx(d.std(ddof=1) / np.sqrt(50), rel=1e-9)
+    assert found["significant"] == (abs(d.mean()) > critical_value(50) * d.std(ddof=1) / np.sqrt(50)) == (shift > 0)
 
 
 def test_the_paired_line_says_which_way_a_significant_lean_goes():
@@ -163,6 +189,11 @@ def test_lm_eval_on_vllm_cpu_bf16_and_fp8(smol_calibrated, kjv_path, tmp_path):
     assert test["only_candidate"] == sum(1 for row in bf16["samples"][CLOZE] if fp8[row["doc_id"]] and not row["acc"])
     assert test["items"] == ITEMS == test["both_right"] + test["both_wrong"] + test["only_baseline"] + test["only_candidate"]
     assert "exact McNemar p =" in result.summary()
+    gap = result.passages["fp8"]  # the paired perplexity, from the same per-passage records
+    fp8_bits = {row["doc_id"]: -row["bits_per_byte"][0] / row["bits_per_byte"][1] / math.log(2)
+                for row in result.runs["fp8"]["samples"][PERPLEXITY]}
+    assert gap["passages"] == DOCUMENTS and gap["mean_diff"] == pytest.approx(np.mean(
+        [fp8_bits[row["doc_id"]] + row["bits_per_byte"][0] / row["bits_per_byte"][1] / math.log(2) for row in rolled]))
 
 
 @pytest.fixture
@@ -215,8 +246,11 @@ def test_short_data_gives_fewer_items_and_says_so(smol_dir, tmp_path, no_engine,
     def run_job(python, job, request, timeout_s):
         rows = [json.loads(line) for line in (Path(request["tasks_dir"]) / "cloze.jsonl").read_text().splitlines()]
         acc = right[request["kv_cache_dtype"]][: len(rows)]
+        ll = -100.0 if request["kv_cache_dtype"] == "auto" else -101.0
         return {"error": None, "result": {"table": f"| {request['kv_cache_dtype']} |", "load_s": 1.0, "eval_s": 2.0,
-                                          "samples": {CLOZE: [{"doc_id": i, "acc": a} for i, a in enumerate(acc)]}}}
+                                          "samples": {CLOZE: [{"doc_id": i, "acc": a} for i, a in enumerate(acc)],
+                                                      PERPLEXITY: [{"doc_id": i, "bits_per_byte": [ll - i, 80]}
+                                                                   for i in range(3)]}}}
 
     monkeypatch.setattr(module, "run_job", run_job)
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
@@ -225,3 +259,6 @@ def test_short_data_gives_fewer_items_and_says_so(smol_dir, tmp_path, no_engine,
     report = json.loads((tmp_path / "out" / "results.json").read_text())
     assert report["items"] == 3 and report["paired"]["fp8"]["only_baseline"] == 1
     assert report["paired"]["fp8"]["only_candidate"] == 0 and report["paired"]["fp8"]["both_right"] == 1
+    gap = report["paired_perplexity"]["fp8"]  # 1 nat more on every passage's 80 bytes: no spread, so significant
+    assert gap["mean_diff"] == pytest.approx(1 / 80 / math.log(2)) and gap["stderr"] < 1e-12 and gap["significant"]
+    assert "fp8 vs auto, perplexity (3 passages): +0.0180 bits per byte" in result.summary()
