@@ -227,8 +227,8 @@ def load_recipe(ref: str, _seen: tuple[Path, ...] = ()) -> dict:
 def model_family(model_dir: str | Path) -> tuple[list[str], list[str]]:
     """(model types, architectures) from a checkpoint's config.json: the text model's type and, for a
     multimodal checkpoint, the top-level one too."""
+    from .model.description import read_config_file
     from .model.directory import model_types
-    from .model.load import read_config_file
 
     config = read_config_file(model_dir)
     return model_types(config), config.get("architectures") or []

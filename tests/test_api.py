@@ -21,9 +21,8 @@ import calibrate.api as api
 from calibrate.capture.stats import SINK_POSITIONS, Stats
 from calibrate.checkpoint.write import scales_file
 from calibrate.fp8 import FORMATS, quantize, quantize_dequantize
-from calibrate.model.description import describe
+from calibrate.model.description import describe, read_config
 from calibrate.model.layers import AttentionLayer, ModelSignature
-from calibrate.model.load import read_config
 from calibrate.result import CalibrationResult
 from calibrate.run.provenance import scale_report
 from calibrate.scales.observers import derive_scales

@@ -82,7 +82,7 @@ def read_json(path: Path) -> dict:
 
 CONFIG_FILE = "config.json"
 # Every config.json field kvcal reads, at the top level or in a multimodal model's text_config, with the JSON type it
-# must have where present (null counts as absent). Positivity of the shape fields: model/load.SHAPE_FIELDS.
+# must have where present (null counts as absent). Positivity of the shape fields: model/description.SHAPE_FIELDS.
 CONFIG_FIELDS: dict[str, type] = {
     "text_config": dict, "model_type": str, "architectures": list, "auto_map": dict, "quantization_config": dict,
     "dtype": str, "torch_dtype": str, "_name_or_path": str, "layer_types": list,

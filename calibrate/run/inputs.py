@@ -16,8 +16,8 @@ from ..config import CalibrationConfig
 from ..data.sources import local_paths
 from ..data.stream import SequenceStream, iter_sequences
 from ..fp8 import FP8Format, get_format
-from ..model.description import ModelDescription, describe
-from ..model.load import check_remote_code, check_tokenizer_fits, load_tokenizer
+from ..model.description import ModelDescription, check_remote_code, describe
+from ..model.load import check_tokenizer_fits, load_tokenizer
 from . import resume
 from .distributed import Group
 

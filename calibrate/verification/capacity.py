@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 
 from ..choices import SIZE_UNITS, parse_size
 from ..data.config import check_int
+from ..vllm_facts.serving import GPU_MEMORY_UTILIZATION
 
 # Memory of one GPU as nvidia-smi reports its total (SXM parts; docs/vllm-notes.md "GPU memory"), not the vendors' sales
 # figure (an H100 sold as "80 GB" reports 79.6 GiB; counting 80 * 10**9 bytes was 6% low). vLLM takes its utilization of the total CUDA reports
 # (torch.cuda.mem_get_info()[1]), a few hundred MiB less again: pass that size with --gpu for a tight estimate.
 GPUS = {"H100": 81559 * SIZE_UNITS["MIB"], "H200": 143771 * SIZE_UNITS["MIB"], "B200": 183359 * SIZE_UNITS["MIB"]}
-GPU_MEMORY_UTILIZATION = 0.92  # vLLM READ_IN's default --gpu-memory-utilization: the share of a GPU it lets itself use
 # Quoted beside kvcal's own arithmetic for comparison; nothing here derives them. They are the figures kvcal's planning
 # started from, unmeasured here; docs/verify.md ("Does it pay") says so.
 QUOTED_FIGURES = {"fp8_decode_cost_vs_bf16": 0.54, "break_even_context_tokens": 7000}

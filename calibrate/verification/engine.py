@@ -29,6 +29,7 @@ from ..choices import CACHE_DTYPES, SCHEMES, SchemeSpec, size_text
 from ..engine.launch import EngineError, find_vllm_python, run_job
 from ..model.directory import KV_SCALE_PATTERN, tensor_names, vllm_files
 from ..vllm_facts.platforms import PLATFORMS
+from ..vllm_facts.serving import PROMISES
 from .drift import engine_drift
 from .passes import token_kl
 from .significance import margin, mean_stderr
@@ -52,16 +53,6 @@ NOT_RUN = {name: why for name, spec in SCHEMES.items() if (why := _not_run(spec)
 # every k, v and q scale set to 1.0 in the engine (as vLLM serves a checkpoint without scales), "checkpoint" as loaded,
 # "computed" (the cache writer's own, per token and head) from the checkpoint as it is.
 RUNS = {name: (spec.kv_dtype, spec.scales) for name, spec in SCHEMES.items() if spec.scales != "none" and name not in NOT_RUN}
-# What each vLLM cache dtype's name promises the engine stores: bytes per cached element, and where its scales come
-# from. Engine-only, so not in choices.SCHEMES: it is what vLLM's name says of vLLM's own storage, checked against what
-# the engine held (``check_stored``), keyed on vLLM's --kv-cache-dtype names (aliases such as fp8_e4m3 and bfloat16
-# included), one name to several schemes (scale1, tensor, head, max and mse are all fp8). Where a scheme's scales come
-# from in the emulation is SCHEMES' ``scales``.
-PROMISES = {"auto": (2, "none"), "bfloat16": (2, "none"), "float16": (2, "none"),
-            "fp8": (1, "per layer, from the checkpoint"), "fp8_e4m3": (1, "per layer, from the checkpoint"),
-            "fp8_e5m2": (1, "none (scale 1.0)"), "fp8_per_token_head": (1, "per token and head, computed as written"),
-            "int8_per_token_head": (1, "per token and head, computed as written"),
-            "int4_per_token_head": (0.5, "per token and head, computed as written")}
 NOT_AS_NAMED = "not what the name says"
 # The start of the reason of a scheme whose engine run failed (its verdict: ``verdict.RUN_FAILED``), vLLM's or the
 # OS's line after it.

@@ -14,9 +14,8 @@ from ..data.stream import read_digests
 from ..files import read_json_object
 from ..hub import snapshot_origin
 from ..layout import is_kvcal_output, provenance_path, records_path
-from ..model.description import ModelDescription, describe
+from ..model.description import ModelDescription, check_known_type, describe
 from ..model.directory import prefixes_in
-from ..model.load import check_known_type
 from .card import PLACEHOLDER, served_name
 from .config import VerifyConfig
 

@@ -20,6 +20,18 @@ from ..choices import CACHE_DTYPES, DEFAULT_TARGET, GRANULARITIES, TARGETS, chec
 from .caveats import ABSENT, PER_HEAD_READERS, PRINTABLE, READ_IN, SUPPORT, UNEMULATED, Support, applying, limit
 
 # What each target stands for: the hardware, the vLLM build kvcal's facts were read in, and its release.
+# What each vLLM cache dtype's name promises the engine stores: bytes per cached element, and where its scales come
+# from. Not in choices.SCHEMES: it is what vLLM's name says of vLLM's own storage, checked against what the engine held
+# (``verification.engine.check_stored``), keyed on vLLM's --kv-cache-dtype names (aliases such as fp8_e4m3 and bfloat16
+# included), one name to several schemes (scale1, tensor, head, max and mse are all fp8). Where a scheme's scales come
+# from in the emulation is SCHEMES' ``scales``.
+PROMISES = {"auto": (2, "none"), "bfloat16": (2, "none"), "float16": (2, "none"),
+            "fp8": (1, "per layer, from the checkpoint"), "fp8_e4m3": (1, "per layer, from the checkpoint"),
+            "fp8_e5m2": (1, "none (scale 1.0)"), "fp8_per_token_head": (1, "per token and head, computed as written"),
+            "int8_per_token_head": (1, "per token and head, computed as written"),
+            "int4_per_token_head": (0.5, "per token and head, computed as written")}
+# vLLM READ_IN's default --gpu-memory-utilization: the share of a GPU it lets itself use (``capacity.plan``).
+GPU_MEMORY_UTILIZATION = 0.92
 TARGET_BUILDS = {
     "gpu": ("NVIDIA GPU", "vLLM", READ_IN),
     "rocm": ("AMD GPU", "vLLM (ROCm)", READ_IN),

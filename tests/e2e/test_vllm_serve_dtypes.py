@@ -36,8 +36,8 @@ from pathlib import Path
 import pytest
 from runners import client_python, needs_avx512
 
+from calibrate.model.description import read_config
 from calibrate.model.directory import quant_config
-from calibrate.model.load import read_config
 from calibrate.verification.run import verify
 from calibrate.vllm_facts import caveats, serving
 from calibrate.vllm_facts.loaders import Servable, quant_method, refusal

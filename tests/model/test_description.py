@@ -8,7 +8,7 @@ import torch
 from builders import CONFIGS
 from transformers import AutoModelForCausalLM
 
-from calibrate.model.description import describe, describe_config
+from calibrate.model.description import describe, describe_config, read_config, read_config_file
 from calibrate.model.layers import ModelSignature, attention_layers, signature
 
 
@@ -45,3 +45,47 @@ def test_latent_attention_and_a_quantization_config_are_described(tmp_path):
     assert described.mla == (32, 8) and described.quant == quant and described.sliding == frozenset()
     assert described.signature([0, 1]) == ModelSignature("deepseek_v3", [0, 1], num_kv_heads=1, num_heads=4, head_dim=40,
                                                          latent_dim=32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reading config.json
+
+
+def write(directory, text: str):
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(text)
+    return directory
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda d: d / "nope", "does not exist"),
+    (lambda d: (d / "file").write_text("x") and d / "file", "is a file"),
+    (lambda d: (d / "empty").mkdir() or d / "empty", "has no config.json"),
+    (lambda d: write(d / "bad", "{not json"), "is not valid JSON"),
+    (lambda d: write(d / "list", "[1, 2]"), "holds a list, not a JSON object"),
+], ids=["missing", "file", "no-config", "not-json", "not-an-object"])
+def test_read_config_file_errors_are_one_line(tmp_path, make, message):
+    path = make(tmp_path)
+    with pytest.raises(ValueError, match=message) as e:
+        read_config_file(path)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=message):
+        read_config(path)  # read_config reads through it
+
+
+@pytest.mark.parametrize("architectures, accepted", [
+    (["LlamaForCausalLM"], True),
+    (["Gemma3ForConditionalGeneration"], True),
+    ([], True),  # unknown: the load itself decides
+    (["BertModel"], False),
+    (["LlamaForSequenceClassification"], False),
+], ids=["causal-lm", "image-text", "none", "encoder", "classifier"])
+def test_read_config_refuses_what_is_not_a_causal_lm(tmp_path, architectures, accepted):
+    config = {"model_type": "llama", "architectures": architectures}
+    write(tmp_path / "m", json.dumps(config))
+    if accepted:
+        assert read_config(tmp_path / "m") == config
+    else:
+        with pytest.raises(ValueError, match=f"holds a {architectures[0]}; kvcal calibrates the decoders vLLM serves with a KV cache"):
+            read_config(tmp_path / "m")
+    assert read_config_file(tmp_path / "m") == config  # the plain reader never judges the architecture

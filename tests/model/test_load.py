@@ -15,6 +15,7 @@ from runners import hardware_reason
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
+from calibrate.model.description import read_config
 from calibrate.model.layers import attention_layers, max_context, signature
 from calibrate.model.load import (
     Placement,
@@ -25,8 +26,6 @@ from calibrate.model.load import (
     default_dtype,
     input_device,
     load_model,
-    read_config,
-    read_config_file,
     resolve_device,
     resolve_placement,
     without_kv_quantization,
@@ -105,50 +104,6 @@ def test_max_context_of_a_saved_multimodal_config(tmp_path):
     config.text_config.max_position_embeddings = 2048
     config.save_pretrained(tmp_path)
     assert max_context(read_config(tmp_path)) == 2048
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Reading config.json
-
-
-def write(directory, text: str):
-    directory.mkdir(exist_ok=True)
-    (directory / "config.json").write_text(text)
-    return directory
-
-
-@pytest.mark.parametrize("make, message", [
-    (lambda d: d / "nope", "does not exist"),
-    (lambda d: (d / "file").write_text("x") and d / "file", "is a file"),
-    (lambda d: (d / "empty").mkdir() or d / "empty", "has no config.json"),
-    (lambda d: write(d / "bad", "{not json"), "is not valid JSON"),
-    (lambda d: write(d / "list", "[1, 2]"), "holds a list, not a JSON object"),
-], ids=["missing", "file", "no-config", "not-json", "not-an-object"])
-def test_read_config_file_errors_are_one_line(tmp_path, make, message):
-    path = make(tmp_path)
-    with pytest.raises(ValueError, match=message) as e:
-        read_config_file(path)
-    assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match=message):
-        read_config(path)  # read_config reads through it
-
-
-@pytest.mark.parametrize("architectures, accepted", [
-    (["LlamaForCausalLM"], True),
-    (["Gemma3ForConditionalGeneration"], True),
-    ([], True),  # unknown: the load itself decides
-    (["BertModel"], False),
-    (["LlamaForSequenceClassification"], False),
-], ids=["causal-lm", "image-text", "none", "encoder", "classifier"])
-def test_read_config_refuses_what_is_not_a_causal_lm(tmp_path, architectures, accepted):
-    config = {"model_type": "llama", "architectures": architectures}
-    write(tmp_path / "m", json.dumps(config))
-    if accepted:
-        assert read_config(tmp_path / "m") == config
-    else:
-        with pytest.raises(ValueError, match=f"holds a {architectures[0]}; kvcal calibrates the decoders vLLM serves with a KV cache"):
-            read_config(tmp_path / "m")
-    assert read_config_file(tmp_path / "m") == config  # the plain reader never judges the architecture
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ import json
 import pytest
 
 from calibrate.verification.capacity import (
-    GPU_MEMORY_UTILIZATION,
     GPUS,
     QUOTED_FIGURES,
     LayerKV,
@@ -24,6 +23,7 @@ from calibrate.verification.capacity import (
     plan,
     plan_text,
 )
+from calibrate.vllm_facts.serving import GPU_MEMORY_UTILIZATION
 
 GB, GIB = 10**9, 2**30
 H100 = 81559 * 2**20  # nvidia-smi's total, written out here rather than read from GPUS
