@@ -26,7 +26,6 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..data.passages import MIN_WORDS, cloze_items, held_out_passages
 from ..data.stream import read_digests
@@ -37,11 +36,9 @@ from ..model.description import describe
 from ..model.load import load_tokenizer
 from ..vllm_facts.platforms import platform
 from ..vllm_facts.serving import unquantized_dtype
+from . import engine
 from .config import DEFAULT_MAX_MODEL_LEN, TasksConfig
 from .significance import LEVEL, RULE, mcnemar_exact, mean_stderr, significant
-
-if TYPE_CHECKING:
-    from .engine import EngineHost
 
 BOOTSTRAP_ITERS = 1000  # lm-eval's bootstrap of the perplexities' standard errors (its default, 100,000, takes minutes)
 PERPLEXITY, CLOZE = "kvcal_perplexity", "kvcal_cloze"
@@ -170,8 +167,6 @@ def tasks(checkpoint: str | Path, data: str | Path | list[str], out: str | Path,
 
 def run_tasks(config: TasksConfig) -> TasksResult:
     """Run ``kvcal tasks``; see ``tasks``."""
-    from . import engine  # torch's import, paid only when a run starts (``kvcal --help`` reads this module's defaults)
-
     config.validate()
     described = describe(config.checkpoint)
     # 1. vLLM and lm-eval in its interpreter, and what the engine offers, before any text is read.
@@ -200,7 +195,7 @@ def run_tasks(config: TasksConfig) -> TasksResult:
     sig = described.signature(list(range(described.num_layers)))
     block = platform(host.platform).block_size
     max_len = config.max_model_len or min(DEFAULT_MAX_MODEL_LEN, described.context or DEFAULT_MAX_MODEL_LEN)
-    max_len = max_len // block * block
+    max_len = max(block, max_len // block * block)  # whole blocks, as verify's engine runs size it
     settings = {"dtype": "auto", "max_model_len": max_len, "block_size": block, "chunk_len": max_len,
                 "kv_cache_bytes": engine.kv_cache_bytes(described.num_layers, sig.num_kv_heads, sig.head_dim, max_len, block)}
     baseline = unquantized_dtype(described.config)
@@ -242,7 +237,7 @@ def _run(python: Path, checkpoint: str, dtype: str, folder: Path, settings: dict
     return {**answer["result"], "wall_s": time.perf_counter() - began}
 
 
-def _write(result: TasksResult, settings: dict, host: EngineHost) -> None:
+def _write(result: TasksResult, settings: dict, host: engine.EngineHost) -> None:
     """tables.md (lm-eval's tables and the paired lines) and results.json, each written whole."""
     out = result.out
     tables = "\n\n".join(f"## --kv-cache-dtype {dtype}\n\n{found['table']}" for dtype, found in result.runs.items())
