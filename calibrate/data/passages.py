@@ -1,11 +1,11 @@
 """Held-out text records as whole passages, and the last-word cloze items cut from them: what ``kvcal tasks`` hands
 lm-evaluation-harness instead of a stock task's downloaded data.
 
-A passage is one plain-text record of ``--data``, read in the same seeded order the token stream reads it, left out
-when calibration used it (its ``record_digest`` is among the checkpoint's records). A cloze item is a passage of at
-least ``MIN_WORDS`` words whose last word is letters only once its trailing punctuation is dropped: the context is the
-passage up to that word, the target is a space and the word (LAMBADA's form, so a tokenizer sees the word as it
-would in running text).
+A passage is one plain-text record of ``--data``, each file's records through the token stream's seeded shuffle
+(sources and files in the order given), left out when calibration used it (its ``record_digest`` is among the
+checkpoint's records). A cloze item is a passage of at least ``MIN_WORDS`` words whose last word is letters only once
+its trailing punctuation is dropped: the context is the passage up to that word, the target is a space and the word
+(LAMBADA's form, so a tokenizer sees the word as it would in running text).
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ class ClozeItem:
 def held_out_passages(sources: list[str], tokenizer: PreTrainedTokenizerBase, exclude: frozenset[str], *,
                       limit: int, text_field: str | None = None, seed: int = 0) -> Passages:
     """Up to ``limit`` non-empty plain-text records of ``sources`` whose ``record_digest`` is not in ``exclude``, each
-    stripped of surrounding whitespace, sources in turn, records through the stream's seeded shuffle.
+    stripped of surrounding whitespace: sources and their files in the order given, each file's records through the
+    stream's seeded shuffle (``read_rows``).
 
     The digest is the token stream's for a text record: the ids of the stripped text without special tokens. Chat
     (``messages``) and pre-tokenized (``input_ids``) records have no passage to cut a word from and are refused."""
