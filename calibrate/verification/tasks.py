@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..data.passages import MIN_WORDS, cloze_items, held_out_passages
-from ..data.stream import read_digests
+from ..data.stream import TOKENIZE_CHARS, read_digests
 from ..engine.launch import EngineError, run_job
 from ..files import write_atomically
 from ..layout import records_path
@@ -191,6 +191,8 @@ def run_tasks(config: TasksConfig) -> TasksResult:
              if len(got) < asked]
     if found.excluded:
         notes.append(f"{found.excluded} records calibration used were left out")
+    if found.too_long:
+        notes.append(f"{found.too_long} records over {TOKENIZE_CHARS:,} characters were left out (not one passage)")
     # 3. The engine settings verify's engine runs use, sized for this model.
     sig = described.signature(list(range(described.num_layers)))
     block = platform(host.platform).block_size
