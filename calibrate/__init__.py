@@ -16,6 +16,7 @@ _PUBLIC = {
     "CalibrationConfig": "config",
     "CalibrationResult": "result",
     "Stats": "capture.stats",
+    "TasksResult": "verification.tasks",
     "VerifyResult": "verification.run",
     "apply": "api",
     "audit": "engine.audit",
@@ -27,6 +28,7 @@ _PUBLIC = {
     "load_calibration": "checkpoint.kvcal_dir",
     "load_recipe": "recipes",
     "run_calibration": "api",
+    "tasks": "verification.tasks",
     "verify": "verification.run",
 }
 __all__ = sorted(_PUBLIC)

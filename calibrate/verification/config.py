@@ -21,6 +21,7 @@ from ..choices import (
     verify_scheme,
 )
 from ..data.config import DataConfig, as_sources, check_int
+from ..data.sources import resolve_sources
 from ..layout import VERIFY_REPORT_FILES
 from ..settings import flat_settings, route_options
 from ..thresholds import Thresholds
@@ -309,3 +310,44 @@ def _split(value: str | list | None) -> list[str]:
     return [item.strip() for item in items if item.strip()]
 
 
+# kvcal tasks (verification/tasks.py): its defaults, and its one config.
+DEFAULT_ITEMS = 400  # cloze items: 300-500 keeps a run to minutes while the paired test can see a few flips' lean
+DEFAULT_DOCUMENTS = 100  # perplexity passages
+DEFAULT_MAX_MODEL_LEN = 2048  # vLLM's --max-model-len: lm-eval rolls longer passages in windows of this many tokens
+
+
+@dataclass
+class TasksConfig:
+    """One ``kvcal tasks`` run, checked before anything is read or started (``validate``)."""
+
+    checkpoint: str
+    data: list[str]
+    out: str
+    kv_cache_dtypes: list[str] = field(default_factory=lambda: ["fp8"])
+    items: int = DEFAULT_ITEMS
+    documents: int = DEFAULT_DOCUMENTS
+    max_model_len: int | None = None  # None: DEFAULT_MAX_MODEL_LEN, or the model's context where shorter
+    text_field: str | None = None
+    seed: int = 0
+    include_calibration_data: bool = False
+    vllm_python: str | None = None
+
+    def validate(self) -> "TasksConfig":
+        self.data = as_sources(self.data)
+        resolve_sources(self.data)  # a missing file or a bad weight, before vLLM starts
+        check_int("items", self.items, 1)
+        check_int("documents", self.documents, 1)
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, 16)
+        if not self.kv_cache_dtypes:
+            raise ValueError("name at least one --kv-cache-dtype to judge against the unquantized cache, e.g. fp8")
+        unknown = [d for d in self.kv_cache_dtypes if d not in CACHE_DTYPES or d == "auto"]
+        if unknown:
+            raise ValueError(f"--kv-cache-dtype {unknown[0]}: not a quantized cache dtype kvcal knows; use one of "
+                             f"{', '.join(d for d in CACHE_DTYPES if d != 'auto')} (the unquantized cache always runs)")
+        if len(set(self.kv_cache_dtypes)) != len(self.kv_cache_dtypes):
+            raise ValueError(f"--kv-cache-dtype names a dtype twice: {', '.join(self.kv_cache_dtypes)}")
+        out = Path(self.out)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"--out {out} exists and is not an empty folder: name a new one")
+        return self

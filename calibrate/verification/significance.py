@@ -126,3 +126,15 @@ def equivalent(differences: Sequence[float], within: Sequence[float]) -> bool:
     above = mean_bounds([d - w for d, w in zip(differences, within)])
     below = mean_bounds([d + w for d, w in zip(differences, within)])
     return above is not None and below is not None and above[1] < 0 < below[0]
+
+
+def mcnemar_exact(only_first: int, only_second: int) -> float:
+    """Two-sided p-value of the exact McNemar test on paired right/wrong outcomes: of the ``only_first`` +
+    ``only_second`` discordant items (right one way, wrong the other), how unlikely a split this uneven or more is when
+    each way is equally likely (binomial, n discordant, p ½). Concordant items carry no evidence and are not passed.
+    1.0 with no discordant item. Exact integer sums, so small counts get no normal approximation."""
+    if min(only_first, only_second) < 0:
+        raise ValueError(f"discordant counts must be non-negative, got {only_first} and {only_second}")
+    n, low = only_first + only_second, min(only_first, only_second)
+    tail = sum(math.comb(n, k) for k in range(low + 1))  # P(X ≤ low) × 2ⁿ
+    return min(1.0, 2 * tail / 2**n)

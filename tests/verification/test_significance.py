@@ -9,6 +9,9 @@ a rule exactly at 5% fails about 1 run in 700 per check, and the fixed seed make
 this replaces (2 standard errors: 18% at 3 sequences; equality read from a test that found nothing: 95% at the margin)
 fail by far."""
 
+from fractions import Fraction
+from math import comb
+
 import numpy as np
 import pytest
 
@@ -19,6 +22,7 @@ from calibrate.verification.significance import (
     critical_value,
     equivalent,
     margin,
+    mcnemar_exact,
     mean_bounds,
     mean_stderr,
     one_sided,
@@ -150,6 +154,27 @@ def test_two_standard_errors_would_have_over_claimed():
     d = np.random.default_rng(0).standard_normal((DRAWS, 3))
     rate = np.mean(np.abs(d.mean(1)) > 2 * d.std(1, ddof=1) / np.sqrt(3))
     assert rate > 0.15 and 2 * (1 - t_cdf(2.0, 2)) == pytest.approx(0.1835, abs=1e-4)
+
+
+def _mcnemar_by_enumeration(b: int, c: int) -> Fraction:
+    """The exact two-sided McNemar p-value defined another way: the probability, under Binomial(b + c, ½), of every
+    split no more likely than the one observed (exact fractions, every outcome enumerated)."""
+    n = b + c
+    seen = Fraction(comb(n, b), 2**n)
+    return sum((Fraction(comb(n, k), 2**n) for k in range(n + 1) if Fraction(comb(n, k), 2**n) <= seen), Fraction(0))
+
+
+@pytest.mark.parametrize("b,c", [(0, 0), (0, 1), (1, 9), (9, 1), (5, 5), (3, 4), (0, 12), (7, 20), (40, 61), (150, 190)],
+                         ids=lambda v: str(v))
+def test_mcnemar_exact_matches_the_enumerated_binomial(b, c):
+    assert mcnemar_exact(b, c) == pytest.approx(float(_mcnemar_by_enumeration(b, c)), rel=1e-12, abs=0)
+
+
+def test_mcnemar_exact_at_a_printed_value_and_refuses_negative_counts():
+    """1 flip against 9: 2·(1 + 10)/2¹⁰ = 0.0215, the textbook value; a negative count is a caller's mistake."""
+    assert mcnemar_exact(1, 9) == pytest.approx(22 / 1024, rel=1e-15)
+    with pytest.raises(ValueError, match="non-negative"):
+        mcnemar_exact(-1, 3)
 
 
 def test_mean_stderr_is_the_textbook_float64_one_and_carries_a_nan():

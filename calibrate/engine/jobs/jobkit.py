@@ -80,6 +80,21 @@ def device_memory() -> dict:
     return {"gpu_memory_utilization": gpu_share(free, total)}
 
 
+def engine_settings(request: dict) -> dict:
+    """The ``LLM`` settings every job that measures the checkpoint starts vLLM with, from the request's ``dtype``,
+    ``max_model_len``, ``block_size``, ``chunk_len``, ``kv_cache_bytes`` and optional ``attention_backend``,
+    ``tensor_parallel_size`` and ``skip_layers``: one sequence at a time, eager (no CUDA graphs), chunked prefill of
+    ``chunk_len`` tokens, prefix caching off (each run writes its cache afresh), seed 0. The log-probability job and
+    the lm-eval job take them from here, so a task score and verify's KL come from engines started alike."""
+    return {"dtype": request["dtype"], "max_model_len": request["max_model_len"], "block_size": request["block_size"],
+            "enforce_eager": True, "enable_chunked_prefill": True, "max_num_batched_tokens": request["chunk_len"],
+            "max_num_seqs": 1, "enable_prefix_caching": False, "kv_cache_memory_bytes": request["kv_cache_bytes"],
+            "seed": 0, "attention_backend": request.get("attention_backend"),
+            "tensor_parallel_size": request.get("tensor_parallel_size", 1),
+            **({"kv_cache_dtype_skip_layers": request["skip_layers"]} if request.get("skip_layers") else {}),
+            **device_memory()}
+
+
 # What kvcal's jobs reach inside a running engine beyond vLLM's public API: on the model runner, on its model, and on
 # every attention layer. Checked by ``engine_facts`` when the engine starts, so a release without one is refused in
 # one line before anything long runs (engine/started.py).

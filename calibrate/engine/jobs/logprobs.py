@@ -29,7 +29,7 @@ forgotten (``jobkit.scales_changed``); prefix caching is off, so each run writes
 import os
 import time
 
-from jobkit import attention_layers, device_memory, run, scales_changed
+from jobkit import attention_layers, engine_settings, run, scales_changed
 from jobkit import runner as runner_of
 
 
@@ -92,14 +92,8 @@ def work(request: dict) -> dict:
     sequences = request["sequences"]
     n = len(sequences[0])
     start = time.perf_counter()
-    llm = LLM(model=request["checkpoint"], kv_cache_dtype=request["kv_cache_dtype"], dtype=request["dtype"],
-              max_model_len=request["max_model_len"], block_size=request["block_size"], enforce_eager=True,
-              enable_chunked_prefill=True, max_num_batched_tokens=request["chunk_len"], max_num_seqs=1,
-              enable_prefix_caching=False, kv_cache_memory_bytes=request["kv_cache_bytes"], seed=0,
-              attention_backend=request.get("attention_backend"), skip_tokenizer_init=not request.get("tokenizer", True),
-              tensor_parallel_size=request.get("tensor_parallel_size", 1),
-              **({"kv_cache_dtype_skip_layers": request["skip_layers"]} if request.get("skip_layers") else {}),
-              **device_memory())
+    llm = LLM(model=request["checkpoint"], kv_cache_dtype=request["kv_cache_dtype"],
+              skip_tokenizer_init=not request.get("tokenizer", True), **engine_settings(request))
     loaded = time.perf_counter()
     runner = runner_of(llm)
     model = runner.model

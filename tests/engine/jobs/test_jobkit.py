@@ -84,6 +84,22 @@ def test_device_memory_is_measured_on_a_gpu_and_absent_elsewhere(jobkit, monkeyp
     assert jobkit.device_memory() == {"gpu_memory_utilization": 0.36}  # (30 - 1) / 80 = 0.3625, down to 0.36
 
 
+def test_every_measuring_job_starts_vllm_alike(jobkit, monkeypatch):
+    """The settings the log-probability and lm-eval jobs both pass to vLLM: the request's sizes, one sequence at a
+    time, eager, no prefix caching, seed 0; skip layers only when some are named."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    request = {"dtype": "auto", "max_model_len": 256, "block_size": 32, "chunk_len": 64, "kv_cache_bytes": 1 << 26}
+    settings = jobkit.engine_settings(request)
+    assert settings == {"dtype": "auto", "max_model_len": 256, "block_size": 32, "enforce_eager": True,
+                        "enable_chunked_prefill": True, "max_num_batched_tokens": 64, "max_num_seqs": 1,
+                        "enable_prefix_caching": False, "kv_cache_memory_bytes": 1 << 26, "seed": 0,
+                        "attention_backend": None, "tensor_parallel_size": 1}
+    assert jobkit.engine_settings({**request, "skip_layers": []}) == settings
+    assert jobkit.engine_settings({**request, "skip_layers": ["0"]})["kv_cache_dtype_skip_layers"] == ["0"]
+
+
 # ---- what a started engine shows of itself ------------------------------------------------------------------------
 
 
