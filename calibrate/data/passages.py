@@ -1,9 +1,10 @@
 """Held-out text records as whole passages, and the last-word cloze items cut from them: what ``kvcal tasks`` hands
 lm-evaluation-harness instead of a stock task's downloaded data.
 
-A passage is one plain-text record of ``--data``, each file's records through the token stream's seeded shuffle
-(sources and files in the order given), left out when calibration used it (its ``record_digest`` is among the
-checkpoint's records). A cloze item is a passage of at least ``MIN_WORDS`` words whose last word is letters only once
+A passage is one paragraph of a plain-text record of ``--data`` (a record split at its blank lines: a verse, a
+paragraph, a document's paragraphs each), each file's records through the token stream's seeded shuffle (sources and
+files in the order given); a record calibration used (its digest, ``stream.text_digest``, among the checkpoint's
+records) gives none. A cloze item is a passage of at least ``MIN_WORDS`` words whose last word is letters only once
 its trailing punctuation is dropped: the context is the passage up to that word, the target is a space and the word
 (LAMBADA's form, so a tokenizer sees the word as it would in running text).
 """
@@ -16,12 +17,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .sources import pick_column, read_rows, resolve_sources
-from .stream import TOKENIZE_CHARS, record_digest
+from .stream import text_digest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 MIN_WORDS = 8  # a shorter passage leaves too little context to predict its last word from
+_PARAGRAPH = re.compile(r"\n\s*\n")  # a blank line: where a record's paragraphs part
 # The passage's last whitespace-separated token, with the space before it: the context ends where it starts.
 _LAST_TOKEN = re.compile(r"\s(\S+)\s*$")
 _TRAILING = string.punctuation + "\u2019\u201d"  # ASCII punctuation and the closing curly quotes
@@ -29,12 +31,10 @@ _TRAILING = string.punctuation + "\u2019\u201d"  # ASCII punctuation and the clo
 
 @dataclass
 class Passages:
-    """Held-out passages and what was passed over: records calibration used, and records too long to digest whole
-    (over ``TOKENIZE_CHARS`` characters: the stream digests those piece by piece)."""
+    """Held-out passages, and how many records calibration used were passed over."""
 
     texts: list[str] = field(default_factory=list)
     excluded: int = 0
-    too_long: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,11 @@ class ClozeItem:
 
 def held_out_passages(sources: list[str], tokenizer: PreTrainedTokenizerBase, exclude: frozenset[str], *,
                       limit: int, text_field: str | None = None, seed: int = 0) -> Passages:
-    """Up to ``limit`` non-empty plain-text records of ``sources`` whose ``record_digest`` is not in ``exclude``, each
-    stripped of surrounding whitespace: sources and their files in the order given, each file's records through the
-    stream's seeded shuffle (``read_rows``).
+    """Up to ``limit`` passages: the paragraphs of the non-empty plain-text records of ``sources`` whose digest is not
+    in ``exclude``, each stripped of surrounding whitespace: sources and their files in the order given, each file's
+    records through the stream's seeded shuffle (``read_rows``).
 
-    The digest is the token stream's for a text record: the ids of the stripped text without special tokens. Chat
+    The digest is the token stream's for a text record (``stream.text_digest``), whatever its length. Chat
     (``messages``) and pre-tokenized (``input_ids``) records have no passage to cut a word from and are refused."""
     found = Passages()
     for source in resolve_sources(sources):
@@ -70,13 +70,12 @@ def held_out_passages(sources: list[str], tokenizer: PreTrainedTokenizerBase, ex
                 if not isinstance(text, str) or not text.strip():
                     continue
                 text = text.strip()
-                if len(text) > TOKENIZE_CHARS:
-                    found.too_long += 1
-                    continue
-                if record_digest(tokenizer(text, add_special_tokens=False).input_ids) in exclude:
+                if exclude and text_digest(tokenizer, text) in exclude:
                     found.excluded += 1
                     continue
-                found.texts.append(text)
+                for paragraph in _PARAGRAPH.split(text):
+                    if paragraph.strip() and len(found.texts) < limit:
+                        found.texts.append(paragraph.strip())
     return found
 
 

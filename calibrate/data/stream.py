@@ -77,6 +77,15 @@ def record_digest(ids: list[int]) -> str:
     return _digest_update(hashlib.sha256(), ids).hexdigest()[:DIGEST_HEX]
 
 
+def text_digest(tokenizer, text: str) -> str:
+    """``record_digest`` of a plain-text record (``text`` stripped), as the stream computes it: tokenized a piece of
+    ``TOKENIZE_CHARS`` at a time without special tokens, so a record of any length has the digest calibration wrote."""
+    hasher = hashlib.sha256()
+    for start, end in _pieces(text, TOKENIZE_CHARS):
+        _digest_update(hasher, tokenizer(text[start:end], add_special_tokens=False).input_ids)
+    return hasher.hexdigest()[:DIGEST_HEX]
+
+
 def _digest_update(hasher: "hashlib._Hash", ids: list[int]) -> "hashlib._Hash":
     """``hasher`` fed ``ids`` as record_digest encodes them, so a record hashed piece by piece gets the same digest."""
     hasher.update(b"".join(t.to_bytes(8, "little") for t in ids))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..data.passages import MIN_WORDS, cloze_items, held_out_passages
-from ..data.stream import TOKENIZE_CHARS, read_digests
+from ..data.stream import read_digests
 from ..engine.launch import EngineError, run_job
 from ..files import write_atomically
 from ..layout import records_path
@@ -185,14 +185,12 @@ def run_tasks(config: TasksConfig) -> TasksResult:
     documents = found.texts[: config.documents]
     if not items:
         raise ValueError(f"the data holds no held-out passage of {MIN_WORDS} words or more ending in a word: give "
-                         "--data text of whole sentences or paragraphs, one a record")
+                         "--data text of whole sentences or paragraphs")
     notes = [f"{what}: {len(got)} of the {asked} asked; the data holds no more held-out passages that fit"
              for what, got, asked in (("cloze items", items, config.items), ("perplexity passages", documents, config.documents))
              if len(got) < asked]
     if found.excluded:
         notes.append(f"{found.excluded} records calibration used were left out")
-    if found.too_long:
-        notes.append(f"{found.too_long} records over {TOKENIZE_CHARS:,} characters were left out (not one passage)")
     # 3. The engine settings verify's engine runs use, sized for this model.
     sig = described.signature(list(range(described.num_layers)))
     block = platform(host.platform).block_size
@@ -205,8 +203,9 @@ def run_tasks(config: TasksConfig) -> TasksResult:
     made = not out.exists()
     try:
         # 4. The task files, then one lm-eval run per cache dtype, the unquantized first.
-        write_tasks(out / "tasks", documents, items)
-        runs = {dtype: _run(host.python, config.checkpoint, dtype, out / "tasks", settings)
+        folder = (out / "tasks").resolve()  # the task files name their data by this path; lm-eval runs elsewhere
+        write_tasks(folder, documents, items)
+        runs = {dtype: _run(host.python, config.checkpoint, dtype, folder, settings)
                 for dtype in [baseline, *config.kv_cache_dtypes]}
         # 5. Each candidate paired with the unquantized cache on the cloze, then the files, results.json last.
         paired = {dtype: pair(runs[baseline]["samples"][CLOZE], runs[dtype]["samples"][CLOZE])

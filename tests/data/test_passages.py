@@ -13,7 +13,7 @@ from builders import kjv_jsonl
 
 from calibrate.data.config import DataConfig
 from calibrate.data.passages import MIN_WORDS, cloze_item, cloze_items, held_out_passages
-from calibrate.data.stream import DIGEST_HEX, iter_sequences
+from calibrate.data.stream import DIGEST_HEX, TOKENIZE_CHARS, iter_sequences
 
 
 def digest(tokenizer, text: str) -> str:
@@ -74,3 +74,24 @@ def test_held_out_passages_stop_at_the_limit_and_refuse_chats(tmp_path, smol_tok
     chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ValueError, match="plain text passages"):
         held_out_passages([str(chats)], smol_tokenizer, frozenset(), limit=7)
+
+
+def test_a_long_document_gives_its_paragraphs_and_none_when_calibration_read_it(tmp_path, smol_tokenizer):
+    """A record longer than the stream tokenizes at once (a whole document, as one big text file often is) is cut at
+    its blank lines into passages; when calibration read it (its digest, the stream's own, among the records), none
+    of it is held out. The calibration here is a real stream over the same file."""
+    verses = [json.loads(line)["text"].strip() for line in kjv_jsonl(tmp_path / "kjv.jsonl", 2000).read_text().splitlines()]
+    paragraphs = [" ".join(verses[i:i + 5]) for i in range(0, len(verses), 5)]
+    document = "\n\n".join(paragraphs)
+    assert len(document) > TOKENIZE_CHARS  # the stream digests it piece by piece
+    (tmp_path / "book.jsonl").write_text(json.dumps({"text": document}) + "\n")
+    (tmp_path / "other.jsonl").write_text(json.dumps({"text": "\n\n".join(paragraphs[:3])}) + "\n")
+    both = [str(tmp_path / "book.jsonl"), str(tmp_path / "other.jsonl")]
+    found = held_out_passages(both, smol_tokenizer, frozenset(), limit=10_000)
+    assert found.texts == paragraphs + paragraphs[:3] and found.excluded == 0
+    stream = iter_sequences(DataConfig([str(tmp_path / "book.jsonl")], seq_len=128, max_tokens=256), smol_tokenizer)
+    list(stream)
+    read = frozenset(stream.consumed())
+    assert len(read) == 1
+    found = held_out_passages(both, smol_tokenizer, read, limit=10_000)
+    assert found.texts == paragraphs[:3] and found.excluded == 1

@@ -7,6 +7,7 @@ Hugging Face model's own log-likelihoods of the same passages and items, compute
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -148,7 +149,7 @@ def _reference(model, tokenizer, run: Path) -> tuple[list[float], list[bool]]:
 
 
 @pytest.mark.slow
-def test_lm_eval_on_vllm_cpu_bf16_and_fp8(smol_calibrated, kjv_path, tmp_path):
+def test_lm_eval_on_vllm_cpu_bf16_and_fp8(smol_calibrated, kjv_path, tmp_path, monkeypatch):
     """Both caches run, lm-eval's perplexity is the model's, its accuracy the greedy-match rate of the items, and the
     paired counts those of the per-item logs. The perplexity is the bf16 engine's against the float32 Hugging Face
     model's: on 100 KJV passages they were 0.044% apart in bits per byte, each passage's log-likelihood 0.16% apart
@@ -158,7 +159,9 @@ def test_lm_eval_on_vllm_cpu_bf16_and_fp8(smol_calibrated, kjv_path, tmp_path):
 
     python = client_python("vLLM")
     run = tmp_path / "tasks-run"
-    result = tasks(smol_calibrated.out, [str(kjv_path)], run, items=ITEMS, documents=DOCUMENTS, vllm_python=str(python))
+    monkeypatch.chdir(tmp_path)  # every path relative, as a user types them (the job runs in a folder of its own)
+    result = tasks(os.path.relpath(smol_calibrated.out), [os.path.relpath(kjv_path)], "tasks-run", items=ITEMS,
+                   documents=DOCUMENTS, vllm_python=str(python))
     assert result.baseline == "bfloat16" and list(result.runs) == ["bfloat16", "fp8"]  # a kvcal output: auto is fp8
     report = json.loads((run / "results.json").read_text())
     assert report["paired"] == json.loads(json.dumps(result.paired)) and (run / "tables.md").is_file()
