@@ -30,6 +30,7 @@ from calibrate.verification.tasks import (
     tasks,
     write_tasks,
 )
+from calibrate.vllm_facts.release import READ_IN
 
 TEXTS = [f"and the {n} sons of the house went out at evening unto the field of {w}."
          for n, w in zip(("two", "three", "seven"), ("Ephron", "Machpelah", "Mamre"))]
@@ -204,7 +205,7 @@ def no_engine(monkeypatch):
     """vLLM found without starting it: this interpreter stands for vLLM's (it has no lm-eval), offering fp8."""
     from calibrate.verification import engine
 
-    host = engine.EngineHost(Path(sys.executable), "0.32.0", "CpuPlatform", {}, ("auto", "fp8"))
+    host = engine.EngineHost(Path(sys.executable), READ_IN, "CpuPlatform", {}, ("auto", "fp8"))
     monkeypatch.setattr(engine, "probe", lambda vllm_python: host)
     return host
 
