@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     import torch
 
@@ -113,3 +115,12 @@ def no_room(error: BaseException) -> str | None:
     if code is None and (m := _OS_ERROR.search(str(error))):
         code = int(m[1])
     return NO_ROOM.get(code)
+
+
+def reserved_array(path: Path, shape: tuple[int, ...]) -> np.ndarray:
+    """A float32 ``.npy`` array memory-mapped at ``path`` with its bytes reserved on disk first: a disk too small is an
+    OSError here (``no_room`` words it), not a SIGBUS at a later write into a sparse file."""
+    array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
+    with open(path, "r+b") as f:
+        os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
+    return array

@@ -44,15 +44,18 @@ class Emulated:
     twins: list[Scheme]  # the static schemes as the other targets' writers run them (``schemes.target_twins``)
 
 
-def emulate(config: VerifyConfig, subject: Subject, ref: Reference, sample: Sample, mark: Callable[[str], None]) -> Emulated:
+def emulate(config: VerifyConfig, subject: Subject, ref: Reference, sample: Sample, mark: Callable[[str], None],
+            keep: Callable[[int, int, int, torch.Tensor], None] | None = None) -> Emulated:
     """The schemes, the reference pass and one pass per scheme, then the optional probes; ``mark`` is told the end of
-    each part ("passes", "fa3", "needle", "drift") for the report's timings."""
+    each part ("passes", "fa3", "needle", "drift") for the report's timings; ``keep`` is handed the reference pass's
+    log-probabilities, for the engine's runs (``passes.measure``)."""
     fmt = get_format(config.fp8_format)
     schemes, skipped, held = build_schemes(config, subject.described, subject.files, ref.layers, ref.sig, ref.stats, fmt)
     floor = [floor_scheme(ref.model.dtype, fmt)] if config.floor else []
     twins = target_twins(schemes, {target: (w.backend, not w.kv_only) for target, w in other_writers(config).items()})
     rows = fa3.query_rows(config.data.seq_len, config.data.chunk_len, config.fa3_rows) if config.fa3 else None
-    tallies, probe, ref_nll, ref_seconds = measure(ref.model, ref.layers, schemes + twins + floor, sample.sequences, config, rows)
+    tallies, probe, ref_nll, ref_seconds = measure(ref.model, ref.layers, schemes + twins + floor, sample.sequences, config, rows,
+                                                   keep)
     mark("passes")
     fa3_result = _fa3(probe, rows, schemes, ref.layers, ref.sig, config) if config.fa3 else None
     mark("fa3")

@@ -153,16 +153,15 @@ def check_stored(dtype: str, stored: dict, scheme_scales: dict | None) -> dict:
             "k_scale": [layer["k_scale_float"] for layer in layers], "v_scale": [layer["v_scale_float"] for layer in layers]}
 
 
-def compare_logprobs(ref: np.ndarray, other: np.ndarray) -> tuple[list[float], list[float]]:
-    """KL(ref ‖ other) and top-1 agreement per sequence, from two [sequences, positions, vocab] log-probability
-    arrays (memory: one sequence of each at a time)."""
-    kls, top1 = [], []
-    for i in range(ref.shape[0]):
-        a, b = torch.from_numpy(np.array(ref[i])), torch.from_numpy(np.array(other[i]))  # one sequence, copied
-        kl = token_kl(a, a.exp(), b)
-        kls.append(kl.double().mean().item())
-        top1.append((a.argmax(-1) == b.argmax(-1)).double().mean().item())
-    return kls, top1
+def _row(logprobs: np.ndarray, i: int) -> torch.Tensor:
+    """Sequence ``i`` of a (memory-mapped) [sequences, positions, vocab] array, copied into memory."""
+    return torch.from_numpy(np.array(logprobs[i]))
+
+
+def _sequence_figures(ref: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
+    """Mean KL(ref ‖ other) and top-1 agreement over one sequence's positions, [positions, vocab] each."""
+    return (token_kl(ref, ref.exp(), other).double().mean().item(),
+            (ref.argmax(-1) == other.argmax(-1)).double().mean().item())
 
 
 def mean_nll(logprobs: np.ndarray, targets: np.ndarray) -> float:
@@ -170,20 +169,6 @@ def mean_nll(logprobs: np.ndarray, targets: np.ndarray) -> float:
     [sequences, positions, vocab] log-probabilities: what perplexity is made of."""
     rows = np.arange(targets.shape[1])
     return -float(np.mean([np.asarray(logprobs[i])[rows, targets[i]].astype(np.float64).mean() for i in range(targets.shape[0])]))
-
-
-@torch.no_grad()
-def reference_logprobs(model, sequences: list[torch.Tensor], out: Path) -> np.ndarray:
-    """The reference model's log-probabilities [sequences, positions − 1, vocab] (float32, memory-mapped at ``out``)."""
-    device = next(model.parameters()).device
-    first = None
-    for i, seq in enumerate(sequences):
-        lp = torch.log_softmax(model(seq.to(device)[None]).logits[0, :-1].float(), -1).cpu().numpy()
-        if first is None:
-            first = np.lib.format.open_memmap(out, mode="w+", dtype=np.float32, shape=(len(sequences), *lp.shape))
-        first[i] = lp
-    first.flush()
-    return first
 
 
 def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequences: list[list[int]], *, dtype: str,
@@ -211,8 +196,8 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
     base = {"dtype": dtype, "max_model_len": max_model_len, "block_size": block_size, "chunk_len": chunk_len,
             "kv_cache_bytes": kv_bytes, "sequences": sequences, "vocab_size": vocab_size, "prompts": list(prompts),
             "steps": steps, "attention_backend": attention_backend, "tokenizer": tokenizer,
-            "tensor_parallel_size": tensor_parallel_size}
-    auto = None  # the unquantized run's array, once it ran
+            "tensor_parallel_size": tensor_parallel_size, "checkpoint": str(checkpoint)}
+    starts = []  # each start's request: its cache dtype, its runs, its skip layers
     for group in job_groups(names):
         ready = []
         for name in group:
@@ -221,42 +206,95 @@ def run_schemes(host: EngineHost, checkpoint: Path, names: Sequence[str], sequen
                 runs[name] = {"why": NOT_RUN.get(name, "a scales file: not run in the engine")}
             elif kv_dtype not in (*offered, unquantized):
                 runs[name] = {"why": f"vLLM {host.version} has no {kv_dtype}"}
-            elif "auto" in runs and auto is None:  # nothing to compare with: the unquantized run failed or was refused
-                runs[name] = {"why": "not run: the engine's unquantized run, which every run is compared with, did not run"}
             else:
                 ready.append(name)
-        if not ready:
-            continue
-        kv_dtype, scales = RUNS.get(ready[0], (unquantized, "none"))
-        start = time.perf_counter()
-        asked = [{"name": name, "scales": "ones" if RUNS.get(name, (None, "none"))[1] == "ones" else "loaded",
-                  "out": str(workdir / f"{name}.npy")} for name in ready]
-        try:
-            answer = run_job(host.python, "logprobs", {**base, "checkpoint": str(checkpoint), "kv_cache_dtype": kv_dtype,
-                                                       "runs": asked, "skip_layers": list(skip_layers) if scales != "none" else []},
-                             deny_isa=deny_isa)
-        except EngineError as e:
+        if ready:
+            kv_dtype, scales = RUNS.get(ready[0], (unquantized, "none"))
+            starts.append({"kv_cache_dtype": kv_dtype, "skip_layers": list(skip_layers) if scales != "none" else [],
+                           "runs": [{"name": name, "out": str(workdir / f"{name}.npy"),
+                                     "scales": "ones" if RUNS.get(name, (None, "none"))[1] == "ones" else "loaded"}
+                                    for name in ready]})
+    array = len(sequences) * (len(sequences[0]) - 1) * vocab_size * 4 if sequences else 0
+    asked_auto = any(run["name"] == "auto" for start in starts for run in start["runs"])
+    auto = None  # the unquantized run's array, once it ran
+    for batch in _processes(starts, array, workdir):
+        if asked_auto and auto is None and batch[0]["runs"][0]["name"] != "auto":
+            answered = [(start, None) for start in batch]  # its process came after the unquantized run's failed
+        else:
+            answered = _answers(host, base, batch, deny_isa)
+        for start, answer in answered:
+            ready = [run["name"] for run in start["runs"]]
+            kv_dtype = start["kv_cache_dtype"]
+            if ready[0] != "auto" and asked_auto and auto is None:  # nothing to compare with
+                for name in ready:
+                    runs[name] = {"why": "not run: the engine's unquantized run, which every run is compared with, did "
+                                         "not run"}
+                continue
+            seconds = answer["seconds"] / len(ready)  # the start is shared
+            if answer.get("crashed"):
+                for name in ready:
+                    runs[name] = failed_run(answer["crashed"].detail or str(answer["crashed"]), str(answer["crashed"]),
+                                            kv_dtype, seconds)
+                continue
+            if answer["fault"]:
+                for name in ready:
+                    runs[name] = failed_run(answer["fault"], f"vLLM's logprobs job failed: {answer['fault']}", kv_dtype,
+                                            seconds)
+                continue
+            if answer["error"]:
+                for name in ready:
+                    runs[name] = {"why": short_reason(answer["error"]), "error": answer["error"], "kv_cache_dtype": kv_dtype,
+                                  "seconds": seconds}
+                continue
+            shared = {key: value for key, value in answer["result"].items() if key != "runs"}
             for name in ready:
-                runs[name] = failed_run(e.detail or str(e), str(e), kv_dtype, (time.perf_counter() - start) / len(ready))
-            continue
-        seconds = (time.perf_counter() - start) / len(ready)  # the start is shared
-        if answer["error"]:
-            for name in ready:
-                runs[name] = {"why": short_reason(answer["error"]), "error": answer["error"], "kv_cache_dtype": kv_dtype,
+                npy = workdir / f"{name}.npy"
+                logprobs = np.load(npy, mmap_mode="r")
+                runs[name] = {**shared, **answer["result"]["runs"][name], **figures(logprobs, auto, reference, targets),
                               "seconds": seconds}
-            continue
-        shared = {key: value for key, value in answer["result"].items() if key != "runs"}
-        for name in ready:
-            npy = workdir / f"{name}.npy"
-            logprobs = np.load(npy, mmap_mode="r")
-            runs[name] = {**shared, **answer["result"]["runs"][name], **figures(logprobs, auto, reference, targets),
-                          "seconds": seconds}
-            if name == "auto":
-                auto, runs[name]["npy"] = logprobs, npy
-            else:
-                del logprobs
-                npy.unlink()
+                if name == "auto":
+                    auto, runs[name]["npy"] = logprobs, npy
+                else:
+                    del logprobs
+                    npy.unlink()
     return runs
+
+
+def _processes(starts: list[dict], array: int, workdir: Path) -> list[list[dict]]:
+    """The starts grouped into job processes, in order: every start but the second unquantized run's in one process
+    (vLLM imported once, not once per start), that run alone in another (it measures the noise between two engines
+    started apart), where ``workdir`` has room for all of the first process's arrays of ``array`` bytes at once (its
+    runs are reduced to figures when it ends); else each start in a process of its own, as the room allows."""
+    first = [s for s in starts if s["runs"][0]["name"] != "auto2"]
+    apart = [s for s in starts if s["runs"][0]["name"] == "auto2"]
+    arrays = sum(len(s["runs"]) for s in first)
+    if len(first) > 1 and shutil.disk_usage(workdir).free >= arrays * array + ROOM_MARGIN:
+        return [first, *([apart] if apart else [])]
+    return [[s] for s in starts]
+
+
+def _answers(host: EngineHost, base: dict, batch: list[dict], deny_isa: tuple[str, ...]) -> list[tuple[dict, dict | None]]:
+    """Each start of ``batch`` with its answer from one logprobs job (``jobs/logprobs.py``): the job's, with its
+    ``seconds``; ``crashed`` (the EngineError) where its process crashed, was killed or timed out; None where the job
+    did not start it. A process of several starts that crashed is run again a start at a time, so one dtype that
+    crashes vLLM costs only its own runs."""
+    began = time.perf_counter()
+    try:
+        answer = run_job(host.python, "logprobs", {**base, "starts": batch, "stop_if_first_fails": True},
+                         deny_isa=deny_isa)
+    except EngineError as e:
+        if len(batch) == 1:
+            return [(batch[0], {"crashed": e, "error": None, "fault": None, "seconds": time.perf_counter() - began})]
+        answered = []
+        for i, start in enumerate(batch):
+            answered += _answers(host, base, [start], deny_isa)
+            if i == 0 and any(answered[0][1].get(key) for key in ("crashed", "error", "fault")):  # the others need it
+                return answered + [(later, None) for later in batch[1:]]
+        return answered
+    if answer["error"] or answer["fault"]:  # the job itself, before any start
+        return [(start, {"error": answer["error"], "fault": answer["fault"], "seconds": 0.0}) for start in batch]
+    given = answer["result"]["starts"]
+    return [(start, given[i] if i < len(given) else None) for i, start in enumerate(batch)]
 
 
 def job_groups(names: Sequence[str]) -> list[list[str]]:
@@ -288,14 +326,18 @@ def figures(logprobs: np.ndarray, auto: np.ndarray | None, reference: np.ndarray
             targets: np.ndarray | None) -> dict:
     """A run reduced to what ``compare`` needs, so its [sequences, positions, vocab] array can go: KL and top-1 per
     sequence against the engine's unquantized run (``auto``; None: this is that run), against the reference model
-    (None: no reference), and the mean NLL of ``targets`` (None: none)."""
-    out: dict = {"kl_vs_auto": None, "top1_vs_auto": None, "kl_vs_reference": None, "top1_vs_reference": None, "nll": None}
-    if auto is not None:
-        out["kl_vs_auto"], out["top1_vs_auto"] = compare_logprobs(auto, logprobs)
-    if reference is not None:
-        out["kl_vs_reference"], out["top1_vs_reference"] = compare_logprobs(reference, logprobs)
-    if targets is not None:
-        out["nll"] = mean_nll(logprobs, targets)
+    (None: no reference), and the mean NLL of ``targets`` (None: none). One read of the run's array, a sequence at a
+    time."""
+    against = {"auto": auto, "reference": reference}
+    per: dict[str, list[tuple[float, float]]] = {side: [] for side, base in against.items() if base is not None}
+    for i in range(logprobs.shape[0]):
+        run = _row(logprobs, i)
+        for side in per:
+            per[side].append(_sequence_figures(_row(against[side], i), run))
+    out: dict = {f"{fig}_vs_{side}": None for side in against for fig in ("kl", "top1")}
+    for side, rows in per.items():
+        out[f"kl_vs_{side}"], out[f"top1_vs_{side}"] = [kl for kl, _ in rows], [top1 for _, top1 in rows]
+    out["nll"] = mean_nll(logprobs, targets) if targets is not None else None
     return out
 
 

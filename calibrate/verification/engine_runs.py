@@ -20,7 +20,7 @@ from ..engine.delivery import DeliveryResult, audit_and_check
 from ..engine.dtypes import EngineDtypes
 from ..engine.launch import EngineError
 from ..engine.started import check_hooks, emulation_for, shown
-from ..files import no_room
+from ..files import no_room, reserved_array
 from ..vllm_facts import serving
 from ..vllm_facts.caveats import AMX_MLA_AUTO_ONLY
 from ..vllm_facts.platforms import platform
@@ -84,17 +84,90 @@ def start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
     return EngineStart(host, held, delivered, matched, settings, EngineDtypes(host.version, host.cache_dtypes), facts)
 
 
-def scratch(started: EngineStart | None):
-    """The engine's temporary folder (None without an engine): the reference model's log-probabilities stay there from
-    the schemes' runs to the serve line's, so the model computes them once."""
-    return tempfile.TemporaryDirectory(prefix="kvcal-engine-") if started else contextlib.nullcontext()
+class ReferenceKept:
+    """The reference pass's log-probabilities kept for the engine's runs: [sequences, positions, vocab] float32 in the
+    engine's temporary folder, its bytes reserved at the first chunk (the vocabulary is known then), so a full disk
+    is one line in the answer (``error``) and the emulation goes on without it."""
+
+    def __init__(self, folder: Path, sequences: int) -> None:
+        self.path, self.sequences = folder / REFERENCE_LOGPROBS, sequences
+        self.array: np.ndarray | None = None
+        self.error: str | None = None
+
+    def __call__(self, sequence: int, start: int, positions: int, logprobs: torch.Tensor) -> None:
+        """``passes.measure``'s ``keep``: one chunk's log-probabilities [n, V] at ``start`` of ``sequence``."""
+        if self.error is not None:
+            return
+        if self.array is None:
+            try:
+                self.array = reserved_array(self.path, (self.sequences, positions, logprobs.shape[-1]))
+            except OSError as e:
+                if (why := no_room(e)) is None:
+                    raise
+                self.path.unlink(missing_ok=True)
+                self.error = (f"writing the reference log-probabilities in {self.path.parent.parent} failed: {why}; "
+                              "free space there")
+                return
+        self.array[sequence, start : start + len(logprobs)] = logprobs.cpu().numpy()
+
+    def read(self) -> np.ndarray:
+        """The whole array, memory-mapped read-only; OSError where it could not be kept (``error`` says why)."""
+        if self.error is not None:
+            raise OSError(self.error)
+        return np.load(self.path, mmap_mode="r")
+
+
+class Scratch:
+    """The engine's temporary folder, and the reference pass's log-probabilities kept in it for the engine's runs:
+    [sequences, positions, vocab] float32, written by the emulation's reference pass (``keep``) and read by the
+    schemes' runs and the serve line's, so the model computes them once. Its bytes are reserved at the first chunk
+    (the vocabulary is known then): a full disk is one line in the answer (``error``), and the emulation goes on."""
+
+    def __init__(self, folder: Path, sequences: int) -> None:
+        self.folder, self.path, self.sequences = folder, folder / REFERENCE_LOGPROBS, sequences
+        self.array: np.ndarray | None = None
+        self.error: str | None = None
+
+    def keep(self, sequence: int, start: int, positions: int, logprobs: torch.Tensor) -> None:
+        """``passes.measure``'s ``keep``: one chunk's log-probabilities [n, V] from ``start`` of ``sequence``."""
+        if self.error is not None:
+            return
+        if self.array is None:
+            try:
+                self.array = reserved_array(self.path, (self.sequences, positions, logprobs.shape[-1]))
+            except OSError as e:
+                if (why := no_room(e)) is None:
+                    raise
+                self.path.unlink(missing_ok=True)
+                self.error = (f"writing the reference log-probabilities in {tempfile.gettempdir()} failed: {why}; "
+                              "free space there")
+                return
+        self.array[sequence, start : start + len(logprobs)] = logprobs.cpu().numpy()
+
+    def reference(self) -> np.ndarray:
+        """The reference's log-probabilities, memory-mapped read-only; ValueError (``error``) where they could not be
+        kept."""
+        if self.error is not None or self.array is None:
+            raise ValueError(self.error or "the reference pass kept no log-probabilities")
+        self.array.flush()
+        return np.load(self.path, mmap_mode="r")
+
+
+@contextlib.contextmanager
+def scratch(started: EngineStart | None, sequences: int):
+    """The engine's ``Scratch`` for ``sequences`` sequences, removed at the end (None without an engine)."""
+    if started is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="kvcal-engine-") as folder:
+        yield Scratch(Path(folder), sequences)
 
 
 def run_engine(config: VerifyConfig, subject: Subject, started: EngineStart, ref: Reference, sample: Sample,
-               emulated: Emulated, judged: Judged, workdir: Path) -> tuple[dict | None, str | None]:
+               emulated: Emulated, judged: Judged, work: Scratch) -> tuple[dict | None, str | None]:
     """The same sequences in the engine, once per scheme it can serve; with decode drift's prompts, the engine's own
-    greedy decode after each too. The reference model's log-probabilities go to ``workdir/reference.npy`` first, then
-    the model leaves the GPU (``reference.off_gpu``). (result, None), or (None, the failure in one line) when the
+    greedy decode after each too, compared with the reference model's log-probabilities, which the emulation's
+    reference pass kept in ``work``; the model leaves the GPU first (``reference.off_gpu``). (result, None), or (None, the failure in one line) when the
     engine failed after the emulation ran, which then stands alone. The result's limits are the engine's own
     (``judgment.engine_limits``), which ``judgment.judge_engine`` judges it by."""
     host, sequences = started.host, sample.sequences
@@ -103,20 +176,20 @@ def run_engine(config: VerifyConfig, subject: Subject, started: EngineStart, ref
     names = ["auto", "auto2", *(s.name for s in schemes if s.mode != Mode.REFERENCE)]
     targets = torch.stack([s[1:] for s in sequences]).numpy()  # the next tokens, for the engine's perplexity
     try:
-        logprobs = engine.reference_logprobs(ref.model, sequences, workdir / REFERENCE_LOGPROBS)
+        logprobs = work.reference()
         off_gpu(ref, platform(host.platform).target != "cpu")
         runs = engine.run_schemes(host, subject.absolute, names, [s.tolist() for s in sequences], **request,
-                                  vocab_size=logprobs.shape[-1], workdir=workdir, reference=logprobs, targets=targets)
+                                  vocab_size=logprobs.shape[-1], workdir=work.folder, reference=logprobs, targets=targets)
         del logprobs
         if "npy" in runs.get("auto", {}):  # the serve line's run makes its own unquantized run
             runs["auto"].pop("npy").unlink()
         result = engine.compare(judged.results, runs, {s.name: s.scales for s in schemes if s.scales}, host, settings)
     except (ValueError, EngineError) as e:
         return None, str(e)
-    except OSError as e:  # the reference's array met a full disk after check_room: the temporary directory filled
+    except OSError as e:  # the temporary directory filled after check_room
         if (why := no_room(e)) is None:
             raise
-        return None, f"writing the reference log-probabilities in {tempfile.gettempdir()} failed: {why}; free space there"
+        return None, f"writing in {tempfile.gettempdir()} failed: {why}; free space there"
     held = started.audit
     return {**result, "thresholds": thresholds_json(config.thresholds, engine_limits(config, result, len(sequences)),
                                                     result["floor"]),
@@ -158,12 +231,12 @@ def engine_lines(started: EngineStart, engine_result: dict | None, engine_error:
 
 
 def run_serve_line(config: VerifyConfig, subject: Subject, started: EngineStart, ref: Reference, sample: Sample,
-                   judged: Judged, advice: Advice, engine_result: dict, workdir: Path) -> dict:
+                   judged: Judged, advice: Advice, engine_result: dict, work: Scratch) -> dict:
     """The serve line the answer prints, run as printed in the engine (its cache dtype, its skip layers, this
     checkpoint's scales) on the held-out sequences: the scheme's own run where that already is the line, else one run
-    with the skip layers beside a fresh unquantized one, against the reference's log-probabilities ``run_engine`` left
-    in ``workdir``; against the scheme's all-quantized run, flagged when worse beyond the noise (``run_verify`` then
-    serves that run's line instead)."""
+    with the skip layers beside a fresh unquantized one, against the reference's log-probabilities kept in ``work``;
+    against the scheme's all-quantized run, flagged when worse beyond the noise (``run_verify`` then serves that run's
+    line instead)."""
     choice = advice.serve_lines[config.target]["scheme"]
     dtype, skip = serving.serve_args(advice.serve)
     out = {"line": advice.serve, "scheme": choice, "kv_cache_dtype": dtype, "skip_layers": skip,
@@ -182,9 +255,9 @@ def run_serve_line(config: VerifyConfig, subject: Subject, started: EngineStart,
     targets = torch.stack([s[1:] for s in sequences]).numpy()
     off_gpu(ref, platform(started.host.platform).target != "cpu")  # the skip-layer probe brought it back
     try:
-        logprobs = np.load(workdir / REFERENCE_LOGPROBS, mmap_mode="r")
+        logprobs = work.reference()
         runs = engine.run_schemes(started.host, subject.absolute, ["auto", choice], [s.tolist() for s in sequences],
-                                  **request, vocab_size=logprobs.shape[-1], workdir=workdir, skip_layers=skip,
+                                  **request, vocab_size=logprobs.shape[-1], workdir=work.folder, skip_layers=skip,
                                   reference=logprobs, targets=targets)
         del logprobs
         result = engine.compare({choice: emulated_figures(judged.results)[choice]}, runs, {}, started.host, settings)

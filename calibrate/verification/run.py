@@ -137,16 +137,17 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         engine.check_room(len(sample.sequences), config.data.seq_len - 1, ref.model.config.get_text_config().vocab_size,
                           ["auto", "auto2", *config.schemes], Path(tempfile.gettempdir()))
     clock.mark("load")
-    # 5. Emulate every scheme and the floor as vLLM's cache write does it; the optional probes.
-    emulated = emulate(config, subject, ref, sample, clock.mark)
-    # 6. Judge the emulation: limits from the floor unless set, tails, depth, kinds of token, verdicts.
-    judged = judge_emulation(config, sample, emulated)
-    engine_result, engine_error, lead = None, None, []
-    with scratch(started) as workdir:
+    with scratch(started, len(sample.sequences)) as work:
+        # 5. Emulate every scheme and the floor as vLLM's cache write does it (under --engine, the reference pass also
+        # keeps its log-probabilities for the engine's runs); the optional probes.
+        emulated = emulate(config, subject, ref, sample, clock.mark, work and work.keep)
+        # 6. Judge the emulation: limits from the floor unless set, tails, depth, kinds of token, verdicts.
+        judged = judge_emulation(config, sample, emulated)
+        engine_result, engine_error, lead = None, None, []
         if started is not None:
             # 7. The engine runs the same sequences per scheme it serves, the reference model off the GPU while it
             # does; its figures, judged against its own floor, take the emulation's place where it ran.
-            engine_result, engine_error = run_engine(config, subject, started, ref, sample, emulated, judged, Path(workdir))
+            engine_result, engine_error = run_engine(config, subject, started, ref, sample, emulated, judged, work)
             if engine_result is not None:
                 judged = judge_engine(judged, engine_result, engine_limits(config, engine_result, len(sample.sequences)))
             lead = engine_lines(started, engine_result, engine_error)
@@ -157,7 +158,7 @@ def run_verify(config: VerifyConfig) -> VerifyResult:
         # its skip layers made it worse than every layer quantized, the next candidate is that line, which the engine
         # already ran: the advice is made again without the skip-layer probe.
         if engine_result is not None:
-            served = run_serve_line(config, subject, started, ref, sample, judged, advice, engine_result, Path(workdir))
+            served = run_serve_line(config, subject, started, ref, sample, judged, advice, engine_result, work)
             if served.get("against_promised", {}).get("worse"):
                 probed = advice.skip_probe
                 advice = advise(config, subject, ref, sample, emulated, judged, engine_result, probe=False, lead=lead)

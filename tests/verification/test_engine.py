@@ -316,38 +316,95 @@ def test_each_scheme_runs_as_choices_says_or_says_why_not():
                               "mse": "scales from statistics: export them to run"}
 
 
-def test_run_schemes_serves_each_scheme_its_dtype_and_scale1_beside_tensor_in_one_start(tmp_path, monkeypatch):
-    """Which checkpoint, --kv-cache-dtype and scales each run gets, without vLLM: every run the checkpoint as it is;
-    scale1 and tensor (both fp8) one start, scale1's scales set to 1.0 there and tensor's as loaded; no run for a
-    scheme the engine cannot stand for, or a dtype vLLM lacks; each run reduced to its figures and its array removed
-    when its start ends."""
-    checkpoint = tmp_path / "out"
-    checkpoint.mkdir()
-    starts = []
+def _fake_logprobs_job(processes: list, crash: tuple[str, ...] = (), refuse: tuple[str, ...] = ()):
+    """The logprobs job without vLLM: each process's starts recorded as (checkpoint, dtype, [(run, scales)]); a start
+    of a dtype in ``crash`` kills its process, one in ``refuse`` is vLLM's refusal; each run's array written."""
 
     def run_job(python, job, args, **_):
-        starts.append((Path(args["checkpoint"]), args["kv_cache_dtype"], [(r["name"], r["scales"]) for r in args["runs"]]))
-        for asked in args["runs"]:
-            np.save(asked["out"], np.zeros((1, 2, 8), np.float32))
-        return {"result": {"load_s": 1.0, "runs": {r["name"]: {"stored": {}, "run_s": 0.5} for r in args["runs"]}},
-                "error": None}
+        processes.append([(Path(args["checkpoint"]), s["kv_cache_dtype"], [(r["name"], r["scales"]) for r in s["runs"]])
+                          for s in args["starts"]])
+        answers = []
+        for i, start in enumerate(args["starts"]):
+            if start["kv_cache_dtype"] in crash:
+                raise engine.EngineError("vLLM's logprobs job crashed (killed by SIGKILL: no message)", "SIGKILL")
+            if start["kv_cache_dtype"] in refuse:
+                answers.append({"result": None, "error": "ValueError: no such dtype. Use another.", "fault": None,
+                                "seconds": 1.0})
+                if i == 0 and args["stop_if_first_fails"]:
+                    break
+                continue
+            for asked in start["runs"]:
+                np.save(asked["out"], np.zeros((1, 2, 8), np.float32))
+            answers.append({"result": {"load_s": 1.0, "runs": {r["name"]: {"stored": {}, "run_s": 0.5} for r in start["runs"]}},
+                            "error": None, "fault": None, "seconds": 2.0})
+        return {"result": {"starts": answers}, "error": None, "fault": None}
 
-    monkeypatch.setattr(engine, "run_job", run_job)
+    return run_job
+
+
+def _run_schemes(tmp_path, names, offered=("auto", "fp8", "fp8_per_token_head")):
+    checkpoint = tmp_path / "out"
+    checkpoint.mkdir(exist_ok=True)
     host = engine.EngineHost(Path("python"), READ_IN, "CpuPlatform")
+    return checkpoint, engine.run_schemes(host, checkpoint, names, [[1, 2, 3]], dtype="bfloat16", chunk_len=64,
+                                          max_model_len=64, block_size=32, kv_bytes=64 << 20, vocab_size=8,
+                                          workdir=tmp_path, unquantized="bfloat16", offered=list(offered))
+
+
+def test_run_schemes_serves_each_scheme_its_dtype_and_scale1_beside_tensor_in_one_start(tmp_path, monkeypatch):
+    """Which checkpoint, --kv-cache-dtype and scales each run gets, without vLLM: every run the checkpoint as it is;
+    scale1 and tensor (both fp8) one start, scale1's scales set to 1.0 there and tensor's as loaded; every start in
+    one process (vLLM imported once) but the second unquantized run's, which measures the noise between processes;
+    no run for a scheme the engine cannot stand for, or a dtype vLLM lacks; each run reduced to its figures and its
+    array removed when its process ends."""
+    processes: list = []
+    monkeypatch.setattr(engine, "run_job", _fake_logprobs_job(processes))
     names = ["auto", "auto2", "scale1", "token", "tensor", "nvfp4", "head", "max", "scales.safetensors"]
-    runs = engine.run_schemes(host, checkpoint, names, [[1, 2, 3]], dtype="bfloat16", chunk_len=64, max_model_len=64,
-                              block_size=32, kv_bytes=64 << 20, vocab_size=8, workdir=tmp_path, unquantized="bfloat16",
-                              offered=["auto", "fp8", "fp8_per_token_head"])
-    assert starts == [(checkpoint, "bfloat16", [("auto", "loaded")]), (checkpoint, "bfloat16", [("auto2", "loaded")]),
-                      (checkpoint, "fp8", [("scale1", "ones"), ("tensor", "loaded")]),
-                      (checkpoint, "fp8_per_token_head", [("token", "loaded")])]
+    checkpoint, runs = _run_schemes(tmp_path, names)
+    assert processes == [[(checkpoint, "bfloat16", [("auto", "loaded")]),
+                          (checkpoint, "fp8", [("scale1", "ones"), ("tensor", "loaded")]),
+                          (checkpoint, "fp8_per_token_head", [("token", "loaded")])],
+                         [(checkpoint, "bfloat16", [("auto2", "loaded")])]]
     assert runs["scale1"]["load_s"] == runs["tensor"]["load_s"] == 1.0 and runs["scale1"]["kl_vs_auto"] == [0.0]
+    assert runs["scale1"]["seconds"] == runs["tensor"]["seconds"] == 1.0  # the start's 2 s shared by its two runs
     assert sorted(p.name for p in tmp_path.glob("*.npy")) == ["auto.npy"]  # each run reduced and its array removed
     assert runs["nvfp4"] == {"why": f"vLLM {READ_IN} has no nvfp4"}
     assert runs["head"]["why"] == engine.NOT_RUN["head"] and runs["max"]["why"] == engine.NOT_RUN["max"]
     assert runs["scales.safetensors"] == {"why": "a scales file: not run in the engine"}
     assert engine.job_groups(names) == [["auto"], ["auto2"], ["scale1", "tensor"], ["token"], ["nvfp4"], ["head"],
                                         ["max"], ["scales.safetensors"]]
+
+
+def test_a_dtype_that_kills_the_shared_process_costs_only_its_own_runs(tmp_path, monkeypatch):
+    """The shared process crashed in fp8_per_token_head's start: every start is run again in a process of its own,
+    the others' figures stand and only that dtype's run has failed."""
+    processes: list = []
+    monkeypatch.setattr(engine, "run_job", _fake_logprobs_job(processes, crash=("fp8_per_token_head",)))
+    _, runs = _run_schemes(tmp_path, ["auto", "auto2", "tensor", "token"])
+    assert [[start[1] for start in process] for process in processes] == [
+        ["bfloat16", "fp8", "fp8_per_token_head"], ["bfloat16"], ["fp8"], ["fp8_per_token_head"], ["bfloat16"]]
+    assert runs["tensor"]["kl_vs_auto"] == [0.0] and runs["auto2"]["kl_vs_auto"] == [0.0]
+    assert runs["token"]["failed"] and "SIGKILL" in runs["token"]["why"]
+
+
+def test_without_the_unquantized_run_nothing_else_runs(tmp_path, monkeypatch):
+    """vLLM refused the unquantized cache: the job starts nothing after it, and no process runs the second one."""
+    processes: list = []
+    monkeypatch.setattr(engine, "run_job", _fake_logprobs_job(processes, refuse=("bfloat16",)))
+    _, runs = _run_schemes(tmp_path, ["auto", "auto2", "tensor"])
+    assert len(processes) == 1
+    assert runs["auto"]["why"] == "no such dtype"
+    assert runs["tensor"]["why"] == runs["auto2"]["why"] == ("not run: the engine's unquantized run, which every run is "
+                                                             "compared with, did not run")
+
+
+def test_a_disk_without_room_for_every_array_at_once_runs_a_start_per_process(tmp_path, monkeypatch):
+    processes: list = []
+    monkeypatch.setattr(engine, "run_job", _fake_logprobs_job(processes))
+    monkeypatch.setattr(engine.shutil, "disk_usage", lambda where: SimpleNamespace(free=engine.ROOM_MARGIN))
+    _, runs = _run_schemes(tmp_path, ["auto", "auto2", "tensor"])
+    assert [len(process) for process in processes] == [1, 1, 1]
+    assert runs["tensor"]["kl_vs_auto"] == [0.0]
 
 
 def test_short_reason_keeps_vllms_first_sentence():

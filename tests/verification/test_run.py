@@ -788,10 +788,11 @@ def _gpu_facts(backend: str = "FLASH_ATTN", q: bool = True, missing: tuple[str, 
 
 def test_on_a_gpu_the_reference_model_leaves_the_card_before_vllm_starts(tokenizer, data_file, tmp_path, monkeypatch):
     """The whole ``verify --engine`` flow with CUDA injected, in order: the engine's starts before the model loads
-    (the audit and the delivery check, one start serving both), the emulation, then the reference's log-probabilities
-    once, the model moved off the GPU and CUDA's cache emptied, and only then the engine's runs; the model back on its device for the skip-layer probe, off
-    it again before the serve line's run, which reads the same reference array (the model never computes it twice). Each job measures the free
-    memory when it starts (jobs/jobkit.py device_memory, tests/engine/jobs/test_jobkit.py)."""
+    (the audit and the delivery check, one start serving both), the emulation, whose reference pass keeps the
+    reference's log-probabilities for the engine, the model moved off the GPU and CUDA's cache emptied, and only then
+    the engine's runs; the model back on its device for the skip-layer probe, off it again before the serve line's
+    run, which reads the same reference array (the model never computes it again). Each job measures the free memory
+    when it starts (jobs/jobkit.py device_memory, tests/engine/jobs/test_jobkit.py)."""
     import transformers
 
     from calibrate.verification import advice, emulation, engine, engine_runs, reference
@@ -807,7 +808,7 @@ def test_on_a_gpu_the_reference_model_leaves_the_card_before_vllm_starts(tokeniz
         return wrapped
 
     for owner, attr, name in ((engine_runs, "audit_and_check", "audit and delivery"), (reference, "load_model", "load"),
-                              (emulation, "measure", "emulation"), (engine, "reference_logprobs", "reference"),
+                              (emulation, "measure", "emulation"), (engine_runs.Scratch, "keep", "kept"),
                               (engine, "run_schemes", "engine runs"), (advice, "probe_skip_layers", "skip probe"),
                               (torch.cuda, "empty_cache", "cache emptied")):
         monkeypatch.setattr(owner, attr, recording(name, getattr(owner, attr)))
@@ -825,9 +826,9 @@ def test_on_a_gpu_the_reference_model_leaves_the_card_before_vllm_starts(tokeniz
     rep = json.loads((tmp_path / "r" / "report.json").read_text())
     assert rep["skip_layers"]["skip"] and rep["engine"]["serve_run"]["ran"]  # the probe and the serve line both ran
     after_load = events[events.index("emulation"):]
-    assert [e for e in after_load if e != "emulation"] == [
-        "reference", "model to cpu", "cache emptied", "engine runs", "skip probe", "model to cpu", "cache emptied",
-        "engine runs"]
+    assert after_load[1] == "kept" and after_load.count("kept") == after_load.index("model to cpu") - 1
+    assert [e for e in after_load if e not in ("emulation", "kept")] == [
+        "model to cpu", "cache emptied", "engine runs", "skip probe", "model to cpu", "cache emptied", "engine runs"]
     assert events.index("audit and delivery") < events.index("load")
     assert rep["engine"]["at_start"] == _gpu_facts()
 

@@ -150,13 +150,9 @@ def scales_changed(layer) -> None:
             setattr(impl, name, None)
 
 
-def run(work: Callable[[dict], object]) -> None:
-    in_path, out_path = sys.argv[1:3]
-    with open(in_path) as f:
-        request = json.load(f)
-    if "kv_cache_space_gib" in request:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(request["kv_cache_space_gib"])
-    _deny(request.get("deny_isa", []))
+def attempt(work: Callable[[dict], object], request: dict) -> dict:
+    """``work(request)`` as an answer: ``{"result": ..., "error": None, "fault": None}``, or vLLM's refusal as
+    ``error`` (the innermost cause, the line vLLM wrote for the user), or the machine's fault as ``fault``."""
     answer: dict = {"result": None, "error": None, "fault": None}
     try:
         answer["result"] = work(request)
@@ -166,6 +162,29 @@ def run(work: Callable[[dict], object]) -> None:
             e = e.__cause__
             fault = fault or _is_fault(e)
         answer["fault" if fault else "error"] = f"{type(e).__name__}: {e}".replace("\n", " ")[:2000]
+    return answer
+
+
+def engine_ended() -> None:
+    """After an engine started in this process is no longer referenced: collect it and free vLLM's distributed state
+    and device memory, so the next start in the same job begins as in a fresh process (what vLLM's own tests do
+    between two engines in one process)."""
+    import gc
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def run(work: Callable[[dict], object]) -> None:
+    in_path, out_path = sys.argv[1:3]
+    with open(in_path) as f:
+        request = json.load(f)
+    if "kv_cache_space_gib" in request:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(request["kv_cache_space_gib"])
+    _deny(request.get("deny_isa", []))
+    answer = attempt(work, request)
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(answer, f)

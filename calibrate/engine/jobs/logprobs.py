@@ -1,15 +1,18 @@
-"""The job that runs token sequences through vLLM with one ``kv_cache_dtype`` and keeps the full-vocabulary
-log-probabilities at every prompt position, and reports what the engine stores; several runs in one start where they
-differ only in the scales (the checkpoint's, or every one 1.0), set in place between them.
+"""The job that runs token sequences through vLLM and keeps the full-vocabulary log-probabilities at every prompt
+position, and reports what the engine stores: one engine start per cache dtype, several in one process (vLLM is
+imported once), and several runs in one start where they differ only in the scales (the checkpoint's, or every one
+1.0), set in place between them.
 
-Request: {"checkpoint", "kv_cache_dtype", "dtype", "max_model_len", "block_size", "chunk_len", "kv_cache_bytes",
-"sequences": [[token ids]] (all one length), "runs": [{"name", "scales": "loaded" (as the checkpoint gives them) or
-"ones" (every k, v and q scale 1.0, as vLLM serves a checkpoint without them), "out": path of the float32 .npy to
-write}], and optionally "prompts": [[token ids]] and "steps": N, for vLLM's own greedy decode of N tokens after each
-prompt, "attention_backend" (vLLM's ``--attention-backend``; null: vLLM chooses), "tokenizer" (false: the checkpoint
-has none, token ids only), "tensor_parallel_size" (vLLM's; 1 where absent) and "skip_layers"
-(``--kv-cache-dtype-skip-layers`` entries: those layers keep an unquantized cache; empty: none)}. Result: what every
-run shares (version, platform, load time) and "runs": {name: its greedy decode, what the engine stored, its time}.
+Request: {"checkpoint", "dtype", "max_model_len", "block_size", "chunk_len", "kv_cache_bytes", "sequences": [[token
+ids]] (all one length), "starts": [{"kv_cache_dtype", "runs": [{"name", "scales": "loaded" (as the checkpoint gives
+them) or "ones" (every k, v and q scale 1.0, as vLLM serves a checkpoint without them), "out": path of the float32
+.npy to write}], "skip_layers" (``--kv-cache-dtype-skip-layers`` entries: those layers keep an unquantized cache;
+empty: none)}], and optionally "stop_if_first_fails", "prompts": [[token ids]] and "steps": N, for vLLM's own greedy
+decode of N tokens after each prompt, "attention_backend" (vLLM's ``--attention-backend``; null: vLLM chooses),
+"tokenizer" (false: the checkpoint has none, token ids only) and "tensor_parallel_size" (vLLM's; 1 where absent)}.
+Result: {"starts": [each start's answer, as a job's (``jobkit.attempt``): its result what its runs share (version,
+platform, load time) and "runs": {name: its greedy decode, what the engine stored, its time}]}, one per start that
+ran.
 
 Decode: vLLM's greedy generation (temperature 0, EOS ignored so every continuation has N tokens), with the top two
 log-probabilities at each step, whose difference is the top-1 margin decode drift needs to tell near-ties apart.
@@ -29,7 +32,7 @@ forgotten (``jobkit.scales_changed``); prefix caching is off, so each run writes
 import os
 import time
 
-from jobkit import attention_layers, engine_settings, run, scales_changed
+from jobkit import attempt, attention_layers, engine_ended, engine_settings, run, scales_changed
 from jobkit import runner as runner_of
 
 
@@ -82,6 +85,23 @@ def _stored(runner) -> dict:
 
 
 def work(request: dict) -> dict:
+    """Each of the request's ``starts`` in turn, an engine of its own (one process: vLLM is imported once), each
+    answered as a job is (``jobkit.attempt``). After a fault (out of memory, a full disk) the rest are not started;
+    with ``stop_if_first_fails`` (the first is the unquantized run the others are compared with), nor after the
+    first's refusal. Each answer has its ``seconds``, the start and its runs."""
+    answers = []
+    for i, start in enumerate(request["starts"]):
+        began = time.perf_counter()
+        answers.append(attempt(_start, {**request, **start}))
+        engine_ended()
+        answers[-1]["seconds"] = time.perf_counter() - began
+        if answers[-1]["fault"] or (i == 0 and answers[-1]["error"] and request.get("stop_if_first_fails")):
+            break
+    return {"starts": answers}
+
+
+def _start(request: dict) -> dict:
+    """One engine start: the runs of one cache dtype (``runs``, scales set between them), each array written."""
     import numpy as np
     import torch
     import vllm
