@@ -10,9 +10,10 @@ from typing import NamedTuple
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "calibrate"
-# The stages in pipeline order (docs/architecture.md): vllm_facts/ (what vLLM serves, refuses and reads) below the
-# checkpoint stage that writes by it; engine/ runs vLLM for the checkpoint's load audit and for verify.
-STAGES = ("data", "model", "capture", "scales", "vllm_facts", "checkpoint", "engine", "verification")
+# The stages in pipeline order (docs/architecture.md): vllm_facts/ (what vLLM serves, refuses, reads and maps) at the
+# bottom, facts only, for every stage that reads a checkpoint or writes one by them; engine/ runs vLLM for the
+# checkpoint's load audit and for verify.
+STAGES = ("vllm_facts", "data", "model", "capture", "scales", "checkpoint", "engine", "verification")
 
 
 def module_name(path: Path) -> str:

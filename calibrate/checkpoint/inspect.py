@@ -24,7 +24,6 @@ from ..fp8 import FORMATS
 from ..layout import CARD_MARKER, card_path, is_kvcal_output, provenance_path, stats_path
 from ..model.description import describe_config
 from ..model.directory import (
-    LEGACY_KV_SCALE,
     SINGLE_FILE,
     attention_prefixes,
     read_config_json,
@@ -37,7 +36,7 @@ from ..model.layers import ModelSignature
 from ..scales.at_one import at_one_line, at_scale_one
 from ..vllm_facts import serving
 from ..vllm_facts.caveats import PER_HEAD_READERS
-from ..vllm_facts.loaders import WRITE_NAMES, LoadedScale, quant_method
+from ..vllm_facts.loaders import LEGACY_KV_SCALE, WRITE_NAMES, LoadedScale, quant_method
 from .loaders import ignored_scales, stored_dtype
 from .read import CheckpointScales, load_scales
 from .scale_check import SAMPLE_TOKENS, check_scales, read_calibration

@@ -10,7 +10,6 @@ from pathlib import Path
 import torch
 
 from ..model.directory import (
-    SCALE_SOURCES,
     attention_prefixes,
     mla_dims,
     model_types,
@@ -26,6 +25,7 @@ from ..vllm_facts.loaders import (
     MLA_SCALES_IGNORED,
     QUANT_METHODS,
     SCALAR_ONLY,
+    SCALE_SOURCES,
     quant_method,
 )
 from ..vllm_facts.release import READ_IN

@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..choices import SCHEMES
-from ..model.directory import LEGACY_KV_SCALE, SCALE_SOURCES, tensor_names, vllm_files
+from ..model.directory import tensor_names, vllm_files
 from ..vllm_facts.caveats import first_sentence
+from ..vllm_facts.loaders import LEGACY_KV_SCALE, SCALE_SOURCES
 from ..vllm_facts.platforms import PLATFORMS
 from .audit import FAILED, NOT_AUDITABLE, OK, UNQUANTIZED, AuditResult, audit, judge
 from .launch import DEFAULT_TIMEOUT_S, find_vllm_python, run_job, vllm_version
@@ -198,7 +199,7 @@ def _finished(result: DeliveryResult, request: dict, first: dict, python: Path, 
 
 def carried_kinds(directory: Path) -> list[str]:
     """The kinds (k, v, q) the checkpoint holds a scale of in a file vLLM loads, by the names vLLM maps
-    (``model.directory.SCALE_SOURCES``; a legacy ``kv_scale`` is k and v)."""
+    (``vllm_facts.loaders.SCALE_SOURCES``; a legacy ``kv_scale`` is k and v)."""
     files, _ = vllm_files(directory)
     found = set()
     for path in files:

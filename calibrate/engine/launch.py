@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 JOBS = Path(__file__).resolve().parent / "jobs"
@@ -108,34 +109,58 @@ def run_job(python: Path, job: str, request: dict, *, timeout_s: float = DEFAULT
     """Run ``jobs/JOB.py`` under ``python`` with ``request``; return its JSON answer (``"error"`` set when vLLM
     refused). ``deny_isa`` makes the job tell vLLM this CPU lacks those ISA features (ISA_FEATURES), so vLLM's own
     refusal of a quantized cache can be exercised on a machine that has them."""
-    script = JOBS / f"{job}.py"
-    if not script.is_file():
-        raise ValueError(f"unknown engine job {job!r}")
-    unknown = set(deny_isa) - set(ISA_FEATURES)
-    if unknown:
-        raise ValueError(f"deny_isa: unknown features {sorted(unknown)}; known: {', '.join(ISA_FEATURES)}")
-    with tempfile.TemporaryDirectory(prefix="kvcal-engine-", dir=workdir) as tmp:
-        tmp_path = Path(tmp)
-        (tmp_path / "in.json").write_text(json.dumps({**request, "deny_isa": list(deny_isa)}))
-        proc = subprocess.Popen([str(python), str(script), "in.json", "out.json"], cwd=tmp_path, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=_clean_env() | OFFLINE, start_new_session=True)
+    with Job(python, job, request, timeout_s=timeout_s, deny_isa=deny_isa, workdir=workdir) as running:
+        return running.answer()
+
+
+class Job:
+    """A job started and not waited for: the caller works while it runs (``running``), then takes its ``answer``.
+    Leaving the ``with`` block, however it is left (Ctrl-C, an error), kills the job's process group. Its output and
+    errors go to files in its folder, so a job that writes much while nobody reads never blocks on a full pipe."""
+
+    def __init__(self, python: Path, job: str, request: dict, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 deny_isa: tuple[str, ...] = (), workdir: str | Path | None = None) -> None:
+        script = JOBS / f"{job}.py"
+        if not script.is_file():
+            raise ValueError(f"unknown engine job {job!r}")
+        unknown = set(deny_isa) - set(ISA_FEATURES)
+        if unknown:
+            raise ValueError(f"deny_isa: unknown features {sorted(unknown)}; known: {', '.join(ISA_FEATURES)}")
+        self.job, self.timeout_s, self.deadline = job, timeout_s, time.monotonic() + timeout_s
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvcal-engine-", dir=workdir)
+        self.folder = Path(self._tmp.name)
+        (self.folder / "in.json").write_text(json.dumps({**request, "deny_isa": list(deny_isa)}))
+        with open(self.folder / "stdout.txt", "w") as out, open(self.folder / "stderr.txt", "w") as err:
+            self.proc = subprocess.Popen([str(python), str(script), "in.json", "out.json"], cwd=self.folder, stdout=out,
+                                         stderr=err, text=True, env=_clean_env() | OFFLINE, start_new_session=True)
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _end_group(self.proc)  # anything the job started and left behind
+        self._tmp.cleanup()
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def answer(self) -> dict:
+        """Wait for the job (until its deadline) and read its answer; EngineError where it crashed, was killed,
+        timed out or could not run (its own fault)."""
         try:
-            _, stderr = proc.communicate(timeout=timeout_s)
+            self.proc.wait(timeout=max(0.0, self.deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            _end_group(proc)
-            raise EngineError(f"vLLM's {job} job did not finish within {timeout_s:.0f} s: give it more time or "
-                              "a smaller sample", f"no answer within {timeout_s:.0f} s") from None
-        except BaseException:  # Ctrl-C, or SIGTERM turned into KeyboardInterrupt: the job's processes go too
-            _end_group(proc)
-            raise
-        _end_group(proc)  # anything the job started and left behind
-        answer = tmp_path / "out.json"
-        if proc.returncode != 0 or not answer.is_file():
-            detail = f"{exit_text(proc.returncode)}: {_last_line(stderr)}"
-            raise EngineError(f"vLLM's {job} job crashed ({detail})", detail)
+            _end_group(self.proc)
+            raise EngineError(f"vLLM's {self.job} job did not finish within {self.timeout_s:.0f} s: give it more time "
+                              "or a smaller sample", f"no answer within {self.timeout_s:.0f} s") from None
+        _end_group(self.proc)
+        answer = self.folder / "out.json"
+        if self.proc.returncode != 0 or not answer.is_file():
+            detail = f"{exit_text(self.proc.returncode)}: {_last_line((self.folder / 'stderr.txt').read_text(errors='replace'))}"
+            raise EngineError(f"vLLM's {self.job} job crashed ({detail})", detail)
         result = json.loads(answer.read_text())
         if result.get("fault"):
-            raise EngineError(f"vLLM's {job} job failed: {result['fault']}", result["fault"])
+            raise EngineError(f"vLLM's {self.job} job failed: {result['fault']}", result["fault"])
         return result
 
 

@@ -1,8 +1,8 @@
 """What a model directory holds, read without loading the model.
 
 Its config.json (read once per file, every field kvcal uses checked for its type), which safetensors files vLLM and
-transformers read, the tensor names under which checkpoints store KV-cache scales, and where the decoder's attention
-layers are. Only headers and small tensors are read. What vLLM's loaders then do with these is
+transformers read, the tensors in them that are KV-cache scales (by the names vLLM maps, ``vllm_facts.loaders.SCALE_SOURCES``), and
+where the decoder's attention layers are. Only headers and small tensors are read. What vLLM's loaders then do with these is
 ``checkpoint/loaders.py``; facts are vLLM's (vllm_facts.release.READ_IN) and transformers 5.17–5.24's (docs/vllm-notes.md).
 """
 
@@ -13,29 +13,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..files import read_json_object
+from ..vllm_facts.loaders import SCALE_SOURCES
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"  # transformers reads this file alone, ignoring any index, when it exists
 HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt ≤ 0.29 keeps its quantization config here only
 
 
-LEGACY_KV_SCALE = "kv_scale"  # one scale for K and V, from tools that predate separate ones
-# Every name vLLM maps onto an attention's scales: suffix after the attention prefix → (kind, quantization
-# methods under which it is mapped; None = any). From QuantizationConfig.get_cache_scale_mapper and its
-# fp8/Quark overrides (docs/vllm-notes.md, "Checkpoint names").
-SCALE_SOURCES: dict[str, tuple[str, tuple[str, ...] | None]] = {
-    "k_scale": ("k", None),
-    "v_scale": ("v", None),
-    "q_scale": ("q", None),
-    "k_proj.k_scale": ("k", None),  # ModelOpt
-    "v_proj.v_scale": ("v", None),  # ModelOpt
-    "qkv_proj.k_scale": ("k", None),  # fused projection names
-    "qkv_proj.v_scale": ("v", None),
-    LEGACY_KV_SCALE: ("k", None),  # vLLM copies it to v_scale when the cache is FP8
-    "k_proj.output_scale": ("k", ("fp8", "quark")),  # old llm-compressor, Quark
-    "v_proj.output_scale": ("v", ("fp8", "quark")),
-    "q_proj.output_scale": ("q", ("fp8", "quark")),
-}
 # Any tensor some tool stored as a KV-cache (or attention-probability) scale: an output holds exactly one
 # scale per layer and kind, so these are dropped from weight shards before kvcal writes its own.
 KV_SCALE_PATTERN = re.compile(

@@ -55,7 +55,7 @@ def emulate(config: VerifyConfig, subject: Subject, ref: Reference, sample: Samp
     twins = target_twins(schemes, {target: (w.backend, not w.kv_only) for target, w in other_writers(config).items()})
     rows = fa3.query_rows(config.data.seq_len, config.data.chunk_len, config.fa3_rows) if config.fa3 else None
     tallies, probe, ref_nll, ref_seconds = measure(ref.model, ref.layers, schemes + twins + floor, sample.sequences, config, rows,
-                                                   keep)
+                                                   keep, [twin.name for twin in twins])
     mark("passes")
     fa3_result = _fa3(probe, rows, schemes, ref.layers, ref.sig, config) if config.fa3 else None
     mark("fa3")

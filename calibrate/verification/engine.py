@@ -15,10 +15,11 @@ n − 1 degrees of freedom, two-sided 5%: ``tolerance``), judged only from ``AGR
 own margin plus the noise.
 """
 
+import json
 import math
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from ..choices import CACHE_DTYPES, SCHEMES, SchemeSpec, size_text
-from ..engine.launch import EngineError, find_vllm_python, run_job
+from ..engine.launch import EngineError, Job, find_vllm_python, run_job
 from ..model.directory import KV_SCALE_PATTERN, tensor_names, vllm_files
 from ..vllm_facts.platforms import PLATFORMS
 from ..vllm_facts.serving import PROMISES
@@ -57,6 +58,7 @@ NOT_AS_NAMED = "not what the name says"
 # The start of the reason of a scheme whose engine run failed (its verdict: ``verdict.RUN_FAILED``), vLLM's or the
 # OS's line after it.
 RUN_FAILED_TEXT = "the engine's run failed"
+POLL_S = 0.2  # how often run_schemes looks for a start the running job has finished
 ROOM_MARGIN = 64 << 20  # a job's own files (its request, the array's header) and the file system's slack
 # The fewest sequences the agreement test is judged at: its margin is t₀.₉₇₅ paired standard errors at n − 1 degrees
 # of freedom, 12.7 at 2 sequences (the test could pass almost any gap) and 2.36 at 8, within a fifth of the
@@ -273,28 +275,51 @@ def _processes(starts: list[dict], array: int, workdir: Path) -> list[list[dict]
     return [[s] for s in starts]
 
 
-def _answers(host: EngineHost, base: dict, batch: list[dict], deny_isa: tuple[str, ...]) -> list[tuple[dict, dict | None]]:
-    """Each start of ``batch`` with its answer from one logprobs job (``jobs/logprobs.py``): the job's, with its
+def _answers(host: EngineHost, base: dict, batch: list[dict], deny_isa: tuple[str, ...]) -> Iterator[tuple[dict, dict | None]]:
+    """Each start of ``batch`` with its answer from one logprobs job (``jobs/logprobs.py``), as each start ends, while
+    the job goes on with the next (its runs are reduced to their figures meanwhile): the job's answer with its
     ``seconds``; ``crashed`` (the EngineError) where its process crashed, was killed or timed out; None where the job
-    did not start it. A process of several starts that crashed is run again a start at a time, so one dtype that
-    crashes vLLM costs only its own runs."""
-    began = time.perf_counter()
+    did not start it (the first, the unquantized run the others need, failed). A process of several starts that crashed
+    is run again a start at a time, so one dtype that crashes vLLM costs only its own runs; a start that ran out of
+    memory or disk after others in the same process, and those after it, run again each in a process of its own."""
+    began, answered, first, whole, crashed = time.perf_counter(), 0, None, None, None
     try:
-        answer = run_job(host.python, "logprobs", {**base, "starts": batch, "stop_if_first_fails": True},
-                         deny_isa=deny_isa)
+        with Job(host.python, "logprobs", {**base, "starts": batch, "stop_if_first_fails": True}, deny_isa=deny_isa) as job:
+            while answered < len(batch):
+                path = job.folder / f"start-{answered}.json"
+                if path.is_file():
+                    mine = json.loads(path.read_text())
+                    if mine["fault"] and answered > 0:  # after other starts in this process: run again alone, below
+                        break
+                    first = first or mine
+                    yield batch[answered], mine
+                    answered += 1
+                    if mine["fault"] or (mine["error"] and answered == 1):  # the job starts nothing more
+                        break
+                elif job.running():
+                    time.sleep(POLL_S)
+                else:
+                    break
+            whole = job.answer()
     except EngineError as e:
-        if len(batch) == 1:
-            return [(batch[0], {"crashed": e, "error": None, "fault": None, "seconds": time.perf_counter() - began})]
-        answered = []
-        for i, start in enumerate(batch):
-            answered += _answers(host, base, [start], deny_isa)
-            if i == 0 and any(answered[0][1].get(key) for key in ("crashed", "error", "fault")):  # the others need it
-                return answered + [(later, None) for later in batch[1:]]
-        return answered
-    if answer["error"] or answer["fault"]:  # the job itself, before any start
-        return [(start, {"error": answer["error"], "fault": answer["fault"], "seconds": 0.0}) for start in batch]
-    given = answer["result"]["starts"]
-    return [(start, given[i] if i < len(given) else None) for i, start in enumerate(batch)]
+        crashed = e
+    rest = batch[answered:]
+    if not rest:
+        return
+    if first is not None and (first["error"] or first["fault"]):
+        yield from ((start, None) for start in rest)
+    elif whole is not None and (whole["error"] or whole["fault"]) and answered == 0:  # the job itself, before any start
+        yield from ((start, {"error": whole["error"], "fault": whole["fault"], "seconds": 0.0}) for start in rest)
+    elif len(batch) == 1:
+        crashed = crashed or EngineError("vLLM's logprobs job ended without an answer", "no answer")
+        yield batch[0], {"crashed": crashed, "error": None, "fault": None, "seconds": time.perf_counter() - began}
+    else:
+        for j, start in enumerate(rest):
+            alone = next(_answers(host, base, [start], deny_isa))
+            yield alone
+            if answered == 0 and j == 0 and any(alone[1].get(key) for key in ("crashed", "error", "fault")):
+                yield from ((later, None) for later in rest[1:])  # the others need the first
+                return
 
 
 def job_groups(names: Sequence[str]) -> list[list[str]]:

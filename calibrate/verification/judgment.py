@@ -126,7 +126,8 @@ def evidence_reasons(r: dict) -> list[str]:
 
 def _judge_twins(emulated: Emulated, limits: Thresholds) -> dict[str, dict[str, dict]]:
     """Each twin's figures, judged by the emulation's limits (without the tails, which are measured for the run's own
-    schemes only): target → scheme → {kl, kl_stderr, kl_per_sequence, top1, ppl_change, verdict, reasons}."""
+    schemes only, as are the per-layer errors: ``passes.measure``'s ``end_to_end_only``): target → scheme → {kl,
+    kl_stderr, kl_per_sequence, top1, ppl_change, verdict, reasons}."""
     out: dict[str, dict[str, dict]] = {}
     for twin in emulated.twins:
         name, target = twin.name.split(TWIN_MARK)

@@ -3,7 +3,7 @@ attention on each layer's own inputs), one pass per scheme, the skip-layer probe
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -156,14 +156,16 @@ def _positions_metrics(ref: tuple[torch.Tensor, torch.Tensor, torch.Tensor], log
 @torch.no_grad()
 def measure(
     model, layers, schemes: list[Scheme], sequences: list[torch.Tensor], config: VerifyConfig, fa3_rows: torch.Tensor | None,
-    keep: Callable[[int, int, int, torch.Tensor], None] | None = None,
+    keep: Callable[[int, int, int, torch.Tensor], None] | None = None, end_to_end_only: Sequence[str] = (),
 ) -> tuple[dict[str, Tally], ReferenceProbe, list[float], float]:
     """Reference pass and one end-to-end pass per scheme over every sequence, chunk by chunk.
 
     Each chunk runs through the reference and then every scheme, each with its own KV cache, so only
     one chunk's logits per run are held at a time. ``keep(sequence, first position, positions, log-probabilities
     [n, V])`` is handed the reference's log-probabilities chunk by chunk (the engine's runs are compared with them: the
-    model does not compute them again).
+    model does not compute them again). ``end_to_end_only``: schemes measured by their own pass alone, whose attention
+    the reference pass does not also run layer by layer (no per-layer error or range counts: the other targets' twins,
+    judged on KL and top-1 only).
 
     Returns:
         (tallies per scheme, the reference probe with its per-layer sums and FA3 capture,
@@ -173,7 +175,7 @@ def measure(
     row_of = {layer.layer_idx: row for row, layer in enumerate(layers)}
     L = len(layers)
     tallies = {s.name: Tally(torch.zeros(L, dtype=torch.float64), {k: torch.zeros(L, 3, dtype=torch.int64) for k in s.counted()}) for s in schemes}
-    probe = ReferenceProbe(schemes, tallies, row_of, L)
+    probe = ReferenceProbe([s for s in schemes if s.name not in end_to_end_only], tallies, row_of, L)
     probe.fa3_layers = set(fa3.layer_rows(config.fa3_layers, [layer.layer_idx for layer in layers])) if fa3_rows is not None else set()
     ref_nll, ref_seconds = [], 0.0
     rows: dict[str, list[torch.Tensor]] = {name: [] for name in tallies}  # per sequence, its per-token KL [n]

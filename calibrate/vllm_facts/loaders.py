@@ -1,9 +1,9 @@
 """What vLLM's loaders do with a checkpoint's KV-cache scales: the tables and rules, torch-free.
 
-The names and form kvcal writes scales under for each quantization method, which methods vLLM gives a KV-cache method
-at all, what it does where a layer lacks a scale, which model families' loaders fail on checkpoint scales, which cache
-dtypes it refuses for a checkpoint, and what it multiplies loaded scales by on e4m3fnuz platforms; read in vLLM
-``release.READ_IN`` (docs/vllm-notes.md). ``checkpoint/loaders.py`` applies them to a model directory.
+The names vLLM maps onto an attention's scales, the names and form kvcal writes them under for each quantization
+method, which methods vLLM gives a KV-cache method at all, what it does where a layer lacks a scale, which model
+families' loaders fail on checkpoint scales, which cache dtypes it refuses for a checkpoint, and what it multiplies
+loaded scales by on e4m3fnuz platforms; read in vLLM ``release.READ_IN`` (docs/vllm-notes.md). ``checkpoint/loaders.py`` applies them to a model directory.
 """
 
 from dataclasses import dataclass
@@ -11,6 +11,23 @@ from dataclasses import dataclass
 from .caveats import E5M2_OVER_SCALES, Q_QUANTIZERS
 from .release import READ_IN
 
+LEGACY_KV_SCALE = "kv_scale"  # one scale for K and V, from tools that predate separate ones
+# Every name vLLM maps onto an attention's scales: suffix after the attention prefix → (kind, quantization
+# methods under which it is mapped; None = any). From QuantizationConfig.get_cache_scale_mapper and its
+# fp8/Quark overrides (docs/vllm-notes.md, "Checkpoint names").
+SCALE_SOURCES: dict[str, tuple[str, tuple[str, ...] | None]] = {
+    "k_scale": ("k", None),
+    "v_scale": ("v", None),
+    "q_scale": ("q", None),
+    "k_proj.k_scale": ("k", None),  # ModelOpt
+    "v_proj.v_scale": ("v", None),  # ModelOpt
+    "qkv_proj.k_scale": ("k", None),  # fused projection names
+    "qkv_proj.v_scale": ("v", None),
+    LEGACY_KV_SCALE: ("k", None),  # vLLM copies it to v_scale when the cache is FP8
+    "k_proj.output_scale": ("k", ("fp8", "quark")),  # old llm-compressor, Quark
+    "v_proj.output_scale": ("v", ("fp8", "quark")),
+    "q_proj.output_scale": ("q", ("fp8", "quark")),
+}
 # The names kvcal writes, per checkpoint form, under each attention module. compressed-tensors: the
 # attention's own k/v/q_scale. ModelOpt: its k_proj.k_scale / v_proj.v_scale, which vLLM maps onto the
 # attention's scales; q keeps the generic name, which vLLM maps whatever the quantization method.

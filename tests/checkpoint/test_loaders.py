@@ -11,8 +11,8 @@ import torch
 from builders import modelopt_fp8, save_tiny_checkpoint
 
 from calibrate import apply, calibrate, inspect
-from calibrate.model.directory import KV_SCALE_PATTERN, SCALE_SOURCES
-from calibrate.vllm_facts.loaders import WRITE_NAMES, Servable, loaded_multiplier, refusal
+from calibrate.model.directory import KV_SCALE_PATTERN
+from calibrate.vllm_facts.loaders import SCALE_SOURCES, WRITE_NAMES, Servable, loaded_multiplier, refusal
 
 # vLLM READ_IN (docs/vllm-notes.md, "ROCm fnuz"): the base KV loader (fp8, ModelOpt, Quark, legacy) doubles loaded
 # scales on e4m3fnuz; the compressed-tensors loader never does; nothing is doubled on e4m3fn.

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -316,30 +317,56 @@ def test_each_scheme_runs_as_choices_says_or_says_why_not():
                               "mse": "scales from statistics: export them to run"}
 
 
-def _fake_logprobs_job(processes: list, crash: tuple[str, ...] = (), refuse: tuple[str, ...] = ()):
-    """The logprobs job without vLLM: each process's starts recorded as (checkpoint, dtype, [(run, scales)]); a start
-    of a dtype in ``crash`` kills its process, one in ``refuse`` is vLLM's refusal; each run's array written."""
+def _fake_logprobs_job(processes: list, crash: tuple[str, ...] = (), refuse: tuple[str, ...] = (),
+                       full_after: int | None = None):
+    """``launch.Job`` for the logprobs job, without vLLM: each process's starts recorded as (checkpoint, dtype, [(run,
+    scales)]); a start of a dtype in ``crash`` kills its process, one in ``refuse`` is vLLM's refusal; a process's
+    start past its first ``full_after`` runs out of memory, the job then starting no more; each run's array written,
+    and each start's answer in the job's folder as the real job writes it."""
 
-    def run_job(python, job, args, **_):
-        processes.append([(Path(args["checkpoint"]), s["kv_cache_dtype"], [(r["name"], r["scales"]) for r in s["runs"]])
-                          for s in args["starts"]])
-        answers = []
-        for i, start in enumerate(args["starts"]):
-            if start["kv_cache_dtype"] in crash:
-                raise engine.EngineError("vLLM's logprobs job crashed (killed by SIGKILL: no message)", "SIGKILL")
-            if start["kv_cache_dtype"] in refuse:
-                answers.append({"result": None, "error": "ValueError: no such dtype. Use another.", "fault": None,
-                                "seconds": 1.0})
-                if i == 0 and args["stop_if_first_fails"]:
+    class FakeJob:
+        def __init__(self, python, job, args, **_):
+            assert job == "logprobs" and args["stop_if_first_fails"]
+            self.folder, self.crashed = Path(tempfile.mkdtemp()), None
+            processes.append([(Path(args["checkpoint"]), s["kv_cache_dtype"], [(r["name"], r["scales"]) for r in s["runs"]])
+                              for s in args["starts"]])
+            answers = []
+            for i, start in enumerate(args["starts"]):
+                if start["kv_cache_dtype"] in crash:
+                    self.crashed = engine.EngineError("vLLM's logprobs job crashed (killed by SIGKILL: no message)",
+                                                      "SIGKILL")
                     break
-                continue
-            for asked in start["runs"]:
-                np.save(asked["out"], np.zeros((1, 2, 8), np.float32))
-            answers.append({"result": {"load_s": 1.0, "runs": {r["name"]: {"stored": {}, "run_s": 0.5} for r in start["runs"]}},
-                            "error": None, "fault": None, "seconds": 2.0})
-        return {"result": {"starts": answers}, "error": None, "fault": None}
+                if full_after is not None and i >= full_after:
+                    answers.append({"result": None, "error": None, "fault": "OutOfMemoryError: no room", "seconds": 1.0})
+                elif start["kv_cache_dtype"] in refuse:
+                    answers.append({"result": None, "error": "ValueError: no such dtype. Use another.", "fault": None,
+                                    "seconds": 1.0})
+                else:
+                    for asked in start["runs"]:
+                        np.save(asked["out"], np.zeros((1, 2, 8), np.float32))
+                    answers.append({"result": {"load_s": 1.0, "runs": {r["name"]: {"stored": {}, "run_s": 0.5}
+                                                                       for r in start["runs"]}},
+                                    "error": None, "fault": None, "seconds": 2.0})
+                (self.folder / f"start-{i}.json").write_text(json.dumps(answers[-1]))
+                if answers[-1]["fault"] or (i == 0 and answers[-1]["error"]):
+                    break
+            self.whole = {"result": {"starts": answers}, "error": None, "fault": None}
 
-    return run_job
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def running(self):
+            return False
+
+        def answer(self):
+            if self.crashed:
+                raise self.crashed
+            return self.whole
+
+    return FakeJob
 
 
 def _run_schemes(tmp_path, names, offered=("auto", "fp8", "fp8_per_token_head")):
@@ -358,7 +385,7 @@ def test_run_schemes_serves_each_scheme_its_dtype_and_scale1_beside_tensor_in_on
     no run for a scheme the engine cannot stand for, or a dtype vLLM lacks; each run reduced to its figures and its
     array removed when its process ends."""
     processes: list = []
-    monkeypatch.setattr(engine, "run_job", _fake_logprobs_job(processes))
+    monkeypatch.setattr(engine, "Job", _fake_logprobs_job(processes))
     names = ["auto", "auto2", "scale1", "token", "tensor", "nvfp4", "head", "max", "scales.safetensors"]
     checkpoint, runs = _run_schemes(tmp_path, names)
     assert processes == [[(checkpoint, "bfloat16", [("auto", "loaded")]),
@@ -376,21 +403,39 @@ def test_run_schemes_serves_each_scheme_its_dtype_and_scale1_beside_tensor_in_on
 
 
 def test_a_dtype_that_kills_the_shared_process_costs_only_its_own_runs(tmp_path, monkeypatch):
-    """The shared process crashed in fp8_per_token_head's start: every start is run again in a process of its own,
-    the others' figures stand and only that dtype's run has failed."""
+    """The shared process crashed in fp8_per_token_head's start: the starts it had answered stand, the rest run again
+    each in a process of its own, and only that dtype's run has failed."""
     processes: list = []
-    monkeypatch.setattr(engine, "run_job", _fake_logprobs_job(processes, crash=("fp8_per_token_head",)))
+    monkeypatch.setattr(engine, "Job", _fake_logprobs_job(processes, crash=("fp8_per_token_head",)))
     _, runs = _run_schemes(tmp_path, ["auto", "auto2", "tensor", "token"])
     assert [[start[1] for start in process] for process in processes] == [
-        ["bfloat16", "fp8", "fp8_per_token_head"], ["bfloat16"], ["fp8"], ["fp8_per_token_head"], ["bfloat16"]]
+        ["bfloat16", "fp8", "fp8_per_token_head"], ["fp8_per_token_head"], ["bfloat16"]]
     assert runs["tensor"]["kl_vs_auto"] == [0.0] and runs["auto2"]["kl_vs_auto"] == [0.0]
     assert runs["token"]["failed"] and "SIGKILL" in runs["token"]["why"]
+
+
+def test_starts_a_shared_process_had_no_memory_left_for_run_in_their_own(tmp_path, monkeypatch):
+    processes: list = []
+    monkeypatch.setattr(engine, "Job", _fake_logprobs_job(processes, full_after=2))
+    _, runs = _run_schemes(tmp_path, ["auto", "auto2", "tensor", "token"])
+    assert [[start[1] for start in process] for process in processes] == [
+        ["bfloat16", "fp8", "fp8_per_token_head"], ["fp8_per_token_head"], ["bfloat16"]]
+    assert all(runs[name]["kl_vs_auto"] == [0.0] for name in ("tensor", "token", "auto2"))
+
+
+def test_a_crash_before_the_unquantized_run_answered_runs_it_alone_first(tmp_path, monkeypatch):
+    processes: list = []
+    monkeypatch.setattr(engine, "Job", _fake_logprobs_job(processes, crash=("bfloat16",)))
+    _, runs = _run_schemes(tmp_path, ["auto", "auto2", "tensor"])
+    assert [[start[1] for start in process] for process in processes] == [["bfloat16", "fp8"], ["bfloat16"]]
+    assert runs["auto"]["failed"] and runs["tensor"]["why"] == runs["auto2"]["why"] == (
+        "not run: the engine's unquantized run, which every run is compared with, did not run")
 
 
 def test_without_the_unquantized_run_nothing_else_runs(tmp_path, monkeypatch):
     """vLLM refused the unquantized cache: the job starts nothing after it, and no process runs the second one."""
     processes: list = []
-    monkeypatch.setattr(engine, "run_job", _fake_logprobs_job(processes, refuse=("bfloat16",)))
+    monkeypatch.setattr(engine, "Job", _fake_logprobs_job(processes, refuse=("bfloat16",)))
     _, runs = _run_schemes(tmp_path, ["auto", "auto2", "tensor"])
     assert len(processes) == 1
     assert runs["auto"]["why"] == "no such dtype"
@@ -400,7 +445,7 @@ def test_without_the_unquantized_run_nothing_else_runs(tmp_path, monkeypatch):
 
 def test_a_disk_without_room_for_every_array_at_once_runs_a_start_per_process(tmp_path, monkeypatch):
     processes: list = []
-    monkeypatch.setattr(engine, "run_job", _fake_logprobs_job(processes))
+    monkeypatch.setattr(engine, "Job", _fake_logprobs_job(processes))
     monkeypatch.setattr(engine.shutil, "disk_usage", lambda where: SimpleNamespace(free=engine.ROOM_MARGIN))
     _, runs = _run_schemes(tmp_path, ["auto", "auto2", "tensor"])
     assert [len(process) for process in processes] == [1, 1, 1]

@@ -29,6 +29,7 @@ floats, which the backends read at every forward (docs/vllm-notes.md), with what
 forgotten (``jobkit.scales_changed``); prefix caching is off, so each run writes its cache afresh.
 """
 
+import json
 import os
 import time
 
@@ -88,13 +89,17 @@ def work(request: dict) -> dict:
     """Each of the request's ``starts`` in turn, an engine of its own (one process: vLLM is imported once), each
     answered as a job is (``jobkit.attempt``). After a fault (out of memory, a full disk) the rest are not started;
     with ``stop_if_first_fails`` (the first is the unquantized run the others are compared with), nor after the
-    first's refusal. Each answer has its ``seconds``, the start and its runs."""
+    first's refusal. Each answer has its ``seconds``, the start and its runs, and is also written as it comes, to
+    ``start-I.json`` in the job's folder."""
     answers = []
     for i, start in enumerate(request["starts"]):
         began = time.perf_counter()
         answers.append(attempt(_start, {**request, **start}))
         engine_ended()
         answers[-1]["seconds"] = time.perf_counter() - began
+        with open(f"start-{i}.json.tmp", "w") as f:  # the caller reduces this start's runs while the next one runs
+            json.dump(answers[-1], f)
+        os.replace(f"start-{i}.json.tmp", f"start-{i}.json")
         if answers[-1]["fault"] or (i == 0 and answers[-1]["error"] and request.get("stop_if_first_fails")):
             break
     return {"starts": answers}
