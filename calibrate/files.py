@@ -117,10 +117,13 @@ def no_room(error: BaseException) -> str | None:
     return NO_ROOM.get(code)
 
 
-def reserved_array(path: Path, shape: tuple[int, ...]) -> np.ndarray:
-    """A float32 ``.npy`` array memory-mapped at ``path`` with its bytes reserved on disk first: a disk too small is an
-    OSError here (``no_room`` words it), not a SIGBUS at a later write into a sparse file."""
+def reserved_array(path: Path, shape: tuple[int, ...]) -> int:
+    """A float32 ``.npy`` file of ``shape`` at ``path`` with its bytes reserved on disk first (a disk too small is an
+    OSError here, which ``no_room`` words, not a SIGBUS at a later write into a sparse file); the offset of its data,
+    for writes by position that map nothing into this process (a memory map's written pages count as its memory)."""
     array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
+    offset = array.offset
+    del array
     with open(path, "r+b") as f:
         os.posix_fallocate(f.fileno(), 0, os.fstat(f.fileno()).st_size)
-    return array
+    return offset

@@ -7,6 +7,7 @@ model off the GPU; the serve line's run after the advice. Measuring is ``engine.
 
 import contextlib
 import copy
+import os
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -125,16 +126,18 @@ class Scratch:
 
     def __init__(self, folder: Path, sequences: int) -> None:
         self.folder, self.path, self.sequences = folder, folder / REFERENCE_LOGPROBS, sequences
-        self.array: np.ndarray | None = None
+        self.layout: tuple[int, int, int] | None = None  # the data's offset in the file, positions, vocabulary
         self.error: str | None = None
 
     def keep(self, sequence: int, start: int, positions: int, logprobs: torch.Tensor) -> None:
-        """``passes.measure``'s ``keep``: one chunk's log-probabilities [n, V] from ``start`` of ``sequence``."""
+        """``passes.measure``'s ``keep``: one chunk's log-probabilities [n, V] from ``start`` of ``sequence``, written
+        at their place in the file (not through a memory map, whose pages would count as this process's memory for
+        the rest of the emulation)."""
         if self.error is not None:
             return
-        if self.array is None:
+        if self.layout is None:
             try:
-                self.array = reserved_array(self.path, (self.sequences, positions, logprobs.shape[-1]))
+                offset = reserved_array(self.path, (self.sequences, positions, logprobs.shape[-1]))
             except OSError as e:
                 if (why := no_room(e)) is None:
                     raise
@@ -142,14 +145,20 @@ class Scratch:
                 self.error = (f"writing the reference log-probabilities in {tempfile.gettempdir()} failed: {why}; "
                               "free space there")
                 return
-        self.array[sequence, start : start + len(logprobs)] = logprobs.cpu().numpy()
+            self.layout = (offset, positions, logprobs.shape[-1])
+        offset, positions, vocab = self.layout
+        rows = logprobs.float().cpu().numpy()
+        data, at = memoryview(rows).cast("B"), offset + (sequence * positions + start) * vocab * rows.itemsize
+        with open(self.path, "r+b") as f:
+            while data:  # one call writes at most about 2 GiB
+                written = os.pwrite(f.fileno(), data, at)
+                data, at = data[written:], at + written
 
     def reference(self) -> np.ndarray:
         """The reference's log-probabilities, memory-mapped read-only; ValueError (``error``) where they could not be
         kept."""
-        if self.error is not None or self.array is None:
+        if self.error is not None or self.layout is None:
             raise ValueError(self.error or "the reference pass kept no log-probabilities")
-        self.array.flush()
         return np.load(self.path, mmap_mode="r")
 
 
