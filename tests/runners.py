@@ -239,3 +239,25 @@ def import_job(monkeypatch, name: str):
     monkeypatch.syspath_prepend(str(JOBS))
     monkeypatch.delitem(sys.modules, name, raising=False)
     return importlib.import_module(name)
+
+
+class EndedJob:
+    """``launch.Job`` for a job that has already ended, for tests that fake vLLM: ``folder`` holds what it wrote as
+    it ran, ``answer`` returns ``whole`` or raises ``crashed``."""
+
+    def __init__(self, folder: Path, whole: dict | None = None, crashed: Exception | None = None) -> None:
+        self.folder, self.whole, self.crashed = folder, whole, crashed
+
+    def __enter__(self) -> "EndedJob":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def running(self) -> bool:
+        return False
+
+    def answer(self) -> dict:
+        if self.crashed is not None:
+            raise self.crashed
+        return self.whole

@@ -85,39 +85,6 @@ def start_engine(config: VerifyConfig, subject: Subject) -> EngineStart:
     return EngineStart(host, held, delivered, matched, settings, EngineDtypes(host.version, host.cache_dtypes), facts)
 
 
-class ReferenceKept:
-    """The reference pass's log-probabilities kept for the engine's runs: [sequences, positions, vocab] float32 in the
-    engine's temporary folder, its bytes reserved at the first chunk (the vocabulary is known then), so a full disk
-    is one line in the answer (``error``) and the emulation goes on without it."""
-
-    def __init__(self, folder: Path, sequences: int) -> None:
-        self.path, self.sequences = folder / REFERENCE_LOGPROBS, sequences
-        self.array: np.ndarray | None = None
-        self.error: str | None = None
-
-    def __call__(self, sequence: int, start: int, positions: int, logprobs: torch.Tensor) -> None:
-        """``passes.measure``'s ``keep``: one chunk's log-probabilities [n, V] at ``start`` of ``sequence``."""
-        if self.error is not None:
-            return
-        if self.array is None:
-            try:
-                self.array = reserved_array(self.path, (self.sequences, positions, logprobs.shape[-1]))
-            except OSError as e:
-                if (why := no_room(e)) is None:
-                    raise
-                self.path.unlink(missing_ok=True)
-                self.error = (f"writing the reference log-probabilities in {self.path.parent.parent} failed: {why}; "
-                              "free space there")
-                return
-        self.array[sequence, start : start + len(logprobs)] = logprobs.cpu().numpy()
-
-    def read(self) -> np.ndarray:
-        """The whole array, memory-mapped read-only; OSError where it could not be kept (``error`` says why)."""
-        if self.error is not None:
-            raise OSError(self.error)
-        return np.load(self.path, mmap_mode="r")
-
-
 class Scratch:
     """The engine's temporary folder, and the reference pass's log-probabilities kept in it for the engine's runs:
     [sequences, positions, vocab] float32, written by the emulation's reference pass (``keep``) and read by the

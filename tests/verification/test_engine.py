@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from builders import edited_scales
-from runners import client_python, needs_avx512
+from runners import EndedJob, client_python, needs_avx512
 
 from calibrate.engine import audit
 from calibrate.verification import engine
@@ -324,49 +324,33 @@ def _fake_logprobs_job(processes: list, crash: tuple[str, ...] = (), refuse: tup
     start past its first ``full_after`` runs out of memory, the job then starting no more; each run's array written,
     and each start's answer in the job's folder as the real job writes it."""
 
-    class FakeJob:
-        def __init__(self, python, job, args, **_):
-            assert job == "logprobs" and args["stop_if_first_fails"]
-            self.folder, self.crashed = Path(tempfile.mkdtemp()), None
-            processes.append([(Path(args["checkpoint"]), s["kv_cache_dtype"], [(r["name"], r["scales"]) for r in s["runs"]])
-                              for s in args["starts"]])
-            answers = []
-            for i, start in enumerate(args["starts"]):
-                if start["kv_cache_dtype"] in crash:
-                    self.crashed = engine.EngineError("vLLM's logprobs job crashed (killed by SIGKILL: no message)",
-                                                      "SIGKILL")
-                    break
-                if full_after is not None and i >= full_after:
-                    answers.append({"result": None, "error": None, "fault": "OutOfMemoryError: no room", "seconds": 1.0})
-                elif start["kv_cache_dtype"] in refuse:
-                    answers.append({"result": None, "error": "ValueError: no such dtype. Use another.", "fault": None,
-                                    "seconds": 1.0})
-                else:
-                    for asked in start["runs"]:
-                        np.save(asked["out"], np.zeros((1, 2, 8), np.float32))
-                    answers.append({"result": {"load_s": 1.0, "runs": {r["name"]: {"stored": {}, "run_s": 0.5}
-                                                                       for r in start["runs"]}},
-                                    "error": None, "fault": None, "seconds": 2.0})
-                (self.folder / f"start-{i}.json").write_text(json.dumps(answers[-1]))
-                if answers[-1]["fault"] or (i == 0 and answers[-1]["error"]):
-                    break
-            self.whole = {"result": {"starts": answers}, "error": None, "fault": None}
+    def job(python, job, args, **_):
+        assert job == "logprobs" and args["stop_if_first_fails"]
+        folder, crashed = Path(tempfile.mkdtemp()), None
+        processes.append([(Path(args["checkpoint"]), s["kv_cache_dtype"], [(r["name"], r["scales"]) for r in s["runs"]])
+                          for s in args["starts"]])
+        answers = []
+        for i, start in enumerate(args["starts"]):
+            if start["kv_cache_dtype"] in crash:
+                crashed = engine.EngineError("vLLM's logprobs job crashed (killed by SIGKILL: no message)", "SIGKILL")
+                break
+            if full_after is not None and i >= full_after:
+                answers.append({"result": None, "error": None, "fault": "OutOfMemoryError: no room", "seconds": 1.0})
+            elif start["kv_cache_dtype"] in refuse:
+                answers.append({"result": None, "error": "ValueError: no such dtype. Use another.", "fault": None,
+                                "seconds": 1.0})
+            else:
+                for asked in start["runs"]:
+                    np.save(asked["out"], np.zeros((1, 2, 8), np.float32))
+                answers.append({"result": {"load_s": 1.0, "runs": {r["name"]: {"stored": {}, "run_s": 0.5}
+                                                                   for r in start["runs"]}},
+                                "error": None, "fault": None, "seconds": 2.0})
+            (folder / f"start-{i}.json").write_text(json.dumps(answers[-1]))
+            if answers[-1]["fault"] or (i == 0 and answers[-1]["error"]):
+                break
+        return EndedJob(folder, {"result": {"starts": answers}, "error": None, "fault": None}, crashed)
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-        def running(self):
-            return False
-
-        def answer(self):
-            if self.crashed:
-                raise self.crashed
-            return self.whole
-
-    return FakeJob
+    return job
 
 
 def _run_schemes(tmp_path, names, offered=("auto", "fp8", "fp8_per_token_head")):

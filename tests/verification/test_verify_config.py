@@ -5,6 +5,7 @@ typed that contradicts a measured platform is refused in one line, and an unmeas
 import re
 
 import pytest
+from runners import EndedJob
 
 from calibrate.verification.config import VerifyConfig
 from calibrate.vllm_facts.platforms import PLATFORMS, platform
@@ -94,24 +95,11 @@ def test_a_request_carries_the_tensor_parallel_size_to_vllm(tmp_path, monkeypatc
 
     seen = []
 
-    class Refused:  # launch.Job whose job refuses at once: the request is what matters here
-        def __init__(self, python, job, request, **_):
-            seen.append(request)
-            self.folder = tmp_path
+    def refused(python, job, request, **_):  # a job that refuses at once: the request is what matters here
+        seen.append(request)
+        return EndedJob(tmp_path, {"error": "refused", "fault": None, "result": None})
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-        def running(self):
-            return False
-
-        def answer(self):
-            return {"error": "refused", "fault": None, "result": None}
-
-    monkeypatch.setattr(engine, "Job", Refused)
+    monkeypatch.setattr(engine, "Job", refused)
     host = engine.EngineHost(tmp_path, "0", "CpuPlatform")
     engine.run_schemes(host, tmp_path, ["auto"], [[1, 2]], dtype="auto", chunk_len=8, max_model_len=32, block_size=32,
                        kv_bytes=1, vocab_size=4, workdir=tmp_path, tensor_parallel_size=1)
