@@ -266,7 +266,8 @@ def _processes(starts: list[dict], array: int, workdir: Path) -> list[list[dict]
     """The starts grouped into job processes, in order: every start but the second unquantized run's in one process
     (vLLM imported once, not once per start), that run alone in another (it measures the noise between two engines
     started apart), where ``workdir`` has room for all of the first process's arrays of ``array`` bytes at once (its
-    runs are reduced to figures when it ends); else each start in a process of its own, as the room allows."""
+    runs are reduced to figures as each start ends, but the job may write the next start's while they are read);
+    else each start in a process of its own, as the room allows."""
     first = [s for s in starts if s["runs"][0]["name"] != "auto2"]
     apart = [s for s in starts if s["runs"][0]["name"] == "auto2"]
     arrays = sum(len(s["runs"]) for s in first)
