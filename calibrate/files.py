@@ -9,8 +9,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 if TYPE_CHECKING:
     import torch
 
@@ -121,6 +119,8 @@ def reserved_array(path: Path, shape: tuple[int, ...]) -> int:
     """A float32 ``.npy`` file of ``shape`` at ``path`` with its bytes reserved on disk first (a disk too small is an
     OSError here, which ``no_room`` words, not a SIGBUS at a later write into a sparse file); the offset of its data,
     for writes by position that map nothing into this process (a memory map's written pages count as its memory)."""
+    import numpy as np  # here, not at the top: the CLI imports this module, and its help must not wait for numpy
+
     array = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=shape)
     offset = array.offset
     del array

@@ -115,8 +115,9 @@ def run_job(python: Path, job: str, request: dict, *, timeout_s: float = DEFAULT
 
 class Job:
     """A job started and not waited for: the caller works while it runs (``running``), then takes its ``answer``.
-    Leaving the ``with`` block, however it is left (Ctrl-C, an error), kills the job's process group. Its output and
-    errors go to files in its folder, so a job that writes much while nobody reads never blocks on a full pipe."""
+    Leaving the ``with`` block, however it is left (Ctrl-C, an error), kills the job's process group. Its errors go to
+    a file in its folder and its output nowhere, so a job that writes much while nobody reads never blocks on a full
+    pipe."""
 
     def __init__(self, python: Path, job: str, request: dict, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  deny_isa: tuple[str, ...] = (), workdir: str | Path | None = None) -> None:
@@ -130,9 +131,10 @@ class Job:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvcal-engine-", dir=workdir)
         self.folder = Path(self._tmp.name)
         (self.folder / "in.json").write_text(json.dumps({**request, "deny_isa": list(deny_isa)}))
-        with open(self.folder / "stdout.txt", "w") as out, open(self.folder / "stderr.txt", "w") as err:
-            self.proc = subprocess.Popen([str(python), str(script), "in.json", "out.json"], cwd=self.folder, stdout=out,
-                                         stderr=err, text=True, env=_clean_env() | OFFLINE, start_new_session=True)
+        with open(self.folder / "stderr.txt", "w") as err:  # its last line words a crash
+            self.proc = subprocess.Popen([str(python), str(script), "in.json", "out.json"], cwd=self.folder,
+                                         stdout=subprocess.DEVNULL, stderr=err, env=_clean_env() | OFFLINE,
+                                         start_new_session=True)
 
     def __enter__(self) -> "Job":
         return self

@@ -280,12 +280,14 @@ def _answers(host: EngineHost, base: dict, batch: list[dict], deny_isa: tuple[st
     """Each start of ``batch`` with its answer from one logprobs job (``jobs/logprobs.py``), as each start ends, while
     the job goes on with the next (its runs are reduced to their figures meanwhile): the job's answer with its
     ``seconds``; ``crashed`` (the EngineError) where its process crashed, was killed or timed out; None where the job
-    did not start it (the first, the unquantized run the others need, failed). A process of several starts that crashed
+    did not start it because the first start, the unquantized run the others need, failed (a batch that begins with
+    another start runs every start whatever the first's answer). A process of several starts that crashed
     is run again a start at a time, so one dtype that crashes vLLM costs only its own runs; a start that ran out of
     memory or disk after others in the same process, and those after it, run again each in a process of its own."""
+    needed = batch[0]["runs"][0]["name"] == "auto"  # the first start is the unquantized run the others need
     began, answered, first, whole, crashed = time.perf_counter(), 0, None, None, None
     try:
-        with Job(host.python, "logprobs", {**base, "starts": batch, "stop_if_first_fails": True}, deny_isa=deny_isa) as job:
+        with Job(host.python, "logprobs", {**base, "starts": batch, "stop_if_first_fails": needed}, deny_isa=deny_isa) as job:
             while answered < len(batch):
                 path = job.folder / f"start-{answered}.json"
                 if path.is_file():
@@ -295,7 +297,7 @@ def _answers(host: EngineHost, base: dict, batch: list[dict], deny_isa: tuple[st
                     first = first or mine
                     yield batch[answered], mine
                     answered += 1
-                    if mine["fault"] or (mine["error"] and answered == 1):  # the job starts nothing more
+                    if mine["fault"] or (needed and mine["error"] and answered == 1):  # the job starts nothing more
                         break
                 elif job.running():
                     time.sleep(POLL_S)
@@ -307,7 +309,7 @@ def _answers(host: EngineHost, base: dict, batch: list[dict], deny_isa: tuple[st
     rest = batch[answered:]
     if not rest:
         return
-    if first is not None and (first["error"] or first["fault"]):
+    if needed and first is not None and (first["error"] or first["fault"]):
         yield from ((start, None) for start in rest)
     elif whole is not None and (whole["error"] or whole["fault"]) and answered == 0:  # the job itself, before any start
         yield from ((start, {"error": whole["error"], "fault": whole["fault"], "seconds": 0.0}) for start in rest)
@@ -318,7 +320,7 @@ def _answers(host: EngineHost, base: dict, batch: list[dict], deny_isa: tuple[st
         for j, start in enumerate(rest):
             alone = next(_answers(host, base, [start], deny_isa))
             yield alone
-            if answered == 0 and j == 0 and any(alone[1].get(key) for key in ("crashed", "error", "fault")):
+            if needed and answered == 0 and j == 0 and any(alone[1].get(key) for key in ("crashed", "error", "fault")):
                 yield from ((later, None) for later in rest[1:])  # the others need the first
                 return
 

@@ -142,10 +142,10 @@ def scratch(started: EngineStart | None, sequences: int):
 def run_engine(config: VerifyConfig, subject: Subject, started: EngineStart, ref: Reference, sample: Sample,
                emulated: Emulated, judged: Judged, work: Scratch) -> tuple[dict | None, str | None]:
     """The same sequences in the engine, once per scheme it can serve; with decode drift's prompts, the engine's own
-    greedy decode after each too, compared with the reference model's log-probabilities, which the emulation's
-    reference pass kept in ``work``; the model leaves the GPU first (``reference.off_gpu``). (result, None), or (None, the failure in one line) when the
-    engine failed after the emulation ran, which then stands alone. The result's limits are the engine's own
-    (``judgment.engine_limits``), which ``judgment.judge_engine`` judges it by."""
+    greedy decode after each too, compared with the reference's log-probabilities the emulation's reference pass kept
+    in ``work``; the model leaves the GPU first (``reference.off_gpu``). (result, None), or (None, the failure in one
+    line) when the engine failed after the emulation ran, which then stands alone. The result's limits are the
+    engine's own (``judgment.engine_limits``), which ``judgment.judge_engine`` judges it by."""
     host, sequences = started.host, sample.sequences
     request, settings = engine_request(config, subject, started, ref, sample)
     schemes = emulated.schemes

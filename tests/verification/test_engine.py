@@ -325,7 +325,7 @@ def _fake_logprobs_job(processes: list, crash: tuple[str, ...] = (), refuse: tup
     and each start's answer in the job's folder as the real job writes it."""
 
     def job(python, job, args, **_):
-        assert job == "logprobs" and args["stop_if_first_fails"]
+        assert job == "logprobs" and args["stop_if_first_fails"] == (args["starts"][0]["runs"][0]["name"] == "auto")
         folder, crashed = Path(tempfile.mkdtemp()), None
         processes.append([(Path(args["checkpoint"]), s["kv_cache_dtype"], [(r["name"], r["scales"]) for r in s["runs"]])
                           for s in args["starts"]])
@@ -346,7 +346,7 @@ def _fake_logprobs_job(processes: list, crash: tuple[str, ...] = (), refuse: tup
                                                                    for r in start["runs"]}},
                                 "error": None, "fault": None, "seconds": 2.0})
             (folder / f"start-{i}.json").write_text(json.dumps(answers[-1]))
-            if answers[-1]["fault"] or (i == 0 and answers[-1]["error"]):
+            if answers[-1]["fault"] or (i == 0 and answers[-1]["error"] and args["stop_if_first_fails"]):
                 break
         return EndedJob(folder, {"result": {"starts": answers}, "error": None, "fault": None}, crashed)
 
@@ -414,6 +414,17 @@ def test_a_crash_before_the_unquantized_run_answered_runs_it_alone_first(tmp_pat
     assert [[start[1] for start in process] for process in processes] == [["bfloat16", "fp8"], ["bfloat16"]]
     assert runs["auto"]["failed"] and runs["tensor"]["why"] == runs["auto2"]["why"] == (
         "not run: the engine's unquantized run, which every run is compared with, did not run")
+
+
+def test_without_an_unquantized_run_a_refused_first_start_stops_nothing(tmp_path, monkeypatch):
+    """A caller that asks for no unquantized run (none to compare with): the first start's refusal is its own, and
+    the starts after it in the same process still run."""
+    processes: list = []
+    monkeypatch.setattr(engine, "Job", _fake_logprobs_job(processes, refuse=("fp8",)))
+    _, runs = _run_schemes(tmp_path, ["tensor", "token"])
+    assert [[start[1] for start in process] for process in processes] == [["fp8", "fp8_per_token_head"]]
+    assert runs["tensor"]["why"] == "no such dtype"
+    assert runs["token"]["kl_vs_auto"] is None and runs["token"]["seconds"] == 2.0
 
 
 def test_without_the_unquantized_run_nothing_else_runs(tmp_path, monkeypatch):
